@@ -1,0 +1,294 @@
+"""Kernel-vs-reference checks shared by the interpreter and the GPU tests.
+
+Each ``check_*`` draws fresh random inputs (the seed is in every failure message),
+runs the Triton kernel and the torch reference, and asserts agreement. Run as a
+script (``python _kernel_cases.py <kernel>``) it executes the small interpreter
+cases for one kernel; the caller sets ``TRITON_INTERPRET=1`` in its environment,
+which must happen before triton is first imported.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+
+from tokenmill.kernels import reference
+
+# Relative error ‖out − ref‖ / ‖ref‖ allowed per input dtype. bf16/fp16 attention
+# rounds P to the input dtype before the PV product; fp32 uses IEEE dots.
+ATTN_TOL = {torch.float32: 1e-4, torch.float16: 2e-3, torch.bfloat16: 1e-2}
+# Elementwise kernels replicate the reference's roundings: differences are a few ulps.
+ELEMWISE_TOL = {torch.float32: 1e-5, torch.float16: 1e-3, torch.bfloat16: 8e-3}
+
+
+def fresh_generator(device: str) -> tuple[torch.Generator, int]:
+    """A generator seeded from the OS, so every run checks new inputs; the seed is reported."""
+    seed = int.from_bytes(os.urandom(4), "little")
+    gen = torch.Generator(device=device)
+    gen.manual_seed(seed)
+    return gen, seed
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    out64, ref64 = out.double(), ref.double()
+    return (torch.linalg.vector_norm(out64 - ref64) / torch.linalg.vector_norm(ref64)).item()
+
+
+def _randn(shape: tuple[int, ...], dtype: torch.dtype, device: str, gen: torch.Generator) -> torch.Tensor:
+    return torch.randn(shape, generator=gen, device=device, dtype=torch.float32).to(dtype)
+
+
+def check_paged_attention(
+    ops,
+    specs: list[tuple[int, int]],
+    *,
+    num_q_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    block_size: int,
+    dtype: torch.dtype,
+    device: str,
+    sliding_window: int | None = None,
+    num_splits: int | None = None,
+    pass_max_query_len: bool = True,
+) -> float:
+    """``specs`` lists (query length, context length incl. the query) per sequence.
+
+    Block 0 of the cache is never written and stays NaN, as do the unused tails of
+    the last blocks and the padding columns of the block table (which point at
+    block 0): any read outside a sequence's context turns the output NaN.
+    """
+    gen, seed = fresh_generator(device)
+    batch = len(specs)
+    blocks_per_seq = [-(-ctx // block_size) for _, ctx in specs]
+    num_blocks = 1 + sum(blocks_per_seq) + 3
+    width = max(blocks_per_seq) + 2
+    perm = (torch.randperm(num_blocks - 1, generator=gen, device=device) + 1).to(torch.int32)
+    block_tables = torch.zeros((batch, width), dtype=torch.int32, device=device)
+    k_cache = torch.full((num_blocks, block_size, num_kv_heads, head_dim), float("nan"), dtype=dtype, device=device)
+    v_cache = torch.full_like(k_cache, float("nan"))
+    used = 0
+    for b, (_, ctx) in enumerate(specs):
+        nb = blocks_per_seq[b]
+        block_tables[b, :nb] = perm[used : used + nb]
+        used += nb
+        pos = torch.arange(ctx, device=device)
+        slots = block_tables[b, pos // block_size].long() * block_size + pos % block_size
+        reference.write_kv_cache(
+            _randn((ctx, num_kv_heads, head_dim), dtype, device, gen),
+            _randn((ctx, num_kv_heads, head_dim), dtype, device, gen),
+            k_cache,
+            v_cache,
+            slots,
+        )
+    q_lens = torch.tensor([q for q, _ in specs], dtype=torch.int32, device=device)
+    query_start_loc = torch.zeros(batch + 1, dtype=torch.int32, device=device)
+    query_start_loc[1:] = torch.cumsum(q_lens, 0)
+    seq_lens = torch.tensor([ctx for _, ctx in specs], dtype=torch.int32, device=device)
+    num_tokens = int(q_lens.sum())
+    # The query is a strided view into a fused qkv buffer, as the model produces it.
+    qkv = _randn((num_tokens, (num_q_heads + 2 * num_kv_heads) * head_dim), dtype, device, gen)
+    query = qkv[:, : num_q_heads * head_dim].view(num_tokens, num_q_heads, head_dim)
+    scale = head_dim**-0.5
+
+    ref = reference.paged_attention(
+        query, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale, sliding_window
+    )
+    out = torch.full_like(query, float("nan"))
+    got = ops.paged_attention(
+        query,
+        k_cache,
+        v_cache,
+        query_start_loc,
+        seq_lens,
+        block_tables,
+        scale,
+        sliding_window,
+        max_query_len=max(q for q, _ in specs) if pass_max_query_len else None,
+        num_splits=num_splits,
+        out=out,
+    )
+    where = f"seed={seed} specs={specs} Hq={num_q_heads} Hkv={num_kv_heads} D={head_dim} {dtype} window={sliding_window} splits={num_splits}"
+    assert got is out, where
+    assert torch.isfinite(out).all(), f"unwritten or poisoned output rows: {where}"
+    err = rel_err(out, ref)
+    assert err < ATTN_TOL[dtype], f"rel err {err:.2e}: {where}"
+    return err
+
+
+def check_write_kv_cache(
+    ops,
+    *,
+    num_tokens: int,
+    num_kv_heads: int,
+    head_dim: int,
+    block_size: int,
+    num_blocks: int,
+    dtype: torch.dtype,
+    device: str,
+    src_dtype: torch.dtype | None = None,
+) -> None:
+    """Unique random slots, a quarter of them padding (-1); key/value are strided views."""
+    gen, seed = fresh_generator(device)
+    src_dtype = src_dtype or dtype
+    slots = torch.randperm(num_blocks * block_size, generator=gen, device=device)[:num_tokens]
+    pad = torch.rand(num_tokens, generator=gen, device=device) < 0.25
+    slot_mapping = torch.where(pad, -1, slots).to(torch.int64)
+    kv = _randn((num_tokens, 2 * num_kv_heads * head_dim + 8), src_dtype, device, gen)
+    key = kv[:, : num_kv_heads * head_dim].view(num_tokens, num_kv_heads, head_dim)
+    value = kv[:, num_kv_heads * head_dim : 2 * num_kv_heads * head_dim].view(num_tokens, num_kv_heads, head_dim)
+    k_cache = _randn((num_blocks, block_size, num_kv_heads, head_dim), dtype, device, gen)
+    v_cache = _randn((num_blocks, block_size, num_kv_heads, head_dim), dtype, device, gen)
+    k_ref, v_ref = k_cache.clone(), v_cache.clone()
+    reference.write_kv_cache(key, value, k_ref, v_ref, slot_mapping)
+    ops.write_kv_cache(key, value, k_cache, v_cache, slot_mapping)
+    where = f"seed={seed} T={num_tokens} Hkv={num_kv_heads} D={head_dim} bs={block_size} {src_dtype}->{dtype}"
+    assert torch.equal(k_cache, k_ref), where
+    assert torch.equal(v_cache, v_ref), where
+
+
+def check_rms_norm(
+    ops,
+    *,
+    num_tokens: int,
+    hidden: int,
+    dtype: torch.dtype,
+    device: str,
+    with_residual: bool,
+    weight_dtype: torch.dtype | None = None,
+) -> None:
+    gen, seed = fresh_generator(device)
+    x = _randn((num_tokens, hidden), dtype, device, gen)
+    weight = (1.0 + 0.1 * _randn((hidden,), torch.float32, device, gen)).to(weight_dtype or dtype)
+    residual = _randn((num_tokens, hidden), dtype, device, gen) if with_residual else None
+    x_before = x.clone()
+    res_before = residual.clone() if residual is not None else None
+    ref = reference.rms_norm(x, weight, 1e-6, residual)
+    got = ops.rms_norm(x, weight, 1e-6, residual)
+    where = f"seed={seed} T={num_tokens} H={hidden} {dtype} weight={weight.dtype} residual={with_residual}"
+    assert torch.equal(x, x_before), f"input modified: {where}"
+    if residual is not None:
+        assert torch.equal(residual, res_before), f"residual modified: {where}"
+        assert isinstance(got, tuple) and len(got) == 2, where
+        (out, new_res), (ref_out, ref_res) = got, ref
+        assert new_res.dtype == ref_res.dtype and torch.equal(new_res, ref_res), f"residual sum: {where}"
+    else:
+        out, ref_out = got, ref
+    assert out.dtype == ref_out.dtype and out.shape == ref_out.shape, where
+    err = rel_err(out, ref_out)
+    assert err < ELEMWISE_TOL[ref_out.dtype], f"rel err {err:.2e}: {where}"
+
+
+def check_rotary(
+    ops,
+    *,
+    num_tokens: int,
+    num_q_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    device: str,
+    max_positions: int = 4096,
+) -> None:
+    """q/k are views into one fused qkv buffer (strided), rotated in place."""
+    gen, seed = fresh_generator(device)
+    inv_freq = 1.0 / (500000.0 ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device=device) / head_dim))
+    cos_sin = reference.rotary_cos_sin(inv_freq, max_positions)
+    positions = torch.randint(0, max_positions, (num_tokens,), generator=gen, device=device)
+    qkv = _randn((num_tokens, (num_q_heads + 2 * num_kv_heads) * head_dim), dtype, device, gen)
+    q = qkv[:, : num_q_heads * head_dim].view(num_tokens, num_q_heads, head_dim)
+    k = qkv[:, num_q_heads * head_dim : (num_q_heads + num_kv_heads) * head_dim].view(
+        num_tokens, num_kv_heads, head_dim
+    )
+    v_before = qkv[:, (num_q_heads + num_kv_heads) * head_dim :].clone()
+    ref_q, ref_k = reference.rotary_embedding(positions, q.clone(), k.clone(), cos_sin)
+    got_q, got_k = ops.rotary_embedding(positions, q, k, cos_sin)
+    where = f"seed={seed} T={num_tokens} Hq={num_q_heads} Hkv={num_kv_heads} D={head_dim} {dtype}"
+    assert got_q.data_ptr() == q.data_ptr() and got_k.data_ptr() == k.data_ptr(), where
+    assert torch.equal(qkv[:, (num_q_heads + num_kv_heads) * head_dim :], v_before), f"v clobbered: {where}"
+    for name, got, ref in (("q", got_q, ref_q), ("k", got_k, ref_k)):
+        err = rel_err(got, ref)
+        assert err < ELEMWISE_TOL[dtype], f"{name} rel err {err:.2e}: {where}"
+
+
+def check_silu_and_mul(ops, *, num_tokens: int, d: int, dtype: torch.dtype, device: str) -> None:
+    gen, seed = fresh_generator(device)
+    x = _randn((num_tokens, 2 * d), dtype, device, gen) * 3
+    ref = reference.silu_and_mul(x)
+    out = torch.full((num_tokens, d), float("nan"), dtype=dtype, device=device)
+    got = ops.silu_and_mul(x, out=out)
+    where = f"seed={seed} T={num_tokens} d={d} {dtype}"
+    assert got is out and torch.isfinite(out).all(), where
+    err = rel_err(out, ref)
+    assert err < ELEMWISE_TOL[dtype], f"rel err {err:.2e}: {where}"
+
+
+def _interpret_attention(ops) -> None:
+    f16, f32 = torch.float16, torch.float32
+    common = dict(device="cpu", block_size=16)
+    # Ragged mixed batch: a decode, a chunked prefill (query shorter than context), a
+    # full prompt, a single-token prompt. GQA 4:2, non-power-of-2 head dim.
+    mixed = [(1, 37), (20, 53), (29, 29), (1, 1)]
+    check_paged_attention(ops, mixed, num_q_heads=4, num_kv_heads=2, head_dim=80, dtype=f16, **common)
+    check_paged_attention(ops, mixed, num_q_heads=4, num_kv_heads=2, head_dim=64, dtype=f32,
+                          sliding_window=13, **common)
+    # The same chunked prefill split across programs, and ragged with max_query_len from the host.
+    check_paged_attention(ops, mixed, num_q_heads=4, num_kv_heads=1, head_dim=64, dtype=f16,
+                          num_splits=3, pass_max_query_len=False, **common)
+    # Decode batches: T == B with no hint, split and unsplit, windowed, MHA.
+    decode = [(1, 70), (1, 5), (1, 33), (1, 16)]
+    check_paged_attention(ops, decode, num_q_heads=8, num_kv_heads=2, head_dim=64, dtype=f16,
+                          pass_max_query_len=False, **common)
+    check_paged_attention(ops, decode, num_q_heads=8, num_kv_heads=2, head_dim=80, dtype=f32,
+                          num_splits=4, **common)
+    check_paged_attention(ops, decode, num_q_heads=2, num_kv_heads=2, head_dim=64, dtype=f16,
+                          num_splits=2, sliding_window=20, **common)
+    # Speculative verification: k+1 = 4 query tokens per sequence, block size 8.
+    check_paged_attention(ops, [(4, 40), (4, 9)], num_q_heads=4, num_kv_heads=2, head_dim=64,
+                          dtype=f16, device="cpu", block_size=8)
+
+
+def _interpret_write_kv_cache(ops) -> None:
+    check_write_kv_cache(ops, num_tokens=23, num_kv_heads=2, head_dim=80, block_size=16, num_blocks=5,
+                         dtype=torch.float16, device="cpu")
+    check_write_kv_cache(ops, num_tokens=9, num_kv_heads=3, head_dim=64, block_size=8, num_blocks=4,
+                         dtype=torch.float16, device="cpu", src_dtype=torch.float32)
+
+
+def _interpret_rms_norm(ops) -> None:
+    for dtype in (torch.float16, torch.float32):
+        for with_residual in (False, True):
+            check_rms_norm(ops, num_tokens=7, hidden=96, dtype=dtype, device="cpu", with_residual=with_residual)
+    check_rms_norm(ops, num_tokens=3, hidden=64, dtype=torch.float16, device="cpu", with_residual=True,
+                   weight_dtype=torch.float32)
+
+
+def _interpret_rotary(ops) -> None:
+    for dtype in (torch.float16, torch.float32):
+        check_rotary(ops, num_tokens=6, num_q_heads=4, num_kv_heads=2, head_dim=80, dtype=dtype, device="cpu")
+    check_rotary(ops, num_tokens=5, num_q_heads=3, num_kv_heads=1, head_dim=64, dtype=torch.float16, device="cpu")
+
+
+def _interpret_silu_and_mul(ops) -> None:
+    for dtype in (torch.float16, torch.float32):
+        check_silu_and_mul(ops, num_tokens=5, d=300, dtype=dtype, device="cpu")
+    check_silu_and_mul(ops, num_tokens=2, d=1500, dtype=torch.float16, device="cpu")
+
+
+INTERPRET_CASES = {
+    "paged_attention": _interpret_attention,
+    "write_kv_cache": _interpret_write_kv_cache,
+    "rms_norm": _interpret_rms_norm,
+    "rotary_embedding": _interpret_rotary,
+    "silu_and_mul": _interpret_silu_and_mul,
+}
+
+if __name__ == "__main__":
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        sys.exit("set TRITON_INTERPRET=1 before running the interpreter cases")
+    from tokenmill.kernels import triton_ops
+
+    INTERPRET_CASES[sys.argv[1]](triton_ops)
+    print(f"{sys.argv[1]}: ok")

@@ -1,0 +1,156 @@
+"""Every Triton kernel against the torch reference on the GPU (``-m gpu``; skipped without CUDA).
+
+Fresh random inputs each run (seeds in failure messages). Tolerances, as relative
+error ‖out − ref‖/‖ref‖: attention 1e-2 bf16, 2e-3 fp16, 1e-4 fp32 (IEEE dots);
+the elementwise kernels 8e-3 bf16, 1e-3 fp16, 1e-5 fp32; write_kv_cache exact.
+Outputs are poisoned with NaN before the call where the API takes ``out=``, and
+the KV cache is NaN outside the written context, so unwritten outputs and stray
+reads both fail.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import random
+from pathlib import Path
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.gpu
+
+if not torch.cuda.is_available() or importlib.util.find_spec("triton") is None:
+    pytest.skip("needs CUDA and triton", allow_module_level=True)
+
+from tokenmill.kernels import reference, triton_ops  # noqa: E402
+
+
+def _load_cases():
+    # Loaded by path so the tests work under any pytest import mode.
+    spec = importlib.util.spec_from_file_location("_kernel_cases", Path(__file__).with_name("_kernel_cases.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+cases = _load_cases()
+DTYPES = [torch.bfloat16, torch.float16, torch.float32]
+_rng = random.SystemRandom()
+
+
+def _decode_specs(batch: int, max_ctx: int) -> list[tuple[int, int]]:
+    return [(1, max_ctx)] + [(1, _rng.randint(1, max_ctx)) for _ in range(batch - 1)]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("head_dim,num_q_heads,num_kv_heads", [(128, 32, 8), (64, 16, 2), (128, 8, 8)])
+@pytest.mark.parametrize("batch,max_ctx", [(1, 4096), (7, 1000), (64, 2048)])
+@pytest.mark.parametrize("window", [None, 256])
+def test_paged_attention_decode(dtype, head_dim, num_q_heads, num_kv_heads, batch, max_ctx, window) -> None:
+    cases.check_paged_attention(
+        triton_ops,
+        _decode_specs(batch, max_ctx),
+        num_q_heads=num_q_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        block_size=16,
+        dtype=dtype,
+        device="cuda",
+        sliding_window=window,
+        pass_max_query_len=False,
+    )
+
+
+@pytest.mark.parametrize("num_splits", [1, 5, 64])
+def test_paged_attention_decode_forced_splits(num_splits: int) -> None:
+    cases.check_paged_attention(
+        triton_ops, _decode_specs(3, 3000), num_q_heads=32, num_kv_heads=8, head_dim=128, block_size=16,
+        dtype=torch.bfloat16, device="cuda", num_splits=num_splits,
+    )
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("head_dim", [64, 80, 128, 256])
+@pytest.mark.parametrize("window", [None, 700])
+def test_paged_attention_mixed_batch(dtype, head_dim, window) -> None:
+    """Chunked prefills (query shorter than context), a full prompt, decodes and a k+1 verify."""
+    specs = [(512, 4096), (1, 1500), (300, 300), (5, 2000), (1, 17), (129, 1000)]
+    cases.check_paged_attention(
+        triton_ops, specs, num_q_heads=16, num_kv_heads=4, head_dim=head_dim, block_size=16,
+        dtype=dtype, device="cuda", sliding_window=window,
+    )
+
+
+@pytest.mark.parametrize("pass_max_query_len", [True, False])
+def test_paged_attention_spec_verify(pass_max_query_len: bool) -> None:
+    specs = [(4, _rng.randint(4, 3000)) for _ in range(16)]
+    cases.check_paged_attention(
+        triton_ops, specs, num_q_heads=32, num_kv_heads=8, head_dim=128, block_size=32,
+        dtype=torch.bfloat16, device="cuda", pass_max_query_len=pass_max_query_len,
+    )
+
+
+def test_paged_attention_decode_cuda_graph() -> None:
+    """Capture a decode call once, then change lengths, block tables and queries in place and replay."""
+    batch, hq, hkv, d, bs, width = 8, 32, 8, 128, 16, 128
+    num_blocks = batch * width + 1
+    k_cache = torch.randn(num_blocks, bs, hkv, d, device="cuda", dtype=torch.bfloat16)
+    v_cache = torch.randn_like(k_cache)
+    query = torch.randn(batch, hq, d, device="cuda", dtype=torch.bfloat16)
+    qsl = torch.arange(batch + 1, device="cuda", dtype=torch.int32)
+    seq_lens = torch.full((batch,), 40, device="cuda", dtype=torch.int32)
+    block_tables = torch.randperm(num_blocks - 1, device="cuda")[: batch * width].view(batch, width).int() + 1
+    out = torch.empty_like(query)
+
+    def step() -> None:
+        triton_ops.paged_attention(query, k_cache, v_cache, qsl, seq_lens, block_tables, d**-0.5, out=out)
+
+    step()  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    for _ in range(3):
+        seq_lens.copy_(torch.randint(1, width * bs + 1, (batch,), device="cuda", dtype=torch.int32))
+        block_tables.copy_(torch.randperm(num_blocks - 1, device="cuda")[: batch * width].view(batch, width) + 1)
+        query.copy_(torch.randn_like(query))
+        out.fill_(float("nan"))
+        graph.replay()
+        ref = reference.paged_attention(query, k_cache, v_cache, qsl, seq_lens, block_tables, d**-0.5)
+        assert torch.isfinite(out).all()
+        assert cases.rel_err(out, ref) < cases.ATTN_TOL[torch.bfloat16]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("num_tokens,num_kv_heads,head_dim,block_size", [(1, 8, 128, 16), (300, 8, 128, 16), (77, 2, 80, 32)])
+def test_write_kv_cache(dtype, num_tokens, num_kv_heads, head_dim, block_size) -> None:
+    cases.check_write_kv_cache(
+        triton_ops, num_tokens=num_tokens, num_kv_heads=num_kv_heads, head_dim=head_dim, block_size=block_size,
+        num_blocks=64, dtype=dtype, device="cuda",
+    )
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("num_tokens,hidden", [(1, 4096), (129, 4096), (64, 1024), (5, 5120)])
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_rms_norm(dtype, num_tokens, hidden, with_residual) -> None:
+    cases.check_rms_norm(triton_ops, num_tokens=num_tokens, hidden=hidden, dtype=dtype, device="cuda",
+                         with_residual=with_residual)
+
+
+def test_rms_norm_fp32_weight_promotes() -> None:
+    cases.check_rms_norm(triton_ops, num_tokens=33, hidden=2048, dtype=torch.bfloat16, device="cuda",
+                         with_residual=True, weight_dtype=torch.float32)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("num_tokens,num_q_heads,num_kv_heads,head_dim", [(1, 32, 8, 128), (257, 32, 8, 128), (40, 16, 2, 64), (9, 14, 2, 80)])
+def test_rotary_embedding(dtype, num_tokens, num_q_heads, num_kv_heads, head_dim) -> None:
+    cases.check_rotary(triton_ops, num_tokens=num_tokens, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads,
+                       head_dim=head_dim, dtype=dtype, device="cuda")
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("num_tokens,d", [(1, 14336), (128, 14336), (33, 3072), (7, 300)])
+def test_silu_and_mul(dtype, num_tokens, d) -> None:
+    cases.check_silu_and_mul(triton_ops, num_tokens=num_tokens, d=d, dtype=dtype, device="cuda")

@@ -1,0 +1,8 @@
+"""tokenmill: an LLM inference and serving engine."""
+
+from tokenmill.entrypoints.llm import LLM
+from tokenmill.outputs import CompletionOutput, RequestOutput
+from tokenmill.sampling_params import SamplingParams
+
+__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput"]
+__version__ = "0.1.0"

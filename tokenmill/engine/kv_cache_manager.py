@@ -1,0 +1,73 @@
+"""Block tables of the sequences, over one shared BlockPool, with prefix caching."""
+
+from __future__ import annotations
+
+from tokenmill.engine.block_pool import BlockPool
+from tokenmill.engine.sequence import Sequence
+
+
+class KVCacheManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+        self.block_size = block_size
+        self.pool = BlockPool(num_blocks, enable_prefix_caching)
+        self.query_tokens = 0  # prompt tokens looked up in the prefix cache
+        self.hit_tokens = 0  # of which were found
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def match_prefix(self, seq: Sequence) -> int:
+        """Give a new sequence the longest cached run of its full blocks; always leaves at
+        least its last token to compute, so the step that finishes it can sample."""
+        assert not seq.block_table and seq.num_computed_tokens == 0
+        if not self.pool.enable_caching or seq.params.prompt_logprobs is not None:
+            return 0  # prompt logprobs need every prompt position computed
+        hashes = seq.full_block_hashes(self.block_size)
+        usable = (seq.num_tokens - 1) // self.block_size
+        self.query_tokens += usable * self.block_size
+        for block_hash in hashes[:usable]:
+            block_id = self.pool.lookup(block_hash)
+            if block_id is None:
+                break
+            self.pool.take_cached(block_id)
+            seq.block_table.append(block_id)
+        cached = len(seq.block_table) * self.block_size
+        self.hit_tokens += cached
+        seq.num_computed_tokens = cached
+        seq.num_committed_blocks = len(seq.block_table)
+        return cached
+
+    def can_allocate(self, seq: Sequence, num_new_tokens: int) -> bool:
+        needed = self.blocks_needed(seq.num_computed_tokens + num_new_tokens) - len(seq.block_table)
+        return needed <= self.pool.num_free
+
+    def allocate(self, seq: Sequence, num_new_tokens: int) -> bool:
+        """Grow the block table to hold ``num_new_tokens`` more; False if the pool is short."""
+        needed = self.blocks_needed(seq.num_computed_tokens + num_new_tokens) - len(seq.block_table)
+        if needed > self.pool.num_free:
+            return False
+        if needed > 0:
+            seq.block_table.extend(self.pool.allocate(needed))
+        return True
+
+    def commit_computed_blocks(self, seq: Sequence) -> None:
+        """Make the sequence's newly full and computed blocks findable by later requests."""
+        full = seq.num_computed_tokens // self.block_size
+        if full <= seq.num_committed_blocks:
+            return
+        hashes = seq.full_block_hashes(self.block_size)
+        for i in range(seq.num_committed_blocks, full):
+            tokens = seq.token_ids[i * self.block_size:(i + 1) * self.block_size]
+            self.pool.commit(seq.block_table[i], hashes[i], tokens)
+        seq.num_committed_blocks = full
+
+    def free(self, seq: Sequence) -> None:
+        """Return the sequence's blocks, tail first into the eviction queue."""
+        self.pool.free(list(reversed(seq.block_table)))
+        seq.block_table = []
+        seq.num_committed_blocks = 0
+        seq.num_computed_tokens = 0
+
+    @property
+    def num_blocks_in_use(self) -> int:
+        return self.pool.num_blocks - self.pool.num_free

@@ -1,0 +1,94 @@
+"""One sequence being generated: its tokens, progress, KV blocks and output so far."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import torch
+
+from tokenmill.engine.block_pool import BlockHash, hash_block
+from tokenmill.outputs import Logprobs
+from tokenmill.sampling_params import SamplingParams
+from tokenmill.tokenizer import IncrementalDetokenizer
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Sequence:
+    """A request's ``n`` choices are ``n`` sequences sharing one prompt."""
+
+    seq_id: int
+    request_id: str
+    index: int
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    arrival_time: float
+    detokenizer: IncrementalDetokenizer | None
+    generator: torch.Generator | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    token_ids: list[int] = field(default_factory=list)
+    status: SequenceStatus = SequenceStatus.WAITING
+    num_computed_tokens: int = 0
+    block_table: list[int] = field(default_factory=list)
+    block_hashes: list[BlockHash] = field(default_factory=list)
+    num_committed_blocks: int = 0
+    num_cached_tokens: int = 0
+    num_preemptions: int = 0
+    logprobs: list[Logprobs] | None = None
+    prompt_logprobs: list[Logprobs | None] | None = None
+    cumulative_logprob: float = 0.0
+    text: str = ""
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+
+    def __post_init__(self) -> None:
+        if not self.token_ids:
+            self.token_ids = list(self.prompt_token_ids)
+        if self.params.logprobs is not None:
+            self.logprobs = []
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    @property
+    def stop_token_ids_for_min_tokens(self) -> list[int]:
+        """Tokens that would end the sequence, banned until ``min_tokens`` are out."""
+        eos = [] if self.params.ignore_eos else list(self.eos_token_ids)
+        return eos + list(self.params.stop_token_ids)
+
+    @property
+    def in_prefill(self) -> bool:
+        """Still computing tokens it already has (its prompt, or everything after a preemption)."""
+        return self.num_tokens - self.num_computed_tokens > 1
+
+    def full_block_hashes(self, block_size: int) -> list[BlockHash]:
+        """Hashes of every full block of ``token_ids``, extended as the sequence grows."""
+        for i in range(len(self.block_hashes), self.num_tokens // block_size):
+            parent = self.block_hashes[-1] if self.block_hashes else None
+            self.block_hashes.append(hash_block(parent, self.token_ids[i * block_size:(i + 1) * block_size]))
+        return self.block_hashes

@@ -1,0 +1,1 @@
+"""Kernels: torch references (``reference``) and Triton kernels (``triton_ops``)."""

@@ -1,0 +1,136 @@
+"""Torch references for every kernel: the CPU path, and the ground truth the
+Triton kernels are tested against.
+
+Layouts shared by all implementations:
+
+- KV cache of one layer: ``k_cache`` and ``v_cache`` of shape
+  ``[num_blocks, block_size, num_kv_heads, head_dim]``; token slot ``s`` lives
+  at ``[s // block_size, s % block_size]``.
+- Ragged batch of ``B`` sequences and ``T`` query tokens: ``query_start_loc``
+  ``[B+1]`` int32 (prefix sums of query lengths), ``seq_lens`` ``[B]`` int32
+  (context length *including* this step's tokens, whose K/V are already
+  written), ``block_tables`` ``[B, max_blocks]`` int32.
+- Query token ``i`` of sequence ``b`` sits at position
+  ``seq_lens[b] - q_len[b] + i`` and attends to key positions ``j`` with
+  ``j <= pos`` and, when ``sliding_window`` is set, ``pos - j < sliding_window``
+  (the same window as transformers' masks).
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def write_kv_cache(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Scatter ``key``/``value`` ``[T, Hkv, D]`` into the paged caches; slots < 0 are padding."""
+    num_blocks, block_size = k_cache.shape[:2]
+    valid = slot_mapping >= 0
+    slots = slot_mapping[valid].long()
+    k_flat = k_cache.view(num_blocks * block_size, *k_cache.shape[2:])
+    v_flat = v_cache.view(num_blocks * block_size, *v_cache.shape[2:])
+    k_flat[slots] = key[valid].to(k_cache.dtype)
+    v_flat[slots] = value[valid].to(v_cache.dtype)
+
+
+def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
+    """The first ``length`` tokens of one sequence's cache, ``[length, Hkv, D]``."""
+    block_size = cache.shape[1]
+    num_blocks = (length + block_size - 1) // block_size
+    blocks = cache[block_table[:num_blocks].long()]
+    return blocks.reshape(-1, *cache.shape[2:])[:length]
+
+
+def paged_attention(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    scale: float,
+    sliding_window: int | None = None,
+) -> torch.Tensor:
+    """Causal attention of ``query`` ``[T, Hq, D]`` over the paged cache, in float32; returns ``[T, Hq, D]``."""
+    out = torch.empty_like(query)
+    num_q_heads = query.shape[1]
+    num_kv_heads = k_cache.shape[2]
+    group = num_q_heads // num_kv_heads
+    starts = query_start_loc.tolist()
+    lens = seq_lens.tolist()
+    for b, seq_len in enumerate(lens):
+        q_lo, q_hi = starts[b], starts[b + 1]
+        q_len = q_hi - q_lo
+        if q_len == 0:
+            continue
+        k = gather_kv(k_cache, block_tables[b], seq_len).float()
+        v = gather_kv(v_cache, block_tables[b], seq_len).float()
+        k = k.repeat_interleave(group, dim=1).transpose(0, 1)  # [Hq, S, D]
+        v = v.repeat_interleave(group, dim=1).transpose(0, 1)
+        q = query[q_lo:q_hi].float().transpose(0, 1)  # [Hq, Q, D]
+        scores = torch.matmul(q, k.transpose(1, 2)) * scale  # [Hq, Q, S]
+        q_pos = torch.arange(seq_len - q_len, seq_len, device=query.device)[:, None]
+        k_pos = torch.arange(seq_len, device=query.device)[None, :]
+        allowed = k_pos <= q_pos
+        if sliding_window is not None:
+            allowed &= (q_pos - k_pos) < sliding_window
+        scores = scores.masked_fill(~allowed, float("-inf"))
+        probs = torch.softmax(scores, dim=-1)
+        out[q_lo:q_hi] = torch.matmul(probs, v).transpose(0, 1).to(query.dtype)
+    return out
+
+
+def rms_norm(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    residual: torch.Tensor | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """RMSNorm over the last dim, as transformers computes it (float32 statistics,
+    cast back before the weight). With ``residual``: ``x + residual`` is normed and
+    also returned as the new residual."""
+    if residual is not None:
+        x = x + residual
+        residual = x
+    xf = x.float()
+    normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    out = weight * normed.to(x.dtype)
+    return out if residual is None else (out, residual)
+
+
+def rotary_cos_sin(inv_freq: torch.Tensor, max_positions: int, scaling: float = 1.0) -> torch.Tensor:
+    """Table ``[max_positions, rot_dim]`` of ``cos`` (first half) and ``sin`` (second half), float32."""
+    positions = torch.arange(max_positions, dtype=torch.float32, device=inv_freq.device)
+    freqs = torch.outer(positions, inv_freq.float())
+    return torch.cat([freqs.cos() * scaling, freqs.sin() * scaling], dim=-1)
+
+
+def rotary_embedding(
+    positions: torch.Tensor,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Neox-style (rotate-half) RoPE on ``query`` ``[T, Hq, D]`` and ``key`` ``[T, Hkv, D]``."""
+    half = cos_sin_cache.shape[-1] // 2
+    cos_sin = cos_sin_cache[positions.long()]
+    cos = cos_sin[:, None, :half].repeat(1, 1, 2)
+    sin = cos_sin[:, None, half:].repeat(1, 1, 2)
+
+    def rotate(x: torch.Tensor) -> torch.Tensor:
+        c, s = cos.to(x.dtype), sin.to(x.dtype)
+        x1, x2 = x[..., :half], x[..., half:]
+        return x * c + torch.cat([-x2, x1], dim=-1) * s
+
+    return rotate(query), rotate(key)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up`` for ``x = [gate | up]`` along the last dim."""
+    gate, up = x.chunk(2, dim=-1)
+    return torch.nn.functional.silu(gate) * up

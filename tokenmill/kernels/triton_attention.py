@@ -1,0 +1,335 @@
+"""Triton paged attention over the ragged batch (see ``reference.paged_attention``).
+
+One kernel serves decode and multi-token queries (prefill chunks, speculative
+verification). A program owns one KV head of one sequence and a tile of
+``BLOCK_M`` rows, each row a (query token, q head of that KV head's group) pair:
+the group's heads share every K/V tile it loads, so GQA reads the cache once.
+K/V are gathered token by token through the block table, so a tile spans
+several cache blocks and block ids need not be contiguous.
+
+Decode at small batch would leave most SMs idle (batch 1 × 8 KV heads is 8
+programs), so the KV range can be split across ``num_splits`` programs
+(flash-decoding): each writes an unnormalised partial output with its running
+max and sum, and a second kernel merges them. The split count is chosen on the
+host from shapes only (batch, KV heads, block-table width, SM count) and each
+program divides its *actual* range in-kernel, so nothing reads tensor values on
+the host: the decode path can be captured in a CUDA graph.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+_LOG2E = 1.4426950408889634
+# Finite stand-in for -inf as the initial running max: exp2(m_old - m_new) stays
+# well-defined (never inf - inf) for rows whose first tiles are fully masked.
+_NEG_BIG = tl.constexpr(-1.0e30)
+_MAX_SPLITS = 64
+# Below this many KV tokens per split at full block-table width, splitting costs more
+# (partials + a second launch) than the parallelism it buys.
+_MIN_TOKENS_PER_SPLIT = 128
+
+
+@triton.jit
+def _paged_attention_kernel(
+    q_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    out_ptr,
+    part_acc_ptr,
+    part_ml_ptr,
+    query_start_loc_ptr,
+    seq_lens_ptr,
+    block_tables_ptr,
+    scale_log2,
+    window,
+    q_stride_t,
+    q_stride_h,
+    o_stride_t,
+    o_stride_h,
+    kc_stride_block,
+    kc_stride_slot,
+    kc_stride_head,
+    vc_stride_block,
+    vc_stride_slot,
+    vc_stride_head,
+    bt_stride,
+    num_q_heads,
+    head_dim,
+    block_size,
+    num_splits,
+    GROUP: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    USE_WINDOW: tl.constexpr,
+    WRITE_PARTIALS: tl.constexpr,
+    IEEE_DOT: tl.constexpr,
+):
+    q_tile = tl.program_id(0)
+    seq = tl.program_id(1)
+    kv_head = tl.program_id(2) // num_splits
+    split = tl.program_id(2) % num_splits
+
+    q_start = tl.load(query_start_loc_ptr + seq)
+    q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
+    tile_lo = q_tile * BLOCK_Q
+    if tile_lo >= q_len:
+        return
+    seq_len = tl.load(seq_lens_ptr + seq)
+    context = seq_len - q_len  # position of the sequence's first query token
+
+    rows = tl.arange(0, BLOCK_M)
+    tok = tile_lo + rows // GROUP
+    head = kv_head * GROUP + rows % GROUP
+    row_valid = (rows < BLOCK_Q * GROUP) & (tok < q_len)
+    q_pos = context + tok
+    dims = tl.arange(0, BLOCK_D)
+    dim_valid = dims < head_dim
+    q_row = (q_start + tok).to(tl.int64)
+    q = tl.load(
+        q_ptr + q_row[:, None] * q_stride_t + head[:, None] * q_stride_h + dims[None, :],
+        mask=row_valid[:, None] & dim_valid[None, :],
+        other=0.0,
+    )
+
+    # Keys this tile can see: causal upper bound from its last token, window lower
+    # bound from its first; blocks outside are never loaded.
+    kv_hi = context + tl.minimum(q_len, tile_lo + BLOCK_Q)
+    kv_lo = 0
+    if USE_WINDOW:
+        kv_lo = tl.maximum(context + tile_lo - window + 1, 0)
+    chunk = tl.cdiv(tl.cdiv(kv_hi - kv_lo, num_splits), BLOCK_N) * BLOCK_N
+    split_lo = kv_lo + split * chunk
+    split_hi = tl.minimum(split_lo + chunk, kv_hi)
+
+    m_i = tl.full([BLOCK_M], _NEG_BIG, dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    bt_row = block_tables_ptr + seq.to(tl.int64) * bt_stride
+    for start in range(split_lo, split_hi, BLOCK_N):
+        n = start + tl.arange(0, BLOCK_N)
+        n_valid = n < split_hi
+        block = tl.load(bt_row + n // block_size, mask=n_valid, other=0).to(tl.int64)
+        slot = n % block_size
+        k_off = block * kc_stride_block + slot * kc_stride_slot + kv_head * kc_stride_head
+        k = tl.load(
+            k_cache_ptr + k_off[None, :] + dims[:, None],
+            mask=n_valid[None, :] & dim_valid[:, None],
+            other=0.0,
+        ).to(q.dtype)
+        if IEEE_DOT:
+            qk = tl.dot(q, k, input_precision="ieee")
+        else:
+            qk = tl.dot(q, k)
+        qk = qk * scale_log2
+        allowed = n_valid[None, :] & (n[None, :] <= q_pos[:, None])
+        if USE_WINDOW:
+            allowed = allowed & ((q_pos[:, None] - n[None, :]) < window)
+        qk = tl.where(allowed, qk, float("-inf"))
+
+        m_new = tl.maximum(m_i, tl.max(qk, axis=1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(qk - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        v_off = block * vc_stride_block + slot * vc_stride_slot + kv_head * vc_stride_head
+        v = tl.load(
+            v_cache_ptr + v_off[:, None] + dims[None, :],
+            mask=n_valid[:, None] & dim_valid[None, :],
+            other=0.0,
+        ).to(q.dtype)
+        if IEEE_DOT:
+            pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
+        else:
+            pv = tl.dot(p.to(v.dtype), v)
+        acc = acc * alpha[:, None] + pv
+        m_i = m_new
+
+    if WRITE_PARTIALS:
+        # Partials [T, Hq, S, D] and (max, sum) pairs [T, Hq, S, 2]; empty splits
+        # write max=_NEG_BIG, sum=0 and so weigh nothing in the merge.
+        part = (q_row * num_q_heads + head) * num_splits + split
+        tl.store(
+            part_acc_ptr + part[:, None] * head_dim + dims[None, :],
+            acc,
+            mask=row_valid[:, None] & dim_valid[None, :],
+        )
+        tl.store(part_ml_ptr + part * 2, m_i, mask=row_valid)
+        tl.store(part_ml_ptr + part * 2 + 1, l_i, mask=row_valid)
+    else:
+        out = acc / tl.where(row_valid, l_i, 1.0)[:, None]  # padding rows: no 0/0
+        tl.store(
+            out_ptr + q_row[:, None] * o_stride_t + head[:, None] * o_stride_h + dims[None, :],
+            out.to(out_ptr.dtype.element_ty),
+            mask=row_valid[:, None] & dim_valid[None, :],
+        )
+
+
+@triton.jit
+def _merge_splits_kernel(
+    part_acc_ptr,
+    part_ml_ptr,
+    out_ptr,
+    o_stride_t,
+    o_stride_h,
+    num_q_heads,
+    num_splits,
+    head_dim,
+    BLOCK_S: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    splits = tl.arange(0, BLOCK_S)
+    split_valid = splits < num_splits
+    dims = tl.arange(0, BLOCK_D)
+    dim_valid = dims < head_dim
+    part = (t * num_q_heads + h) * num_splits + splits
+    m = tl.load(part_ml_ptr + part * 2, mask=split_valid, other=_NEG_BIG)
+    l = tl.load(part_ml_ptr + part * 2 + 1, mask=split_valid, other=0.0)
+    m_max = tl.max(m, axis=0)
+    w = tl.exp2(m - m_max)
+    denom = tl.sum(w * l, axis=0)
+    acc = tl.load(
+        part_acc_ptr + part[:, None] * head_dim + dims[None, :],
+        mask=split_valid[:, None] & dim_valid[None, :],
+        other=0.0,
+    )
+    out = tl.sum(acc * w[:, None], axis=0) / denom
+    tl.store(out_ptr + t * o_stride_t + h * o_stride_h + dims, out.to(out_ptr.dtype.element_ty), mask=dim_valid)
+
+
+@functools.lru_cache(maxsize=None)
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 1  # the CPU interpreter: no parallelism to fill
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def _choose_num_splits(work_units: int, max_context: int, device: torch.device) -> int:
+    """Enough programs for ~4 per SM, never under ``_MIN_TOKENS_PER_SPLIT`` tokens a split."""
+    target = 4 * _num_sms(device)
+    by_length = max(1, max_context // _MIN_TOKENS_PER_SPLIT)
+    return max(1, min(triton.cdiv(target, work_units), by_length, _MAX_SPLITS))
+
+
+def paged_attention(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    scale: float,
+    sliding_window: int | None = None,
+    *,
+    max_query_len: int | None = None,
+    num_splits: int | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Causal attention of ``query`` ``[T, Hq, D]`` over the paged cache; returns ``[T, Hq, D]``.
+
+    Extras over the reference signature (keyword only):
+
+    - ``max_query_len``: longest query of the batch. If None it is taken as 1 when
+      ``T == B`` (a pure decode batch: the caller must not pass a ragged batch with
+      ``T == B``), else read from ``query_start_loc`` on the host, which syncs and
+      is not graph-capturable. Passing it makes every path graph-safe.
+    - ``num_splits``: force the KV split count (tests); default chosen from shapes.
+    - ``out``: preallocated output (may be a strided view, last dim contiguous).
+    """
+    num_tokens, num_q_heads, head_dim = query.shape
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    batch = seq_lens.shape[0]
+    group = num_q_heads // num_kv_heads
+    if out is None:
+        out = torch.empty_like(query)
+    if num_tokens == 0 or batch == 0:
+        return out
+    for t in (query, k_cache, v_cache, out):
+        if t.stride(-1) != 1:
+            raise ValueError("paged_attention needs a contiguous last dimension")
+    if max_query_len is None:
+        if num_tokens == batch:
+            max_query_len = 1
+        else:
+            max_query_len = int((query_start_loc[1:] - query_start_loc[:-1]).max().item())
+
+    block_d = triton.next_power_of_2(head_dim)
+    # Rows are (token, head) pairs; tl.dot needs at least 16 of them. Decode packs just
+    # the group; longer queries take up to 64 rows so one K/V tile serves more tokens.
+    block_m = max(16, triton.next_power_of_2(group), min(64, triton.next_power_of_2(max_query_len * group)))
+    block_q = block_m // group
+    q_tiles = triton.cdiv(max_query_len, block_q)
+    block_n = 64 if block_d <= 128 else 32
+    num_warps = 8 if block_m * block_d >= 64 * 256 else 4
+
+    max_context = block_tables.shape[1] * block_size
+    if num_splits is None:
+        num_splits = _choose_num_splits(batch * q_tiles * num_kv_heads, max_context, query.device)
+    write_partials = num_splits > 1
+    if write_partials:
+        part_acc = torch.empty(
+            (num_tokens, num_q_heads, num_splits, head_dim), dtype=torch.float32, device=query.device
+        )
+        part_ml = torch.empty((num_tokens, num_q_heads, num_splits, 2), dtype=torch.float32, device=query.device)
+    else:
+        part_acc = part_ml = out  # unused by the kernel when WRITE_PARTIALS is off
+
+    _paged_attention_kernel[(q_tiles, batch, num_kv_heads * num_splits)](
+        query,
+        k_cache,
+        v_cache,
+        out,
+        part_acc,
+        part_ml,
+        query_start_loc,
+        seq_lens,
+        block_tables,
+        float(scale) * _LOG2E,
+        sliding_window if sliding_window is not None else 0,
+        query.stride(0),
+        query.stride(1),
+        out.stride(0),
+        out.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        v_cache.stride(0),
+        v_cache.stride(1),
+        v_cache.stride(2),
+        block_tables.stride(0),
+        num_q_heads,
+        head_dim,
+        block_size,
+        num_splits,
+        GROUP=group,
+        BLOCK_Q=block_q,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        BLOCK_D=block_d,
+        USE_WINDOW=sliding_window is not None,
+        WRITE_PARTIALS=write_partials,
+        IEEE_DOT=query.dtype == torch.float32,
+        num_warps=num_warps,
+        num_stages=2,
+    )
+    if write_partials:
+        _merge_splits_kernel[(num_tokens, num_q_heads)](
+            part_acc,
+            part_ml,
+            out,
+            out.stride(0),
+            out.stride(1),
+            num_q_heads,
+            num_splits,
+            head_dim,
+            BLOCK_S=triton.next_power_of_2(num_splits),
+            BLOCK_D=block_d,
+        )
+    return out

@@ -1,0 +1,89 @@
+"""Triton RMSNorm with optional fused residual add (see ``reference.rms_norm``)."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _rms_norm_kernel(
+    x_ptr,
+    residual_ptr,
+    weight_ptr,
+    out_ptr,
+    residual_out_ptr,
+    x_stride,
+    residual_stride,
+    out_stride,
+    residual_out_stride,
+    hidden,
+    eps,
+    HAS_RESIDUAL: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    # One program per row; the whole row stays in registers between the two passes.
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < hidden
+    x = tl.load(x_ptr + row * x_stride + cols, mask=mask, other=0.0)
+    if HAS_RESIDUAL:
+        r = tl.load(residual_ptr + row * residual_stride + cols, mask=mask, other=0.0)
+        # The sum is rounded to the residual's dtype, as the reference's `x + residual` is,
+        # and that rounded value is what gets normed.
+        x = (x.to(tl.float32) + r.to(tl.float32)).to(residual_out_ptr.dtype.element_ty)
+        tl.store(residual_out_ptr + row * residual_out_stride + cols, x, mask=mask)
+    xf = x.to(tl.float32)
+    mean_sq = tl.sum(xf * xf, axis=0) / hidden
+    # Cast back to the input dtype *before* the weight, as transformers does.
+    normed = (xf * tl.rsqrt(mean_sq + eps)).to(x.dtype)
+    w = tl.load(weight_ptr + cols, mask=mask, other=0.0)
+    out = w.to(tl.float32) * normed.to(tl.float32)
+    tl.store(out_ptr + row * out_stride + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def rms_norm(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    residual: torch.Tensor | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """RMSNorm over the last dim; with ``residual`` returns ``(out, x + residual)``.
+
+    Output dtypes follow torch promotion exactly as the reference: the sum has
+    ``promote(x, residual)``, the output ``promote(weight, that)``. Inputs are not modified.
+    """
+    hidden = x.shape[-1]
+    x2 = x.reshape(-1, hidden)
+    sum_dtype = x.dtype if residual is None else torch.promote_types(x.dtype, residual.dtype)
+    out = torch.empty(x.shape, dtype=torch.promote_types(weight.dtype, sum_dtype), device=x.device)
+    out2 = out.view(-1, hidden)
+    if residual is not None:
+        r2 = residual.reshape(-1, hidden)
+        new_residual = torch.empty(x.shape, dtype=sum_dtype, device=x.device)
+        nr2 = new_residual.view(-1, hidden)
+    else:
+        r2 = nr2 = x2  # unused by the kernel when HAS_RESIDUAL is off
+    if x2.stride(-1) != 1 or r2.stride(-1) != 1 or weight.stride(-1) != 1:
+        raise ValueError("rms_norm needs a contiguous last dimension")
+    rows = x2.shape[0]
+    if rows:
+        block = triton.next_power_of_2(hidden)
+        _rms_norm_kernel[(rows,)](
+            x2,
+            r2,
+            weight,
+            out2,
+            nr2,
+            x2.stride(0),
+            r2.stride(0),
+            out2.stride(0),
+            nr2.stride(0),
+            hidden,
+            float(eps),
+            HAS_RESIDUAL=residual is not None,
+            BLOCK=block,
+            num_warps=max(1, min(16, block // 256)),
+        )
+    return out if residual is None else (out, new_residual)

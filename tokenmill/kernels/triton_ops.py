@@ -1,0 +1,14 @@
+"""The Triton implementations of every kernel, under the reference's names and signatures.
+
+The dispatch layer calls ``tokenmill.kernels.triton_ops.<name>`` on CUDA tensors;
+each function matches ``tokenmill.kernels.reference.<name>`` (extra arguments are
+keyword-only and optional).
+"""
+
+from tokenmill.kernels.triton_activation import silu_and_mul
+from tokenmill.kernels.triton_attention import paged_attention
+from tokenmill.kernels.triton_kv_cache import write_kv_cache
+from tokenmill.kernels.triton_norm import rms_norm
+from tokenmill.kernels.triton_rotary import rotary_embedding
+
+__all__ = ["paged_attention", "rms_norm", "rotary_embedding", "silu_and_mul", "write_kv_cache"]

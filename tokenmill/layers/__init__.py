@@ -1,0 +1,1 @@
+"""Building blocks of the models: attention, rotary, norms, linear, sampler."""

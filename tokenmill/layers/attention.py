@@ -1,0 +1,46 @@
+"""Attention over the paged KV cache for one flat ragged batch.
+
+The same path serves decode (one query token per sequence), prefill chunks
+and speculative verification: only ``query_start_loc`` differs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from tokenmill.layers import ops
+
+
+@dataclass
+class AttentionMetadata:
+    """Where this step's tokens sit in the paged cache (see kernels/reference.py for layouts)."""
+
+    slot_mapping: torch.Tensor  # [T] int64, -1 for padding
+    query_start_loc: torch.Tensor  # [B+1] int32
+    seq_lens: torch.Tensor  # [B] int32, context length including this step's tokens
+    block_tables: torch.Tensor  # [B, max_blocks] int32
+    max_query_len: int  # host-side; 1 for a pure decode step
+
+
+class PagedAttention(nn.Module):
+    """Writes this step's K/V into the cache, then attends over the whole context."""
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int,
+                 sliding_window: int | None) -> None:
+        super().__init__()
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.scale = head_dim ** -0.5
+        self.sliding_window = sliding_window
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
+        k_cache, v_cache = kv_cache
+        ops.write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
+        return ops.paged_attention(q, k_cache, v_cache, meta.query_start_loc, meta.seq_lens,
+                                   meta.block_tables, self.scale, self.sliding_window,
+                                   max_query_len=meta.max_query_len)

@@ -1,0 +1,62 @@
+"""The dispatch layer between models and kernels.
+
+Each op runs the Triton kernel on CUDA tensors when Triton is importable and
+the torch reference otherwise; ``TOKENMILL_KERNELS=reference`` forces the
+reference everywhere (to compare the two paths end to end).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from types import ModuleType
+
+import torch
+
+from tokenmill.kernels import reference
+
+
+@functools.cache
+def _triton_ops() -> ModuleType | None:
+    if os.environ.get("TOKENMILL_KERNELS", "auto") == "reference":
+        return None
+    try:
+        from tokenmill.kernels import triton_ops
+    except ImportError:
+        return None
+    return triton_ops
+
+
+def backend_for(tensor: torch.Tensor) -> ModuleType:
+    """The module whose kernels run on ``tensor``'s device."""
+    if tensor.is_cuda:
+        ops = _triton_ops()
+        if ops is not None:
+            return ops
+    return reference
+
+
+def write_kv_cache(key, value, k_cache, v_cache, slot_mapping) -> None:
+    backend_for(key).write_kv_cache(key, value, k_cache, v_cache, slot_mapping)
+
+
+def paged_attention(query, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale,
+                    sliding_window=None, max_query_len: int | None = None) -> torch.Tensor:
+    backend = backend_for(query)
+    if backend is reference:
+        return reference.paged_attention(query, k_cache, v_cache, query_start_loc, seq_lens,
+                                         block_tables, scale, sliding_window)
+    return backend.paged_attention(query, k_cache, v_cache, query_start_loc, seq_lens, block_tables,
+                                   scale, sliding_window, max_query_len=max_query_len)
+
+
+def rms_norm(x, weight, eps, residual=None):
+    return backend_for(x).rms_norm(x, weight, eps, residual)
+
+
+def rotary_embedding(positions, query, key, cos_sin_cache):
+    return backend_for(query).rotary_embedding(positions, query, key, cos_sin_cache)
+
+
+def silu_and_mul(x):
+    return backend_for(x).silu_and_mul(x)

@@ -1,0 +1,50 @@
+"""Rotary position embeddings, with Llama 3's frequency scaling.
+
+The cos/sin table is computed once at start-up for every position the engine
+can see, in float32 and with the same arithmetic as transformers, so that
+positions index a table instead of recomputing trigonometry each step.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import nn
+
+from tokenmill.kernels.reference import rotary_cos_sin
+from tokenmill.layers import ops
+
+
+def inverse_frequencies(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> torch.Tensor:
+    """Per-pair rotation frequencies; ``scaling`` of type llama3 stretches the low frequencies."""
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float() / head_dim
+    inv_freq = 1.0 / (theta ** exponents)
+    if scaling is None:
+        return inv_freq
+    factor = float(scaling["factor"])
+    low = float(scaling.get("low_freq_factor", 1.0))
+    high = float(scaling.get("high_freq_factor", 4.0))
+    old_len = float(scaling["original_max_position_embeddings"])
+    low_freq_wavelen = old_len / low
+    high_freq_wavelen = old_len / high
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
+    return torch.where(medium, smoothed, scaled)
+
+
+class RotaryEmbedding(nn.Module):
+    def __init__(self, head_dim: int, max_positions: int, theta: float,
+                 scaling: dict[str, Any] | None) -> None:
+        super().__init__()
+        # Computed on the CPU whatever the model's device, so every device sees the same table.
+        table = rotary_cos_sin(inverse_frequencies(head_dim, theta, scaling), max_positions)
+        self.register_buffer("cos_sin_cache", table.to(torch.empty(0).device), persistent=False)
+
+    def forward(self, positions: torch.Tensor, query: torch.Tensor,
+                key: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return ops.rotary_embedding(positions, query, key, self.cos_sin_cache)

@@ -1,0 +1,129 @@
+"""Batched sampling on the device with per-row parameters.
+
+Every row of the batch may have its own temperature, top-k, top-p, min-p,
+penalties and seed. Sampling uses the exponential race (``argmax(p / E)`` with
+``E ~ Exp(1)``), which draws from ``p`` exactly and lets each seeded row take
+its noise from its own generator, so a seeded request gives the same tokens
+whatever else shares the batch. Only the sampled ids and the requested
+logprobs leave the device.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class SamplingBatch:
+    """Per-row sampling parameters as device tensors (built by the model runner)."""
+
+    temperature: torch.Tensor  # [N] float32; 0 = greedy
+    top_k: torch.Tensor  # [N] int64; 0 = off
+    top_p: torch.Tensor  # [N] float32; 1 = off
+    min_p: torch.Tensor  # [N] float32; 0 = off
+    repetition_penalty: torch.Tensor  # [N] float32; 1 = off
+    presence_penalty: torch.Tensor  # [N] float32
+    frequency_penalty: torch.Tensor  # [N] float32
+    generators: list[torch.Generator | None]  # per row; None = the global generator
+    num_logprobs: int  # the largest top-N any row asked for; -1 = none
+    # Only when a row uses penalties: token counts of prompt and output, [N, V].
+    prompt_mask: torch.Tensor | None = None
+    output_counts: torch.Tensor | None = None
+    # Tokens a row may not sample yet (stop tokens before min_tokens): (rows, token ids).
+    banned: tuple[torch.Tensor, torch.Tensor] | None = None
+    all_greedy: bool = False
+    needs_top_k_top_p: bool = True
+    needs_min_p: bool = True
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: torch.Tensor  # [N] int64, on the host
+    logprobs: torch.Tensor | None  # [N, 1 + num_logprobs] float32 on the host (sampled first)
+    logprob_token_ids: torch.Tensor | None  # [N, 1 + num_logprobs] int64 on the host
+
+
+def apply_penalties(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """Repetition penalty over prompt and output (transformers' rule: divide positive
+    logits, multiply negative ones); presence and frequency over the output (OpenAI's)."""
+    if batch.output_counts is None:
+        return logits
+    counts = batch.output_counts
+    seen = batch.prompt_mask | (counts > 0)
+    rep = batch.repetition_penalty[:, None]
+    penalized = torch.where(logits > 0, logits / rep, logits * rep)
+    logits = torch.where(seen, penalized, logits)
+    logits = logits - batch.frequency_penalty[:, None] * counts
+    return logits - batch.presence_penalty[:, None] * (counts > 0).to(logits.dtype)
+
+
+def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Mask to -inf every token outside the row's top-k and outside the smallest set whose
+    probability reaches top-p (the token that crosses top-p is kept)."""
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    vocab = logits.shape[-1]
+    ranks = torch.arange(vocab, device=logits.device)[None, :]
+    k = torch.where(top_k > 0, top_k, vocab)[:, None]
+    drop = ranks >= k
+    probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(dim=-1)
+    before = probs.cumsum(dim=-1) - probs  # mass strictly before each token
+    drop |= before >= top_p[:, None]
+    drop[:, 0] = False
+    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    return torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
+
+
+def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """Mask tokens whose probability is below ``min_p`` times the row's largest."""
+    probs = logits.softmax(dim=-1)
+    threshold = probs.max(dim=-1, keepdim=True).values * min_p[:, None]
+    return logits.masked_fill(probs < threshold, float("-inf"))
+
+
+def exponential_noise(shape: tuple[int, int], generators: list[torch.Generator | None],
+                      device: torch.device) -> torch.Tensor:
+    """Exp(1) noise, each seeded row from its own generator, the rest in one draw."""
+    noise = torch.empty(shape, device=device).exponential_()
+    for row, gen in enumerate(generators):
+        if gen is not None:
+            noise[row].exponential_(generator=gen)
+    return noise
+
+
+def gather_logprobs(logprobs: torch.Tensor, token_ids: torch.Tensor,
+                    num_top: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's logprob of ``token_ids`` followed by its ``num_top`` best: ``[N, 1 + num_top]``."""
+    chosen = logprobs.gather(-1, token_ids[:, None])
+    if num_top <= 0:
+        return chosen, token_ids[:, None]
+    top = logprobs.topk(num_top, dim=-1)
+    return torch.cat([chosen, top.values], dim=-1), torch.cat([token_ids[:, None], top.indices], dim=-1)
+
+
+class Sampler:
+    def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
+        logits = logits.float()
+        raw_logprobs = logits.log_softmax(dim=-1) if batch.num_logprobs >= 0 else None
+        logits = apply_penalties(logits, batch)
+        if batch.banned is not None:
+            logits[batch.banned] = float("-inf")
+        greedy_ids = logits.argmax(dim=-1)
+        if batch.all_greedy:
+            token_ids = greedy_ids
+        else:
+            temperature = batch.temperature.clamp_min(1e-6)[:, None]
+            scaled = logits / temperature
+            if batch.needs_top_k_top_p:
+                scaled = apply_top_k_top_p(scaled, batch.top_k, batch.top_p)
+            if batch.needs_min_p:
+                scaled = apply_min_p(scaled, batch.min_p)
+            probs = scaled.softmax(dim=-1)
+            noise = exponential_noise(tuple(probs.shape), batch.generators, probs.device)
+            sampled = (probs / noise).argmax(dim=-1)
+            token_ids = torch.where(batch.temperature == 0, greedy_ids, sampled)
+        if raw_logprobs is None:
+            return SamplerOutput(token_ids.cpu(), None, None)
+        values, ids = gather_logprobs(raw_logprobs, token_ids, batch.num_logprobs)
+        return SamplerOutput(token_ids.cpu(), values.cpu(), ids.cpu())

@@ -1,0 +1,1 @@
+"""Hugging Face model directories → ModelConfig and parameters."""

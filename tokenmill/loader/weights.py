@@ -1,0 +1,36 @@
+"""Reads safetensors checkpoints, single-file or sharded with an index."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from tokenmill.loader.hf_config import ModelLoadError
+
+
+def checkpoint_files(model_dir: Path) -> list[Path]:
+    """The safetensors files of a directory, in the order the index names them."""
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text()).get("weight_map", {})
+        names = sorted(set(weight_map.values()))
+        missing = [n for n in names if not (model_dir / n).is_file()]
+        if missing:
+            raise ModelLoadError(f"{index} names shards that are missing: {', '.join(missing)}")
+        return [model_dir / n for n in names]
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise ModelLoadError(f"{model_dir} has no *.safetensors weights (only safetensors checkpoints are supported)")
+    return files
+
+
+def iter_checkpoint(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every tensor of the checkpoint, one at a time, so peak memory stays one tensor."""
+    for path in checkpoint_files(model_dir):
+        with safe_open(str(path), framework="pt") as f:
+            for name in f.keys():
+                yield name, f.get_tensor(name)

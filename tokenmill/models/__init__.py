@@ -1,0 +1,1 @@
+"""Model architectures: pure nn.Modules over ``layers/``, knowing nothing of requests."""
