@@ -1,0 +1,140 @@
+"""Property tests of the block pool, the prefix cache and the scheduler over them.
+
+A fake model runner writes each computed token's id into a fake KV cache at its
+slot, so "a prefix-cache hit returns blocks holding exactly those tokens" is
+checked against what was really written, after any sequence of adds,
+steps, finishes, aborts and preemptions.
+"""
+
+from __future__ import annotations
+
+import time
+
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from tokenmill.engine.block_pool import BlockPool, hash_block
+from tokenmill.engine.kv_cache_manager import KVCacheManager
+from tokenmill.engine.scheduler import Scheduler, SchedulerConfig
+from tokenmill.engine.sequence import Sequence
+from tokenmill.sampling_params import SamplingParams
+
+BLOCK = 4
+NUM_BLOCKS = 12
+# Prompts built from a few shared stems over a tiny alphabet, so prefixes repeat often.
+STEMS = [[1, 2, 3, 4, 5, 6, 7, 8], [1, 2, 3, 4, 9, 9, 9, 9], [5, 5, 5, 5]]
+
+
+class EngineMachine(RuleBasedStateMachine):
+    def __init__(self) -> None:
+        super().__init__()
+        self.kv = KVCacheManager(NUM_BLOCKS, BLOCK, enable_prefix_caching=True)
+        self.scheduler = Scheduler(SchedulerConfig(max_num_seqs=3, max_num_batched_tokens=10), self.kv)
+        self.cache: dict[int, int] = {}  # slot -> token id written there
+        self.live: list[Sequence] = []
+        self.next_id = 0
+
+    @rule(stem=st.sampled_from(STEMS), tail=st.lists(st.integers(0, 3), max_size=9))
+    def add(self, stem: list[int], tail: list[int]) -> None:
+        prompt = stem + tail
+        seq = Sequence(self.next_id, str(self.next_id), 0, prompt, SamplingParams(max_tokens=8), time.time(), None)
+        self.next_id += 1
+        self.scheduler.add(seq)
+        self.live.append(seq)
+
+    @rule(new_token=st.integers(0, 3))
+    def step(self, new_token: int) -> None:
+        batch = self.scheduler.schedule()
+        for seq, n in zip(batch.seqs, batch.num_tokens):
+            for pos in range(seq.num_computed_tokens, seq.num_computed_tokens + n):
+                slot = seq.block_table[pos // BLOCK] * BLOCK + pos % BLOCK
+                self.cache[slot] = seq.token_ids[pos]
+            seq.num_computed_tokens += n
+            self.kv.commit_computed_blocks(seq)
+            if seq.num_computed_tokens == seq.num_tokens:
+                seq.token_ids.append(new_token)
+                if seq.num_tokens >= 30:
+                    self._finish(seq)
+
+    def _finish(self, seq: Sequence) -> None:
+        self.scheduler.finish(seq)
+        self.live.remove(seq)
+
+    @precondition(lambda self: self.live)
+    @rule(index=st.integers(0, 100))
+    def abort(self, index: int) -> None:
+        self._finish(self.live[index % len(self.live)])
+
+    @precondition(lambda self: self.scheduler.running)
+    @rule()
+    def preempt_newest(self) -> None:
+        self.scheduler._preempt(self.scheduler.running.pop())
+
+    @invariant()
+    def ref_counts_match_block_tables(self) -> None:
+        pool = self.kv.pool
+        held: dict[int, int] = {}
+        for seq in self.live:
+            for block_id in seq.block_table:
+                held[block_id] = held.get(block_id, 0) + 1
+        for block in pool.blocks:
+            assert block.ref_count >= 0
+            assert block.ref_count == held.get(block.block_id, 0)
+        assert pool.num_free == sum(1 for b in pool.blocks if b.ref_count == 0)
+        assert all(not seq.block_table for seq in self.scheduler.waiting), "waiting sequences hold no blocks"
+
+    @invariant()
+    def computed_tokens_are_in_the_cache(self) -> None:
+        for seq in self.scheduler.running:
+            for pos in range(seq.num_computed_tokens):
+                slot = seq.block_table[pos // BLOCK] * BLOCK + pos % BLOCK
+                assert self.cache.get(slot) == seq.token_ids[pos]
+
+    @invariant()
+    def cached_blocks_hold_their_tokens(self) -> None:
+        for block_hash, block_id in self.kv.pool._cached.items():
+            block = self.kv.pool.blocks[block_id]
+            assert block.hash == block_hash
+            written = [self.cache.get(block_id * BLOCK + i) for i in range(BLOCK)]
+            assert tuple(written) == block.token_ids
+
+    def teardown(self) -> None:
+        for seq in list(self.live):
+            self._finish(seq)
+        assert self.kv.pool.num_free == NUM_BLOCKS, "blocks leaked"
+
+
+TestEngineMachine = EngineMachine.TestCase
+TestEngineMachine.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
+
+
+def test_hash_chains_over_the_parent() -> None:
+    a = hash_block(None, [1, 2, 3, 4])
+    assert hash_block(a, [5, 6, 7, 8]) != hash_block(hash_block(None, [0, 2, 3, 4]), [5, 6, 7, 8])
+    assert hash_block(a, [5, 6, 7, 8]) == hash_block(hash_block(None, [1, 2, 3, 4]), [5, 6, 7, 8])
+
+
+def test_lru_eviction_takes_the_least_recently_freed_cached_block() -> None:
+    pool = BlockPool(3)
+    a, b, c = pool.allocate(3)
+    for block_id, tokens in ((a, [1]), (b, [2]), (c, [3])):
+        pool.commit(block_id, hash_block(None, tokens), tokens)
+    pool.free([b])
+    pool.free([a])
+    pool.free([c])
+    assert pool.num_cached == 3
+    (taken,) = pool.allocate(1)
+    assert taken == b
+    assert pool.lookup(hash_block(None, [2])) is None
+    assert pool.lookup(hash_block(None, [1])) == a
+
+
+def test_a_hit_revives_a_free_cached_block() -> None:
+    pool = BlockPool(2)
+    (a,) = pool.allocate(1)
+    pool.commit(a, hash_block(None, [7]), [7])
+    pool.free([a])
+    assert pool.num_free == 2
+    pool.take_cached(pool.lookup(hash_block(None, [7])))
+    assert pool.num_free == 1 and pool.blocks[a].ref_count == 1

@@ -1,0 +1,125 @@
+"""The sampler keeps exactly the right tokens and draws from the right distribution."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from scipy.stats import chisquare
+
+from tokenmill.layers.sampler import (
+    Sampler,
+    SamplingBatch,
+    apply_min_p,
+    apply_penalties,
+    apply_top_k_top_p,
+)
+
+
+def batch_of(rows: int, *, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, generators=None,
+             num_logprobs=-1) -> SamplingBatch:
+    full = lambda v, dt=torch.float32: torch.full((rows,), v, dtype=dt)  # noqa: E731
+    return SamplingBatch(
+        temperature=full(temperature), top_k=full(top_k, torch.int64), top_p=full(top_p), min_p=full(min_p),
+        repetition_penalty=full(1.0), presence_penalty=full(0.0), frequency_penalty=full(0.0),
+        generators=generators or [None] * rows, num_logprobs=num_logprobs, all_greedy=temperature == 0,
+        needs_top_k_top_p=top_k > 0 or top_p < 1, needs_min_p=min_p > 0)
+
+
+# probabilities 0.4, 0.3, 0.15, 0.1, 0.05 (in a shuffled order)
+PROBS = torch.tensor([0.1, 0.4, 0.05, 0.3, 0.15])
+LOGITS = PROBS.log()[None, :]
+
+
+def kept(logits: torch.Tensor) -> set[int]:
+    return set(torch.nonzero(torch.isfinite(logits[0])).flatten().tolist())
+
+
+@pytest.mark.parametrize("k, expected", [(1, {1}), (2, {1, 3}), (4, {0, 1, 3, 4}), (0, {0, 1, 2, 3, 4})])
+def test_top_k_keeps_the_k_most_likely(k: int, expected: set[int]) -> None:
+    assert kept(apply_top_k_top_p(LOGITS, torch.tensor([k]), torch.tensor([1.0]))) == expected
+
+
+@pytest.mark.parametrize("p, expected", [(0.4, {1}), (0.41, {1, 3}), (0.7, {1, 3}), (0.71, {1, 3, 4}),
+                                         (0.95, {0, 1, 3, 4}), (1.0, {0, 1, 2, 3, 4})])
+def test_top_p_keeps_the_smallest_set_reaching_p(p: float, expected: set[int]) -> None:
+    assert kept(apply_top_k_top_p(LOGITS, torch.tensor([0]), torch.tensor([p]))) == expected
+
+
+def test_top_k_then_top_p_renormalises_over_the_top_k() -> None:
+    # top-2 leaves 0.4/0.7 and 0.3/0.7; p = 0.5 then keeps only the first
+    assert kept(apply_top_k_top_p(LOGITS, torch.tensor([2]), torch.tensor([0.5]))) == {1}
+
+
+@pytest.mark.parametrize("min_p, expected", [(0.2, {0, 1, 3, 4}), (0.3, {1, 3, 4}), (0.8, {1}), (0.0, {0, 1, 2, 3, 4})])
+def test_min_p_drops_tokens_below_a_fraction_of_the_best(min_p: float, expected: set[int]) -> None:
+    assert kept(apply_min_p(LOGITS, torch.tensor([min_p]))) == expected
+
+
+def test_per_row_parameters_apply_to_their_own_row() -> None:
+    logits = LOGITS.repeat(2, 1)
+    out = apply_top_k_top_p(logits, torch.tensor([1, 0]), torch.tensor([1.0, 1.0]))
+    assert kept(out[:1]) == {1} and kept(out[1:]) == {0, 1, 2, 3, 4}
+
+
+def test_greedy_takes_the_argmax_and_reports_logprobs() -> None:
+    out = Sampler()(LOGITS.repeat(3, 1), batch_of(3, temperature=0.0, num_logprobs=2))
+    assert out.token_ids.tolist() == [1, 1, 1]
+    assert out.logprob_token_ids[0].tolist() == [1, 1, 3]
+    assert torch.allclose(out.logprobs[0], torch.tensor([0.4, 0.4, 0.3]).log())
+
+
+def test_seeded_rows_reproduce_whatever_shares_the_batch() -> None:
+    def draw(rows: int, row: int) -> list[int]:
+        gens = [None] * rows
+        gens[row] = torch.Generator().manual_seed(5)
+        logits = torch.randn(rows, 50)
+        logits[row] = torch.linspace(0, 3, 50)
+        sampler, batch = Sampler(), batch_of(rows, generators=gens)
+        return [sampler(logits, batch).token_ids[row].item() for _ in range(20)]
+
+    alone = draw(1, 0)
+    assert draw(6, 4) == alone
+    assert draw(3, 2) == alone
+
+
+def test_sampled_frequencies_match_the_distribution() -> None:
+    torch.manual_seed(0)
+    rows = 20000
+    out = Sampler()(LOGITS.repeat(rows, 1), batch_of(rows))
+    counts = torch.bincount(out.token_ids, minlength=5).double()
+    expected = PROBS.double() / PROBS.double().sum() * rows
+    result = chisquare(counts.numpy(), expected.numpy())
+    assert result.pvalue > 1e-3, (counts, result)
+
+
+def test_temperature_sharpens_the_distribution() -> None:
+    torch.manual_seed(0)
+    rows = 20000
+    out = Sampler()(LOGITS.repeat(rows, 1), batch_of(rows, temperature=0.5))
+    squared = PROBS.double() ** 2
+    expected = squared / squared.sum()
+    counts = torch.bincount(out.token_ids, minlength=5).double()
+    assert chisquare(counts.numpy(), (expected * rows).numpy()).pvalue > 1e-3
+
+
+def test_top_p_sampling_never_leaves_the_nucleus() -> None:
+    torch.manual_seed(0)
+    out = Sampler()(LOGITS.repeat(5000, 1), batch_of(5000, top_p=0.7))
+    assert set(out.token_ids.tolist()) == {1, 3}
+
+
+def test_penalties() -> None:
+    logits = torch.tensor([[2.0, -2.0, 1.0, 1.0]])
+    batch = batch_of(1)
+    batch.repetition_penalty = torch.tensor([2.0])
+    batch.presence_penalty = torch.tensor([0.5])
+    batch.frequency_penalty = torch.tensor([0.25])
+    batch.prompt_mask = torch.tensor([[True, False, False, False]])
+    batch.output_counts = torch.tensor([[0.0, 2.0, 0.0, 0.0]])
+    out = apply_penalties(logits, batch)
+    # token 0: in the prompt, positive -> halved; token 1: output twice, negative -> doubled,
+    # minus 0.25 * 2 and 0.5; tokens 2, 3 untouched
+    assert torch.allclose(out, torch.tensor([[1.0, -4.0 - 0.5 - 0.5, 1.0, 1.0]]))
+    assert math.isclose(out[0, 1].item(), -5.0)

@@ -1,0 +1,103 @@
+"""OpenAI-style errors: every failure leaves the server as ``{"error": {...}}`` with the
+right status, so clients (the openai package first) raise the matching exception.
+Bad input is a 400, never a 500."""
+
+from __future__ import annotations
+
+import json
+import logging
+from http import HTTPStatus
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from tokenmill.engine.async_engine import EngineStepError, EngineStopped, QueueFull
+from tokenmill.entrypoints.openai.protocol import ErrorInfo, ErrorResponse
+
+logger = logging.getLogger(__name__)
+
+_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    500: "internal_server_error",
+    503: "service_unavailable",
+}
+
+
+class APIError(Exception):
+    """An error meant for the client, with its HTTP status."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+
+    def body(self) -> ErrorResponse:
+        return ErrorResponse(error=ErrorInfo(message=self.message, type=_TYPES.get(self.status, "error"),
+                                             param=self.param, code=self.code))
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body().model_dump(), status_code=self.status)
+
+
+def to_api_error(exc: BaseException) -> APIError:
+    """Map any exception to what the client should see; unknown ones are server bugs (500)."""
+    if isinstance(exc, APIError):
+        return exc
+    if isinstance(exc, QueueFull | EngineStopped):
+        return APIError(503, str(exc), code="unavailable")
+    if isinstance(exc, EngineStepError):
+        return APIError(500, str(exc), code="engine_error")
+    if isinstance(exc, ValueError):
+        return APIError(400, str(exc), code="invalid_value")
+    logger.exception("unexpected error", exc_info=exc)
+    return APIError(500, f"internal error: {type(exc).__name__}", code="internal_error")
+
+
+def _validation_error(exc: RequestValidationError) -> APIError:
+    errors = exc.errors()
+    first = errors[0] if errors else {}
+    if first.get("type") == "json_invalid":
+        return APIError(400, f"the body is not valid JSON: {first.get('ctx', {}).get('error', '')}".rstrip(": "),
+                        code="invalid_json")
+    loc = [str(part) for part in first.get("loc", ()) if part != "body"]
+    param = ".".join(loc) or None
+    message = "; ".join(
+        f"{'.'.join(str(p) for p in e.get('loc', ()) if p != 'body') or 'body'}: {e.get('msg', 'invalid')}"
+        for e in errors[:5])
+    return APIError(400, message, param=param, code="invalid_type" if "type" in first.get("type", "") else
+                    "invalid_value")
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    """Route validation errors, ValueErrors, HTTP errors and anything unexpected to the
+    OpenAI error body."""
+
+    @app.exception_handler(RequestValidationError)
+    async def _on_validation(_: Request, exc: RequestValidationError) -> JSONResponse:
+        return _validation_error(exc).response()
+
+    @app.exception_handler(json.JSONDecodeError)
+    async def _on_json(_: Request, exc: json.JSONDecodeError) -> JSONResponse:
+        return APIError(400, f"the body is not valid JSON: {exc}", code="invalid_json").response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _on_http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        try:
+            phrase = HTTPStatus(exc.status_code).phrase
+        except ValueError:
+            phrase = "error"
+        return APIError(exc.status_code, str(exc.detail or phrase)).response()
+
+    for exc_type in (APIError, ValueError, QueueFull, EngineStopped, EngineStepError, Exception):
+        app.add_exception_handler(exc_type, _on_error)
+
+
+async def _on_error(_: Request, exc: Exception) -> JSONResponse:
+    return to_api_error(exc).response()
