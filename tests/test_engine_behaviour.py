@@ -1,0 +1,183 @@
+"""Stopping, detokenization, logprobs, logits pruning and bad input, on a tiny model with a tokenizer."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from helpers import make_model_dir, make_tokenizer
+from tokenmill import LLM, SamplingParams
+from tokenmill.tokenizer import IncrementalDetokenizer
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny-with-tokenizer")
+    make_model_dir("llama3", path)
+    make_tokenizer(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def llm(model_dir):
+    return LLM(str(model_dir), device="cpu", dtype="float32", max_num_seqs=4, max_num_batched_tokens=32)
+
+
+def greedy(max_tokens: int = 16, **kw) -> SamplingParams:
+    return SamplingParams(temperature=0, max_tokens=max_tokens, **kw)
+
+
+def test_detokenizer_never_emits_half_a_character(model_dir) -> None:
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(model_dir))
+    text = "naïve café 日本語 🙂 ✓"
+    ids = tok.encode(text)
+    # Split multi-byte characters across tokens by encoding byte by byte where possible.
+    detok = IncrementalDetokenizer(tok, [])
+    pieces = [detok.add(i) for i in ids]
+    assert "".join(pieces) == text
+    assert all("\ufffd" not in p for p in pieces)
+
+
+def test_detokenizer_holds_back_partial_utf8(model_dir) -> None:
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(model_dir))
+    vocab = tok.get_vocab()
+    # The byte-level pieces of "🙂" (F0 9F 99 82), one token per byte.
+    byte_tokens = [vocab[c] for c in "ðŁĻĤ"]
+    detok = IncrementalDetokenizer(tok, [])
+    pieces = [detok.add(i) for i in byte_tokens]
+    assert pieces[:3] == ["", "", ""] and pieces[3] == "🙂"
+
+
+def test_stop_string_ends_text_before_it(llm) -> None:
+    full = llm.generate("def fibonacci(n):", greedy(24, ignore_eos=True), use_tqdm=False)[0].outputs[0]
+    assert len(full.text) > 6
+    stop = full.text[3:6]
+    out = llm.generate("def fibonacci(n):", greedy(24, stop=[stop], ignore_eos=True), use_tqdm=False)[0].outputs[0]
+    assert out.finish_reason == "stop" and out.stop_reason == stop
+    assert out.text == full.text[:full.text.index(stop)]
+    kept = llm.generate("def fibonacci(n):", greedy(24, stop=stop, include_stop_str_in_output=True, ignore_eos=True),
+                        use_tqdm=False)[0].outputs[0]
+    assert kept.text == full.text[:full.text.index(stop) + len(stop)]
+
+
+def test_stop_token_ids_and_min_tokens(llm) -> None:
+    full = llm.generate([5, 6, 7], greedy(12, ignore_eos=True), use_tqdm=False)[0].outputs[0]
+    stop_tok = full.token_ids[2]
+    first = full.token_ids.index(stop_tok)
+    out = llm.generate([5, 6, 7], greedy(12, stop_token_ids=[stop_tok], ignore_eos=True), use_tqdm=False)[0].outputs[0]
+    assert out.token_ids == full.token_ids[:first + 1]
+    assert out.finish_reason == "stop" and out.stop_reason == stop_tok
+    late = llm.generate([5, 6, 7], greedy(12, stop_token_ids=[stop_tok], min_tokens=first + 2, ignore_eos=True),
+                        use_tqdm=False)[0].outputs[0]
+    assert len(late.token_ids) >= first + 2
+    assert stop_tok not in late.token_ids[:first + 1]
+
+
+def test_eos_list_from_generation_config(tmp_path) -> None:
+    make_model_dir("llama3", tmp_path)
+    probe = LLM(str(tmp_path), device="cpu", dtype="float32")
+    toks = probe.generate([1, 2, 3], greedy(10, ignore_eos=True), use_tqdm=False)[0].outputs[0].token_ids
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [319, toks[3]]}))
+    llm = LLM(str(tmp_path), device="cpu", dtype="float32")
+    out = llm.generate([1, 2, 3], greedy(10), use_tqdm=False)[0].outputs[0]
+    assert out.token_ids == toks[:toks.index(toks[3]) + 1] and out.finish_reason == "stop"
+    ignored = llm.generate([1, 2, 3], greedy(10, ignore_eos=True), use_tqdm=False)[0].outputs[0]
+    assert ignored.token_ids == toks and ignored.finish_reason == "length"
+
+
+def test_logprobs_and_prompt_logprobs(llm) -> None:
+    out = llm.generate([[9, 8, 7, 6, 5] * 8], greedy(4, logprobs=3, prompt_logprobs=2, ignore_eos=True),
+                       use_tqdm=False)[0]
+    comp = out.outputs[0]
+    assert len(comp.logprobs) == 4
+    for token, lp in zip(comp.token_ids, comp.logprobs):
+        assert token in lp and 3 <= len(lp) <= 4
+        assert lp[token] == max(lp.values())  # greedy picks the most likely
+    assert comp.cumulative_logprob == pytest.approx(sum(lp[t] for t, lp in zip(comp.token_ids, comp.logprobs)))
+    prompt = out.prompt_token_ids
+    assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == len(prompt)
+    for token, lp in zip(prompt[1:], out.prompt_logprobs[1:]):
+        assert token in lp and all(v <= 0 for v in lp.values())
+
+
+def test_prompt_only_chunks_run_no_lm_head(model_dir, monkeypatch) -> None:
+    llm = LLM(str(model_dir), device="cpu", dtype="float32", max_num_batched_tokens=16)
+    rows = []
+    original = llm.engine.runner.model.compute_logits
+    monkeypatch.setattr(llm.engine.runner.model, "compute_logits", lambda h: rows.append(h.shape[0]) or original(h))
+    llm.generate([list(range(1, 60))], greedy(3, ignore_eos=True), use_tqdm=False)
+    # 59 prompt tokens in chunks of 16: 3 chunks with no LM head, then one row per step.
+    assert rows == [1, 1, 1]
+    assert llm.engine.stats.num_steps == 6
+
+
+def test_chat_applies_the_template(llm) -> None:
+    out = llm.chat([{"role": "user", "content": "hi"}], greedy(4, ignore_eos=True), use_tqdm=False)[0]
+    tok = llm.get_tokenizer()
+    assert tok.decode(out.prompt_token_ids) == "<|user|>\nhi<|end|>\n<|assistant|>\n"
+
+
+@pytest.mark.parametrize("prompt, params, message", [
+    ("", SamplingParams(), "empty"),
+    ([], SamplingParams(), "empty"),
+    ([1, 2, 100000], SamplingParams(), "outside the vocabulary"),
+    ([-1], SamplingParams(), "outside the vocabulary"),
+    ([1] * 600, SamplingParams(), "max_model_len"),
+])
+def test_bad_prompts_raise_and_the_engine_keeps_serving(llm, prompt, params, message) -> None:
+    with pytest.raises(ValueError, match=message):
+        llm.generate([[1, 2, 3], prompt], params, use_tqdm=False)
+    assert not llm.engine.has_unfinished_requests()
+    assert llm.engine.kv.num_blocks_in_use == 0
+    assert len(llm.generate([[1, 2, 3]], greedy(2), use_tqdm=False)[0].outputs[0].token_ids) == 2
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(max_tokens=0), "max_tokens"), (dict(temperature=-0.1), "temperature"), (dict(top_p=0.0), "top_p"),
+    (dict(top_p=1.5), "top_p"), (dict(n=0), "n must"), (dict(min_p=2.0), "min_p"),
+    (dict(min_tokens=5, max_tokens=2), "min_tokens"), (dict(stop=[""]), "stop"),
+])
+def test_bad_sampling_params_raise(kwargs, message) -> None:
+    with pytest.raises(ValueError, match=message):
+        SamplingParams(**kwargs)
+
+
+def test_abort_frees_blocks(llm) -> None:
+    engine = llm.engine
+    engine.add_request("a", [1, 2, 3] * 10, greedy(50, ignore_eos=True))
+    engine.add_request("b", [4, 5, 6] * 10, greedy(50, ignore_eos=True))
+    for _ in range(3):
+        engine.step()
+    assert engine.kv.num_blocks_in_use > 0
+    out = engine.abort_request("a")
+    assert out.finished and out.outputs[0].finish_reason == "abort"
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert engine.kv.num_blocks_in_use == 0
+    assert engine.abort_request("a") is None
+
+
+def test_unknown_model_directory_errors_are_clear(tmp_path) -> None:
+    with pytest.raises(ValueError, match="does not exist"):
+        LLM(str(tmp_path / "missing"))
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["GPT2LMHeadModel"]}))
+    with pytest.raises(ValueError, match="not supported; supported: LlamaForCausalLM"):
+        LLM(str(tmp_path))
+    make_model_dir("qwen2", tmp_path)
+    for f in tmp_path.glob("*.safetensors"):
+        f.unlink()
+    with pytest.raises(ValueError, match="no \\*.safetensors"):
+        LLM(str(tmp_path))
+
+
+def test_random_weights_cpu_kv_sizing(model_dir) -> None:
+    llm = LLM(str(model_dir), device="cpu", dtype="float32", max_num_seqs=2, cpu_kv_cache_gib=0.001)
+    per_block = 2 * 2 * 16 * 2 * 32 * 4
+    assert llm.engine.kv.pool.num_blocks == min(int(0.001 * (1 << 30)) // per_block, 2 * 512 // 16)
+    assert torch.is_tensor(llm.engine.runner.kv_cache)
