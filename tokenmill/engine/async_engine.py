@@ -76,6 +76,16 @@ class EngineSnapshot:
         return self.num_running + self.num_waiting
 
 
+@dataclass
+class _Command:
+    """Work for the engine thread; ``counts_as_pending`` marks an add that the admission
+    check already counts as waiting."""
+
+    fn: Callable[[LLMEngine], object]
+    future: Future
+    counts_as_pending: bool = False
+
+
 class RequestStream:
     """The outputs of one request, in order; iterating it to the end is the normal path,
     leaving early (a client that disconnects, a cancelled task) aborts the request."""
@@ -129,7 +139,7 @@ class AsyncEngine:
         self.max_waiting = max_waiting
         self.accepting = True
         self._streams: dict[str, RequestStream] = {}  # engine thread only
-        self._commands: list[tuple[Callable[[LLMEngine], object], Future]] = []
+        self._commands: list[_Command] = []
         self._wake = threading.Condition()
         self._stopping = False
         self._state_lock = threading.Lock()
@@ -214,14 +224,13 @@ class AsyncEngine:
     # --------------------------------------------------------- engine thread
     def _submit(self, fn: Callable[[LLMEngine], T], counts_as_pending: bool = False) -> Future:
         future: Future = Future()
-        future.counts_as_pending = counts_as_pending  # type: ignore[attr-defined]
         with self._wake:
             if self._stopping:
                 future.set_exception(EngineStopped("the engine has stopped"))
                 if counts_as_pending:
                     self._finish_pending(1)
                 return future
-            self._commands.append((fn, future))
+            self._commands.append(_Command(fn, future, counts_as_pending))
             self._wake.notify()
         return future
 
@@ -247,14 +256,14 @@ class AsyncEngine:
             self._abort_now(request_id)
         self._publish()
 
-    def _run_commands(self, commands: list[tuple[Callable[[LLMEngine], object], Future]]) -> None:
+    def _run_commands(self, commands: list[_Command]) -> None:
         added = 0
-        for fn, future in commands:
+        for command in commands:
             try:
-                future.set_result(fn(self.engine))
+                command.future.set_result(command.fn(self.engine))
             except Exception as exc:  # handed to the caller, e.g. a ValueError for bad input
-                future.set_exception(exc)
-            added += future.counts_as_pending  # type: ignore[attr-defined]
+                command.future.set_exception(exc)
+            added += command.counts_as_pending
         if added:
             # Publish first so that the admission check never sees a request in neither count.
             self._publish()

@@ -43,6 +43,7 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.9
     cpu_kv_cache_gib: float = 1.0
     static_batching: bool = False
+    enforce_eager: bool = False  # no CUDA graphs
     random_weights: bool = False  # real shapes, random values: for benchmarks
 
     def __post_init__(self) -> None:
@@ -88,7 +89,7 @@ class LLMEngine:
         started = time.monotonic()
         model = build_model(cfg, None if config.random_weights else model_dir, self.dtype, self.device,
                             max_len, config.seed)
-        self.load_seconds = time.monotonic() - started
+        load_seconds = time.monotonic() - started
         num_blocks = self._num_kv_blocks(max_len)
         capacity = num_blocks * config.block_size
         if capacity < max_len:
@@ -99,7 +100,11 @@ class LLMEngine:
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(
             SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, config.static_batching), self.kv)
-        self.runner = ModelRunner(cfg, model, num_blocks, config.block_size, self.device, self.dtype)
+        started = time.monotonic()
+        self.runner = ModelRunner(cfg, model, num_blocks, config.block_size, self.device, self.dtype,
+                                  max_num_seqs=config.max_num_seqs, max_model_len=max_len,
+                                  cuda_graphs=not config.enforce_eager)
+        self.startup_seconds = {"load": load_seconds, "kv_cache_and_graphs": time.monotonic() - started}
         self.requests: dict[str, Request] = {}
         self._seq_ids = itertools.count()
         self.stats = EngineStats()

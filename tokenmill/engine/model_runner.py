@@ -10,6 +10,7 @@ tokens this step.
 
 from __future__ import annotations
 
+import itertools
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -17,6 +18,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from tokenmill.engine.cuda_graphs import DecodeGraphs
 from tokenmill.engine.scheduler import ScheduledBatch
 from tokenmill.engine.sequence import Sequence
 from tokenmill.layers.attention import AttentionMetadata
@@ -38,6 +40,18 @@ class StepResult:
     logprobs: list[Logprobs | None] = field(default_factory=list)
     # Prompt logprobs computed this step: seq -> logprobs of its next prompt positions.
     prompt_logprobs: dict[Sequence, list[Logprobs]] = field(default_factory=dict)
+
+
+@dataclass
+class StepInputs:
+    """The flat ragged batch of one step, on the device, and which rows need the LM head."""
+
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    meta: AttentionMetadata
+    logits_rows: list[int]  # prompt-logprob rows first, then one row per sampled sequence
+    sampled: list[Sequence]
+    prompt_rows: list[tuple[Sequence, int, int]]  # (seq, first position, count)
 
 
 def build_model(cfg: ModelConfig, model_dir: Path | None, dtype: torch.dtype, device: torch.device,
@@ -70,7 +84,8 @@ def kv_cache_bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dty
 
 class ModelRunner:
     def __init__(self, cfg: ModelConfig, model: torch.nn.Module, num_blocks: int, block_size: int,
-                 device: torch.device, dtype: torch.dtype) -> None:
+                 device: torch.device, dtype: torch.dtype, max_num_seqs: int = 256, max_model_len: int = 2048,
+                 cuda_graphs: bool = True) -> None:
         self.cfg = cfg
         self.model = model
         self.block_size = block_size
@@ -82,51 +97,60 @@ class ModelRunner:
         self.kv_cache = cache
         self.kv_caches = [(cache[i, 0], cache[i, 1]) for i in range(cfg.num_layers)]
         self.sampler = Sampler()
+        self.graphs: DecodeGraphs | None = None
+        if cuda_graphs and device.type == "cuda":
+            self.graphs = DecodeGraphs(model, self.kv_caches, max_num_seqs, -(-max_model_len // block_size),
+                                       cfg.hidden_size, dtype, device)
+            self.graphs.capture()
+
+    def _to_device(self, array: np.ndarray) -> torch.Tensor:
+        """Host array to the device through pinned memory, without waiting for the GPU."""
+        tensor = torch.from_numpy(array)
+        if self.device.type != "cuda":
+            return tensor
+        return tensor.pin_memory().to(self.device, non_blocking=True)
 
     # ------------------------------------------------------------------ inputs
-    def _prepare(self, batch: ScheduledBatch) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata,
-                                                          list[int], list[Sequence], list[tuple[Sequence, int, int]]]:
+    def _prepare(self, batch: ScheduledBatch) -> StepInputs:
+        """Vectorised over tokens: the only per-sequence Python is reading its ids and table."""
         bs = self.block_size
-        ids, positions, slots = [], [], []
-        query_start = [0]
-        seq_lens = []
-        logits_rows: list[int] = []
-        sampled: list[Sequence] = []
-        prompt_rows: list[tuple[Sequence, int, int]] = []  # (seq, first position, count)
-        max_blocks = max(len(seq.block_table) for seq in batch.seqs)
-        tables = np.zeros((len(batch.seqs), max_blocks), dtype=np.int32)
-        for b, (seq, n) in enumerate(zip(batch.seqs, batch.num_tokens)):
-            start = seq.num_computed_tokens
-            pos = np.arange(start, start + n)
-            table = np.asarray(seq.block_table, dtype=np.int64)
-            tables[b, :len(table)] = table
-            ids.append(np.asarray(seq.token_ids[start:start + n], dtype=np.int64))
-            positions.append(pos)
-            slots.append(table[pos // bs] * bs + pos % bs)
-            row0 = query_start[-1]
-            if seq.prompt_logprobs is not None:
-                # Rows whose next token is still a prompt token give prompt logprobs.
-                first = len(seq.prompt_logprobs) - 1
-                last = min(start + n, seq.num_prompt_tokens - 1)
-                if first < last and first >= start:
-                    prompt_rows.append((seq, first, last - first))
-                    logits_rows.extend(range(row0 + first - start, row0 + last - start))
-            query_start.append(row0 + n)
-            seq_lens.append(start + n)
-            if start + n == seq.num_tokens:
-                logits_rows.append(query_start[-1] - 1)
-                sampled.append(seq)
-        dev = self.device
+        seqs, counts = batch.seqs, np.asarray(batch.num_tokens, dtype=np.int64)
+        starts = np.fromiter((s.num_computed_tokens for s in seqs), dtype=np.int64, count=len(seqs))
+        query_start = np.zeros(len(seqs) + 1, dtype=np.int32)
+        np.cumsum(counts, out=query_start[1:])
+        total = int(query_start[-1])
+        tables = np.zeros((len(seqs), max(len(s.block_table) for s in seqs)), dtype=np.int32)
+        for b, seq in enumerate(seqs):
+            tables[b, :len(seq.block_table)] = seq.block_table
+        owner = np.repeat(np.arange(len(seqs)), counts)
+        positions = np.arange(total) - np.repeat(query_start[:-1].astype(np.int64) - starts, counts)
+        slots = tables[owner, positions // bs].astype(np.int64) * bs + positions % bs
+        ids = np.fromiter(itertools.chain.from_iterable(
+            s.token_ids[st:st + n] for s, st, n in zip(seqs, starts.tolist(), batch.num_tokens)),
+            dtype=np.int64, count=total)
+        ends = (starts + counts).tolist()
+        sampled = [s for s, end in zip(seqs, ends) if end == s.num_tokens]
+        logits_rows, prompt_rows = [], []
+        for b, seq in enumerate(seqs):
+            if seq.prompt_logprobs is None:
+                continue
+            # Rows whose next token is still a prompt token give prompt logprobs.
+            first, last = len(seq.prompt_logprobs) - 1, min(ends[b], seq.num_prompt_tokens - 1)
+            if starts[b] <= first < last:
+                row0 = int(query_start[b]) - int(starts[b])
+                prompt_rows.append((seq, first, last - first))
+                logits_rows.extend(range(row0 + first, row0 + last))
+        logits_rows.extend(int(query_start[b + 1]) - 1 for b, (s, end) in enumerate(zip(seqs, ends))
+                           if end == s.num_tokens)
         meta = AttentionMetadata(
-            slot_mapping=torch.from_numpy(np.concatenate(slots)).to(dev),
-            query_start_loc=torch.tensor(query_start, dtype=torch.int32, device=dev),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
-            block_tables=torch.from_numpy(tables).to(dev),
-            max_query_len=max(batch.num_tokens),
+            slot_mapping=self._to_device(slots),
+            query_start_loc=self._to_device(query_start),
+            seq_lens=self._to_device((starts + counts).astype(np.int32)),
+            block_tables=self._to_device(tables),
+            max_query_len=int(counts.max()),
         )
-        input_ids = torch.from_numpy(np.concatenate(ids)).to(dev)
-        pos_t = torch.from_numpy(np.concatenate(positions)).to(dev)
-        return input_ids, pos_t, meta, logits_rows, sampled, prompt_rows
+        return StepInputs(self._to_device(ids), self._to_device(positions), meta, logits_rows, sampled,
+                          prompt_rows)
 
     def _sampling_batch(self, seqs: list[Sequence]) -> SamplingBatch:
         dev = self.device
@@ -135,15 +159,14 @@ class ModelRunner:
         def col(values: list, dtype: torch.dtype) -> torch.Tensor:
             return torch.tensor(values, dtype=dtype, device=dev)
 
+        # All per-row parameters in one host array, so they cross to the device in one copy.
+        table = self._to_device(np.array(
+            [[p.temperature, max(p.top_k, 0), p.top_p, p.min_p, p.repetition_penalty, p.presence_penalty,
+              p.frequency_penalty] for p in params], dtype=np.float32).T.copy())
         nums = [p.logprobs for p in params if p.logprobs is not None]
         batch = SamplingBatch(
-            temperature=col([p.temperature for p in params], torch.float32),
-            top_k=col([p.top_k if p.top_k > 0 else 0 for p in params], torch.int64),
-            top_p=col([p.top_p for p in params], torch.float32),
-            min_p=col([p.min_p for p in params], torch.float32),
-            repetition_penalty=col([p.repetition_penalty for p in params], torch.float32),
-            presence_penalty=col([p.presence_penalty for p in params], torch.float32),
-            frequency_penalty=col([p.frequency_penalty for p in params], torch.float32),
+            temperature=table[0], top_k=table[1].long(), top_p=table[2], min_p=table[3],
+            repetition_penalty=table[4], presence_penalty=table[5], frequency_penalty=table[6],
             generators=[s.generator for s in seqs],
             num_logprobs=max(nums) if nums else -1,
             all_greedy=all(p.temperature == 0 for p in params),
@@ -169,12 +192,16 @@ class ModelRunner:
     # --------------------------------------------------------------- execution
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch) -> StepResult:
-        input_ids, positions, meta, logits_rows, sampled, prompt_rows = self._prepare(batch)
-        hidden = self.model(input_ids, positions, self.kv_caches, meta)
+        inputs = self._prepare(batch)
+        meta, logits_rows, sampled, prompt_rows = inputs.meta, inputs.logits_rows, inputs.sampled, inputs.prompt_rows
+        if self.graphs is not None and meta.max_query_len == 1 and self.graphs.padded_size(len(batch)):
+            hidden = self.graphs.run(inputs.input_ids, inputs.positions, meta)
+        else:
+            hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, meta)
         result = StepResult(sampled_seqs=sampled)
         if not logits_rows:
             return result  # pure prefill chunks: no LM-head work at all
-        rows = torch.tensor(logits_rows, dtype=torch.int64, device=self.device)
+        rows = self._to_device(np.asarray(logits_rows, dtype=np.int64))
         logits = self.model.compute_logits(hidden[rows])
         num_prompt_rows = len(logits_rows) - len(sampled)
         if prompt_rows:

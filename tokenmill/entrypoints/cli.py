@@ -5,10 +5,13 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
+from tokenmill.bench.offline import BENCHMARKS, add_bench_args, run_bench
+from tokenmill.bench.serve import add_bench_serve_args, run_serve_bench
 from tokenmill.engine.llm_engine import EngineConfig, LLMEngine
+from tokenmill.entrypoints.openai.server import add_serve_args, run_server
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.tokenizer import apply_chat_template
 
@@ -121,27 +124,21 @@ def build_parser() -> argparse.ArgumentParser:
     _add_sampling_args(chat)
     chat.set_defaults(func=cmd_chat)
 
-    _add_optional_commands(sub)
+    serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
+    add_engine_args(serve)
+    add_serve_args(serve)
+    serve.set_defaults(func=run_server)
+
+    bench = sub.add_parser("bench", help="benchmarks: engine on the GPU, or load against a server")
+    bench_sub = bench.add_subparsers(dest="bench_command", required=True)
+    for name in BENCHMARKS:
+        engine_bench = bench_sub.add_parser(name, help=f"{name} benchmark on the GPU (random weights, real shapes)")
+        add_bench_args(engine_bench)
+        engine_bench.set_defaults(func=run_bench)
+    serve_bench = bench_sub.add_parser("serve", help="load generator against an OpenAI-compatible server")
+    add_bench_serve_args(serve_bench)
+    serve_bench.set_defaults(func=run_serve_bench)
     return parser
-
-
-def _add_optional_commands(sub: Any) -> None:
-    """serve and bench live in their own modules; they register themselves here."""
-    registrations: list[Callable[[Any], None]] = []
-    try:
-        from tokenmill.entrypoints.openai.server import add_serve_args, run_server
-
-        def _serve(sub: Any) -> None:
-            serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
-            add_engine_args(serve)
-            add_serve_args(serve)
-            serve.set_defaults(func=run_server)
-
-        registrations.append(_serve)
-    except ImportError:
-        pass
-    for register in registrations:
-        register(sub)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -67,12 +67,12 @@ def _validation_error(exc: RequestValidationError) -> APIError:
         return APIError(400, f"the body is not valid JSON: {first.get('ctx', {}).get('error', '')}".rstrip(": "),
                         code="invalid_json")
     loc = [str(part) for part in first.get("loc", ()) if part != "body"]
-    param = ".".join(loc) or None
+    param = loc[0] if loc else None
     message = "; ".join(
         f"{'.'.join(str(p) for p in e.get('loc', ()) if p != 'body') or 'body'}: {e.get('msg', 'invalid')}"
-        for e in errors[:5])
-    return APIError(400, message, param=param, code="invalid_type" if "type" in first.get("type", "") else
-                    "invalid_value")
+        for e in errors[:4])
+    code = "invalid_type" if "type" in first.get("type", "") else "invalid_value"
+    return APIError(400, message, param=param, code=code)
 
 
 def install_error_handlers(app: FastAPI) -> None:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -149,11 +149,11 @@ def sse(data: BaseModel | dict[str, Any] | str) -> str:
     return f"data: {payload}\n\n"
 
 
-async def sse_stream(events: Callable[[], AsyncIterator[BaseModel]], group: RequestGroup) -> AsyncIterator[str]:
-    """Server-sent events of ``events()``, then ``[DONE]``; an error mid-stream becomes an
+async def sse_stream(events: AsyncIterator[BaseModel], group: RequestGroup) -> AsyncIterator[str]:
+    """Server-sent events of ``events``, then ``[DONE]``; an error mid-stream becomes an
     error event (the status line is already sent) and the stream still ends with ``[DONE]``."""
     try:
-        async for event in events():
+        async for event in events:
             yield sse(event)
     except Exception as exc:
         yield sse(to_api_error(exc).body())
@@ -161,7 +161,3 @@ async def sse_stream(events: Callable[[], AsyncIterator[BaseModel]], group: Requ
         group.abort()
     yield sse("[DONE]")
 
-
-async def with_disconnect(raw: Request, work: Awaitable[Any]) -> Any:
-    """Await ``work``; kept for symmetry with streams, which Starlette cancels on disconnect."""
-    return await work

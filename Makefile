@@ -1,0 +1,40 @@
+# One command sets up and runs each job, from a fresh clone.
+#   make generate   set up, then complete "def fibonacci(n):" with the embedded model
+#   make serve      set up, then serve the embedded model on 127.0.0.1:8000 (OpenAI API)
+#   make test       set up with the test extras, then run the test suite (CPU)
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+# The CPU build of torch unless a CUDA driver is present (a plain `torch` pulls a multi-GB CUDA build).
+TORCH_SPEC ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && echo torch || echo torch==2.13.0)
+PROMPT ?= def fibonacci(n):
+
+.PHONY: setup setup-test generate serve test gpu-test clean
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+
+$(VENV)/.torch: $(BIN)/python
+	$(BIN)/pip install -q "$(TORCH_SPEC)"
+	touch $@
+
+setup: $(VENV)/.torch
+	$(BIN)/pip install -q -e .
+
+setup-test: $(VENV)/.torch
+	$(BIN)/pip install -q -e ".[test]"
+
+generate: setup
+	$(BIN)/tokenmill generate "$(PROMPT)"
+
+serve: setup
+	$(BIN)/tokenmill serve --host 127.0.0.1 --port 8000
+
+test: setup-test
+	$(BIN)/python -m pytest -q
+
+gpu-test: setup-test
+	$(BIN)/python -m pytest -q -m gpu
+
+clean:
+	rm -rf $(VENV) *.egg-info .pytest_cache

@@ -1,0 +1,12 @@
+"""``tokenmill bench`` without the server's dependencies (the GPU image lacks FastAPI):
+python benchmarks/run_engine_bench.py latency|batch|throughput|features|startup|all [--out F]."""
+
+import argparse
+import sys
+
+from tokenmill.bench.offline import BENCHMARKS, add_bench_args, run_bench
+
+parser = argparse.ArgumentParser()
+parser.add_argument("bench_command", choices=BENCHMARKS)
+add_bench_args(parser)
+sys.exit(run_bench(parser.parse_args()))

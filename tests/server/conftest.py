@@ -1,0 +1,86 @@
+"""One in-process server for the whole server suite: uvicorn on 127.0.0.1 (a free port
+picked by the OS) in a background thread, over a small CPU engine."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+import uvicorn
+
+from tokenmill.engine.async_engine import AsyncEngine
+from tokenmill.engine.llm_engine import EngineConfig, LLMEngine
+from tokenmill.entrypoints.openai.server import build_app
+
+from .tiny_model import model_dir_for_tests
+
+MODEL_NAME = "test-model"
+MAX_MODEL_LEN = 256
+
+
+def small_engine(model_dir: Path) -> LLMEngine:
+    """A small CPU engine: some requests wait (32 slots for up to 74 clients)."""
+    return LLMEngine(EngineConfig(model=str(model_dir), device="cpu", dtype="float32", max_num_seqs=32,
+                                  max_num_batched_tokens=512, max_model_len=MAX_MODEL_LEN, num_kv_blocks=512))
+
+
+@dataclass
+class LiveServer:
+    base_url: str
+    engine: LLMEngine
+    async_engine: AsyncEngine
+
+    def client(self, **kwargs: object) -> openai.OpenAI:
+        return openai.OpenAI(base_url=f"{self.base_url}/v1", api_key="unused", max_retries=0, timeout=60, **kwargs)
+
+    def async_client(self) -> openai.AsyncOpenAI:
+        return openai.AsyncOpenAI(base_url=f"{self.base_url}/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+@pytest.fixture(scope="session")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return model_dir_for_tests(tmp_path_factory.mktemp("tiny_model"))
+
+
+@pytest.fixture(scope="session")
+def server(model_dir: Path) -> Iterator[LiveServer]:
+    engine = small_engine(model_dir)
+    async_engine = AsyncEngine(engine, max_waiting=512)
+    app = build_app(async_engine, MODEL_NAME)
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    uv = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5))
+    thread = threading.Thread(target=uv.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not uv.started:
+        assert time.monotonic() < deadline and thread.is_alive(), "the test server did not start"
+        time.sleep(0.05)
+    try:
+        yield LiveServer(f"http://127.0.0.1:{port}", engine, async_engine)
+    finally:
+        uv.should_exit = True
+        thread.join(30)
+        sock.close()
+        async_engine.close()
+
+
+@pytest.fixture()
+def http(server: LiveServer) -> Iterator[httpx.Client]:
+    with httpx.Client(base_url=server.base_url, timeout=60) as client:
+        yield client
+
+
+@pytest.fixture(scope="session")
+def spare_engine(model_dir: Path) -> LLMEngine:
+    """A second engine for tests that need their own AsyncEngine (queue limits, failures)."""
+    return small_engine(model_dir)

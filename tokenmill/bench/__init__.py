@@ -1,0 +1,1 @@
+"""Benchmarks: ``serve`` drives an OpenAI-compatible server with a reproducible workload."""

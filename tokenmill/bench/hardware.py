@@ -1,0 +1,77 @@
+"""The two ceilings every benchmark is measured against, taken on the GPU in the
+same run: device-memory bandwidth and the bf16 matrix rate."""
+
+from __future__ import annotations
+
+import os
+import platform
+import subprocess
+from dataclasses import asdict, dataclass
+from datetime import datetime, timezone
+
+import torch
+
+
+def time_cuda(fn, warmup: int = 3, repeat: int = 10) -> float:
+    """Median seconds of ``fn`` on the current stream, timed with CUDA events."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeat):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return sorted(times)[len(times) // 2]
+
+
+@dataclass
+class Ceilings:
+    bandwidth: float  # bytes/s, device-to-device copy counting bytes read + written
+    matmul_rate: float  # FLOP/s, 8192^3 bf16 on random data
+
+    def floor(self, bytes_: float, flops: float) -> float:
+        return max(bytes_ / self.bandwidth, flops / self.matmul_rate)
+
+
+def measure_ceilings() -> Ceilings:
+    src = torch.randn(1 << 30, device="cuda", dtype=torch.float32)  # 4 GiB
+    dst = torch.empty_like(src)
+    copy = time_cuda(lambda: dst.copy_(src))
+    del src, dst
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    mm = time_cuda(lambda: a @ b)
+    del a, b
+    torch.cuda.empty_cache()
+    return Ceilings(bandwidth=2 * (4 << 30) / copy, matmul_rate=2 * 8192 ** 3 / mm)
+
+
+def _git_commit() -> str:
+    """The commit measured; TOKENMILL_COMMIT names it where the tree travels without .git."""
+    if os.environ.get("TOKENMILL_COMMIT"):
+        return os.environ["TOKENMILL_COMMIT"]
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                              check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def environment(ceilings: Ceilings | None, command: str) -> dict:
+    """What a result file must say about where and how it was measured."""
+    import transformers
+
+    return {
+        "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "none",
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "transformers": transformers.__version__,
+        "python": platform.python_version(),
+        "commit": _git_commit(),
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "command": command,
+        "ceilings": asdict(ceilings) if ceilings else None,
+    }

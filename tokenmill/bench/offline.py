@@ -1,0 +1,311 @@
+"""Engine benchmarks on the GPU, each figure beside its floor and its peer.
+
+``tokenmill bench latency|batch|throughput|features|startup|all`` runs
+tokenmill on random weights in real shapes, meters every step's floor (bytes
+over measured bandwidth, FLOPs over measured matrix rate, whichever is
+larger), and runs transformers on the same GPU in the same call as the peer.
+Results go to JSON (one row per figure, each with ``name``, its figures,
+``floor`` and ``fraction_of_floor`` = floor / measured) and a table on stdout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import random
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tokenmill.bench import hf_peer
+from tokenmill.bench.hardware import Ceilings, environment, measure_ceilings, time_cuda
+from tokenmill.bench.shapes import kv_bytes_per_token, shape_dir, step_cost
+from tokenmill.engine.llm_engine import EngineConfig, LLMEngine
+from tokenmill.sampling_params import SamplingParams
+
+
+@dataclass
+class StepRecord:
+    seconds: float
+    floor: float
+    decode: bool
+    batch_size: int
+    tokens: int
+
+
+def make_engine(shape: str, **options: Any) -> LLMEngine:
+    defaults = dict(dtype="bfloat16", device="cuda", random_weights=True, max_model_len=8192)
+    return LLMEngine(EngineConfig(model=str(shape_dir(shape)), **{**defaults, **options}))
+
+
+def release(*objects: Any) -> None:
+    """Free GPU memory between engines and peers, which each take most of it."""
+    del objects
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
+def run_metered(engine: LLMEngine, ceilings: Ceilings) -> tuple[list[StepRecord], float, int]:
+    """Step the engine until idle, recording each step's time and floor.
+    Returns (steps, wall seconds, peak KV blocks in use)."""
+    cfg = engine.model_config
+    schedule = engine.scheduler.schedule
+    shapes: list[tuple[list[int], list[int], int]] = []
+
+    def metered_schedule():
+        batch = schedule()
+        contexts = [s.num_computed_tokens + n for s, n in zip(batch.seqs, batch.num_tokens)]
+        sampled = sum(1 for s, c in zip(batch.seqs, contexts) if c == s.num_tokens)
+        shapes.append((list(batch.num_tokens), contexts, sampled))
+        return batch
+
+    engine.scheduler.schedule = metered_schedule
+    records, peak = [], 0
+    torch.cuda.synchronize()
+    started = time.perf_counter()
+    try:
+        while engine.has_unfinished_requests():
+            t0 = time.perf_counter()
+            engine.step()
+            seconds = time.perf_counter() - t0
+            peak = max(peak, engine.kv.num_blocks_in_use)
+            query_lens, contexts, sampled = shapes[-1]
+            if query_lens:
+                bytes_, flops = step_cost(cfg, query_lens, contexts, sampled)
+                records.append(StepRecord(seconds, ceilings.floor(bytes_, flops), max(query_lens) == 1,
+                                          len(query_lens), sum(query_lens)))
+        torch.cuda.synchronize()
+    finally:
+        engine.scheduler.schedule = schedule
+    return records, time.perf_counter() - started, peak
+
+
+def random_prompt(rng: random.Random, length: int, vocab: int) -> list[int]:
+    return [rng.randrange(vocab) for _ in range(length)]
+
+
+def decode_steps(engine: LLMEngine, ceilings: Ceilings, prompts: list[list[int]], new_tokens: int) -> dict:
+    """Median decode step of ``prompts`` generating ``new_tokens`` each (prefill excluded)."""
+    params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"r{i}", prompt, params)
+    records, _, _ = run_metered(engine, ceilings)
+    decode = [r for r in records if r.decode and r.batch_size == len(prompts)]
+    ms = statistics.median(r.seconds for r in decode) * 1e3
+    floor_ms = statistics.median(r.floor for r in decode) * 1e3
+    return {"ms_per_step": ms, "tok_per_s": len(prompts) / ms * 1e3, "floor_ms": floor_ms,
+            "fraction_of_floor": floor_ms / ms, "steps_timed": len(decode)}
+
+
+# ------------------------------------------------------------------ benchmarks
+def bench_latency(ceilings: Ceilings, shapes: list[str], contexts: list[int], peer: bool) -> list[dict]:
+    rows = []
+    for shape in shapes:
+        engine = make_engine(shape, max_num_seqs=8)
+        vocab = engine.model_config.vocab_size
+        rng = random.Random(0)
+        for ctx in contexts:
+            result = decode_steps(engine, ceilings, [random_prompt(rng, ctx, vocab)], 64)
+            rows.append({"name": f"latency/{shape}/ctx{ctx}", "batch": 1, "context": ctx, **result})
+        release(engine)
+        if peer:
+            ms = hf_peer.decode_ms_per_step(shape, batch=1, context=contexts[0])
+            rows[-len(contexts)]["peer_transformers_ms_per_step"] = ms
+    return rows
+
+
+def bench_batch(ceilings: Ceilings, shapes: list[str], sizes: list[int], peer_sizes: list[int],
+                peer: bool) -> list[dict]:
+    rows = []
+    for shape in shapes:
+        engine = make_engine(shape, max_num_seqs=max(sizes))
+        prompt = random_prompt(random.Random(1), 128, engine.model_config.vocab_size)
+        base = None
+        for size in sizes:
+            result = decode_steps(engine, ceilings, [prompt] * size, 64)
+            base = base or result["tok_per_s"]
+            rows.append({"name": f"batch/{shape}/b{size}", "batch": size, "context": 128, **result,
+                         "speedup_over_one_stream": result["tok_per_s"] / base})
+        release(engine)
+        if peer:
+            for row in rows[-len(sizes):]:
+                if row["batch"] in peer_sizes:
+                    ms = hf_peer.decode_ms_per_step(shape, batch=row["batch"], context=128)
+                    row["peer_transformers_ms_per_step"] = ms
+                    row["peer_transformers_tok_per_s"] = row["batch"] / ms * 1e3
+    return rows
+
+
+def standard_workload(num_requests: int = 256, low: int = 100, high: int = 1024, seed: int = 0,
+                      vocab: int = 32000) -> list[tuple[list[int], int]]:
+    """nano-vllm's offline workload: prompt and output lengths uniform in [low, high]."""
+    rng = random.Random(seed)
+    return [(random_prompt(rng, rng.randint(low, high), vocab), rng.randint(low, high))
+            for _ in range(num_requests)]
+
+
+def run_workload(engine: LLMEngine, ceilings: Ceilings, workload: list[tuple[list[int], int]]) -> dict:
+    for i, (prompt, out_len) in enumerate(workload):
+        engine.add_request(f"w{i}", prompt, SamplingParams(temperature=0, max_tokens=out_len, ignore_eos=True))
+    records, wall, peak = run_metered(engine, ceilings)
+    out_tokens = sum(n for _, n in workload)
+    total_tokens = out_tokens + sum(len(p) for p, _ in workload)
+    floor = sum(r.floor for r in records)
+    running = [r.batch_size for r in records if r.decode]
+    return {"requests": len(workload), "seconds": wall, "output_tok_per_s": out_tokens / wall,
+            "total_tok_per_s": total_tokens / wall, "floor_seconds": floor, "fraction_of_floor": floor / wall,
+            "steps": len(records), "mean_decode_batch": statistics.mean(running) if running else 0.0,
+            "peak_kv_blocks": peak}
+
+
+def bench_throughput(ceilings: Ceilings, shapes: list[str], peer: bool, peer_requests: int) -> list[dict]:
+    rows = []
+    for shape in shapes:
+        engine = make_engine(shape, max_num_seqs=256, max_num_batched_tokens=8192)
+        workload = standard_workload(vocab=engine.model_config.vocab_size)
+        result = run_workload(engine, ceilings, workload)
+        rows.append({"name": f"throughput/{shape}", **result})
+        release(engine)
+        if peer:
+            rows[-1]["peer_transformers_generate_batch"] = hf_peer.generate_batch(shape, workload[:peer_requests])
+            peer_tps = rows[-1]["peer_transformers_generate_batch"]["output_tok_per_s"]
+            rows[-1]["speedup_over_peer"] = result["output_tok_per_s"] / peer_tps
+    return rows
+
+
+def bench_features(ceilings: Ceilings) -> list[dict]:
+    rows = []
+    # CUDA graphs on and off: decode steps of a small model, where launch gaps dominate.
+    for eager in (False, True):
+        engine = make_engine("llama3.2-1b", max_num_seqs=64, enforce_eager=eager)
+        prompt = random_prompt(random.Random(2), 128, engine.model_config.vocab_size)
+        for size in (1, 64):
+            result = decode_steps(engine, ceilings, [prompt] * size, 32)
+            rows.append({"name": f"features/cuda_graphs/{'off' if eager else 'on'}/b{size}", **result})
+        release(engine)
+    # Continuous batching against static waves on the standard workload.
+    for static in (False, True):
+        engine = make_engine("qwen3-0.6b", max_num_seqs=64, max_num_batched_tokens=8192, static_batching=static)
+        result = run_workload(engine, ceilings, standard_workload(128, vocab=engine.model_config.vocab_size))
+        result["utilisation"] = result["mean_decode_batch"] / 64
+        mode = "static" if static else "continuous"
+        block_bytes = kv_bytes_per_token(engine.model_config) * engine.config.block_size
+        if not static:
+            paged = result["peak_kv_blocks"] * block_bytes
+            contiguous = 64 * engine.max_model_len * kv_bytes_per_token(engine.model_config)
+            rows.append({"name": "features/paged_kv_memory", "paged_peak_bytes": paged,
+                         "contiguous_max_len_bytes": contiguous, "ratio": contiguous / paged})
+        rows.append({"name": f"features/batching/{mode}", **result})
+        release(engine)
+    # Prefix caching on a workload whose prompts share a long system prefix.
+    for caching in (True, False):
+        engine = make_engine("qwen3-0.6b", max_num_seqs=128, enable_prefix_caching=caching)
+        rng = random.Random(3)
+        vocab = engine.model_config.vocab_size
+        prefix = random_prompt(rng, 1024, vocab)
+        workload = [(prefix + random_prompt(rng, 32, vocab), 64) for _ in range(128)]
+        result = run_workload(engine, ceilings, workload)
+        result["prefix_hit_rate"] = engine.kv.hit_tokens / max(1, engine.kv.query_tokens)
+        rows.append({"name": f"features/prefix_caching/{'on' if caching else 'off'}", **result})
+        release(engine)
+    rows.extend(_sampling_and_pruning_costs())
+    return rows
+
+
+def _sampling_and_pruning_costs() -> list[dict]:
+    """What sampling on the device and logits pruning save, timed on the Qwen3-8B head."""
+    hidden, vocab, batch, prefill = 4096, 151936, 256, 8192
+    head = torch.randn(vocab, hidden, device="cuda", dtype=torch.bfloat16) * 0.02
+    logits = torch.randn(batch, vocab, device="cuda", dtype=torch.float32)
+    ids = logits.argmax(dim=-1)
+    pinned_logits = torch.empty(logits.shape, dtype=logits.dtype, pin_memory=True)
+    host = time_cuda(lambda: pinned_logits.copy_(logits, non_blocking=True))
+    device = time_cuda(lambda: ids.cpu())
+    rows_all = torch.randn(prefill, hidden, device="cuda", dtype=torch.bfloat16)
+    all_rows = time_cuda(lambda: rows_all @ head.T)
+    pruned = time_cuda(lambda: rows_all[-batch:] @ head.T)
+    release(head, logits, rows_all)
+    return [
+        {"name": "features/sampling_on_device", "batch": batch, "bytes_to_host_on_device_sampling": batch * 8,
+         "bytes_to_host_copying_logits": batch * vocab * 4, "ms_copy_ids": device * 1e3,
+         "ms_copy_logits": host * 1e3},
+        {"name": "features/logits_pruning", "prefill_tokens": prefill, "sampled_rows": batch,
+         "ms_lm_head_all_rows": all_rows * 1e3, "ms_lm_head_sampled_rows": pruned * 1e3,
+         "flops_saved": 2.0 * (prefill - batch) * vocab * hidden},
+    ]
+
+
+def bench_startup(shape: str = "llama3-8b") -> list[dict]:
+    started = time.perf_counter()
+    engine = make_engine(shape, max_num_seqs=256)
+    total = time.perf_counter() - started
+    graphs = engine.runner.graphs
+    row = {"name": f"startup/{shape}", "seconds_total": total, **engine.startup_seconds,
+           "graph_capture_seconds": graphs.capture_seconds if graphs else None,
+           "graph_batch_sizes": graphs.sizes if graphs else None}
+    release(engine)
+    return [row]
+
+
+# ----------------------------------------------------------------------- output
+def print_table(rows: list[dict]) -> None:
+    print(f"{'name':44s} {'measured':>14s} {'floor':>10s} {'of floor':>8s} {'peer':>14s}")
+    for row in rows:
+        if "ms_per_step" in row:
+            measured = f"{row['ms_per_step']:.2f} ms"
+            floor = f"{row['floor_ms']:.2f} ms"
+        elif "output_tok_per_s" in row:
+            measured = f"{row['output_tok_per_s']:.0f} tok/s"
+            floor = f"{row['floor_seconds']:.1f} s"
+        else:
+            measured = floor = ""
+        frac = f"{row['fraction_of_floor']:.0%}" if "fraction_of_floor" in row else ""
+        peer = ""
+        if "peer_transformers_ms_per_step" in row:
+            peer = f"{row['peer_transformers_ms_per_step']:.1f} ms"
+        elif "peer_transformers_generate_batch" in row:
+            peer = f"{row['peer_transformers_generate_batch']['output_tok_per_s']:.0f} tok/s"
+        print(f"{row['name']:44s} {measured:>14s} {floor:>10s} {frac:>8s} {peer:>14s}")
+
+
+BENCHMARKS = ("latency", "batch", "throughput", "features", "startup", "all")
+
+
+def add_bench_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--out", default=None, help="JSON file for the results")
+    parser.add_argument("--no-peer", action="store_true", help="skip transformers")
+    parser.add_argument("--peer-requests", type=int, default=32,
+                        help="requests of the standard workload given to transformers' generate_batch")
+
+
+def run_bench(args: argparse.Namespace) -> int:
+    if not torch.cuda.is_available():
+        print("tokenmill bench needs a CUDA device", file=sys.stderr)
+        return 2
+    ceilings = measure_ceilings()
+    print(f"ceilings: {ceilings.bandwidth / 1e12:.2f} TB/s copy, {ceilings.matmul_rate / 1e12:.0f} TFLOP/s bf16")
+    peer = not args.no_peer
+    which = args.bench_command
+    rows: list[dict] = []
+    if which in ("startup", "all"):
+        rows += bench_startup()
+    if which in ("latency", "all"):
+        rows += bench_latency(ceilings, ["llama3-8b", "qwen3-8b"], [128, 1024, 4096], peer)
+    if which in ("batch", "all"):
+        rows += bench_batch(ceilings, ["llama3.2-1b", "llama3-8b"], [1, 8, 32, 64, 128, 256], [1, 32, 128], peer)
+    if which in ("throughput", "all"):
+        rows += bench_throughput(ceilings, ["qwen3-0.6b", "llama3-8b"], peer, args.peer_requests)
+    if which in ("features", "all"):
+        rows += bench_features(ceilings)
+    result = {"environment": environment(ceilings, " ".join(sys.argv)), "rows": rows}
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(result, indent=2))
+    print_table(rows)
+    return 0

@@ -1,0 +1,99 @@
+"""CUDA graphs for pure-decode steps.
+
+A decode step of a small model is dozens of short kernels per layer; launched
+one by one from Python, the launch gaps cost more than the work. Each padded
+batch size is captured once at start-up and replayed: the step then costs one
+graph launch. Inputs live in static buffers the graphs read; padded rows point
+at slot -1 (no cache write) and a context of one token in block 0, so they
+compute finite garbage that nobody reads.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from tokenmill.layers.attention import AttentionMetadata
+
+logger = logging.getLogger(__name__)
+
+
+def capture_sizes(max_num_seqs: int) -> list[int]:
+    """1, 2, 4, 8, then every multiple of 8 up to ``max_num_seqs`` (≤ 8 rows of padding)."""
+    sizes = [s for s in (1, 2, 4) if s < max_num_seqs] + list(range(8, max_num_seqs + 1, 8))
+    if not sizes or sizes[-1] != max_num_seqs:
+        sizes.append(max_num_seqs)
+    return sorted(set(sizes))
+
+
+class DecodeGraphs:
+    def __init__(self, model: torch.nn.Module, kv_caches: list, max_num_seqs: int, max_blocks_per_seq: int,
+                 hidden_size: int, dtype: torch.dtype, device: torch.device) -> None:
+        self.model = model
+        self.kv_caches = kv_caches
+        self.sizes = capture_sizes(max_num_seqs)
+        n = self.sizes[-1]
+        self.input_ids = torch.zeros(n, dtype=torch.int64, device=device)
+        self.positions = torch.zeros(n, dtype=torch.int64, device=device)
+        self.slot_mapping = torch.full((n,), -1, dtype=torch.int64, device=device)
+        self.seq_lens = torch.ones(n, dtype=torch.int32, device=device)
+        self.block_tables = torch.zeros(n, max_blocks_per_seq, dtype=torch.int32, device=device)
+        self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=device)
+        self.output = torch.zeros(n, hidden_size, dtype=dtype, device=device)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.capture_seconds = 0.0
+
+    def _meta(self, size: int) -> AttentionMetadata:
+        return AttentionMetadata(
+            slot_mapping=self.slot_mapping[:size],
+            query_start_loc=self.query_start_loc[:size + 1],
+            seq_lens=self.seq_lens[:size],
+            block_tables=self.block_tables[:size],
+            max_query_len=1,
+        )
+
+    def _forward(self, size: int) -> None:
+        self.output[:size] = self.model(self.input_ids[:size], self.positions[:size], self.kv_caches,
+                                        self._meta(size))
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        """Capture every size, largest first, so smaller graphs reuse its memory pool."""
+        started = time.monotonic()
+        pool = None
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for size in reversed(self.sizes):
+                self._forward(size)  # warm-up: Triton compiles outside the capture
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool, stream=stream):
+                    self._forward(size)
+                pool = graph.pool()
+                self.graphs[size] = graph
+        torch.cuda.current_stream().wait_stream(stream)
+        torch.cuda.synchronize()
+        self.capture_seconds = time.monotonic() - started
+        logger.info("captured %d decode graphs (batch sizes %s) in %.1f s", len(self.sizes), self.sizes,
+                    self.capture_seconds)
+
+    def padded_size(self, batch_size: int) -> int | None:
+        return next((s for s in self.sizes if s >= batch_size), None)
+
+    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """Copy the step's inputs into the static buffers, replay, return the real rows."""
+        batch = input_ids.shape[0]
+        size = self.padded_size(batch)
+        width = meta.block_tables.shape[1]
+        self.input_ids[:batch].copy_(input_ids)
+        self.positions[:batch].copy_(positions)
+        self.slot_mapping[:batch].copy_(meta.slot_mapping)
+        self.slot_mapping[batch:size].fill_(-1)
+        self.seq_lens[:batch].copy_(meta.seq_lens)
+        self.seq_lens[batch:size].fill_(1)
+        self.block_tables[:batch, :width].copy_(meta.block_tables)
+        self.block_tables[batch:size].zero_()
+        self.graphs[size].replay()
+        return self.output[:batch]
