@@ -1,1 +1,2 @@
-"""Benchmarks: ``serve`` drives an OpenAI-compatible server with a reproducible workload."""
+"""Benchmarks: ``offline`` measures the engine itself on the GPU; ``serve`` drives an
+OpenAI-compatible server with a reproducible workload."""

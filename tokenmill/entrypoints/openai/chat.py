@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 
 from fastapi import Request
+from jinja2 import TemplateError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from tokenmill.entrypoints.openai.errors import APIError
@@ -33,7 +34,11 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
     if req.top_logprobs is not None and not req.logprobs:
         raise APIError(400, "top_logprobs needs logprobs set to true", param="top_logprobs")
     messages = [m.for_template() for m in req.messages]
-    prompt = await ctx.engine.call(lambda engine: apply_chat_template(engine.tokenizer, messages))
+    try:
+        prompt = await ctx.engine.call(lambda engine: apply_chat_template(engine.tokenizer, messages))
+    except TemplateError as exc:  # the template refuses these messages (e.g. a role it does not know)
+        raise APIError(400, f"the chat template cannot render these messages: {exc}", param="messages",
+                       code="invalid_value") from exc
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     params = sampling_params(req, max_tokens, (req.top_logprobs or 0) if req.logprobs else None)
     request_id = random_id("chatcmpl")
