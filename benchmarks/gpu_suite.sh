@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call: GPU tests first (kernels, then the engine), then benchmarks.
-#   bash benchmarks/gpu_suite.sh tests|bench-a|bench-b ...   (several parts run in order)
+#   bash benchmarks/gpu_suite.sh tests|engine-tests|kernels|bench-a|bench-b ...   (parts run in order)
 # Results and logs go to $OUT (the device tool brings them back).
 set -o pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
@@ -12,6 +12,8 @@ for part in "$@"; do
     tests)
       python3 -m pytest -q -p no:cacheprovider -m gpu tests/kernels/test_triton_gpu.py tests/test_gpu_engine.py \
         2>&1 | tee "$OUT/gpu-tests.log" | tail -25 ;;
+    engine-tests)
+      python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu_engine.py 2>&1 | tee "$OUT/gpu-engine-tests.log" | tail -15 ;;
     kernels)
       python3 benchmarks/bench_kernels.py --out "$OUT/bench_kernels.json" 2>&1 | tail -25 ;;
     bench-a)

@@ -61,6 +61,7 @@ class Request:
     params: SamplingParams
     seqs: list[Sequence]
     metrics: RequestMetrics
+    stream: bool = True  # an output every step, or only the final one
     finished: bool = False
 
 
@@ -140,8 +141,10 @@ class LLMEngine:
         return self.tokenizer.encode(prompt)
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
-                    arrival_time: float | None = None) -> None:
-        """Validate and queue a request; raises ValueError for bad input, leaving the engine as it was."""
+                    arrival_time: float | None = None, stream: bool = True) -> None:
+        """Validate and queue a request; raises ValueError for bad input, leaving the engine as it was.
+        With ``stream=False`` ``step`` reports the request only once it is finished, which spares
+        copying its growing output every step (the offline API wants only the end)."""
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         if not isinstance(params, SamplingParams):
@@ -153,7 +156,7 @@ class LLMEngine:
             raise ValueError(f"logprobs must be <= the vocabulary size {self.model_config.vocab_size}")
         now = time.monotonic() if arrival_time is None else arrival_time
         seqs = [self._new_sequence(request_id, i, ids, params, now) for i in range(params.n)]
-        request = Request(request_id, text, ids, params, seqs, RequestMetrics(arrival_time=now))
+        request = Request(request_id, text, ids, params, seqs, RequestMetrics(arrival_time=now), stream)
         self.requests[request_id] = request
         for seq in seqs:
             self.scheduler.add(seq)
@@ -225,7 +228,8 @@ class LLMEngine:
                 request.finished = True
                 request.metrics.finished_time = now
                 del self.requests[request.request_id]
-            outputs.append(self._output(request))
+            if request.stream or request.finished:
+                outputs.append(self._output(request))
         return outputs
 
     def _append_token(self, seq: Sequence, token: int, logprobs: Logprobs | None, now: float) -> None:

@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from tokenmill.engine.cuda_graphs import DecodeGraphs
+from tokenmill.engine.host_staging import HostStaging
 from tokenmill.engine.scheduler import ScheduledBatch
 from tokenmill.engine.sequence import Sequence
 from tokenmill.layers.attention import AttentionMetadata
@@ -27,6 +28,7 @@ from tokenmill.loader.hf_config import ModelConfig
 from tokenmill.loader.weights import iter_checkpoint
 from tokenmill.models.registry import model_class
 from tokenmill.outputs import Logprobs
+from tokenmill.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -50,7 +52,9 @@ class StepInputs:
     positions: torch.Tensor
     meta: AttentionMetadata
     logits_rows: list[int]  # prompt-logprob rows first, then one row per sampled sequence
+    logits_rows_device: torch.Tensor
     sampled: list[Sequence]
+    sampling_table: torch.Tensor  # [7, len(sampled)] float32, rows as in _param_row
     prompt_rows: list[tuple[Sequence, int, int]]  # (seq, first position, count)
 
 
@@ -97,18 +101,12 @@ class ModelRunner:
         self.kv_cache = cache
         self.kv_caches = [(cache[i, 0], cache[i, 1]) for i in range(cfg.num_layers)]
         self.sampler = Sampler()
+        self.staging = HostStaging(device)
         self.graphs: DecodeGraphs | None = None
         if cuda_graphs and device.type == "cuda":
             self.graphs = DecodeGraphs(model, self.kv_caches, max_num_seqs, -(-max_model_len // block_size),
                                        cfg.hidden_size, dtype, device)
             self.graphs.capture()
-
-    def _to_device(self, array: np.ndarray) -> torch.Tensor:
-        """Host array to the device through pinned memory, without waiting for the GPU."""
-        tensor = torch.from_numpy(array)
-        if self.device.type != "cuda":
-            return tensor
-        return tensor.pin_memory().to(self.device, non_blocking=True)
 
     # ------------------------------------------------------------------ inputs
     def _prepare(self, batch: ScheduledBatch) -> StepInputs:
@@ -142,27 +140,23 @@ class ModelRunner:
                 logits_rows.extend(range(row0 + first, row0 + last))
         logits_rows.extend(int(query_start[b + 1]) - 1 for b, (s, end) in enumerate(zip(seqs, ends))
                            if end == s.num_tokens)
-        meta = AttentionMetadata(
-            slot_mapping=self._to_device(slots),
-            query_start_loc=self._to_device(query_start),
-            seq_lens=self._to_device((starts + counts).astype(np.int32)),
-            block_tables=self._to_device(tables),
-            max_query_len=int(counts.max()),
-        )
-        return StepInputs(self._to_device(ids), self._to_device(positions), meta, logits_rows, sampled,
-                          prompt_rows)
+        params = np.array([_param_row(s.params) for s in sampled], dtype=np.float32).reshape(len(sampled), 7)
+        ids_t, pos_t, slots_t, qsl_t, lens_t, tables_t, rows_t, params_t = self.staging.send(
+            ids, positions, slots, query_start, (starts + counts).astype(np.int32), tables,
+            np.asarray(logits_rows, dtype=np.int64), params.T.copy())
+        meta = AttentionMetadata(slot_mapping=slots_t, query_start_loc=qsl_t, seq_lens=lens_t,
+                                 block_tables=tables_t, max_query_len=int(counts.max()))
+        return StepInputs(ids_t, pos_t, meta, logits_rows, rows_t, sampled, params_t, prompt_rows)
 
-    def _sampling_batch(self, seqs: list[Sequence]) -> SamplingBatch:
+    def _sampling_batch(self, seqs: list[Sequence], table: torch.Tensor) -> SamplingBatch:
+        """Per-row parameters: ``table`` holds the numeric ones (see ``_param_row``), already
+        on the device."""
         dev = self.device
         params = [s.params for s in seqs]
 
         def col(values: list, dtype: torch.dtype) -> torch.Tensor:
             return torch.tensor(values, dtype=dtype, device=dev)
 
-        # All per-row parameters in one host array, so they cross to the device in one copy.
-        table = self._to_device(np.array(
-            [[p.temperature, max(p.top_k, 0), p.top_p, p.min_p, p.repetition_penalty, p.presence_penalty,
-              p.frequency_penalty] for p in params], dtype=np.float32).T.copy())
         nums = [p.logprobs for p in params if p.logprobs is not None]
         batch = SamplingBatch(
             temperature=table[0], top_k=table[1].long(), top_p=table[2], min_p=table[3],
@@ -201,14 +195,13 @@ class ModelRunner:
         result = StepResult(sampled_seqs=sampled)
         if not logits_rows:
             return result  # pure prefill chunks: no LM-head work at all
-        rows = self._to_device(np.asarray(logits_rows, dtype=np.int64))
-        logits = self.model.compute_logits(hidden[rows])
+        logits = self.model.compute_logits(hidden[inputs.logits_rows_device])
         num_prompt_rows = len(logits_rows) - len(sampled)
         if prompt_rows:
             self._prompt_logprobs(logits[:num_prompt_rows], prompt_rows, result)
         if sampled:
             sample_logits = logits[num_prompt_rows:]
-            out = self.sampler(sample_logits, self._sampling_batch(sampled))
+            out = self.sampler(sample_logits, self._sampling_batch(sampled, inputs.sampling_table))
             result.token_ids = out.token_ids.tolist()
             if out.logprobs is None:
                 result.logprobs = [None] * len(sampled)
@@ -232,6 +225,11 @@ class ModelRunner:
             result.prompt_logprobs[seq] = [
                 _logprob_dict(ids[i], values[i], 1 + seq.params.prompt_logprobs) for i in range(count)]
             row += count
+
+
+def _param_row(p: SamplingParams) -> tuple[float, ...]:
+    return (p.temperature, max(p.top_k, 0), p.top_p, p.min_p, p.repetition_penalty, p.presence_penalty,
+            p.frequency_penalty)
 
 
 def _logprob_dict(ids: list[int], values: list[float], keep: int) -> Logprobs:

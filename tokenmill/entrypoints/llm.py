@@ -43,7 +43,7 @@ class LLM:
         try:
             for prompt, p in zip(prompts, params):
                 request_id = str(next(self._ids))
-                self.engine.add_request(request_id, prompt, p)
+                self.engine.add_request(request_id, prompt, p, stream=False)
                 ids.append(request_id)
         except ValueError:
             for request_id in ids:
