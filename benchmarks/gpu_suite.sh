@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# One device call: GPU tests first (kernels, then the engine), then benchmarks.
-#   bash benchmarks/gpu_suite.sh tests|engine-tests|kernels|bench-a|bench-b ...   (parts run in order)
+# GPU tests, then benchmarks, in one device call; parts run in the order given:
+#   bash benchmarks/gpu_suite.sh tests kernels startup latency batch throughput features
+# (`tests` = kernel and engine GPU tests; `engine-tests` = engine only.)
 # Results and logs go to $OUT (the device tool brings them back).
 set -o pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
@@ -16,13 +17,11 @@ for part in "$@"; do
       python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu_engine.py 2>&1 | tee "$OUT/gpu-engine-tests.log" | tail -15 ;;
     kernels)
       python3 benchmarks/bench_kernels.py --out "$OUT/bench_kernels.json" 2>&1 | tail -25 ;;
-    bench-a)
-      python3 benchmarks/run_engine_bench.py startup --out "$OUT/startup.json" --no-peer
-      python3 benchmarks/run_engine_bench.py latency --out "$OUT/latency.json"
-      python3 benchmarks/run_engine_bench.py batch --out "$OUT/batch.json" ;;
-    bench-b)
-      python3 benchmarks/run_engine_bench.py throughput --out "$OUT/throughput.json" --peer-requests 16
-      python3 benchmarks/run_engine_bench.py features --out "$OUT/features.json" --no-peer ;;
+    startup|latency|batch|throughput|features)
+      extra=""
+      case $part in startup|features) extra="--no-peer" ;; throughput) extra="--peer-requests 16" ;; esac
+      timeout 400 python3 benchmarks/run_engine_bench.py "$part" --out "$OUT/$part.json" $extra 2>&1 \
+        | grep -v -e "it/s]" -e "^Loading" | tail -30 ;;
     *) echo "unknown part $part"; exit 2 ;;
   esac
 done

@@ -46,10 +46,10 @@ def decode_ms_per_step(shape: str, batch: int, context: int, new_tokens: int = 3
     return ms
 
 
-@torch.inference_mode()
 def generate_batch(shape: str, workload: list[tuple[list[int], int]]) -> dict:
     """transformers' continuous batching (``generate_batch``, paged sdpa) on a subset of the
-    workload; one ``max_new_tokens`` serves all, so it is the subset's mean output length."""
+    workload; one ``max_new_tokens`` serves all, so it is the subset's mean output length.
+    (No inference mode here: its worker thread updates tensors created in this one.)"""
     from transformers import GenerationConfig
 
     model = _model(shape)

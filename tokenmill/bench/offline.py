@@ -183,9 +183,10 @@ def bench_throughput(ceilings: Ceilings, shapes: list[str], peer: bool, peer_req
         rows.append({"name": f"throughput/{shape}", **result})
         release(engine)
         if peer:
-            rows[-1]["peer_transformers_generate_batch"] = hf_peer.generate_batch(shape, workload[:peer_requests])
-            peer_tps = rows[-1]["peer_transformers_generate_batch"]["output_tok_per_s"]
-            rows[-1]["speedup_over_peer"] = result["output_tok_per_s"] / peer_tps
+            peer_result = hf_peer.generate_batch(shape, workload[:peer_requests])
+            rows[-1]["peer_transformers_generate_batch"] = peer_result
+            if peer_result["output_tok_per_s"] > 0:
+                rows[-1]["speedup_over_peer"] = result["output_tok_per_s"] / peer_result["output_tok_per_s"]
     return rows
 
 
