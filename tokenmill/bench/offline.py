@@ -19,6 +19,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -174,19 +175,24 @@ def run_workload(engine: LLMEngine, ceilings: Ceilings, workload: list[tuple[lis
             "peak_kv_blocks": peak}
 
 
-def bench_throughput(ceilings: Ceilings, shapes: list[str], peer: bool, peer_requests: int) -> list[dict]:
-    rows = []
+def bench_throughput(ceilings: Ceilings, shapes: list[str], peer: bool, peer_requests: int,
+                     checkpoint: Callable[[list[dict]], None]) -> list[dict]:
+    """tokenmill on every shape first (results saved), then the peers: transformers'
+    continuous batching keeps its cache after it returns, so nothing may follow it."""
+    rows, workloads = [], []
     for shape in shapes:
         engine = make_engine(shape, max_num_seqs=256, max_num_batched_tokens=8192)
-        workload = standard_workload(vocab=engine.model_config.vocab_size)
-        result = run_workload(engine, ceilings, workload)
-        rows.append({"name": f"throughput/{shape}", **result})
+        workloads.append(standard_workload(vocab=engine.model_config.vocab_size))
+        rows.append({"name": f"throughput/{shape}", **run_workload(engine, ceilings, workloads[-1])})
         release(engine)
-        if peer:
+        checkpoint(rows)
+    if peer:
+        for row, shape, workload in zip(rows, shapes, workloads):
             peer_result = hf_peer.generate_batch(shape, workload[:peer_requests])
-            rows[-1]["peer_transformers_generate_batch"] = peer_result
+            row["peer_transformers_generate_batch"] = peer_result
             if peer_result["output_tok_per_s"] > 0:
-                rows[-1]["speedup_over_peer"] = result["output_tok_per_s"] / peer_result["output_tok_per_s"]
+                row["speedup_over_peer"] = row["output_tok_per_s"] / peer_result["output_tok_per_s"]
+            checkpoint(rows)
     return rows
 
 
@@ -303,20 +309,27 @@ def run_bench(args: argparse.Namespace) -> int:
     print(f"ceilings: {ceilings.bandwidth / 1e12:.2f} TB/s copy, {ceilings.matmul_rate / 1e12:.0f} TFLOP/s bf16")
     peer = not args.no_peer
     which = args.bench_command
+    env = environment(ceilings, " ".join(sys.argv))
     rows: list[dict] = []
-    if which in ("startup", "all"):
-        rows += bench_startup()
-    if which in ("latency", "all"):
-        rows += bench_latency(ceilings, ["llama3-8b", "qwen3-8b"], [128, 1024, 4096], peer)
-    if which in ("batch", "all"):
-        rows += bench_batch(ceilings, ["llama3.2-1b", "llama3-8b"], [1, 8, 32, 64, 128, 256], [1, 32, 128], peer)
-    if which in ("throughput", "all"):
-        rows += bench_throughput(ceilings, ["qwen3-0.6b", "llama3-8b"], peer, args.peer_requests)
-    if which in ("features", "all"):
-        rows += bench_features(ceilings)
-    result = {"environment": environment(ceilings, " ".join(sys.argv)), "rows": rows}
-    if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(result, indent=2))
+
+    def checkpoint(section: list[dict]) -> None:
+        """Write what is measured so far, so a later failure loses nothing."""
+        if args.out:
+            Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+            Path(args.out).write_text(json.dumps({"environment": env, "rows": rows + section}, indent=2))
+
+    sections = {
+        "startup": lambda: bench_startup(),
+        "latency": lambda: bench_latency(ceilings, ["llama3-8b", "qwen3-8b"], [128, 1024, 4096], peer),
+        "batch": lambda: bench_batch(ceilings, ["llama3.2-1b", "llama3-8b"], [1, 8, 32, 64, 128, 256],
+                                     [1, 32, 128], peer),
+        "throughput": lambda: bench_throughput(ceilings, ["qwen3-0.6b", "llama3-8b"], peer, args.peer_requests,
+                                               checkpoint),
+        "features": lambda: bench_features(ceilings),
+    }
+    for name, run in sections.items():
+        if which in (name, "all"):
+            rows += run()
+            checkpoint([])
     print_table(rows)
     return 0
