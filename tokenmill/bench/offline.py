@@ -45,9 +45,9 @@ def make_engine(shape: str, **options: Any) -> LLMEngine:
     return LLMEngine(EngineConfig(model=str(shape_dir(shape)), **{**defaults, **options}))
 
 
-def release(*objects: Any) -> None:
-    """Free GPU memory between engines and peers, which each take most of it."""
-    del objects
+def release() -> None:
+    """Free GPU memory between engines and peers, which each take most of it (the caller
+    drops its references first)."""
     gc.collect()
     torch.cuda.empty_cache()
 
@@ -123,7 +123,8 @@ def bench_latency(ceilings: Ceilings, shapes: list[str], contexts: list[int], pe
         for ctx in contexts:
             result = decode_steps(engine, ceilings, [random_prompt(rng, ctx, vocab)], 64)
             rows.append({"name": f"latency/{shape}/ctx{ctx}", "batch": 1, "context": ctx, **result})
-        release(engine)
+        del engine
+        release()
         if peer:
             ms = hf_peer.decode_ms_per_step(shape, batch=1, context=contexts[0])
             rows[-len(contexts)]["peer_transformers_ms_per_step"] = ms
@@ -142,7 +143,8 @@ def bench_batch(ceilings: Ceilings, shapes: list[str], sizes: list[int], peer_si
             base = base or result["tok_per_s"]
             rows.append({"name": f"batch/{shape}/b{size}", "batch": size, "context": 128, **result,
                          "speedup_over_one_stream": result["tok_per_s"] / base})
-        release(engine)
+        del engine
+        release()
         if peer:
             for row in rows[-len(sizes):]:
                 if row["batch"] in peer_sizes:
@@ -184,7 +186,8 @@ def bench_throughput(ceilings: Ceilings, shapes: list[str], peer: bool, peer_req
         engine = make_engine(shape, max_num_seqs=256, max_num_batched_tokens=8192)
         workloads.append(standard_workload(vocab=engine.model_config.vocab_size))
         rows.append({"name": f"throughput/{shape}", **run_workload(engine, ceilings, workloads[-1])})
-        release(engine)
+        del engine
+        release()
         checkpoint(rows)
     if peer:
         for row, shape, workload in zip(rows, shapes, workloads):
@@ -205,7 +208,8 @@ def bench_features(ceilings: Ceilings) -> list[dict]:
         for size in (1, 64):
             result = decode_steps(engine, ceilings, [prompt] * size, 32)
             rows.append({"name": f"features/cuda_graphs/{'off' if eager else 'on'}/b{size}", **result})
-        release(engine)
+        del engine
+        release()
     # Continuous batching against static waves on the standard workload.
     for static in (False, True):
         engine = make_engine("qwen3-0.6b", max_num_seqs=64, max_num_batched_tokens=8192, static_batching=static)
@@ -219,7 +223,8 @@ def bench_features(ceilings: Ceilings) -> list[dict]:
             rows.append({"name": "features/paged_kv_memory", "paged_peak_bytes": paged,
                          "contiguous_max_len_bytes": contiguous, "ratio": contiguous / paged})
         rows.append({"name": f"features/batching/{mode}", **result})
-        release(engine)
+        del engine
+        release()
     # Prefix caching on a workload whose prompts share a long system prefix.
     for caching in (True, False):
         engine = make_engine("qwen3-0.6b", max_num_seqs=128, enable_prefix_caching=caching)
@@ -230,7 +235,8 @@ def bench_features(ceilings: Ceilings) -> list[dict]:
         result = run_workload(engine, ceilings, workload)
         result["prefix_hit_rate"] = engine.kv.hit_tokens / max(1, engine.kv.query_tokens)
         rows.append({"name": f"features/prefix_caching/{'on' if caching else 'off'}", **result})
-        release(engine)
+        del engine
+        release()
     rows.extend(_sampling_and_pruning_costs())
     return rows
 
@@ -247,7 +253,8 @@ def _sampling_and_pruning_costs() -> list[dict]:
     rows_all = torch.randn(prefill, hidden, device="cuda", dtype=torch.bfloat16)
     all_rows = time_cuda(lambda: rows_all @ head.T)
     pruned = time_cuda(lambda: rows_all[-batch:] @ head.T)
-    release(head, logits, rows_all)
+    del head, logits, rows_all, pinned_logits
+    release()
     return [
         {"name": "features/sampling_on_device", "batch": batch, "bytes_to_host_on_device_sampling": batch * 8,
          "bytes_to_host_copying_logits": batch * vocab * 4, "ms_copy_ids": device * 1e3,
@@ -266,7 +273,8 @@ def bench_startup(shape: str = "llama3-8b") -> list[dict]:
     row = {"name": f"startup/{shape}", "seconds_total": total, **engine.startup_seconds,
            "graph_capture_seconds": graphs.capture_seconds if graphs else None,
            "graph_batch_sizes": graphs.sizes if graphs else None}
-    release(engine)
+    del engine
+    release()
     return [row]
 
 
