@@ -41,15 +41,15 @@ def plot_batch(rows: list[dict], path: Path) -> None:
 
     fig, ax = plt.subplots(figsize=(6, 4))
     shapes = sorted({r["name"].split("/")[1] for r in rows})
-    for shape in shapes:
+    for color, shape in zip(("tab:blue", "tab:red", "tab:green"), shapes):
         mine = [r for r in rows if r["name"].split("/")[1] == shape]
         sizes = [r["batch"] for r in mine]
-        ax.plot(sizes, [r["tok_per_s"] for r in mine], "o-", label=f"tokenmill {shape}")
-        ax.plot(sizes, [r["batch"] / r["floor_ms"] * 1e3 for r in mine], "--", label=f"floor {shape}")
+        ax.plot(sizes, [r["tok_per_s"] for r in mine], "o-", color=color, label=f"tokenmill {shape}")
+        ax.plot(sizes, [r["batch"] / r["floor_ms"] * 1e3 for r in mine], "--", color=color, label=f"floor {shape}")
         peers = [r for r in mine if "peer_transformers_tok_per_s" in r]
         if peers:
             ax.plot([r["batch"] for r in peers], [r["peer_transformers_tok_per_s"] for r in peers], "x:",
-                    label=f"transformers {shape}")
+                    color=color, label=f"transformers {shape}")
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
     ax.set_xlabel("batch size (sequences decoding together)")
