@@ -22,6 +22,8 @@ for part in "$@"; do
       case $part in startup|features) extra="--no-peer" ;; throughput) extra="--peer-requests 16" ;; esac
       timeout 400 python3 benchmarks/run_engine_bench.py "$part" --out "$OUT/$part.json" $extra 2>&1 \
         | grep -v -e "it/s]" -e "^Loading" | tail -30 ;;
+    profile)
+      python3 benchmarks/profile_step.py llama3-8b 1 2>&1 | tee "$OUT/profile-step.txt" | head -60 ;;
     *) echo "unknown part $part"; exit 2 ;;
   esac
 done

@@ -81,11 +81,6 @@ class Sequence:
         eos = [] if self.params.ignore_eos else list(self.eos_token_ids)
         return eos + list(self.params.stop_token_ids)
 
-    @property
-    def in_prefill(self) -> bool:
-        """Still computing tokens it already has (its prompt, or everything after a preemption)."""
-        return self.num_tokens - self.num_computed_tokens > 1
-
     def full_block_hashes(self, block_size: int) -> list[BlockHash]:
         """Hashes of every full block of ``token_ids``, extended as the sequence grows."""
         for i in range(len(self.block_hashes), self.num_tokens // block_size):

@@ -55,8 +55,11 @@ def paged_attention(
     block_tables: torch.Tensor,
     scale: float,
     sliding_window: int | None = None,
+    *,
+    max_query_len: int | None = None,
 ) -> torch.Tensor:
-    """Causal attention of ``query`` ``[T, Hq, D]`` over the paged cache, in float32; returns ``[T, Hq, D]``."""
+    """Causal attention of ``query`` ``[T, Hq, D]`` over the paged cache, in float32; returns ``[T, Hq, D]``.
+    ``max_query_len`` is a launch hint for kernels; the reference reads the lengths itself."""
     out = torch.empty_like(query)
     num_q_heads = query.shape[1]
     num_kv_heads = k_cache.shape[2]

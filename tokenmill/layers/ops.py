@@ -36,27 +36,30 @@ def backend_for(tensor: torch.Tensor) -> ModuleType:
     return reference
 
 
-def write_kv_cache(key, value, k_cache, v_cache, slot_mapping) -> None:
+def write_kv_cache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                   slot_mapping: torch.Tensor) -> None:
     backend_for(key).write_kv_cache(key, value, k_cache, v_cache, slot_mapping)
 
 
-def paged_attention(query, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale,
-                    sliding_window=None, max_query_len: int | None = None) -> torch.Tensor:
-    backend = backend_for(query)
-    if backend is reference:
-        return reference.paged_attention(query, k_cache, v_cache, query_start_loc, seq_lens,
-                                         block_tables, scale, sliding_window)
-    return backend.paged_attention(query, k_cache, v_cache, query_start_loc, seq_lens, block_tables,
-                                   scale, sliding_window, max_query_len=max_query_len)
+def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor,
+                    scale: float, sliding_window: int | None = None,
+                    max_query_len: int | None = None) -> torch.Tensor:
+    """``max_query_len`` (known on the host) spares the kernel a device read, which also
+    keeps the call capturable in a CUDA graph."""
+    return backend_for(query).paged_attention(query, k_cache, v_cache, query_start_loc, seq_lens, block_tables,
+                                              scale, sliding_window, max_query_len=max_query_len)
 
 
-def rms_norm(x, weight, eps, residual=None):
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+             residual: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     return backend_for(x).rms_norm(x, weight, eps, residual)
 
 
-def rotary_embedding(positions, query, key, cos_sin_cache):
+def rotary_embedding(positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor,
+                     cos_sin_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return backend_for(query).rotary_embedding(positions, query, key, cos_sin_cache)
 
 
-def silu_and_mul(x):
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     return backend_for(x).silu_and_mul(x)
