@@ -181,3 +181,14 @@ def test_random_weights_cpu_kv_sizing(model_dir) -> None:
     per_block = 2 * 2 * 16 * 2 * 32 * 4
     assert llm.engine.kv.pool.num_blocks == min(int(0.001 * (1 << 30)) // per_block, 2 * 512 // 16)
     assert torch.is_tensor(llm.engine.runner.kv_cache)
+
+
+def test_penalties_steer_away_from_seen_tokens(llm) -> None:
+    prompt = [7, 8, 9, 10]
+    plain = llm.generate([prompt], greedy(24, ignore_eos=True), use_tqdm=False)[0].outputs[0].token_ids
+    assert len(set(plain + prompt)) < len(plain + prompt), "the baseline must repeat for the test to mean anything"
+    params = [greedy(24, ignore_eos=True, repetition_penalty=1e4),
+              greedy(24, ignore_eos=True, presence_penalty=2.0, frequency_penalty=2.0)]
+    strict, soft = (o.outputs[0].token_ids for o in llm.generate([prompt, prompt], params, use_tqdm=False))
+    assert len(set(strict + prompt)) == len(strict + prompt), "a huge repetition penalty never repeats"
+    assert soft != plain

@@ -173,15 +173,25 @@ class ModelRunner:
             rows, toks = zip(*banned)
             batch.banned = (col(list(rows), torch.int64), col(list(toks), torch.int64))
         if any(p.repetition_penalty != 1 or p.presence_penalty or p.frequency_penalty for p in params):
-            vocab = self.cfg.vocab_size
-            counts = torch.zeros(len(seqs), vocab, dtype=torch.float32, device=dev)
-            mask = torch.zeros(len(seqs), vocab, dtype=torch.bool, device=dev)
-            for row, seq in enumerate(seqs):
-                out = torch.tensor(seq.output_token_ids, dtype=torch.int64, device=dev)
-                counts[row].index_add_(0, out, torch.ones_like(out, dtype=torch.float32))
-                mask[row, torch.tensor(seq.prompt_token_ids, dtype=torch.int64, device=dev)] = True
-            batch.output_counts, batch.prompt_mask = counts, mask
+            batch.output_counts, batch.prompt_mask = self._token_counts(seqs)
         return batch
+
+    def _token_counts(self, seqs: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor]:
+        """``[N, V]`` output-token counts and prompt-token mask, built by two scatters."""
+        def flat(lists: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
+            rows = np.repeat(np.arange(len(lists)), [len(x) for x in lists])
+            return rows, np.fromiter(itertools.chain.from_iterable(lists), dtype=np.int64, count=len(rows))
+
+        out_rows, out_ids = flat([s.output_token_ids for s in seqs])
+        prompt_rows, prompt_ids = flat([s.prompt_token_ids for s in seqs])
+        out_rows_t, out_ids_t, prompt_rows_t, prompt_ids_t = self.staging.send(out_rows, out_ids, prompt_rows,
+                                                                               prompt_ids)
+        shape = (len(seqs), self.cfg.vocab_size)
+        counts = torch.zeros(shape, dtype=torch.float32, device=self.device)
+        counts.index_put_((out_rows_t, out_ids_t), torch.ones_like(out_ids_t, dtype=torch.float32), accumulate=True)
+        mask = torch.zeros(shape, dtype=torch.bool, device=self.device)
+        mask[prompt_rows_t, prompt_ids_t] = True
+        return counts, mask
 
     # --------------------------------------------------------------- execution
     @torch.inference_mode()
