@@ -73,3 +73,29 @@ def test_cli_generate_streams_python(capsys) -> None:
     printed = capsys.readouterr().out
     assert printed.startswith("def fibonacci(n):")
     assert len(printed) > len("def fibonacci(n):") + 20
+
+
+def test_cli_chat_answers_each_line(capsys, monkeypatch) -> None:
+    import io
+
+    from tokenmill.entrypoints import cli
+
+    prompts = []
+    real_stream = cli.stream_text
+
+    def recording_stream(engine, prompt, params):
+        prompts.append(engine.tokenizer.decode(prompt))
+        return real_stream(engine, prompt, params)
+
+    monkeypatch.setattr(cli, "stream_text", recording_stream)
+    monkeypatch.setattr("sys.stdin", io.StringIO("Write a function that adds two numbers.\n\nNow multiply.\n"))
+    assert cli_main(["chat", "--max-tokens", "16", "--temperature", "0", "--device", "cpu"]) == 0
+    assert capsys.readouterr().out.strip()
+    # Two user turns (the blank line is skipped); the second prompt carries the whole conversation.
+    assert len(prompts) == 2
+    assert "adds two numbers" in prompts[1] and prompts[1].count("<|assistant|>") == 2
+
+
+def test_cli_reports_bad_input_without_a_traceback(capsys) -> None:
+    assert cli_main(["generate", "def f():", "--max-tokens", "0", "--device", "cpu"]) == 2
+    assert "max_tokens must be >= 1" in capsys.readouterr().err
