@@ -116,8 +116,6 @@ def main() -> None:
                     for s in SPLIT_SWEEP
                 }
             rows.append(row)
-            del data
-            torch.cuda.empty_cache()
 
     # Peer: the torch reference (a Python loop over sequences) at one small point.
     peer_data = DecodeBatch(8, 1024, 1)

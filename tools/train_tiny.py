@@ -39,21 +39,18 @@ from __future__ import annotations
 
 import argparse
 import ast
-import copy
 import hashlib
 import json
 import math
-import os
 import platform
 import random
 import shutil
-import sys
 import sysconfig
 import textwrap
 import time
 import warnings
 from pathlib import Path
-from typing import Any, Iterable, Iterator
+from typing import Any, Iterable
 
 import numpy as np
 

@@ -36,17 +36,24 @@ class Ceilings:
         return max(bytes_ / self.bandwidth, flops / self.matmul_rate)
 
 
-def measure_ceilings() -> Ceilings:
-    src = torch.randn(1 << 30, device="cuda", dtype=torch.float32)  # 4 GiB
+def _copy_bandwidth() -> float:
+    """Bytes read + written per second by a 4 GiB device-to-device copy."""
+    src = torch.randn(1 << 30, device="cuda", dtype=torch.float32)
     dst = torch.empty_like(src)
-    copy = time_cuda(lambda: dst.copy_(src))
-    del src, dst
+    return 2 * src.nbytes / time_cuda(lambda: dst.copy_(src))
+
+
+def _matmul_rate() -> float:
+    """FLOP/s of an 8192^3 bf16 product on random data (never zeros: they run faster)."""
     a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
     b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
-    mm = time_cuda(lambda: a @ b)
-    del a, b
+    return 2 * 8192 ** 3 / time_cuda(lambda: a @ b)
+
+
+def measure_ceilings() -> Ceilings:
+    ceilings = Ceilings(bandwidth=_copy_bandwidth(), matmul_rate=_matmul_rate())
     torch.cuda.empty_cache()
-    return Ceilings(bandwidth=2 * (4 << 30) / copy, matmul_rate=2 * 8192 ** 3 / mm)
+    return ceilings
 
 
 def _git_commit() -> str:

@@ -26,7 +26,7 @@ import torch
 
 from tokenmill.bench import hf_peer
 from tokenmill.bench.hardware import Ceilings, environment, measure_ceilings, time_cuda
-from tokenmill.bench.shapes import kv_bytes_per_token, shape_dir, step_cost
+from tokenmill.bench.shapes import shape_dir, step_cost
 from tokenmill.engine.llm_engine import EngineConfig, LLMEngine
 from tokenmill.sampling_params import SamplingParams
 
@@ -216,10 +216,10 @@ def bench_features(ceilings: Ceilings) -> list[dict]:
         result = run_workload(engine, ceilings, standard_workload(128, vocab=engine.model_config.vocab_size))
         result["utilisation"] = result["mean_decode_batch"] / 64
         mode = "static" if static else "continuous"
-        block_bytes = kv_bytes_per_token(engine.model_config) * engine.config.block_size
         if not static:
-            paged = result["peak_kv_blocks"] * block_bytes
-            contiguous = 64 * engine.max_model_len * kv_bytes_per_token(engine.model_config)
+            per_token = engine.model_config.kv_bytes_per_token(engine.dtype)
+            paged = result["peak_kv_blocks"] * engine.config.block_size * per_token
+            contiguous = 64 * engine.max_model_len * per_token
             rows.append({"name": "features/paged_kv_memory", "paged_peak_bytes": paged,
                          "contiguous_max_len_bytes": contiguous, "ratio": contiguous / paged})
         rows.append({"name": f"features/batching/{mode}", **result})
@@ -253,8 +253,6 @@ def _sampling_and_pruning_costs() -> list[dict]:
     rows_all = torch.randn(prefill, hidden, device="cuda", dtype=torch.bfloat16)
     all_rows = time_cuda(lambda: rows_all @ head.T)
     pruned = time_cuda(lambda: rows_all[-batch:] @ head.T)
-    del head, logits, rows_all, pinned_logits
-    release()
     return [
         {"name": "features/sampling_on_device", "batch": batch, "bytes_to_host_on_device_sampling": batch * 8,
          "bytes_to_host_copying_logits": batch * vocab * 4, "ms_copy_ids": device * 1e3,

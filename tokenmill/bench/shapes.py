@@ -8,6 +8,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from tokenmill.loader.hf_config import ModelConfig
 
 _LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
@@ -58,18 +60,14 @@ def weight_bytes_per_step(cfg: ModelConfig, elem: int = 2) -> int:
     return linear_params(cfg) * elem
 
 
-def kv_bytes_per_token(cfg: ModelConfig, elem: int = 2) -> int:
-    return 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * elem
-
-
 def step_cost(cfg: ModelConfig, query_lens: list[int], context_lens: list[int], sampled_rows: int,
-              elem: int = 2) -> tuple[float, float]:
+              dtype: torch.dtype = torch.bfloat16) -> tuple[float, float]:
     """(bytes, FLOPs) a step must at least move and compute: weights once, the KV of every
     context read once and the new K/V written; GEMMs over the step's tokens (LM head only
     on sampled rows) and attention over each query's causal context."""
     tokens = sum(query_lens)
-    kv_tok = kv_bytes_per_token(cfg, elem)
-    bytes_ = weight_bytes_per_step(cfg, elem) + kv_tok * (sum(context_lens) + tokens)
+    kv_tok = cfg.kv_bytes_per_token(dtype)
+    bytes_ = weight_bytes_per_step(cfg, dtype.itemsize) + kv_tok * (sum(context_lens) + tokens)
     body = linear_params(cfg) - cfg.vocab_size * cfg.hidden_size
     flops = 2.0 * tokens * body + 2.0 * sampled_rows * cfg.vocab_size * cfg.hidden_size
     attn = 0.0

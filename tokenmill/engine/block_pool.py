@@ -42,8 +42,6 @@ class BlockPool:
         self.enable_caching = enable_caching
         self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         self._cached: dict[BlockHash, int] = {}
-        self.queries = 0  # full prompt blocks looked up
-        self.hits = 0  # of which were found
 
     @property
     def num_blocks(self) -> int:
@@ -106,11 +104,3 @@ class BlockPool:
         block.hash = block_hash
         block.token_ids = tuple(token_ids)
         self._cached[block_hash] = block_id
-
-    def reset_prefix_cache(self) -> None:
-        """Forget every cached block that no sequence holds."""
-        for block_id in self._free:
-            block = self.blocks[block_id]
-            if block.hash is not None:
-                del self._cached[block.hash]
-                block.hash = block.token_ids = None

@@ -37,10 +37,6 @@ class KVCacheManager:
         seq.num_committed_blocks = len(seq.block_table)
         return cached
 
-    def can_allocate(self, seq: Sequence, num_new_tokens: int) -> bool:
-        needed = self.blocks_needed(seq.num_computed_tokens + num_new_tokens) - len(seq.block_table)
-        return needed <= self.pool.num_free
-
     def allocate(self, seq: Sequence, num_new_tokens: int) -> bool:
         """Grow the block table to hold ``num_new_tokens`` more; False if the pool is short."""
         needed = self.blocks_needed(seq.num_computed_tokens + num_new_tokens) - len(seq.block_table)

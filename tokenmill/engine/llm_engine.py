@@ -15,7 +15,7 @@ import torch
 
 from tokenmill.default_model import DEFAULT_MODEL_DIR
 from tokenmill.engine.kv_cache_manager import KVCacheManager
-from tokenmill.engine.model_runner import ModelRunner, build_model, kv_cache_bytes_per_block
+from tokenmill.engine.model_runner import ModelRunner, build_model
 from tokenmill.engine.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
 from tokenmill.engine.sequence import Sequence
 from tokenmill.loader.hf_config import ModelConfig, load_model_config, resolve_dtype
@@ -115,7 +115,7 @@ class LLMEngine:
         cfg, config = self.model_config, self.config
         if config.num_kv_blocks is not None:
             return config.num_kv_blocks
-        per_block = kv_cache_bytes_per_block(cfg, config.block_size, self.dtype)
+        per_block = cfg.kv_bytes_per_token(self.dtype) * config.block_size
         enough = config.max_num_seqs * -(-max_len // config.block_size)
         if self.device.type == "cuda":
             free, total = torch.cuda.mem_get_info(self.device)

@@ -81,11 +81,6 @@ def build_model(cfg: ModelConfig, model_dir: Path | None, dtype: torch.dtype, de
     return model.eval()
 
 
-def kv_cache_bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
-    elem = torch.tensor([], dtype=dtype).element_size()
-    return 2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim * elem
-
-
 class ModelRunner:
     def __init__(self, cfg: ModelConfig, model: torch.nn.Module, num_blocks: int, block_size: int,
                  device: torch.device, dtype: torch.dtype, max_num_seqs: int = 256, max_model_len: int = 2048,

@@ -58,13 +58,10 @@ class ModelConfig:
     sliding_windows: tuple[int | None, ...]
     checkpoint_dtype: torch.dtype
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
-    bos_token_id: int | None = None
 
-    @property
-    def kv_bytes_per_token(self) -> int:
-        """K and V of every layer for one token, in bytes of ``checkpoint_dtype``."""
-        elem = torch.tensor([], dtype=self.checkpoint_dtype).element_size()
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * elem
+    def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
+        """K and V of every layer for one token, in bytes of ``dtype``."""
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype.itemsize
 
 
 def _read_json(path: Path) -> dict[str, Any]:
@@ -169,7 +166,6 @@ def load_model_config(model_dir: str | Path) -> ModelConfig:
         sliding_windows=_sliding_windows(raw, arch, num_layers),
         checkpoint_dtype=_DTYPES.get(dtype_name, torch.float32),
         eos_token_ids=tuple(eos),
-        bos_token_id=raw.get("bos_token_id"),
     )
 
 
