@@ -80,3 +80,14 @@ def test_copies_of_one_prompt_give_identical_streams_bf16(batch: int, tmp_path) 
             lp = single.logprobs[i]
             assert lp[a] - lp.get(b, float("-inf")) < BF16_TIE, f"step {i}: {a} vs {b} is no near-tie"
             break
+
+
+def test_penalties_and_min_tokens_match_the_cpu_path(tmp_path) -> None:
+    make_model_dir("llama3", tmp_path)
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, min_tokens=4, repetition_penalty=1.3,
+                            presence_penalty=0.5, frequency_penalty=0.5, stop_token_ids=[5], logprobs=5)
+    prompts = parity_prompts()
+    cpu = LLM(str(tmp_path), device="cpu", dtype="float32", max_num_seqs=8)
+    gpu = LLM(str(tmp_path), device="cuda", dtype="float32", max_num_seqs=8)
+    for a, b in zip(cpu.generate(prompts, params, use_tqdm=False), gpu.generate(prompts, params, use_tqdm=False)):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
