@@ -138,3 +138,31 @@ def test_a_hit_revives_a_free_cached_block() -> None:
     assert pool.num_free == 2
     pool.take_cached(pool.lookup(hash_block(None, [7])))
     assert pool.num_free == 1 and pool.blocks[a].ref_count == 1
+
+
+def test_a_blocked_admission_counts_its_prefix_lookup_once() -> None:
+    kv = KVCacheManager(num_blocks=5, block_size=4)
+    scheduler = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64), kv)
+
+    def seq(i: int, prompt: list[int]) -> Sequence:
+        return Sequence(i, str(i), 0, prompt, SamplingParams(), time.time(), None)
+
+    first = seq(0, [1, 2, 3, 4, 5, 6, 7, 8, 9])
+    scheduler.add(first)
+    scheduler.schedule()
+    first.num_computed_tokens = first.num_tokens
+    kv.commit_computed_blocks(first)
+    scheduler.finish(first)  # its two full blocks stay cached
+    hog = seq(1, list(range(20, 32)))  # takes the 3 blocks that are not cached
+    scheduler.add(hog)
+    scheduler.schedule()
+    waiter = seq(2, [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13])  # 2 cached blocks + 2 new: none free
+    scheduler.add(waiter)
+    for _ in range(3):
+        scheduler.schedule()
+    assert waiter in scheduler.waiting and not waiter.block_table
+    assert (kv.query_tokens, kv.hit_tokens) == (16, 0)  # the first and the hog (8 tokens each), no hits
+    scheduler.finish(hog)
+    scheduler.schedule()
+    assert waiter in scheduler.running
+    assert (kv.query_tokens, kv.hit_tokens) == (16 + 12, 8)

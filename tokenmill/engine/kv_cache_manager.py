@@ -20,22 +20,32 @@ class KVCacheManager:
         """Give a new sequence the longest cached run of its full blocks; always leaves at
         least its last token to compute, so the step that finishes it can sample."""
         assert not seq.block_table and seq.num_computed_tokens == 0
-        if not self.pool.enable_caching or seq.params.prompt_logprobs is not None:
-            return 0  # prompt logprobs need every prompt position computed
-        hashes = seq.full_block_hashes(self.block_size)
-        usable = (seq.num_tokens - 1) // self.block_size
-        self.query_tokens += usable * self.block_size
-        for block_hash in hashes[:usable]:
+        usable = self._cacheable_blocks(seq)
+        if usable == 0:
+            return 0
+        for block_hash in seq.full_block_hashes(self.block_size)[:usable]:
             block_id = self.pool.lookup(block_hash)
             if block_id is None:
                 break
             self.pool.take_cached(block_id)
             seq.block_table.append(block_id)
         cached = len(seq.block_table) * self.block_size
-        self.hit_tokens += cached
         seq.num_computed_tokens = cached
         seq.num_committed_blocks = len(seq.block_table)
         return cached
+
+    def _cacheable_blocks(self, seq: Sequence) -> int:
+        """Full blocks a new sequence may take from the cache (never its last token; none when
+        it wants prompt logprobs, which need every prompt position computed)."""
+        if not self.pool.enable_caching or seq.params.prompt_logprobs is not None:
+            return 0
+        return (seq.num_tokens - 1) // self.block_size
+
+    def record_lookup(self, seq: Sequence) -> None:
+        """Count an admitted sequence's prefix-cache lookup (once per admission, however
+        many steps it waited for blocks)."""
+        self.query_tokens += self._cacheable_blocks(seq) * self.block_size
+        self.hit_tokens += seq.num_computed_tokens
 
     def allocate(self, seq: Sequence, num_new_tokens: int) -> bool:
         """Grow the block table to hold ``num_new_tokens`` more; False if the pool is short."""

@@ -105,6 +105,7 @@ class Scheduler:
                 self.kv.free(seq)  # a waiting sequence holds no blocks
                 break
             self.waiting.popleft()
+            self.kv.record_lookup(seq)
             seq.status = SequenceStatus.RUNNING
             if seq.first_scheduled_time is None:
                 seq.first_scheduled_time = time.monotonic()
