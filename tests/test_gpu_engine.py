@@ -91,3 +91,27 @@ def test_penalties_and_min_tokens_match_the_cpu_path(tmp_path) -> None:
     gpu = LLM(str(tmp_path), device="cuda", dtype="float32", max_num_seqs=8)
     for a, b in zip(cpu.generate(prompts, params, use_tqdm=False), gpu.generate(prompts, params, use_tqdm=False)):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
+
+
+def test_graphs_match_eager_across_context_buckets_and_decode_shaped_prefill(tmp_path) -> None:
+    """Contexts below and above the short-context graphs' bound (256), greedy from the graph's
+    own argmax (no logprobs) and through the sampler (logprobs); then one-token prefill chunks,
+    which make decode-shaped steps whose rows do not sample or give prompt logprobs."""
+    make_model_dir("llama3", tmp_path)
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, 256, (n,), generator=g).tolist() for n in (5, 240, 300, 450)]
+    plain = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    with_logprobs = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, logprobs=2, prompt_logprobs=1)
+    eager = LLM(str(tmp_path), device="cuda", dtype="float32", enforce_eager=True)
+    graphs = LLM(str(tmp_path), device="cuda", dtype="float32")
+    one_token = LLM(str(tmp_path), device="cuda", dtype="float32", max_num_batched_tokens=1, max_num_seqs=4)
+    assert {ctx for _, ctx in graphs.engine.runner.graphs.graphs} == {256, 512}
+    for params in (plain, with_logprobs):
+        want = eager.generate(prompts, params, use_tqdm=False)
+        for llm in (graphs, one_token):
+            got = llm.generate(prompts, params, use_tqdm=False)
+            for a, b in zip(want, got):
+                assert a.outputs[0].token_ids == b.outputs[0].token_ids
+                if params.prompt_logprobs is not None:
+                    for x, y in zip(a.prompt_logprobs[1:], b.prompt_logprobs[1:]):
+                        assert set(x) == set(y) and all(abs(x[t] - y[t]) < 1e-4 for t in x)

@@ -14,6 +14,7 @@ from tokenmill.layers.sampler import (
     apply_min_p,
     apply_penalties,
     apply_top_k_top_p,
+    greedy_argmax,
 )
 
 
@@ -123,3 +124,16 @@ def test_penalties() -> None:
     # minus 0.25 * 2 and 0.5; tokens 2, 3 untouched
     assert torch.allclose(out, torch.tensor([[1.0, -4.0 - 0.5 - 0.5, 1.0, 1.0]]))
     assert math.isclose(out[0, 1].item(), -5.0)
+
+
+@pytest.mark.parametrize("vocab", [8192, 128256, 151936, 1009, 7])
+def test_greedy_argmax_is_argmax_with_first_maximum_on_ties(vocab: int) -> None:
+    gen = torch.Generator().manual_seed(vocab)
+    logits = torch.randn(5, vocab, generator=gen).to(torch.bfloat16)
+    # Ties across chunk borders and inside one chunk: the first index must win.
+    logits[1, [vocab // 3, vocab - 1]] = 50.0
+    logits[2, [vocab - 2, vocab - 1]] = 50.0
+    logits[3] = 0.0
+    assert torch.equal(greedy_argmax(logits), logits.argmax(dim=-1))
+    assert greedy_argmax(logits)[1].item() == vocab // 3
+    assert greedy_argmax(logits)[3].item() == 0

@@ -118,37 +118,6 @@ def check_paged_attention(
     return err
 
 
-def check_write_kv_cache(
-    ops,
-    *,
-    num_tokens: int,
-    num_kv_heads: int,
-    head_dim: int,
-    block_size: int,
-    num_blocks: int,
-    dtype: torch.dtype,
-    device: str,
-    src_dtype: torch.dtype | None = None,
-) -> None:
-    """Unique random slots, a quarter of them padding (-1); key/value are strided views."""
-    gen, seed = fresh_generator(device)
-    src_dtype = src_dtype or dtype
-    slots = torch.randperm(num_blocks * block_size, generator=gen, device=device)[:num_tokens]
-    pad = torch.rand(num_tokens, generator=gen, device=device) < 0.25
-    slot_mapping = torch.where(pad, -1, slots).to(torch.int64)
-    kv = _randn((num_tokens, 2 * num_kv_heads * head_dim + 8), src_dtype, device, gen)
-    key = kv[:, : num_kv_heads * head_dim].view(num_tokens, num_kv_heads, head_dim)
-    value = kv[:, num_kv_heads * head_dim : 2 * num_kv_heads * head_dim].view(num_tokens, num_kv_heads, head_dim)
-    k_cache = _randn((num_blocks, block_size, num_kv_heads, head_dim), dtype, device, gen)
-    v_cache = _randn((num_blocks, block_size, num_kv_heads, head_dim), dtype, device, gen)
-    k_ref, v_ref = k_cache.clone(), v_cache.clone()
-    reference.write_kv_cache(key, value, k_ref, v_ref, slot_mapping)
-    ops.write_kv_cache(key, value, k_cache, v_cache, slot_mapping)
-    where = f"seed={seed} T={num_tokens} Hkv={num_kv_heads} D={head_dim} bs={block_size} {src_dtype}->{dtype}"
-    assert torch.equal(k_cache, k_ref), where
-    assert torch.equal(v_cache, v_ref), where
-
-
 def check_rms_norm(
     ops,
     *,
@@ -181,36 +150,56 @@ def check_rms_norm(
     assert err < ELEMWISE_TOL[ref_out.dtype], f"rel err {err:.2e}: {where}"
 
 
-def check_rotary(
+def check_rope_write_kv(
     ops,
     *,
     num_tokens: int,
     num_q_heads: int,
     num_kv_heads: int,
     head_dim: int,
+    block_size: int = 16,
+    num_blocks: int = 64,
     dtype: torch.dtype,
     device: str,
+    cache_dtype: torch.dtype | None = None,
     max_positions: int = 4096,
 ) -> None:
-    """q/k are views into one fused qkv buffer (strided), rotated in place."""
+    """q/k/v are strided views into one fused qkv buffer; q is rotated in place; unique random
+    slots, a quarter of them padding (-1), take the rotated k and v; nothing else changes."""
     gen, seed = fresh_generator(device)
+    cache_dtype = cache_dtype or dtype
     inv_freq = 1.0 / (500000.0 ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device=device) / head_dim))
     cos_sin = reference.rotary_cos_sin(inv_freq, max_positions)
     positions = torch.randint(0, max_positions, (num_tokens,), generator=gen, device=device)
-    qkv = _randn((num_tokens, (num_q_heads + 2 * num_kv_heads) * head_dim), dtype, device, gen)
-    q = qkv[:, : num_q_heads * head_dim].view(num_tokens, num_q_heads, head_dim)
-    k = qkv[:, num_q_heads * head_dim : (num_q_heads + num_kv_heads) * head_dim].view(
-        num_tokens, num_kv_heads, head_dim
-    )
-    v_before = qkv[:, (num_q_heads + num_kv_heads) * head_dim :].clone()
-    ref_q, ref_k = reference.rotary_embedding(positions, q.clone(), k.clone(), cos_sin)
-    got_q, got_k = ops.rotary_embedding(positions, q, k, cos_sin)
-    where = f"seed={seed} T={num_tokens} Hq={num_q_heads} Hkv={num_kv_heads} D={head_dim} {dtype}"
-    assert got_q.data_ptr() == q.data_ptr() and got_k.data_ptr() == k.data_ptr(), where
-    assert torch.equal(qkv[:, (num_q_heads + num_kv_heads) * head_dim :], v_before), f"v clobbered: {where}"
-    for name, got, ref in (("q", got_q, ref_q), ("k", got_k, ref_k)):
-        err = rel_err(got, ref)
-        assert err < ELEMWISE_TOL[dtype], f"{name} rel err {err:.2e}: {where}"
+    slots = torch.randperm(num_blocks * block_size, generator=gen, device=device)[:num_tokens]
+    pad = torch.rand(num_tokens, generator=gen, device=device) < 0.25
+    slot_mapping = torch.where(pad, -1, slots).to(torch.int64)
+    q_size, kv_size = num_q_heads * head_dim, num_kv_heads * head_dim
+    qkv = _randn((num_tokens, q_size + 2 * kv_size + 8), dtype, device, gen)
+    q = qkv[:, :q_size].view(num_tokens, num_q_heads, head_dim)
+    k = qkv[:, q_size:q_size + kv_size].view(num_tokens, num_kv_heads, head_dim)
+    v = qkv[:, q_size + kv_size:q_size + 2 * kv_size].view(num_tokens, num_kv_heads, head_dim)
+    k_cache = _randn((num_blocks, block_size, num_kv_heads, head_dim), cache_dtype, device, gen)
+    v_cache = _randn((num_blocks, block_size, num_kv_heads, head_dim), cache_dtype, device, gen)
+    k_ref, v_ref = k_cache.clone(), v_cache.clone()
+    ref_q = reference.rotary_embedding_and_write_kv(positions, q.clone(), k.clone(), v.clone(), cos_sin, k_ref,
+                                                    v_ref, slot_mapping)
+    kv_before = qkv[:, q_size:].clone()
+    got_q = ops.rotary_embedding_and_write_kv(positions, q, k, v, cos_sin, k_cache, v_cache, slot_mapping)
+    where = (f"seed={seed} T={num_tokens} Hq={num_q_heads} Hkv={num_kv_heads} D={head_dim} bs={block_size} "
+             f"{dtype}->{cache_dtype}")
+    assert got_q.data_ptr() == q.data_ptr(), f"q not rotated in place: {where}"
+    assert torch.equal(qkv[:, q_size:], kv_before), f"k/v inputs modified: {where}"
+    err = rel_err(got_q, ref_q)
+    assert err < ELEMWISE_TOL[dtype], f"q rel err {err:.2e}: {where}"
+    written = torch.zeros(num_blocks * block_size, dtype=torch.bool, device=device)
+    written[slot_mapping[slot_mapping >= 0]] = True
+    written = written.view(num_blocks, block_size)
+    assert torch.equal(k_cache[~written], k_ref[~written]), f"k cache changed outside the slots: {where}"
+    assert torch.equal(v_cache, v_ref), f"v cache: {where}"
+    if written.any():
+        err = rel_err(k_cache[written], k_ref[written])
+        assert err < ELEMWISE_TOL[cache_dtype], f"cached k rel err {err:.2e}: {where}"
 
 
 def check_silu_and_mul(ops, *, num_tokens: int, d: int, dtype: torch.dtype, device: str) -> None:
@@ -250,13 +239,6 @@ def _interpret_attention(ops) -> None:
                           dtype=f16, device="cpu", block_size=8)
 
 
-def _interpret_write_kv_cache(ops) -> None:
-    check_write_kv_cache(ops, num_tokens=23, num_kv_heads=2, head_dim=80, block_size=16, num_blocks=5,
-                         dtype=torch.float16, device="cpu")
-    check_write_kv_cache(ops, num_tokens=9, num_kv_heads=3, head_dim=64, block_size=8, num_blocks=4,
-                         dtype=torch.float16, device="cpu", src_dtype=torch.float32)
-
-
 def _interpret_rms_norm(ops) -> None:
     for dtype in (torch.float16, torch.float32):
         for with_residual in (False, True):
@@ -265,10 +247,12 @@ def _interpret_rms_norm(ops) -> None:
                    weight_dtype=torch.float32)
 
 
-def _interpret_rotary(ops) -> None:
+def _interpret_rope_write_kv(ops) -> None:
     for dtype in (torch.float16, torch.float32):
-        check_rotary(ops, num_tokens=6, num_q_heads=4, num_kv_heads=2, head_dim=80, dtype=dtype, device="cpu")
-    check_rotary(ops, num_tokens=5, num_q_heads=3, num_kv_heads=1, head_dim=64, dtype=torch.float16, device="cpu")
+        check_rope_write_kv(ops, num_tokens=6, num_q_heads=4, num_kv_heads=2, head_dim=80, dtype=dtype,
+                            device="cpu")
+    check_rope_write_kv(ops, num_tokens=23, num_q_heads=3, num_kv_heads=1, head_dim=64, block_size=8,
+                        num_blocks=4, dtype=torch.float32, cache_dtype=torch.float16, device="cpu")
 
 
 def _interpret_silu_and_mul(ops) -> None:
@@ -279,9 +263,8 @@ def _interpret_silu_and_mul(ops) -> None:
 
 INTERPRET_CASES = {
     "paged_attention": _interpret_attention,
-    "write_kv_cache": _interpret_write_kv_cache,
     "rms_norm": _interpret_rms_norm,
-    "rotary_embedding": _interpret_rotary,
+    "rotary_embedding_and_write_kv": _interpret_rope_write_kv,
     "silu_and_mul": _interpret_silu_and_mul,
 }
 

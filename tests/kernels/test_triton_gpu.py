@@ -2,7 +2,7 @@
 
 Fresh random inputs each run (seeds in failure messages). Tolerances, as relative
 error ‖out − ref‖/‖ref‖: attention 1e-2 bf16, 2e-3 fp16, 1e-4 fp32 (IEEE dots);
-the elementwise kernels 8e-3 bf16, 1e-3 fp16, 1e-5 fp32; write_kv_cache exact.
+the elementwise kernels 8e-3 bf16, 1e-3 fp16, 1e-5 fp32; V written to the cache exactly.
 Outputs are poisoned with NaN before the call where the API takes ``out=``, and
 the KV cache is NaN outside the written context, so unwritten outputs and stray
 reads both fail.
@@ -122,15 +122,6 @@ def test_paged_attention_decode_cuda_graph() -> None:
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("num_tokens,num_kv_heads,head_dim,block_size", [(1, 8, 128, 16), (300, 8, 128, 16), (77, 2, 80, 32)])
-def test_write_kv_cache(dtype, num_tokens, num_kv_heads, head_dim, block_size) -> None:
-    cases.check_write_kv_cache(
-        triton_ops, num_tokens=num_tokens, num_kv_heads=num_kv_heads, head_dim=head_dim, block_size=block_size,
-        num_blocks=64, dtype=dtype, device="cuda",
-    )
-
-
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("num_tokens,hidden", [(1, 4096), (129, 4096), (64, 1024), (5, 5120)])
 @pytest.mark.parametrize("with_residual", [False, True])
 def test_rms_norm(dtype, num_tokens, hidden, with_residual) -> None:
@@ -144,10 +135,16 @@ def test_rms_norm_fp32_weight_promotes() -> None:
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("num_tokens,num_q_heads,num_kv_heads,head_dim", [(1, 32, 8, 128), (257, 32, 8, 128), (40, 16, 2, 64), (9, 14, 2, 80)])
-def test_rotary_embedding(dtype, num_tokens, num_q_heads, num_kv_heads, head_dim) -> None:
-    cases.check_rotary(triton_ops, num_tokens=num_tokens, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads,
-                       head_dim=head_dim, dtype=dtype, device="cuda")
+@pytest.mark.parametrize("num_tokens,num_q_heads,num_kv_heads,head_dim,block_size",
+                         [(1, 32, 8, 128, 16), (300, 32, 8, 128, 16), (40, 16, 2, 64, 16), (77, 14, 2, 80, 32)])
+def test_rotary_embedding_and_write_kv(dtype, num_tokens, num_q_heads, num_kv_heads, head_dim, block_size) -> None:
+    cases.check_rope_write_kv(triton_ops, num_tokens=num_tokens, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads,
+                              head_dim=head_dim, block_size=block_size, num_blocks=64, dtype=dtype, device="cuda")
+
+
+def test_rotary_embedding_and_write_kv_casts_to_the_cache_dtype() -> None:
+    cases.check_rope_write_kv(triton_ops, num_tokens=50, num_q_heads=8, num_kv_heads=2, head_dim=128,
+                              dtype=torch.float32, cache_dtype=torch.bfloat16, device="cuda")
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)

@@ -1,11 +1,19 @@
-"""CUDA graphs for pure-decode steps.
+"""CUDA graphs for pure-decode steps: decoder, LM head and greedy argmax.
 
 A decode step of a small model is dozens of short kernels per layer; launched
 one by one from Python, the launch gaps cost more than the work. Each padded
 batch size is captured once at start-up and replayed: the step then costs one
-graph launch. Inputs live in static buffers the graphs read; padded rows point
-at slot -1 (no cache write) and a context of one token in block 0, so they
-compute finite garbage that nobody reads.
+graph launch. The graph ends with the LM head and the argmax, so a greedy step
+launches nothing else before reading its token ids; other sampling starts from
+the graph's logits. Inputs live in static buffers the graphs read; padded rows
+point at slot -1 (no cache write) and a context of one token in whatever valid
+block their table row last held, so they compute finite garbage that nobody
+reads.
+
+Attention splits the KV range across programs when the batch alone cannot fill
+the GPU, and a graph fixes the split count at capture. Small batches therefore
+get a second graph captured for short contexts (≤ ``SHORT_CONTEXT`` tokens),
+whose few splits fit the work of a short context instead of the longest one.
 """
 
 from __future__ import annotations
@@ -16,8 +24,12 @@ import time
 import torch
 
 from tokenmill.layers.attention import AttentionMetadata
+from tokenmill.layers.sampler import greedy_argmax
 
 logger = logging.getLogger(__name__)
+
+SHORT_CONTEXT = 256  # tokens: the context bound of the short-context graphs
+SHORT_CONTEXT_MAX_BATCH = 16  # above this the batch fills the GPU without splits
 
 
 def capture_sizes(max_num_seqs: int) -> list[int]:
@@ -30,10 +42,11 @@ def capture_sizes(max_num_seqs: int) -> list[int]:
 
 class DecodeGraphs:
     def __init__(self, model: torch.nn.Module, kv_caches: list, max_num_seqs: int, max_blocks_per_seq: int,
-                 hidden_size: int, dtype: torch.dtype, device: torch.device) -> None:
+                 block_size: int, vocab_size: int, dtype: torch.dtype, device: torch.device) -> None:
         self.model = model
         self.kv_caches = kv_caches
         self.sizes = capture_sizes(max_num_seqs)
+        self.max_context = max_blocks_per_seq * block_size
         n = self.sizes[-1]
         self.input_ids = torch.zeros(n, dtype=torch.int64, device=device)
         self.positions = torch.zeros(n, dtype=torch.int64, device=device)
@@ -41,52 +54,64 @@ class DecodeGraphs:
         self.seq_lens = torch.ones(n, dtype=torch.int32, device=device)
         self.block_tables = torch.zeros(n, max_blocks_per_seq, dtype=torch.int32, device=device)
         self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=device)
-        self.output = torch.zeros(n, hidden_size, dtype=dtype, device=device)
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.logits = torch.zeros(n, vocab_size, dtype=dtype, device=device)
+        self.greedy_ids = torch.zeros(n, dtype=torch.int64, device=device)
+        self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         self.capture_seconds = 0.0
 
-    def _meta(self, size: int) -> AttentionMetadata:
-        return AttentionMetadata(
+    def _keys(self) -> list[tuple[int, int]]:
+        """(batch size, context bound) of every graph, largest first."""
+        keys = [(size, self.max_context) for size in self.sizes]
+        if SHORT_CONTEXT < self.max_context:
+            keys += [(size, SHORT_CONTEXT) for size in self.sizes if size <= SHORT_CONTEXT_MAX_BATCH]
+        return sorted(keys, reverse=True)
+
+    def _forward(self, size: int, context: int) -> None:
+        meta = AttentionMetadata(
             slot_mapping=self.slot_mapping[:size],
             query_start_loc=self.query_start_loc[:size + 1],
             seq_lens=self.seq_lens[:size],
             block_tables=self.block_tables[:size],
             max_query_len=1,
+            max_seq_len=context,
         )
-
-    def _forward(self, size: int) -> None:
-        self.output[:size] = self.model(self.input_ids[:size], self.positions[:size], self.kv_caches,
-                                        self._meta(size))
+        hidden = self.model(self.input_ids[:size], self.positions[:size], self.kv_caches, meta)
+        logits = self.model.compute_logits(hidden, out=self.logits[:size])
+        self.greedy_ids[:size] = greedy_argmax(logits)
 
     @torch.inference_mode()
     def capture(self) -> None:
-        """Capture every size, largest first, so smaller graphs reuse its memory pool."""
+        """Capture every graph, largest first, so smaller graphs reuse its memory pool."""
         started = time.monotonic()
         pool = None
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
-            for size in reversed(self.sizes):
-                self._forward(size)  # warm-up: Triton compiles outside the capture
+            for key in self._keys():
+                self._forward(*key)  # warm-up: Triton compiles outside the capture
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=pool, stream=stream):
-                    self._forward(size)
+                    self._forward(*key)
                 pool = graph.pool()
-                self.graphs[size] = graph
+                self.graphs[key] = graph
         torch.cuda.current_stream().wait_stream(stream)
         torch.cuda.synchronize()
         self.capture_seconds = time.monotonic() - started
-        logger.info("captured %d decode graphs (batch sizes %s) in %.1f s", len(self.sizes), self.sizes,
+        logger.info("captured %d decode graphs (batch sizes %s) in %.1f s", len(self.graphs), self.sizes,
                     self.capture_seconds)
 
     def padded_size(self, batch_size: int) -> int | None:
         return next((s for s in self.sizes if s >= batch_size), None)
 
-    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        """Copy the step's inputs into the static buffers, replay, return the real rows."""
+    def run(self, input_ids: torch.Tensor, positions: torch.Tensor,
+            meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        """Copy the step's inputs into the static buffers, replay; returns the real rows'
+        logits and greedy token ids (views of static buffers: read before the next replay)."""
         batch = input_ids.shape[0]
         size = self.padded_size(batch)
         width = meta.block_tables.shape[1]
+        short = meta.max_seq_len is not None and meta.max_seq_len <= SHORT_CONTEXT
+        graph = self.graphs.get((size, SHORT_CONTEXT)) if short else None
         self.input_ids[:batch].copy_(input_ids)
         self.positions[:batch].copy_(positions)
         self.slot_mapping[:batch].copy_(meta.slot_mapping)
@@ -94,6 +119,5 @@ class DecodeGraphs:
         self.seq_lens[:batch].copy_(meta.seq_lens)
         self.seq_lens[batch:size].fill_(1)
         self.block_tables[:batch, :width].copy_(meta.block_tables)
-        self.block_tables[batch:size].zero_()
-        self.graphs[size].replay()
-        return self.output[:batch]
+        (graph or self.graphs[(size, self.max_context)]).replay()
+        return self.logits[:batch], self.greedy_ids[:batch]

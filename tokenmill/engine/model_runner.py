@@ -100,7 +100,7 @@ class ModelRunner:
         self.graphs: DecodeGraphs | None = None
         if cuda_graphs and device.type == "cuda":
             self.graphs = DecodeGraphs(model, self.kv_caches, max_num_seqs, -(-max_model_len // block_size),
-                                       cfg.hidden_size, dtype, device)
+                                       block_size, cfg.vocab_size, dtype, device)
             self.graphs.capture()
 
     # ------------------------------------------------------------------ inputs
@@ -136,11 +136,13 @@ class ModelRunner:
         logits_rows.extend(int(query_start[b + 1]) - 1 for b, (s, end) in enumerate(zip(seqs, ends))
                            if end == s.num_tokens)
         params = np.array([_param_row(s.params) for s in sampled], dtype=np.float32).reshape(len(sampled), 7)
+        seq_lens = (starts + counts).astype(np.int32)
         ids_t, pos_t, slots_t, qsl_t, lens_t, tables_t, rows_t, params_t = self.staging.send(
-            ids, positions, slots, query_start, (starts + counts).astype(np.int32), tables,
-            np.asarray(logits_rows, dtype=np.int64), params.T.copy())
+            ids, positions, slots, query_start, seq_lens, tables, np.asarray(logits_rows, dtype=np.int64),
+            params.T.copy())
         meta = AttentionMetadata(slot_mapping=slots_t, query_start_loc=qsl_t, seq_lens=lens_t,
-                                 block_tables=tables_t, max_query_len=int(counts.max()))
+                                 block_tables=tables_t, max_query_len=int(counts.max()),
+                                 max_seq_len=int(seq_lens.max()))
         return StepInputs(ids_t, pos_t, meta, logits_rows, rows_t, sampled, params_t, prompt_rows)
 
     def _sampling_batch(self, seqs: list[Sequence], table: torch.Tensor) -> SamplingBatch:
@@ -193,20 +195,25 @@ class ModelRunner:
     def execute(self, batch: ScheduledBatch) -> StepResult:
         inputs = self._prepare(batch)
         meta, logits_rows, sampled, prompt_rows = inputs.meta, inputs.logits_rows, inputs.sampled, inputs.prompt_rows
+        result = StepResult(sampled_seqs=sampled)
+        greedy_ids = None
         if self.graphs is not None and meta.max_query_len == 1 and self.graphs.padded_size(len(batch)):
-            hidden = self.graphs.run(inputs.input_ids, inputs.positions, meta)
+            # The graph runs the LM head on every row; a row that does not sample (a one-token
+            # prefill chunk mid-prompt) or gives prompt logprobs is picked out afterwards.
+            logits, greedy_ids = self.graphs.run(inputs.input_ids, inputs.positions, meta)
+            if prompt_rows or len(logits_rows) != len(batch.seqs):
+                logits, greedy_ids = logits[inputs.logits_rows_device], None
         else:
             hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, meta)
-        result = StepResult(sampled_seqs=sampled)
-        if not logits_rows:
-            return result  # pure prefill chunks: no LM-head work at all
-        logits = self.model.compute_logits(hidden[inputs.logits_rows_device])
+            if not logits_rows:
+                return result  # pure prefill chunks: no LM-head work at all
+            logits = self.model.compute_logits(hidden[inputs.logits_rows_device])
         num_prompt_rows = len(logits_rows) - len(sampled)
         if prompt_rows:
             self._prompt_logprobs(logits[:num_prompt_rows], prompt_rows, result)
         if sampled:
             sample_logits = logits[num_prompt_rows:]
-            out = self.sampler(sample_logits, self._sampling_batch(sampled, inputs.sampling_table))
+            out = self.sampler(sample_logits, self._sampling_batch(sampled, inputs.sampling_table), greedy_ids)
             result.token_ids = out.token_ids.tolist()
             if out.logprobs is None:
                 result.logprobs = [None] * len(sampled)

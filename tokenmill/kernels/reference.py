@@ -57,9 +57,11 @@ def paged_attention(
     sliding_window: int | None = None,
     *,
     max_query_len: int | None = None,
+    max_seq_len: int | None = None,
 ) -> torch.Tensor:
     """Causal attention of ``query`` ``[T, Hq, D]`` over the paged cache, in float32; returns ``[T, Hq, D]``.
-    ``max_query_len`` is a launch hint for kernels; the reference reads the lengths itself."""
+    ``max_query_len`` and ``max_seq_len`` are launch hints for kernels; the reference reads the lengths
+    itself."""
     out = torch.empty_like(query)
     num_q_heads = query.shape[1]
     num_kv_heads = k_cache.shape[2]
@@ -131,6 +133,23 @@ def rotary_embedding(
         return x * c + torch.cat([-x2, x1], dim=-1) * s
 
     return rotate(query), rotate(key)
+
+
+def rotary_embedding_and_write_kv(
+    positions: torch.Tensor,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> torch.Tensor:
+    """RoPE on query and key, then the rotated key and ``value`` into the paged caches;
+    returns the rotated query."""
+    query, key = rotary_embedding(positions, query, key, cos_sin_cache)
+    write_kv_cache(key, value, k_cache, v_cache, slot_mapping)
+    return query
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:

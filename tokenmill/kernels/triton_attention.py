@@ -11,7 +11,8 @@ Decode at small batch would leave most SMs idle (batch 1 × 8 KV heads is 8
 programs), so the KV range can be split across ``num_splits`` programs
 (flash-decoding): each writes an unnormalised partial output with its running
 max and sum, and a second kernel merges them. The split count is chosen on the
-host from shapes only (batch, KV heads, block-table width, SM count) and each
+host from shapes only (batch, KV heads, block-table width or a host-side bound
+of the context, SM count) and each
 program divides its *actual* range in-kernel, so nothing reads tensor values on
 the host: the decode path can be captured in a CUDA graph.
 """
@@ -234,6 +235,7 @@ def paged_attention(
     sliding_window: int | None = None,
     *,
     max_query_len: int | None = None,
+    max_seq_len: int | None = None,
     num_splits: int | None = None,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
@@ -245,6 +247,8 @@ def paged_attention(
       ``T == B`` (a pure decode batch: the caller must not pass a ragged batch with
       ``T == B``), else read from ``query_start_loc`` on the host, which syncs and
       is not graph-capturable. Passing it makes every path graph-safe.
+    - ``max_seq_len``: an upper bound of ``seq_lens`` known on the host (a CUDA graph's
+      context bucket); the split count is chosen for it instead of the block-table width.
     - ``num_splits``: force the KV split count (tests); default chosen from shapes.
     - ``out``: preallocated output (may be a strided view, last dim contiguous).
     """
@@ -274,7 +278,7 @@ def paged_attention(
     block_n = 64 if block_d <= 128 else 32
     num_warps = 8 if block_m * block_d >= 64 * 256 else 4
 
-    max_context = block_tables.shape[1] * block_size
+    max_context = block_tables.shape[1] * block_size if max_seq_len is None else max_seq_len
     if num_splits is None:
         num_splits = _choose_num_splits(batch * q_tiles * num_kv_heads, max_context, query.device)
     write_partials = num_splits > 1

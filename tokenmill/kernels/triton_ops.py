@@ -7,8 +7,7 @@ keyword-only and optional).
 
 from tokenmill.kernels.triton_activation import silu_and_mul
 from tokenmill.kernels.triton_attention import paged_attention
-from tokenmill.kernels.triton_kv_cache import write_kv_cache
 from tokenmill.kernels.triton_norm import rms_norm
-from tokenmill.kernels.triton_rotary import rotary_embedding
+from tokenmill.kernels.triton_rotary import rotary_embedding_and_write_kv
 
-__all__ = ["paged_attention", "rms_norm", "rotary_embedding", "silu_and_mul", "write_kv_cache"]
+__all__ = ["paged_attention", "rms_norm", "rotary_embedding_and_write_kv", "silu_and_mul"]

@@ -1,4 +1,10 @@
-"""Triton neox-style rotary embedding of q and k in one launch (see ``reference.rotary_embedding``)."""
+"""Triton RoPE fused with the KV-cache write (see ``reference.rotary_embedding_and_write_kv``).
+
+At decode every layer would otherwise run two tiny kernels back to back: rotate
+q and k, then scatter k and v into the paged cache. One program per token does
+both: it rotates its q heads in place, and writes its rotated k heads and its v
+heads straight to the token's cache slot, so k is never stored twice.
+"""
 
 from __future__ import annotations
 
@@ -8,20 +14,12 @@ import triton.language as tl
 
 
 @triton.jit
-def _rotate_heads(
-    base_ptr,
-    stride_h,
-    num_heads,
-    cos,
-    sin,
-    half,
-    BLOCK_H: tl.constexpr,
-    BLOCK_HALF: tl.constexpr,
-):
+def _rotate(x_ptr, stride_h, num_heads, cos, sin, half, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr):
+    """Both rotated halves of ``num_heads`` heads, in x's dtype."""
     heads = tl.arange(0, BLOCK_H)[:, None]
     idx = tl.arange(0, BLOCK_HALF)[None, :]
     mask = (heads < num_heads) & (idx < half)
-    lo_ptr = base_ptr + heads * stride_h + idx
+    lo_ptr = x_ptr + heads * stride_h + idx
     x1 = tl.load(lo_ptr, mask=mask, other=0.0)
     x2 = tl.load(lo_ptr + half, mask=mask, other=0.0)
     dt = x1.dtype
@@ -33,27 +31,16 @@ def _rotate_heads(
     x2f = x2.to(tl.float32)
     o1 = (x1f * c).to(dt).to(tl.float32) + (-x2f * s).to(dt).to(tl.float32)
     o2 = (x2f * c).to(dt).to(tl.float32) + (x1f * s).to(dt).to(tl.float32)
-    tl.store(lo_ptr, o1.to(dt), mask=mask)
-    tl.store(lo_ptr + half, o2.to(dt), mask=mask)
+    return o1.to(dt), o2.to(dt)
 
 
 @triton.jit
-def _rotary_kernel(
-    positions_ptr,
-    q_ptr,
-    k_ptr,
-    cos_sin_ptr,
-    q_stride_t,
-    q_stride_h,
-    k_stride_t,
-    k_stride_h,
-    cos_sin_stride,
-    num_q_heads,
-    num_k_heads,
-    half,
-    BLOCK_HQ: tl.constexpr,
-    BLOCK_HK: tl.constexpr,
-    BLOCK_HALF: tl.constexpr,
+def _rope_write_kv_kernel(
+    positions_ptr, q_ptr, k_ptr, v_ptr, cos_sin_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_ptr,
+    q_stride_t, q_stride_h, k_stride_t, k_stride_h, v_stride_t, v_stride_h, cos_sin_stride,
+    kc_stride_block, kc_stride_slot, kc_stride_head, vc_stride_block, vc_stride_slot, vc_stride_head,
+    block_size, num_q_heads, num_kv_heads, half, head_dim,
+    BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     # One program per token: its cos/sin row is loaded once for all q and k heads.
     t = tl.program_id(0).to(tl.int64)
@@ -62,45 +49,69 @@ def _rotary_kernel(
     cs_row = cos_sin_ptr + pos * cos_sin_stride
     cos = tl.load(cs_row + idx, mask=idx < half, other=0.0)
     sin = tl.load(cs_row + half + idx, mask=idx < half, other=0.0)
-    _rotate_heads(q_ptr + t * q_stride_t, q_stride_h, num_q_heads, cos, sin, half, BLOCK_HQ, BLOCK_HALF)
-    _rotate_heads(k_ptr + t * k_stride_t, k_stride_h, num_k_heads, cos, sin, half, BLOCK_HK, BLOCK_HALF)
+
+    q_row = q_ptr + t * q_stride_t
+    q1, q2 = _rotate(q_row, q_stride_h, num_q_heads, cos, sin, half, BLOCK_HQ, BLOCK_HALF)
+    qh = tl.arange(0, BLOCK_HQ)[:, None]
+    qmask = (qh < num_q_heads) & (idx[None, :] < half)
+    tl.store(q_row + qh * q_stride_h + idx[None, :], q1, mask=qmask)
+    tl.store(q_row + qh * q_stride_h + half + idx[None, :], q2, mask=qmask)
+
+    # Padding tokens (slot < 0) get zero live heads: nothing is written to the cache.
+    # (A scalar folded into the mask as a limit, not and-ed in as a bool: the
+    # interpreter rejects scalar-bool & tensor-bool masks.)
+    slot = tl.load(slot_mapping_ptr + t).to(tl.int64)
+    live_heads = tl.where(slot >= 0, num_kv_heads, 0)
+    block = slot // block_size
+    offset = slot % block_size
+    kh = tl.arange(0, BLOCK_HK)[:, None]
+    k1, k2 = _rotate(k_ptr + t * k_stride_t, k_stride_h, num_kv_heads, cos, sin, half, BLOCK_HK, BLOCK_HALF)
+    kmask = (kh < live_heads) & (idx[None, :] < half)
+    k_dst = k_cache_ptr + block * kc_stride_block + offset * kc_stride_slot + kh * kc_stride_head + idx[None, :]
+    tl.store(k_dst, k1.to(k_cache_ptr.dtype.element_ty), mask=kmask)
+    tl.store(k_dst + half, k2.to(k_cache_ptr.dtype.element_ty), mask=kmask)
+
+    dims = tl.arange(0, BLOCK_D)[None, :]
+    vmask = (kh < live_heads) & (dims < head_dim)
+    v = tl.load(v_ptr + t * v_stride_t + kh * v_stride_h + dims, mask=vmask)
+    v_dst = v_cache_ptr + block * vc_stride_block + offset * vc_stride_slot + kh * vc_stride_head + dims
+    tl.store(v_dst, v.to(v_cache_ptr.dtype.element_ty), mask=vmask)
 
 
-def rotary_embedding(
+def rotary_embedding_and_write_kv(
     positions: torch.Tensor,
     query: torch.Tensor,
     key: torch.Tensor,
+    value: torch.Tensor,
     cos_sin_cache: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Neox RoPE on ``query`` ``[T, Hq, D]`` and ``key`` ``[T, Hkv, D]``, IN PLACE; returns ``(query, key)``.
-
-    In place so that q/k views into a fused qkv buffer need no copy. ``rot_dim`` of
-    ``cos_sin_cache`` must equal ``D`` (as the reference requires). CUDA-graph safe.
-    """
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> torch.Tensor:
+    """Neox RoPE on ``query`` ``[T, Hq, D]`` (IN PLACE, returned) and ``key`` ``[T, Hkv, D]``; the rotated
+    key and ``value`` go to the paged caches at ``slot_mapping`` (< 0: padding). ``key`` itself is left
+    as it was. Inputs may be strided views of a fused qkv buffer (last dim contiguous); no host reads,
+    so CUDA-graph safe."""
     num_tokens, num_q_heads, head_dim = query.shape
-    num_k_heads = key.shape[1]
+    num_kv_heads = key.shape[1]
     rot_dim = cos_sin_cache.shape[-1]
     if rot_dim != head_dim:
         raise ValueError(f"rot_dim {rot_dim} must equal head_dim {head_dim}")
-    if query.stride(-1) != 1 or key.stride(-1) != 1 or cos_sin_cache.stride(-1) != 1:
-        raise ValueError("rotary_embedding needs a contiguous last dimension")
+    for t in (query, key, value, cos_sin_cache, k_cache, v_cache):
+        if t.stride(-1) != 1:
+            raise ValueError("rotary_embedding_and_write_kv needs a contiguous last dimension")
     if num_tokens:
         half = rot_dim // 2
-        _rotary_kernel[(num_tokens,)](
-            positions,
-            query,
-            key,
-            cos_sin_cache,
-            query.stride(0),
-            query.stride(1),
-            key.stride(0),
-            key.stride(1),
+        _rope_write_kv_kernel[(num_tokens,)](
+            positions, query, key, value, cos_sin_cache, k_cache, v_cache, slot_mapping,
+            query.stride(0), query.stride(1), key.stride(0), key.stride(1), value.stride(0), value.stride(1),
             cos_sin_cache.stride(0),
-            num_q_heads,
-            num_k_heads,
-            half,
+            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+            v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+            k_cache.shape[1], num_q_heads, num_kv_heads, half, head_dim,
             BLOCK_HQ=triton.next_power_of_2(num_q_heads),
-            BLOCK_HK=triton.next_power_of_2(num_k_heads),
+            BLOCK_HK=triton.next_power_of_2(num_kv_heads),
             BLOCK_HALF=triton.next_power_of_2(half),
+            BLOCK_D=triton.next_power_of_2(head_dim),
         )
-    return query, key
+    return query

@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from tokenmill.layers import ops
+from tokenmill.layers.rotary import RotaryEmbedding
 
 
 @dataclass
@@ -23,24 +24,28 @@ class AttentionMetadata:
     seq_lens: torch.Tensor  # [B] int32, context length including this step's tokens
     block_tables: torch.Tensor  # [B, max_blocks] int32
     max_query_len: int  # host-side; 1 for a pure decode step
+    max_seq_len: int | None = None  # host-side upper bound of seq_lens; None: the block-table width
 
 
 class PagedAttention(nn.Module):
-    """Writes this step's K/V into the cache, then attends over the whole context."""
+    """Rotates q and k, writes this step's K/V into the cache (one fused pass), then
+    attends over the whole context."""
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int,
-                 sliding_window: int | None) -> None:
+                 sliding_window: int | None, rotary: RotaryEmbedding) -> None:
         super().__init__()
+        self.rotary = rotary
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.scale = head_dim ** -0.5
         self.sliding_window = sliding_window
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
         k_cache, v_cache = kv_cache
-        ops.write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
+        q = ops.rotary_embedding_and_write_kv(positions, q, k, v, self.rotary.cos_sin_cache, k_cache, v_cache,
+                                              meta.slot_mapping)
         return ops.paged_attention(q, k_cache, v_cache, meta.query_start_loc, meta.seq_lens,
                                    meta.block_tables, self.scale, self.sliding_window,
-                                   max_query_len=meta.max_query_len)
+                                   max_query_len=meta.max_query_len, max_seq_len=meta.max_seq_len)

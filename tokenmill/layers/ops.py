@@ -36,19 +36,16 @@ def backend_for(tensor: torch.Tensor) -> ModuleType:
     return reference
 
 
-def write_kv_cache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                   slot_mapping: torch.Tensor) -> None:
-    backend_for(key).write_kv_cache(key, value, k_cache, v_cache, slot_mapping)
-
-
 def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor,
                     scale: float, sliding_window: int | None = None,
-                    max_query_len: int | None = None) -> torch.Tensor:
+                    max_query_len: int | None = None, max_seq_len: int | None = None) -> torch.Tensor:
     """``max_query_len`` (known on the host) spares the kernel a device read, which also
-    keeps the call capturable in a CUDA graph."""
+    keeps the call capturable in a CUDA graph; ``max_seq_len`` (an upper bound of
+    ``seq_lens``) lets it split the KV range for the contexts it will really see."""
     return backend_for(query).paged_attention(query, k_cache, v_cache, query_start_loc, seq_lens, block_tables,
-                                              scale, sliding_window, max_query_len=max_query_len)
+                                              scale, sliding_window, max_query_len=max_query_len,
+                                              max_seq_len=max_seq_len)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
@@ -56,9 +53,12 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     return backend_for(x).rms_norm(x, weight, eps, residual)
 
 
-def rotary_embedding(positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor,
-                     cos_sin_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    return backend_for(query).rotary_embedding(positions, query, key, cos_sin_cache)
+def rotary_embedding_and_write_kv(positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor,
+                                  value: torch.Tensor, cos_sin_cache: torch.Tensor, k_cache: torch.Tensor,
+                                  v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> torch.Tensor:
+    """RoPE on q and k with k and v written to the cache in the same pass; returns the rotated q."""
+    return backend_for(query).rotary_embedding_and_write_kv(positions, query, key, value, cos_sin_cache, k_cache,
+                                                            v_cache, slot_mapping)
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:

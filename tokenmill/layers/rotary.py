@@ -14,7 +14,6 @@ import torch
 from torch import nn
 
 from tokenmill.kernels.reference import rotary_cos_sin
-from tokenmill.layers import ops
 
 
 def inverse_frequencies(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> torch.Tensor:
@@ -38,13 +37,11 @@ def inverse_frequencies(head_dim: int, theta: float, scaling: dict[str, Any] | N
 
 
 class RotaryEmbedding(nn.Module):
+    """Holds the cos/sin table; attention applies it (fused with the KV-cache write)."""
+
     def __init__(self, head_dim: int, max_positions: int, theta: float,
                  scaling: dict[str, Any] | None) -> None:
         super().__init__()
         # Computed on the CPU whatever the model's device, so every device sees the same table.
         table = rotary_cos_sin(inverse_frequencies(head_dim, theta, scaling), max_positions)
         self.register_buffer("cos_sin_cache", table.to(torch.empty(0).device), persistent=False)
-
-    def forward(self, positions: torch.Tensor, query: torch.Tensor,
-                key: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return ops.rotary_embedding(positions, query, key, self.cos_sin_cache)
