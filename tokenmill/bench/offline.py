@@ -106,10 +106,10 @@ def decode_steps(engine: LLMEngine, ceilings: Ceilings, prompts: list[list[int]]
               "fraction_of_floor": floor_ms / ms, "steps_timed": len(decode)}
     graphs = engine.runner.graphs
     if graphs is not None and graphs.padded_size(len(prompts)):
-        # The decoder body alone on the GPU: what the step costs beyond it is host work,
-        # the LM head and the sampler.
-        replay = graphs.graphs[graphs.padded_size(len(prompts))].replay
-        result["graph_replay_ms"] = time_cuda(replay) * 1e3
+        # The step's graph alone on the GPU (decoder, LM head, greedy argmax): what the step
+        # costs beyond it is the GPU idling on the host.
+        longest = max(len(p) for p in prompts) + new_tokens
+        result["graph_replay_ms"] = time_cuda(graphs.graph_for(len(prompts), longest).replay) * 1e3
     return result
 
 

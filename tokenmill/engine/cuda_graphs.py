@@ -103,6 +103,13 @@ class DecodeGraphs:
     def padded_size(self, batch_size: int) -> int | None:
         return next((s for s in self.sizes if s >= batch_size), None)
 
+    def graph_for(self, batch_size: int, max_seq_len: int | None) -> torch.cuda.CUDAGraph:
+        """The graph a step of this many rows and this longest context replays."""
+        size = self.padded_size(batch_size)
+        if max_seq_len is not None and max_seq_len <= SHORT_CONTEXT and (size, SHORT_CONTEXT) in self.graphs:
+            return self.graphs[(size, SHORT_CONTEXT)]
+        return self.graphs[(size, self.max_context)]
+
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor,
             meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
         """Copy the step's inputs into the static buffers, replay; returns the real rows'
@@ -110,8 +117,6 @@ class DecodeGraphs:
         batch = input_ids.shape[0]
         size = self.padded_size(batch)
         width = meta.block_tables.shape[1]
-        short = meta.max_seq_len is not None and meta.max_seq_len <= SHORT_CONTEXT
-        graph = self.graphs.get((size, SHORT_CONTEXT)) if short else None
         self.input_ids[:batch].copy_(input_ids)
         self.positions[:batch].copy_(positions)
         self.slot_mapping[:batch].copy_(meta.slot_mapping)
@@ -119,5 +124,5 @@ class DecodeGraphs:
         self.seq_lens[:batch].copy_(meta.seq_lens)
         self.seq_lens[batch:size].fill_(1)
         self.block_tables[:batch, :width].copy_(meta.block_tables)
-        (graph or self.graphs[(size, self.max_context)]).replay()
+        self.graph_for(batch, meta.max_seq_len).replay()
         return self.logits[:batch], self.greedy_ids[:batch]

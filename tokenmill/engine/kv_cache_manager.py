@@ -58,7 +58,7 @@ class KVCacheManager:
 
     def commit_computed_blocks(self, seq: Sequence) -> None:
         """Make the sequence's newly full and computed blocks findable by later requests."""
-        full = seq.num_computed_tokens // self.block_size
+        full = min(seq.num_computed_tokens, seq.num_tokens - seq.num_pending) // self.block_size
         if full <= seq.num_committed_blocks:
             return
         hashes = seq.full_block_hashes(self.block_size)

@@ -15,9 +15,9 @@ import torch
 
 from tokenmill.default_model import DEFAULT_MODEL_DIR
 from tokenmill.engine.kv_cache_manager import KVCacheManager
-from tokenmill.engine.model_runner import ModelRunner, build_model
+from tokenmill.engine.model_runner import InFlightStep, ModelRunner, build_model
 from tokenmill.engine.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
-from tokenmill.engine.sequence import Sequence
+from tokenmill.engine.sequence import PENDING, Sequence
 from tokenmill.loader.hf_config import ModelConfig, load_model_config, resolve_dtype
 from tokenmill.outputs import CompletionOutput, Logprobs, RequestMetrics, RequestOutput
 from tokenmill.sampling_params import SamplingParams
@@ -44,6 +44,7 @@ class EngineConfig:
     cpu_kv_cache_gib: float = 1.0
     static_batching: bool = False
     enforce_eager: bool = False  # no CUDA graphs
+    async_scheduling: bool = True  # launch step N+1 before reading step N's tokens (host/GPU overlap)
     random_weights: bool = False  # real shapes, random values: for benchmarks
 
     def __post_init__(self) -> None:
@@ -109,6 +110,7 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}
         self._seq_ids = itertools.count()
         self.stats = EngineStats()
+        self._in_flight: InFlightStep | None = None
 
     # ----------------------------------------------------------------- sizing
     def _num_kv_blocks(self, max_len: int) -> int:
@@ -192,6 +194,7 @@ class LLMEngine:
         if request is None:
             return None
         for seq in request.seqs:
+            seq.drop_pending()
             if not seq.is_finished:
                 self.scheduler.finish(seq)
                 seq.finish_reason = "abort"
@@ -200,31 +203,72 @@ class LLMEngine:
         return self._output(request)
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.requests)
+        return bool(self.requests) or self._in_flight is not None
 
     # ------------------------------------------------------------------- step
     def step(self) -> list[RequestOutput]:
-        """One iteration: schedule, run one forward over the ragged batch, append tokens,
-        check stops. Returns the outputs of the requests that changed."""
+        """One iteration: returns the outputs of the requests that changed.
+
+        Steps overlap: the next step is scheduled and launched before this one's sampled
+        ids are read, so the device runs it while the host appends tokens and checks stops
+        (its inputs take the pending ids on the device). A sequence that stops here has run
+        one step too many, which is thrown away. Penalties need every output token on the
+        host, so while a running sequence uses them steps run one at a time.
+        """
+        if self._in_flight is None:
+            self._in_flight = self._launch(None)
+            if self._in_flight is None:
+                return []
+        following = self._launch(self._in_flight) if self._can_overlap() else None
+        current, self._in_flight = self._in_flight, following
+        return self._complete(current)
+
+    def _can_overlap(self) -> bool:
+        return self.config.async_scheduling and not any(seq.params.uses_penalties for seq in self.scheduler.running)
+
+    def _launch(self, previous: InFlightStep | None) -> InFlightStep | None:
+        """Schedule and enqueue a step; each sequence that samples gets a ``PENDING`` token."""
         batch = self.scheduler.schedule()
         self.stats.num_preemptions += batch.num_preempted
         if not batch.seqs:
-            return []
-        result = self.runner.execute(batch)
+            return None
+        step = self.runner.launch(batch, previous)
+        step.batch = batch
         for seq, n in zip(batch.seqs, batch.num_tokens):
             seq.num_computed_tokens += n
-            self.kv.commit_computed_blocks(seq)
         self.stats.record_step(batch)
+        for seq in step.sampled_seqs:
+            step.pending_index.append(seq.num_tokens)
+            seq.token_ids.append(PENDING)
+            seq.num_pending += 1
+            params = seq.params
+            if (params.max_tokens is not None and seq.num_output_tokens >= params.max_tokens) \
+                    or seq.num_tokens >= self.max_model_len:
+                # This token is its last whatever it is: leave the batch now, not a step late.
+                self.scheduler.finish(seq)
+        return step
+
+    def _complete(self, step: InFlightStep) -> list[RequestOutput]:
+        """Read a launched step's tokens, append them, check stops; the outputs that changed."""
+        result = self.runner.collect(step)
+        for seq in step.batch.seqs:
+            if not seq.is_finished:
+                self.kv.commit_computed_blocks(seq)
         for seq, values in result.prompt_logprobs.items():
-            seq.prompt_logprobs.extend(values)
+            if seq.prompt_logprobs is not None:
+                seq.prompt_logprobs.extend(values)
         touched: dict[str, Request] = {}
         now = time.monotonic()
-        for seq, token, logprobs in zip(result.sampled_seqs, result.token_ids, result.logprobs):
-            self._append_token(seq, token, logprobs, now)
+        for seq, index, token, logprobs in zip(result.sampled_seqs, step.pending_index, result.token_ids,
+                                               result.logprobs):
+            if index >= seq.num_tokens or seq.token_ids[index] != PENDING:
+                continue  # the sequence ended meanwhile: nobody wants this token
+            self._accept_token(seq, index, token, logprobs, now)
             touched[seq.request_id] = self.requests[seq.request_id]
         outputs = []
         for request in touched.values():
-            if all(seq.is_finished for seq in request.seqs):
+            # A sequence that left the batch at launch (its last token) still awaits that token.
+            if all(seq.is_finished and not seq.num_pending for seq in request.seqs):
                 request.finished = True
                 request.metrics.finished_time = now
                 del self.requests[request.request_id]
@@ -232,10 +276,13 @@ class LLMEngine:
                 outputs.append(self._output(request))
         return outputs
 
-    def _append_token(self, seq: Sequence, token: int, logprobs: Logprobs | None, now: float) -> None:
+    def _accept_token(self, seq: Sequence, index: int, token: int, logprobs: Logprobs | None, now: float) -> None:
+        """Put the sampled token in its placeholder at ``index`` and apply the stop rules as of it."""
         params = seq.params
         request = self.requests[seq.request_id]
-        seq.token_ids.append(token)
+        seq.token_ids[index] = token
+        seq.num_pending -= 1
+        num_output = index + 1 - seq.num_prompt_tokens
         self.stats.generation_tokens += 1
         if seq.first_token_time is None:
             seq.first_token_time = now
@@ -245,7 +292,7 @@ class LLMEngine:
             seq.logprobs.append(logprobs)
             seq.cumulative_logprob += logprobs[token]
         finished_by_token = False
-        if seq.num_output_tokens >= params.min_tokens:
+        if num_output >= params.min_tokens:
             if not params.ignore_eos and token in seq.eos_token_ids:
                 seq.finish_reason, finished_by_token = "stop", True
             elif token in params.stop_token_ids:
@@ -253,14 +300,14 @@ class LLMEngine:
         if seq.detokenizer is not None and not finished_by_token:
             old_len = len(seq.text)
             seq.text += seq.detokenizer.add(token)
-            if params.stop_strings and seq.num_output_tokens >= params.min_tokens:
+            if params.stop_strings and num_output >= params.min_tokens:
                 self._check_stop_strings(seq, old_len)
         if seq.finish_reason is None and (
-            (params.max_tokens is not None and seq.num_output_tokens >= params.max_tokens)
-            or seq.num_tokens >= self.max_model_len
+            (params.max_tokens is not None and num_output >= params.max_tokens) or index + 1 >= self.max_model_len
         ):
             seq.finish_reason = "length"
         if seq.finish_reason is not None:
+            seq.drop_pending()
             self.scheduler.finish(seq)
 
     @staticmethod

@@ -21,7 +21,7 @@ import torch
 from tokenmill.engine.cuda_graphs import DecodeGraphs
 from tokenmill.engine.host_staging import HostStaging
 from tokenmill.engine.scheduler import ScheduledBatch
-from tokenmill.engine.sequence import Sequence
+from tokenmill.engine.sequence import PENDING, Sequence
 from tokenmill.layers.attention import AttentionMetadata
 from tokenmill.layers.sampler import Sampler, SamplingBatch, gather_logprobs
 from tokenmill.loader.hf_config import ModelConfig
@@ -45,6 +45,19 @@ class StepResult:
 
 
 @dataclass
+class InFlightStep:
+    """A launched step: what ``collect`` needs to read its results once the device is done."""
+
+    sampled_seqs: list[Sequence] = field(default_factory=list)
+    token_ids: torch.Tensor | None = None  # on the device: the next step's pending inputs
+    host: list[torch.Tensor | None] = field(default_factory=list)  # token ids, logprobs, their ids
+    done: torch.cuda.Event | None = None
+    prompt_logprobs: dict[Sequence, list[Logprobs]] = field(default_factory=dict)
+    batch: ScheduledBatch | None = None  # set by the engine
+    pending_index: list[int] = field(default_factory=list)  # where each sampled token goes (engine)
+
+
+@dataclass
 class StepInputs:
     """The flat ragged batch of one step, on the device, and which rows need the LM head."""
 
@@ -56,6 +69,8 @@ class StepInputs:
     sampled: list[Sequence]
     sampling_table: torch.Tensor  # [7, len(sampled)] float32, rows as in _param_row
     prompt_rows: list[tuple[Sequence, int, int]]  # (seq, first position, count)
+    host_ids: np.ndarray  # input_ids as the host knows them (PENDING where still on the device)
+    owner: np.ndarray  # batch row of every token
 
 
 def build_model(cfg: ModelConfig, model_dir: Path | None, dtype: torch.dtype, device: torch.device,
@@ -127,12 +142,15 @@ class ModelRunner:
         for b, seq in enumerate(seqs):
             if seq.prompt_logprobs is None:
                 continue
-            # Rows whose next token is still a prompt token give prompt logprobs.
-            first, last = len(seq.prompt_logprobs) - 1, min(ends[b], seq.num_prompt_tokens - 1)
-            if starts[b] <= first < last:
+            # Rows whose next token is still a prompt token give prompt logprobs, each once:
+            # a recompute after preemption skips the positions already given.
+            first = max(int(starts[b]), seq.next_prompt_logprob_position)
+            last = min(ends[b], seq.num_prompt_tokens - 1)
+            if first < last:
                 row0 = int(query_start[b]) - int(starts[b])
                 prompt_rows.append((seq, first, last - first))
                 logits_rows.extend(range(row0 + first, row0 + last))
+                seq.next_prompt_logprob_position = last
         logits_rows.extend(int(query_start[b + 1]) - 1 for b, (s, end) in enumerate(zip(seqs, ends))
                            if end == s.num_tokens)
         params = np.array([_param_row(s.params) for s in sampled], dtype=np.float32).reshape(len(sampled), 7)
@@ -143,7 +161,7 @@ class ModelRunner:
         meta = AttentionMetadata(slot_mapping=slots_t, query_start_loc=qsl_t, seq_lens=lens_t,
                                  block_tables=tables_t, max_query_len=int(counts.max()),
                                  max_seq_len=int(seq_lens.max()))
-        return StepInputs(ids_t, pos_t, meta, logits_rows, rows_t, sampled, params_t, prompt_rows)
+        return StepInputs(ids_t, pos_t, meta, logits_rows, rows_t, sampled, params_t, prompt_rows, ids, owner)
 
     def _sampling_batch(self, seqs: list[Sequence], table: torch.Tensor) -> SamplingBatch:
         """Per-row parameters: ``table`` holds the numeric ones (see ``_param_row``), already
@@ -169,7 +187,7 @@ class ModelRunner:
         if banned:
             rows, toks = zip(*banned)
             batch.banned = (col(list(rows), torch.int64), col(list(toks), torch.int64))
-        if any(p.repetition_penalty != 1 or p.presence_penalty or p.frequency_penalty for p in params):
+        if any(p.uses_penalties for p in params):
             batch.output_counts, batch.prompt_mask = self._token_counts(seqs)
         return batch
 
@@ -192,10 +210,14 @@ class ModelRunner:
 
     # --------------------------------------------------------------- execution
     @torch.inference_mode()
-    def execute(self, batch: ScheduledBatch) -> StepResult:
+    def launch(self, batch: ScheduledBatch, previous: InFlightStep | None = None) -> InFlightStep:
+        """Enqueue the step on the device and return without waiting for it. Tokens still
+        pending on the host (``PENDING``) are the sampled ids of ``previous``, taken on the device."""
         inputs = self._prepare(batch)
+        if previous is not None:
+            self._fill_pending_inputs(inputs, batch, previous)
         meta, logits_rows, sampled, prompt_rows = inputs.meta, inputs.logits_rows, inputs.sampled, inputs.prompt_rows
-        result = StepResult(sampled_seqs=sampled)
+        step = InFlightStep(sampled_seqs=sampled)
         greedy_ids = None
         if self.graphs is not None and meta.max_query_len == 1 and self.graphs.padded_size(len(batch)):
             # The graph runs the LM head on every row; a row that does not sample (a one-token
@@ -206,35 +228,65 @@ class ModelRunner:
         else:
             hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, meta)
             if not logits_rows:
-                return result  # pure prefill chunks: no LM-head work at all
+                return step  # pure prefill chunks: no LM-head work at all
             logits = self.model.compute_logits(hidden[inputs.logits_rows_device])
         num_prompt_rows = len(logits_rows) - len(sampled)
         if prompt_rows:
-            self._prompt_logprobs(logits[:num_prompt_rows], prompt_rows, result)
+            self._prompt_logprobs(logits[:num_prompt_rows], prompt_rows, step.prompt_logprobs)
         if sampled:
-            sample_logits = logits[num_prompt_rows:]
-            out = self.sampler(sample_logits, self._sampling_batch(sampled, inputs.sampling_table), greedy_ids)
-            result.token_ids = out.token_ids.tolist()
-            if out.logprobs is None:
-                result.logprobs = [None] * len(sampled)
-            else:
-                values, ids = out.logprobs.tolist(), out.logprob_token_ids.tolist()
-                result.logprobs = [
-                    _logprob_dict(ids[i], values[i], 1 + (seq.params.logprobs or 0))
-                    if seq.params.logprobs is not None else None
-                    for i, seq in enumerate(sampled)
-                ]
+            out = self.sampler(logits[num_prompt_rows:], self._sampling_batch(sampled, inputs.sampling_table),
+                               greedy_ids)
+            # The device ids feed the next step's inputs; the host copies are read by ``collect``.
+            # Copied now, before another replay can overwrite a graph's static output.
+            step.token_ids = out.token_ids
+            step.host = [t.to("cpu", non_blocking=True) if t is not None else None
+                         for t in (out.token_ids, out.logprobs, out.logprob_token_ids)]
+            if self.device.type == "cuda":
+                step.done = torch.cuda.Event()
+                step.done.record()
+        return step
+
+    def _fill_pending_inputs(self, inputs: StepInputs, batch: ScheduledBatch, previous: InFlightStep) -> None:
+        """Replace ``PENDING`` input ids with the ids ``previous`` sampled, on the device."""
+        rows = np.flatnonzero(inputs.host_ids == PENDING)
+        if not len(rows):
+            return
+        row_of = {seq: i for i, seq in enumerate(previous.sampled_seqs)}
+        sources = np.fromiter((row_of[batch.seqs[b]] for b in inputs.owner[rows].tolist()), dtype=np.int64,
+                              count=len(rows))
+        rows_t, sources_t = self.staging.send(rows, sources)
+        inputs.input_ids[rows_t] = previous.token_ids[sources_t]
+
+    def collect(self, step: InFlightStep) -> StepResult:
+        """Wait for a launched step's sampled ids (the step's one synchronisation) and read them."""
+        result = StepResult(sampled_seqs=step.sampled_seqs, prompt_logprobs=step.prompt_logprobs)
+        if not step.sampled_seqs:
+            return result
+        if step.done is not None:
+            step.done.synchronize()
+        token_ids, logprobs, logprob_ids = step.host
+        result.token_ids = token_ids.tolist()
+        if logprobs is None:
+            result.logprobs = [None] * len(step.sampled_seqs)
+        else:
+            values, ids = logprobs.tolist(), logprob_ids.tolist()
+            result.logprobs = [
+                _logprob_dict(ids[i], values[i], 1 + (seq.params.logprobs or 0))
+                if seq.params.logprobs is not None else None
+                for i, seq in enumerate(step.sampled_seqs)
+            ]
         return result
 
     def _prompt_logprobs(self, logits: torch.Tensor, prompt_rows: list[tuple[Sequence, int, int]],
-                         result: StepResult) -> None:
+                         into: dict[Sequence, list[Logprobs]]) -> None:
+        """Computed at launch (a host read: prompt logprobs are rare and end the overlap for one step)."""
         logprobs = logits.float().log_softmax(dim=-1)
         row = 0
         for seq, first, count in prompt_rows:
             targets = torch.tensor(seq.prompt_token_ids[first + 1:first + 1 + count], device=self.device)
             values, ids = gather_logprobs(logprobs[row:row + count], targets, seq.params.prompt_logprobs)
             values, ids = values.tolist(), ids.tolist()
-            result.prompt_logprobs[seq] = [
+            into[seq] = [
                 _logprob_dict(ids[i], values[i], 1 + seq.params.prompt_logprobs) for i in range(count)]
             row += count
 

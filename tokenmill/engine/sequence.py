@@ -1,4 +1,10 @@
-"""One sequence being generated: its tokens, progress, KV blocks and output so far."""
+"""One sequence being generated: its tokens, progress, KV blocks and output so far.
+
+While a step is in flight its sampled token is not known on the host yet, but the
+next step is already scheduled: the token list then ends with ``num_pending``
+placeholders (``PENDING``), which the engine replaces as results arrive. Nothing
+that must see real tokens (outputs, prefix-cache hashes, penalties) reads them.
+"""
 
 from __future__ import annotations
 
@@ -11,6 +17,9 @@ from tokenmill.engine.block_pool import BlockHash, hash_block
 from tokenmill.outputs import Logprobs
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.tokenizer import IncrementalDetokenizer
+
+
+PENDING = -1  # placeholder for a sampled token still on the device
 
 
 class SequenceStatus(enum.Enum):
@@ -48,6 +57,8 @@ class Sequence:
     stop_reason: int | str | None = None
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
+    num_pending: int = 0
+    next_prompt_logprob_position: int = 0  # the first prompt position whose logprobs are not yet computed
 
     def __post_init__(self) -> None:
         if not self.token_ids:
@@ -65,11 +76,19 @@ class Sequence:
 
     @property
     def output_token_ids(self) -> list[int]:
-        return self.token_ids[self.num_prompt_tokens:]
+        """The generated tokens known so far (pending placeholders excluded)."""
+        return self.token_ids[self.num_prompt_tokens:self.num_tokens - self.num_pending]
 
     @property
     def num_output_tokens(self) -> int:
+        """Generated tokens, pending ones included: the count the next sample follows."""
         return len(self.token_ids) - self.num_prompt_tokens
+
+    def drop_pending(self) -> None:
+        """Forget placeholders whose tokens will never be wanted (the sequence ended)."""
+        if self.num_pending:
+            del self.token_ids[-self.num_pending:]
+            self.num_pending = 0
 
     @property
     def is_finished(self) -> bool:
@@ -82,8 +101,8 @@ class Sequence:
         return eos + list(self.params.stop_token_ids)
 
     def full_block_hashes(self, block_size: int) -> list[BlockHash]:
-        """Hashes of every full block of ``token_ids``, extended as the sequence grows."""
-        for i in range(len(self.block_hashes), self.num_tokens // block_size):
+        """Hashes of every full block of known tokens, extended as the sequence grows."""
+        for i in range(len(self.block_hashes), (self.num_tokens - self.num_pending) // block_size):
             parent = self.block_hashes[-1] if self.block_hashes else None
             self.block_hashes.append(hash_block(parent, self.token_ids[i * block_size:(i + 1) * block_size]))
         return self.block_hashes

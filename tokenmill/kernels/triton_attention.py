@@ -30,9 +30,8 @@ _LOG2E = 1.4426950408889634
 # well-defined (never inf - inf) for rows whose first tiles are fully masked.
 _NEG_BIG = tl.constexpr(-1.0e30)
 _MAX_SPLITS = 64
-# Below this many KV tokens per split at full block-table width, splitting costs more
-# (partials + a second launch) than the parallelism it buys.
-_MIN_TOKENS_PER_SPLIT = 128
+# Never fewer KV tokens per split than one K/V tile: a split then costs one tile's latency.
+_MIN_TOKENS_PER_SPLIT = 64
 
 
 @triton.jit

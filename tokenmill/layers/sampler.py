@@ -40,9 +40,11 @@ class SamplingBatch:
 
 @dataclass
 class SamplerOutput:
-    token_ids: torch.Tensor  # [N] int64, on the host
-    logprobs: torch.Tensor | None  # [N, 1 + num_logprobs] float32 on the host (sampled first)
-    logprob_token_ids: torch.Tensor | None  # [N, 1 + num_logprobs] int64 on the host
+    """On the sampling device: the caller copies them out without waiting (see ModelRunner)."""
+
+    token_ids: torch.Tensor  # [N] int64
+    logprobs: torch.Tensor | None  # [N, 1 + num_logprobs] float32 (sampled first)
+    logprob_token_ids: torch.Tensor | None  # [N, 1 + num_logprobs] int64
 
 
 def apply_penalties(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
@@ -124,7 +126,7 @@ class Sampler:
         if batch.output_counts is not None or batch.banned is not None:
             greedy_ids = None
         if batch.all_greedy and batch.num_logprobs < 0 and greedy_ids is not None:
-            return SamplerOutput(greedy_ids.cpu(), None, None)
+            return SamplerOutput(greedy_ids, None, None)
         logits = logits.float()
         raw_logprobs = logits.log_softmax(dim=-1) if batch.num_logprobs >= 0 else None
         logits = apply_penalties(logits, batch)
@@ -146,6 +148,6 @@ class Sampler:
             sampled = greedy_argmax(probs / noise)
             token_ids = torch.where(batch.temperature == 0, greedy_ids, sampled)
         if raw_logprobs is None:
-            return SamplerOutput(token_ids.cpu(), None, None)
+            return SamplerOutput(token_ids, None, None)
         values, ids = gather_logprobs(raw_logprobs, token_ids, batch.num_logprobs)
-        return SamplerOutput(token_ids.cpu(), values.cpu(), ids.cpu())
+        return SamplerOutput(token_ids, values, ids)
