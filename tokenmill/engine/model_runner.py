@@ -69,8 +69,6 @@ class StepInputs:
     sampled: list[Sequence]
     sampling_table: torch.Tensor  # [7, len(sampled)] float32, rows as in _param_row
     prompt_rows: list[tuple[Sequence, int, int]]  # (seq, first position, count)
-    host_ids: np.ndarray  # input_ids as the host knows them (PENDING where still on the device)
-    owner: np.ndarray  # batch row of every token
 
 
 def build_model(cfg: ModelConfig, model_dir: Path | None, dtype: torch.dtype, device: torch.device,
@@ -119,8 +117,9 @@ class ModelRunner:
             self.graphs.capture()
 
     # ------------------------------------------------------------------ inputs
-    def _prepare(self, batch: ScheduledBatch) -> StepInputs:
-        """Vectorised over tokens: the only per-sequence Python is reading its ids and table."""
+    def _prepare(self, batch: ScheduledBatch, previous: InFlightStep | None) -> StepInputs:
+        """Vectorised over tokens: the only per-sequence Python is reading its ids and table.
+        ``PENDING`` ids are ``previous``'s samples: which rows take which go in the same copy."""
         bs = self.block_size
         seqs, counts = batch.seqs, np.asarray(batch.num_tokens, dtype=np.int64)
         starts = np.fromiter((s.num_computed_tokens for s in seqs), dtype=np.int64, count=len(seqs))
@@ -155,13 +154,21 @@ class ModelRunner:
                            if end == s.num_tokens)
         params = np.array([_param_row(s.params) for s in sampled], dtype=np.float32).reshape(len(sampled), 7)
         seq_lens = (starts + counts).astype(np.int32)
-        ids_t, pos_t, slots_t, qsl_t, lens_t, tables_t, rows_t, params_t = self.staging.send(
+        pending_rows = np.flatnonzero(ids == PENDING)
+        if len(pending_rows) and previous is None:
+            raise RuntimeError("a pending token is scheduled, but no step in flight holds it")
+        row_of = {seq: i for i, seq in enumerate(previous.sampled_seqs)} if len(pending_rows) else {}
+        pending_sources = np.fromiter((row_of[seqs[b]] for b in owner[pending_rows].tolist()), dtype=np.int64,
+                                      count=len(pending_rows))
+        ids_t, pos_t, slots_t, qsl_t, lens_t, tables_t, rows_t, params_t, pending_t, sources_t = self.staging.send(
             ids, positions, slots, query_start, seq_lens, tables, np.asarray(logits_rows, dtype=np.int64),
-            params.T.copy())
+            params.T.copy(), pending_rows.astype(np.int64), pending_sources)
+        if len(pending_rows):
+            ids_t[pending_t] = previous.token_ids[sources_t]
         meta = AttentionMetadata(slot_mapping=slots_t, query_start_loc=qsl_t, seq_lens=lens_t,
                                  block_tables=tables_t, max_query_len=int(counts.max()),
                                  max_seq_len=int(seq_lens.max()))
-        return StepInputs(ids_t, pos_t, meta, logits_rows, rows_t, sampled, params_t, prompt_rows, ids, owner)
+        return StepInputs(ids_t, pos_t, meta, logits_rows, rows_t, sampled, params_t, prompt_rows)
 
     def _sampling_batch(self, seqs: list[Sequence], table: torch.Tensor) -> SamplingBatch:
         """Per-row parameters: ``table`` holds the numeric ones (see ``_param_row``), already
@@ -213,9 +220,7 @@ class ModelRunner:
     def launch(self, batch: ScheduledBatch, previous: InFlightStep | None = None) -> InFlightStep:
         """Enqueue the step on the device and return without waiting for it. Tokens still
         pending on the host (``PENDING``) are the sampled ids of ``previous``, taken on the device."""
-        inputs = self._prepare(batch)
-        if previous is not None:
-            self._fill_pending_inputs(inputs, batch, previous)
+        inputs = self._prepare(batch, previous)
         meta, logits_rows, sampled, prompt_rows = inputs.meta, inputs.logits_rows, inputs.sampled, inputs.prompt_rows
         step = InFlightStep(sampled_seqs=sampled)
         greedy_ids = None
@@ -245,17 +250,6 @@ class ModelRunner:
                 step.done = torch.cuda.Event()
                 step.done.record()
         return step
-
-    def _fill_pending_inputs(self, inputs: StepInputs, batch: ScheduledBatch, previous: InFlightStep) -> None:
-        """Replace ``PENDING`` input ids with the ids ``previous`` sampled, on the device."""
-        rows = np.flatnonzero(inputs.host_ids == PENDING)
-        if not len(rows):
-            return
-        row_of = {seq: i for i, seq in enumerate(previous.sampled_seqs)}
-        sources = np.fromiter((row_of[batch.seqs[b]] for b in inputs.owner[rows].tolist()), dtype=np.int64,
-                              count=len(rows))
-        rows_t, sources_t = self.staging.send(rows, sources)
-        inputs.input_ids[rows_t] = previous.token_ids[sources_t]
 
     def collect(self, step: InFlightStep) -> StepResult:
         """Wait for a launched step's sampled ids (the step's one synchronisation) and read them."""
