@@ -210,6 +210,16 @@ def bench_features(ceilings: Ceilings) -> list[dict]:
             rows.append({"name": f"features/cuda_graphs/{'off' if eager else 'on'}/b{size}", **result})
         del engine
         release()
+    # Host/GPU overlap (async scheduling) on and off: decode steps of a small model, one
+    # stream and a full batch, where the host's share of a step is largest.
+    for overlap in (True, False):
+        engine = make_engine("llama3.2-1b", max_num_seqs=256, async_scheduling=overlap)
+        prompt = random_prompt(random.Random(2), 128, engine.model_config.vocab_size)
+        for size in (1, 256):
+            result = decode_steps(engine, ceilings, [prompt] * size, 32)
+            rows.append({"name": f"features/async_scheduling/{'on' if overlap else 'off'}/b{size}", **result})
+        del engine
+        release()
     # Continuous batching against static waves on the standard workload.
     for static in (False, True):
         engine = make_engine("qwen3-0.6b", max_num_seqs=64, max_num_batched_tokens=8192, static_batching=static)
