@@ -1,0 +1,111 @@
+"""Where the standard throughput workload's time goes: decode steps against steps that
+carry prefill, each beside its floor, then a cProfile of the host over a smaller run.
+
+python benchmarks/profile_workload.py [--shape qwen3-0.6b] [--requests 256] [--out FILE]   (GPU)
+"""
+
+import argparse
+import cProfile
+import io
+import json
+import pstats
+import statistics
+
+from tokenmill.bench.hardware import measure_ceilings
+from tokenmill.bench.offline import make_engine, release, run_metered, standard_workload
+from tokenmill.sampling_params import SamplingParams
+
+
+def add_workload(engine, workload) -> None:
+    for i, (prompt, out_len) in enumerate(workload):
+        engine.add_request(f"w{i}", prompt, SamplingParams(temperature=0, max_tokens=out_len, ignore_eos=True),
+                           stream=False)
+
+
+def launch_costs() -> dict[str, float]:
+    """Host microseconds to enqueue one call of each op (no synchronisation): what an
+    eager step pays per kernel before the GPU sees it."""
+    import time
+
+    import torch
+
+    from tokenmill.layers import ops
+
+    x = torch.randn(4, 1024, device="cuda", dtype=torch.bfloat16)
+    w = torch.ones(1024, device="cuda", dtype=torch.bfloat16)
+    k_cache = torch.zeros(16, 16, 8, 128, device="cuda", dtype=torch.bfloat16)
+    q = torch.randn(4, 16, 128, device="cuda", dtype=torch.bfloat16)
+    kv = torch.randn(4, 8, 128, device="cuda", dtype=torch.bfloat16)
+    cos_sin = torch.randn(4096, 128, device="cuda")
+    pos = torch.arange(4, device="cuda")
+    slots = torch.arange(4, device="cuda")
+    qsl = torch.arange(5, device="cuda", dtype=torch.int32)
+    lens = torch.full((4,), 8, device="cuda", dtype=torch.int32)
+    tables = torch.arange(4, device="cuda", dtype=torch.int32)[:, None]
+    calls = {
+        "rms_norm": lambda: ops.rms_norm(x, w, 1e-6, x),
+        "rotary_embedding_and_write_kv": lambda: ops.rotary_embedding_and_write_kv(pos, q, kv, kv, cos_sin, k_cache,
+                                                                                   k_cache, slots),
+        "paged_attention": lambda: ops.paged_attention(q, k_cache, k_cache, qsl, lens, tables, 0.1, max_query_len=1,
+                                                       max_seq_len=8),
+        "silu_and_mul": lambda: ops.silu_and_mul(x),
+        "torch_linear": lambda: torch.nn.functional.linear(x, torch.ones(512, 1024, device="cuda",
+                                                                         dtype=torch.bfloat16)),
+        "torch_add": lambda: x + x,
+    }
+    out = {}
+    for name, fn in calls.items():
+        for _ in range(20):
+            fn()
+        torch.cuda.synchronize()
+        started = time.perf_counter()
+        for _ in range(200):
+            fn()
+        out[name] = (time.perf_counter() - started) / 200 * 1e6
+        torch.cuda.synchronize()
+        print(f"launch {name:32s} {out[name]:7.1f} us")
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--shape", default="qwen3-0.6b")
+    parser.add_argument("--requests", type=int, default=256)
+    parser.add_argument("--out")
+    args = parser.parse_args()
+    ceilings = measure_ceilings()
+    launches = launch_costs()
+    engine = make_engine(args.shape, max_num_seqs=256, max_num_batched_tokens=8192)
+    vocab = engine.model_config.vocab_size
+    add_workload(engine, standard_workload(args.requests, vocab=vocab))
+    records, wall, _ = run_metered(engine, ceilings)
+    result = {"shape": args.shape, "requests": args.requests, "seconds": wall, "launch_us": launches}
+    for kind, rows in (("decode", [r for r in records if r.decode]), ("mixed", [r for r in records if not r.decode])):
+        result[kind] = {
+            "steps": len(rows), "seconds": sum(r.seconds for r in rows), "floor_seconds": sum(r.floor for r in rows),
+            "median_ms": statistics.median(r.seconds for r in rows) * 1e3 if rows else 0.0,
+            "mean_batch": statistics.mean(r.batch_size for r in rows) if rows else 0.0,
+            "mean_tokens": statistics.mean(r.tokens for r in rows) if rows else 0.0,
+        }
+        k = result[kind]
+        print(f"{kind:6s} steps {k['steps']:5d}  {k['seconds']:.2f} s (floor {k['floor_seconds']:.2f} s)  "
+              f"median {k['median_ms']:.2f} ms  batch {k['mean_batch']:.0f}  tokens {k['mean_tokens']:.0f}")
+    add_workload(engine, standard_workload(64, vocab=vocab, seed=1))
+    profile = cProfile.Profile()
+    profile.enable()
+    while engine.has_unfinished_requests():
+        engine.step()
+    profile.disable()
+    text = io.StringIO()
+    pstats.Stats(profile, stream=text).sort_stats("tottime").print_stats(30)
+    print(text.getvalue()[:6000])
+    result["host_profile"] = text.getvalue()
+    del engine
+    release()
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
