@@ -33,6 +33,7 @@ def launch_costs() -> dict[str, float]:
 
     x = torch.randn(4, 1024, device="cuda", dtype=torch.bfloat16)
     w = torch.ones(1024, device="cuda", dtype=torch.bfloat16)
+    weight = torch.ones(512, 1024, device="cuda", dtype=torch.bfloat16)
     k_cache = torch.zeros(16, 16, 8, 128, device="cuda", dtype=torch.bfloat16)
     q = torch.randn(4, 16, 128, device="cuda", dtype=torch.bfloat16)
     kv = torch.randn(4, 8, 128, device="cuda", dtype=torch.bfloat16)
@@ -49,8 +50,7 @@ def launch_costs() -> dict[str, float]:
         "paged_attention": lambda: ops.paged_attention(q, k_cache, k_cache, qsl, lens, tables, 0.1, max_query_len=1,
                                                        max_seq_len=8),
         "silu_and_mul": lambda: ops.silu_and_mul(x),
-        "torch_linear": lambda: torch.nn.functional.linear(x, torch.ones(512, 1024, device="cuda",
-                                                                         dtype=torch.bfloat16)),
+        "torch_linear": lambda: torch.nn.functional.linear(x, weight),
         "torch_add": lambda: x + x,
     }
     out = {}
