@@ -26,6 +26,9 @@ for part in "$@"; do
       python3 benchmarks/profile_step.py llama3-8b 1 2>&1 | tee "$OUT/profile-step.txt" | head -60 ;;
     workload-profile)
       python3 benchmarks/profile_workload.py --out "$OUT/workload-profile.json" 2>&1 | grep -v "it/s]" | tail -60 ;;
+    prefill-profile)
+      python3 benchmarks/profile_kernels.py --shape qwen3-0.6b --prefill --out "$OUT/prefill-profile.json" 2>&1 \
+        | grep -v "it/s]" | tail -40 ;;
     kernel-profile)
       python3 benchmarks/profile_kernels.py --out "$OUT/kernel-profile.json" 2>&1 | grep -v "it/s]" | tail -80 ;;
     *) echo "unknown part $part"; exit 2 ;;

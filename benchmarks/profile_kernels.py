@@ -13,12 +13,13 @@ import time
 import torch
 
 from tokenmill.bench.hardware import measure_ceilings
-from tokenmill.bench.offline import make_engine, random_prompt
+from tokenmill.bench.offline import make_engine, random_prompt, standard_workload
 from tokenmill.sampling_params import SamplingParams
 
 
 def kernel_profile(engine, steps: int) -> list[dict]:
-    """Per-kernel GPU time per step (kernels inside CUDA graphs included)."""
+    """Per-kernel GPU time per step (kernels inside CUDA graphs included); with overlapped
+    steps, ``steps`` calls of ``engine.step`` run about ``steps`` steps."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
@@ -44,8 +45,27 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--shape", default="llama3-8b")
     parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--prefill", action="store_true",
+                        help="profile the first two steps of the standard workload (8192-token prefill chunks)")
     parser.add_argument("--out")
     args = parser.parse_args()
+    if args.prefill:
+        engine = make_engine(args.shape, max_num_seqs=256, max_num_batched_tokens=8192)
+        workload = standard_workload(24, vocab=engine.model_config.vocab_size)
+        for i, (prompt, out_len) in enumerate(workload):
+            engine.add_request(str(i), prompt, SamplingParams(temperature=0, max_tokens=out_len, ignore_eos=True),
+                               stream=False)
+        torch.cuda.synchronize()
+        started = time.perf_counter()
+        engine.step()  # launches steps 1 and 2 (overlap), completes step 1
+        engine.step()  # completes step 2
+        torch.cuda.synchronize()
+        print(f"first two steps {(time.perf_counter() - started) * 1e3:.1f} ms (compile warm-up included)")
+        rows = kernel_profile(engine, 2)
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump({"shape": args.shape, "prefill_steps": rows}, f, indent=1)
+        return
     ceilings = measure_ceilings()
     engine = make_engine(args.shape, max_num_seqs=max(8, args.batch))
     print(f"bandwidth {ceilings.bandwidth / 1e12:.2f} TB/s")
