@@ -163,9 +163,11 @@ def check_rope_write_kv(
     device: str,
     cache_dtype: torch.dtype | None = None,
     max_positions: int = 4096,
+    qk_norm: bool = False,
 ) -> None:
     """q/k/v are strided views into one fused qkv buffer; q is rotated in place; unique random
-    slots, a quarter of them padding (-1), take the rotated k and v; nothing else changes."""
+    slots, a quarter of them padding (-1), take the rotated k and v; nothing else changes.
+    ``qk_norm``: per-head RMSNorm of q and k first (Qwen3), with random weights."""
     gen, seed = fresh_generator(device)
     cache_dtype = cache_dtype or dtype
     inv_freq = 1.0 / (500000.0 ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device=device) / head_dim))
@@ -182,12 +184,17 @@ def check_rope_write_kv(
     k_cache = _randn((num_blocks, block_size, num_kv_heads, head_dim), cache_dtype, device, gen)
     v_cache = _randn((num_blocks, block_size, num_kv_heads, head_dim), cache_dtype, device, gen)
     k_ref, v_ref = k_cache.clone(), v_cache.clone()
+    norms = {}
+    if qk_norm:
+        norms = {name: (1.0 + 0.2 * _randn((head_dim,), torch.float32, device, gen)).to(dtype)
+                 for name in ("q_norm_weight", "k_norm_weight")}
     ref_q = reference.rotary_embedding_and_write_kv(positions, q.clone(), k.clone(), v.clone(), cos_sin, k_ref,
-                                                    v_ref, slot_mapping)
+                                                    v_ref, slot_mapping, eps=1e-6, **norms)
     kv_before = qkv[:, q_size:].clone()
-    got_q = ops.rotary_embedding_and_write_kv(positions, q, k, v, cos_sin, k_cache, v_cache, slot_mapping)
+    got_q = ops.rotary_embedding_and_write_kv(positions, q, k, v, cos_sin, k_cache, v_cache, slot_mapping, eps=1e-6,
+                                              **norms)
     where = (f"seed={seed} T={num_tokens} Hq={num_q_heads} Hkv={num_kv_heads} D={head_dim} bs={block_size} "
-             f"{dtype}->{cache_dtype}")
+             f"{dtype}->{cache_dtype} qk_norm={qk_norm}")
     assert got_q.data_ptr() == q.data_ptr(), f"q not rotated in place: {where}"
     assert torch.equal(qkv[:, q_size:], kv_before), f"k/v inputs modified: {where}"
     err = rel_err(got_q, ref_q)
@@ -253,6 +260,9 @@ def _interpret_rope_write_kv(ops) -> None:
                             device="cpu")
     check_rope_write_kv(ops, num_tokens=23, num_q_heads=3, num_kv_heads=1, head_dim=64, block_size=8,
                         num_blocks=4, dtype=torch.float32, cache_dtype=torch.float16, device="cpu")
+    for dtype in (torch.float16, torch.float32):
+        check_rope_write_kv(ops, num_tokens=7, num_q_heads=4, num_kv_heads=2, head_dim=48, dtype=dtype,
+                            device="cpu", qk_norm=True)
 
 
 def _interpret_silu_and_mul(ops) -> None:

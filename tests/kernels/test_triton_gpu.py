@@ -142,6 +142,13 @@ def test_rotary_embedding_and_write_kv(dtype, num_tokens, num_q_heads, num_kv_he
                               head_dim=head_dim, block_size=block_size, num_blocks=64, dtype=dtype, device="cuda")
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("num_tokens,num_q_heads,num_kv_heads", [(1, 32, 8), (300, 16, 8), (33, 14, 2)])
+def test_rotary_embedding_and_write_kv_with_qk_norm(dtype, num_tokens, num_q_heads, num_kv_heads) -> None:
+    cases.check_rope_write_kv(triton_ops, num_tokens=num_tokens, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads,
+                              head_dim=128, dtype=dtype, device="cuda", qk_norm=True)
+
+
 def test_rotary_embedding_and_write_kv_casts_to_the_cache_dtype() -> None:
     cases.check_rope_write_kv(triton_ops, num_tokens=50, num_q_heads=8, num_kv_heads=2, head_dim=128,
                               dtype=torch.float32, cache_dtype=torch.bfloat16, device="cuda")

@@ -144,9 +144,18 @@ def rotary_embedding_and_write_kv(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    q_norm_weight: torch.Tensor | None = None,
+    k_norm_weight: torch.Tensor | None = None,
+    eps: float = 1e-6,
 ) -> torch.Tensor:
-    """RoPE on query and key, then the rotated key and ``value`` into the paged caches;
-    returns the rotated query."""
+    """RoPE on query and key (each head RMS-normed first when norm weights are given, as
+    Qwen3 does), then the rotated key and ``value`` into the paged caches; returns the
+    rotated query."""
+    if (q_norm_weight is None) != (k_norm_weight is None):
+        raise ValueError("give both q and k norm weights, or neither")
+    if q_norm_weight is not None:
+        query = rms_norm(query, q_norm_weight, eps)
+        key = rms_norm(key, k_norm_weight, eps)
     query, key = rotary_embedding(positions, query, key, cos_sin_cache)
     write_kv_cache(key, value, k_cache, v_cache, slot_mapping)
     return query

@@ -3,7 +3,9 @@
 At decode every layer would otherwise run two tiny kernels back to back: rotate
 q and k, then scatter k and v into the paged cache. One program per token does
 both: it rotates its q heads in place, and writes its rotated k heads and its v
-heads straight to the token's cache slot, so k is never stored twice.
+heads straight to the token's cache slot, so k is never stored twice. Qwen3's
+per-head RMSNorm of q and k runs in the same pass: the program holds whole heads
+already, so the norms cost no launch and no copy of the strided q/k views.
 """
 
 from __future__ import annotations
@@ -14,8 +16,10 @@ import triton.language as tl
 
 
 @triton.jit
-def _rotate(x_ptr, stride_h, num_heads, cos, sin, half, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr):
-    """Both rotated halves of ``num_heads`` heads, in x's dtype."""
+def _rotate(x_ptr, stride_h, num_heads, cos, sin, half, norm_ptr, eps,
+            HAS_NORM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr):
+    """Both rotated halves of ``num_heads`` heads, in x's dtype; each head RMS-normed first
+    (with weight ``norm_ptr``) when ``HAS_NORM``."""
     heads = tl.arange(0, BLOCK_H)[:, None]
     idx = tl.arange(0, BLOCK_HALF)[None, :]
     mask = (heads < num_heads) & (idx < half)
@@ -23,6 +27,16 @@ def _rotate(x_ptr, stride_h, num_heads, cos, sin, half, BLOCK_H: tl.constexpr, B
     x1 = tl.load(lo_ptr, mask=mask, other=0.0)
     x2 = tl.load(lo_ptr + half, mask=mask, other=0.0)
     dt = x1.dtype
+    if HAS_NORM:
+        # As the reference RMSNorm rounds: float32 statistics, normed value cast to x's
+        # dtype, then the weight product rounded to it.
+        a = x1.to(tl.float32)
+        b = x2.to(tl.float32)
+        inv = tl.rsqrt((tl.sum(a * a, axis=1) + tl.sum(b * b, axis=1)) / (2 * half) + eps)[:, None]
+        w1 = tl.load(norm_ptr + idx, mask=idx < half, other=0.0).to(tl.float32)
+        w2 = tl.load(norm_ptr + half + idx, mask=idx < half, other=0.0).to(tl.float32)
+        x1 = (w1 * (a * inv).to(dt).to(tl.float32)).to(dt)
+        x2 = (w2 * (b * inv).to(dt).to(tl.float32)).to(dt)
     # The reference casts cos/sin to x's dtype and rounds each product and the sum to
     # it; doing the same keeps 16-bit results equal to the reference's, not just close.
     c = cos.to(dt).to(tl.float32)[None, :]
@@ -37,9 +51,11 @@ def _rotate(x_ptr, stride_h, num_heads, cos, sin, half, BLOCK_H: tl.constexpr, B
 @triton.jit
 def _rope_write_kv_kernel(
     positions_ptr, q_ptr, k_ptr, v_ptr, cos_sin_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_ptr,
+    q_norm_ptr, k_norm_ptr, eps,
     q_stride_t, q_stride_h, k_stride_t, k_stride_h, v_stride_t, v_stride_h, cos_sin_stride,
     kc_stride_block, kc_stride_slot, kc_stride_head, vc_stride_block, vc_stride_slot, vc_stride_head,
     block_size, num_q_heads, num_kv_heads, half, head_dim,
+    HAS_NORM: tl.constexpr,
     BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     # One program per token: its cos/sin row is loaded once for all q and k heads.
@@ -51,7 +67,8 @@ def _rope_write_kv_kernel(
     sin = tl.load(cs_row + half + idx, mask=idx < half, other=0.0)
 
     q_row = q_ptr + t * q_stride_t
-    q1, q2 = _rotate(q_row, q_stride_h, num_q_heads, cos, sin, half, BLOCK_HQ, BLOCK_HALF)
+    q1, q2 = _rotate(q_row, q_stride_h, num_q_heads, cos, sin, half, q_norm_ptr, eps, HAS_NORM, BLOCK_HQ,
+                     BLOCK_HALF)
     qh = tl.arange(0, BLOCK_HQ)[:, None]
     qmask = (qh < num_q_heads) & (idx[None, :] < half)
     tl.store(q_row + qh * q_stride_h + idx[None, :], q1, mask=qmask)
@@ -65,7 +82,8 @@ def _rope_write_kv_kernel(
     block = slot // block_size
     offset = slot % block_size
     kh = tl.arange(0, BLOCK_HK)[:, None]
-    k1, k2 = _rotate(k_ptr + t * k_stride_t, k_stride_h, num_kv_heads, cos, sin, half, BLOCK_HK, BLOCK_HALF)
+    k1, k2 = _rotate(k_ptr + t * k_stride_t, k_stride_h, num_kv_heads, cos, sin, half, k_norm_ptr, eps, HAS_NORM,
+                     BLOCK_HK, BLOCK_HALF)
     kmask = (kh < live_heads) & (idx[None, :] < half)
     k_dst = k_cache_ptr + block * kc_stride_block + offset * kc_stride_slot + kh * kc_stride_head + idx[None, :]
     tl.store(k_dst, k1.to(k_cache_ptr.dtype.element_ty), mask=kmask)
@@ -87,11 +105,17 @@ def rotary_embedding_and_write_kv(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    q_norm_weight: torch.Tensor | None = None,
+    k_norm_weight: torch.Tensor | None = None,
+    eps: float = 1e-6,
 ) -> torch.Tensor:
     """Neox RoPE on ``query`` ``[T, Hq, D]`` (IN PLACE, returned) and ``key`` ``[T, Hkv, D]``; the rotated
     key and ``value`` go to the paged caches at ``slot_mapping`` (< 0: padding). ``key`` itself is left
-    as it was. Inputs may be strided views of a fused qkv buffer (last dim contiguous); no host reads,
-    so CUDA-graph safe."""
+    as it was. With norm weights (``[D]`` each, both or neither) q and k heads are RMS-normed first.
+    Inputs may be strided views of a fused qkv buffer (last dim contiguous); no host reads, so
+    CUDA-graph safe."""
+    if (q_norm_weight is None) != (k_norm_weight is None):
+        raise ValueError("give both q and k norm weights, or neither")
     num_tokens, num_q_heads, head_dim = query.shape
     num_kv_heads = key.shape[1]
     rot_dim = cos_sin_cache.shape[-1]
@@ -104,11 +128,14 @@ def rotary_embedding_and_write_kv(
         half = rot_dim // 2
         _rope_write_kv_kernel[(num_tokens,)](
             positions, query, key, value, cos_sin_cache, k_cache, v_cache, slot_mapping,
+            q_norm_weight if q_norm_weight is not None else query, k_norm_weight if k_norm_weight is not None else key,
+            eps,
             query.stride(0), query.stride(1), key.stride(0), key.stride(1), value.stride(0), value.stride(1),
             cos_sin_cache.stride(0),
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
             v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
             k_cache.shape[1], num_q_heads, num_kv_heads, half, head_dim,
+            HAS_NORM=q_norm_weight is not None,
             BLOCK_HQ=triton.next_power_of_2(num_q_heads),
             BLOCK_HK=triton.next_power_of_2(num_kv_heads),
             BLOCK_HALF=triton.next_power_of_2(half),

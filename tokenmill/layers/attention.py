@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from tokenmill.layers import ops
+from tokenmill.layers.norm import RMSNorm
 from tokenmill.layers.rotary import RotaryEmbedding
 
 
@@ -28,8 +29,8 @@ class AttentionMetadata:
 
 
 class PagedAttention(nn.Module):
-    """Rotates q and k, writes this step's K/V into the cache (one fused pass), then
-    attends over the whole context."""
+    """Rotates q and k (after Qwen3's per-head norms, when given), writes this step's K/V
+    into the cache (one fused pass), then attends over the whole context."""
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int,
                  sliding_window: int | None, rotary: RotaryEmbedding) -> None:
@@ -42,10 +43,13 @@ class PagedAttention(nn.Module):
         self.sliding_window = sliding_window
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
+                kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata,
+                q_norm: RMSNorm | None = None, k_norm: RMSNorm | None = None) -> torch.Tensor:
         k_cache, v_cache = kv_cache
-        q = ops.rotary_embedding_and_write_kv(positions, q, k, v, self.rotary.cos_sin_cache, k_cache, v_cache,
-                                              meta.slot_mapping)
+        q = ops.rotary_embedding_and_write_kv(
+            positions, q, k, v, self.rotary.cos_sin_cache, k_cache, v_cache, meta.slot_mapping,
+            q_norm.weight if q_norm is not None else None, k_norm.weight if k_norm is not None else None,
+            q_norm.eps if q_norm is not None else 1e-6)
         return ops.paged_attention(q, k_cache, v_cache, meta.query_start_loc, meta.seq_lens,
                                    meta.block_tables, self.scale, self.sliding_window,
                                    max_query_len=meta.max_query_len, max_seq_len=meta.max_seq_len)

@@ -55,10 +55,13 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
 
 def rotary_embedding_and_write_kv(positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor,
                                   value: torch.Tensor, cos_sin_cache: torch.Tensor, k_cache: torch.Tensor,
-                                  v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> torch.Tensor:
-    """RoPE on q and k with k and v written to the cache in the same pass; returns the rotated q."""
+                                  v_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                                  q_norm_weight: torch.Tensor | None = None, k_norm_weight: torch.Tensor | None = None,
+                                  eps: float = 1e-6) -> torch.Tensor:
+    """(q/k RMSNorm, then) RoPE on q and k, with k and v written to the cache in the same pass;
+    returns the rotated q."""
     return backend_for(query).rotary_embedding_and_write_kv(positions, query, key, value, cos_sin_cache, k_cache,
-                                                            v_cache, slot_mapping)
+                                                            v_cache, slot_mapping, q_norm_weight, k_norm_weight, eps)
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:

@@ -41,10 +41,7 @@ class DecoderAttention(nn.Module):
         q = q.reshape(tokens, -1, self.head_dim)
         k = k.reshape(tokens, -1, self.head_dim)
         v = v.reshape(tokens, -1, self.head_dim)
-        if self.q_norm is not None:
-            q = self.q_norm(q)
-            k = self.k_norm(k)
-        out = self.attn(positions, q, k, v, kv_cache, meta)
+        out = self.attn(positions, q, k, v, kv_cache, meta, self.q_norm, self.k_norm)
         return self.o_proj(out.reshape(tokens, self.q_size))
 
 
