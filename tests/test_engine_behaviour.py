@@ -237,3 +237,15 @@ def test_steps_overlap_unless_penalties_need_the_tokens(llm) -> None:
     assert engine._in_flight is None
     while engine.has_unfinished_requests():
         engine.step()
+
+
+def test_warm_up_leaves_the_cache_and_results_alone(model_dir) -> None:
+    """The start-up warm-up (run on CUDA to compile kernels) runs prefill-shaped forwards
+    that write only to the padding slot: the KV cache and later results are unchanged."""
+    llm = LLM(str(model_dir), device="cpu", dtype="float32", max_num_seqs=4, max_num_batched_tokens=100)
+    prompt = [[3, 1, 4, 1, 5, 9, 2, 6] * 4]
+    before = llm.generate(prompt, greedy(8), use_tqdm=False)[0].outputs[0].token_ids
+    cache = llm.engine.runner.kv_cache.clone()
+    llm.engine.runner.warm_up(100, llm.engine.max_model_len)
+    assert torch.equal(llm.engine.runner.kv_cache, cache)
+    assert llm.generate(prompt, greedy(8), use_tqdm=False)[0].outputs[0].token_ids == before

@@ -107,6 +107,10 @@ class LLMEngine:
                                   max_num_seqs=config.max_num_seqs, max_model_len=max_len,
                                   cuda_graphs=not config.enforce_eager)
         self.startup_seconds = {"load": load_seconds, "kv_cache_and_graphs": time.monotonic() - started}
+        if self.device.type == "cuda":  # nothing is compiled on the CPU path
+            started = time.monotonic()
+            self.runner.warm_up(config.max_num_batched_tokens, max_len)
+            self.startup_seconds["warm_up"] = time.monotonic() - started
         self.requests: dict[str, Request] = {}
         self._seq_ids = itertools.count()
         self.stats = EngineStats()

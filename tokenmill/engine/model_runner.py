@@ -117,6 +117,32 @@ class ModelRunner:
                                        block_size, cfg.vocab_size, dtype, device)
             self.graphs.capture()
 
+    @torch.inference_mode()
+    def warm_up(self, max_num_batched_tokens: int, max_model_len: int) -> None:
+        """Eager forwards in the shapes that prefill steps take (chunks of 2 … the token budget,
+        and a short chunk deep into a long context, each beside a decode row), so that Triton
+        compiles their kernel variants at start-up rather than inside the first requests'
+        steps. Every token writes to slot -1 (padding) and reads block 0: the cache is left
+        as it was."""
+        dev = self.device
+        longest = max(2, min(max_num_batched_tokens - 1, max_model_len - 1))
+        shapes = {(q, q) for q in (2, 4, 8, 16, 64) if q < longest} | {(longest, longest)}
+        if longest > 16:
+            shapes.add((16, max_model_len - 1))  # few query rows, long context: split KV ranges
+        for query_len, context in sorted(shapes):
+            total = query_len + 1
+            meta = AttentionMetadata(
+                slot_mapping=torch.full((total,), -1, dtype=torch.int64, device=dev),
+                query_start_loc=torch.tensor([0, query_len, total], dtype=torch.int32, device=dev),
+                seq_lens=torch.tensor([context, 1], dtype=torch.int32, device=dev),
+                block_tables=torch.zeros((2, -(-context // self.block_size)), dtype=torch.int32, device=dev),
+                max_query_len=query_len, max_seq_len=context)
+            positions = torch.cat([torch.arange(context - query_len, context), torch.zeros(1, dtype=torch.int64)]).to(dev)
+            hidden = self.model(torch.zeros(total, dtype=torch.int64, device=dev), positions, self.kv_caches, meta)
+            self.model.compute_logits(hidden[[query_len - 1, total - 1]])
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+
     # ------------------------------------------------------------------ inputs
     def _prepare(self, batch: ScheduledBatch, previous: InFlightStep | None) -> StepInputs:
         """Vectorised over tokens; the per-sequence Python is a few reads of each sequence's
