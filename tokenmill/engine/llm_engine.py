@@ -255,10 +255,8 @@ class LLMEngine:
     def _complete(self, step: InFlightStep) -> list[RequestOutput]:
         """Read a launched step's tokens, append them, check stops; the outputs that changed."""
         result = self.runner.collect(step)
-        block_size = self.kv.block_size
         for seq in step.batch.seqs:
-            # Most steps fill no block: the cheap test spares the call.
-            if seq.num_computed_tokens // block_size > seq.num_committed_blocks and not seq.is_finished:
+            if not seq.is_finished:
                 self.kv.commit_computed_blocks(seq)
         for seq, values in result.prompt_logprobs.items():
             if seq.prompt_logprobs is not None:
@@ -267,12 +265,10 @@ class LLMEngine:
         now = time.monotonic()
         for seq, index, token, logprobs in zip(result.sampled_seqs, step.pending_index, result.token_ids,
                                                result.logprobs):
-            tokens = seq.token_ids
-            if index >= len(tokens) or tokens[index] != PENDING:
+            if index >= seq.num_tokens or seq.token_ids[index] != PENDING:
                 continue  # the sequence ended meanwhile: nobody wants this token
-            request = self.requests[seq.request_id]
-            self._accept_token(seq, request, index, token, logprobs, now)
-            touched[seq.request_id] = request
+            self._accept_token(seq, index, token, logprobs, now)
+            touched[seq.request_id] = self.requests[seq.request_id]
         outputs = []
         for request in touched.values():
             # A sequence that left the batch at launch (its last token) still awaits that token.
@@ -284,10 +280,10 @@ class LLMEngine:
                 outputs.append(self._output(request))
         return outputs
 
-    def _accept_token(self, seq: Sequence, request: Request, index: int, token: int, logprobs: Logprobs | None,
-                      now: float) -> None:
+    def _accept_token(self, seq: Sequence, index: int, token: int, logprobs: Logprobs | None, now: float) -> None:
         """Put the sampled token in its placeholder at ``index`` and apply the stop rules as of it."""
         params = seq.params
+        request = self.requests[seq.request_id]
         seq.token_ids[index] = token
         seq.num_pending -= 1
         num_output = index + 1 - seq.num_prompt_tokens
@@ -385,6 +381,5 @@ class EngineStats:
         """Count the step's prompt tokens (called after ``num_computed_tokens`` moved on)."""
         self.num_steps += 1
         for seq, n in zip(batch.seqs, batch.num_tokens):
-            start = seq.num_computed_tokens - n
-            if start < len(seq.prompt_token_ids):  # decode rows (most of them) add nothing
-                self.prompt_tokens += min(seq.num_computed_tokens, len(seq.prompt_token_ids)) - start
+            end = seq.num_computed_tokens
+            self.prompt_tokens += max(0, min(end, seq.num_prompt_tokens) - (end - n))
