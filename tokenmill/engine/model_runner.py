@@ -64,12 +64,11 @@ class StepInputs:
     input_ids: torch.Tensor
     positions: torch.Tensor
     meta: AttentionMetadata
-    num_logits_rows: int  # prompt-logprob rows first, then one row per sampled sequence
+    logits_rows: list[int]  # prompt-logprob rows first, then one row per sampled sequence
     logits_rows_device: torch.Tensor
     sampled: list[Sequence]
     sampling_table: torch.Tensor  # [7, len(sampled)] float32, rows as in _param_row
     prompt_rows: list[tuple[Sequence, int, int]]  # (seq, first position, count)
-    distinct_params: list[SamplingParams]  # the sampled sequences' distinct parameter sets
 
 
 def build_model(cfg: ModelConfig, model_dir: Path | None, dtype: torch.dtype, device: torch.device,
@@ -145,61 +144,42 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ inputs
     def _prepare(self, batch: ScheduledBatch, previous: InFlightStep | None) -> StepInputs:
-        """Vectorised over tokens; the per-sequence Python is a few reads of each sequence's
-        fields. ``PENDING`` ids are ``previous``'s samples: which rows take which go in the
-        same copy."""
+        """Vectorised over tokens: the only per-sequence Python is reading its ids and table.
+        ``PENDING`` ids are ``previous``'s samples: which rows take which go in the same copy."""
         bs = self.block_size
-        seqs = batch.seqs
-        num_seqs = len(seqs)
-        counts = np.asarray(batch.num_tokens, dtype=np.int64)
-        starts = np.fromiter((s.num_computed_tokens for s in seqs), dtype=np.int64, count=num_seqs)
-        lengths = np.fromiter((len(s.token_ids) for s in seqs), dtype=np.int64, count=num_seqs)
-        widths = np.fromiter((len(s.block_table) for s in seqs), dtype=np.int64, count=num_seqs)
-        ends = starts + counts
-        query_start = np.zeros(num_seqs + 1, dtype=np.int32)
+        seqs, counts = batch.seqs, np.asarray(batch.num_tokens, dtype=np.int64)
+        starts = np.fromiter((s.num_computed_tokens for s in seqs), dtype=np.int64, count=len(seqs))
+        query_start = np.zeros(len(seqs) + 1, dtype=np.int32)
         np.cumsum(counts, out=query_start[1:])
         total = int(query_start[-1])
-        # Block tables: every sequence's list in one flat array, scattered into the padded matrix.
-        flat_blocks = np.fromiter(itertools.chain.from_iterable(s.block_table for s in seqs), dtype=np.int32,
-                                  count=int(widths.sum()))
-        tables = np.zeros((num_seqs, int(widths.max())), dtype=np.int32)
-        block_owner = np.repeat(np.arange(num_seqs), widths)
-        tables[block_owner, np.arange(len(flat_blocks)) - np.repeat(np.cumsum(widths) - widths, widths)] = flat_blocks
-        owner = np.repeat(np.arange(num_seqs), counts)
+        tables = np.zeros((len(seqs), max(len(s.block_table) for s in seqs)), dtype=np.int32)
+        for b, seq in enumerate(seqs):
+            tables[b, :len(seq.block_table)] = seq.block_table
+        owner = np.repeat(np.arange(len(seqs)), counts)
         positions = np.arange(total) - np.repeat(query_start[:-1].astype(np.int64) - starts, counts)
         slots = tables[owner, positions // bs].astype(np.int64) * bs + positions % bs
         ids = np.fromiter(itertools.chain.from_iterable(
             s.token_ids[st:st + n] for s, st, n in zip(seqs, starts.tolist(), batch.num_tokens)),
             dtype=np.int64, count=total)
-        sampling_rows = np.flatnonzero(ends == lengths)  # sequences that reach their end sample
-        sampled = [seqs[b] for b in sampling_rows.tolist()]
-        prompt_rows: list[tuple[Sequence, int, int]] = []
-        prompt_logits_rows: list[int] = []
-        for b in (b for b, s in enumerate(seqs) if s.prompt_logprobs is not None):
-            seq = seqs[b]
+        ends = (starts + counts).tolist()
+        sampled = [s for s, end in zip(seqs, ends) if end == s.num_tokens]
+        logits_rows, prompt_rows = [], []
+        for b, seq in enumerate(seqs):
+            if seq.prompt_logprobs is None:
+                continue
             # Rows whose next token is still a prompt token give prompt logprobs, each once:
             # a recompute after preemption skips the positions already given.
             first = max(int(starts[b]), seq.next_prompt_logprob_position)
-            last = min(int(ends[b]), seq.num_prompt_tokens - 1)
+            last = min(ends[b], seq.num_prompt_tokens - 1)
             if first < last:
                 row0 = int(query_start[b]) - int(starts[b])
                 prompt_rows.append((seq, first, last - first))
-                prompt_logits_rows.extend(range(row0 + first, row0 + last))
+                logits_rows.extend(range(row0 + first, row0 + last))
                 seq.next_prompt_logprob_position = last
-        logits_rows = np.concatenate([np.asarray(prompt_logits_rows, dtype=np.int64),
-                                      query_start[1:][sampling_rows].astype(np.int64) - 1])
-        # Sampling parameters: one row per distinct SamplingParams (a batch usually shares a few).
-        index_of: dict[int, int] = {}
-        distinct: list[SamplingParams] = []
-        which = np.empty(len(sampled), dtype=np.int64)
-        for i, seq in enumerate(sampled):
-            j = index_of.get(id(seq.params))
-            if j is None:
-                j = index_of[id(seq.params)] = len(distinct)
-                distinct.append(seq.params)
-            which[i] = j
-        params = np.array([_param_row(p) for p in distinct], dtype=np.float32).reshape(len(distinct), 7)[which]
-        seq_lens = ends.astype(np.int32)
+        logits_rows.extend(int(query_start[b + 1]) - 1 for b, (s, end) in enumerate(zip(seqs, ends))
+                           if end == s.num_tokens)
+        params = np.array([_param_row(s.params) for s in sampled], dtype=np.float32).reshape(len(sampled), 7)
+        seq_lens = (starts + counts).astype(np.int32)
         pending_rows = np.flatnonzero(ids == PENDING)
         if len(pending_rows) and previous is None:
             raise RuntimeError("a pending token is scheduled, but no step in flight holds it")
@@ -207,41 +187,39 @@ class ModelRunner:
         pending_sources = np.fromiter((row_of[seqs[b]] for b in owner[pending_rows].tolist()), dtype=np.int64,
                                       count=len(pending_rows))
         ids_t, pos_t, slots_t, qsl_t, lens_t, tables_t, rows_t, params_t, pending_t, sources_t = self.staging.send(
-            ids, positions, slots, query_start, seq_lens, tables, logits_rows, params.T.copy(),
-            pending_rows.astype(np.int64), pending_sources)
+            ids, positions, slots, query_start, seq_lens, tables, np.asarray(logits_rows, dtype=np.int64),
+            params.T.copy(), pending_rows.astype(np.int64), pending_sources)
         if len(pending_rows):
             ids_t[pending_t] = previous.token_ids[sources_t]
         meta = AttentionMetadata(slot_mapping=slots_t, query_start_loc=qsl_t, seq_lens=lens_t,
                                  block_tables=tables_t, max_query_len=int(counts.max()),
                                  max_seq_len=int(seq_lens.max()))
-        return StepInputs(ids_t, pos_t, meta, len(logits_rows), rows_t, sampled, params_t, prompt_rows, distinct)
+        return StepInputs(ids_t, pos_t, meta, logits_rows, rows_t, sampled, params_t, prompt_rows)
 
-    def _sampling_batch(self, seqs: list[Sequence], table: torch.Tensor,
-                        params: list[SamplingParams]) -> SamplingBatch:
+    def _sampling_batch(self, seqs: list[Sequence], table: torch.Tensor) -> SamplingBatch:
         """Per-row parameters: ``table`` holds the numeric ones (see ``_param_row``), already
-        on the device; the batch-wide switches come from the distinct ``params`` only."""
+        on the device."""
         dev = self.device
+        params = [s.params for s in seqs]
 
         def col(values: list, dtype: torch.dtype) -> torch.Tensor:
             return torch.tensor(values, dtype=dtype, device=dev)
 
         nums = [p.logprobs for p in params if p.logprobs is not None]
-        all_greedy = all(p.temperature == 0 for p in params)
         batch = SamplingBatch(
             temperature=table[0], top_k=table[1].long(), top_p=table[2], min_p=table[3],
             repetition_penalty=table[4], presence_penalty=table[5], frequency_penalty=table[6],
-            generators=[] if all_greedy else [s.generator for s in seqs],  # greedy rows draw no noise
+            generators=[s.generator for s in seqs],
             num_logprobs=max(nums) if nums else -1,
-            all_greedy=all_greedy,
+            all_greedy=all(p.temperature == 0 for p in params),
             needs_top_k_top_p=any(p.top_k > 0 or p.top_p < 1 for p in params),
             needs_min_p=any(p.min_p > 0 for p in params),
         )
-        if any(p.min_tokens > 0 for p in params):
-            banned = [(row, tok) for row, seq in enumerate(seqs) if seq.num_output_tokens < seq.params.min_tokens
-                      for tok in seq.stop_token_ids_for_min_tokens]
-            if banned:
-                rows, toks = zip(*banned)
-                batch.banned = (col(list(rows), torch.int64), col(list(toks), torch.int64))
+        banned = [(row, tok) for row, seq in enumerate(seqs) if seq.num_output_tokens < seq.params.min_tokens
+                  for tok in seq.stop_token_ids_for_min_tokens]
+        if banned:
+            rows, toks = zip(*banned)
+            batch.banned = (col(list(rows), torch.int64), col(list(toks), torch.int64))
         if any(p.uses_penalties for p in params):
             batch.output_counts, batch.prompt_mask = self._token_counts(seqs)
         return batch
@@ -269,26 +247,26 @@ class ModelRunner:
         """Enqueue the step on the device and return without waiting for it. Tokens still
         pending on the host (``PENDING``) are the sampled ids of ``previous``, taken on the device."""
         inputs = self._prepare(batch, previous)
-        meta, num_rows, sampled, prompt_rows = inputs.meta, inputs.num_logits_rows, inputs.sampled, inputs.prompt_rows
+        meta, logits_rows, sampled, prompt_rows = inputs.meta, inputs.logits_rows, inputs.sampled, inputs.prompt_rows
         step = InFlightStep(sampled_seqs=sampled)
         greedy_ids = None
         if self.graphs is not None and meta.max_query_len == 1 and self.graphs.padded_size(len(batch)):
             # The graph runs the LM head on every row; a row that does not sample (a one-token
             # prefill chunk mid-prompt) or gives prompt logprobs is picked out afterwards.
             logits, greedy_ids = self.graphs.run(inputs.input_ids, inputs.positions, meta)
-            if prompt_rows or num_rows != len(batch.seqs):
+            if prompt_rows or len(logits_rows) != len(batch.seqs):
                 logits, greedy_ids = logits[inputs.logits_rows_device], None
         else:
             hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, meta)
-            if not num_rows:
+            if not logits_rows:
                 return step  # pure prefill chunks: no LM-head work at all
             logits = self.model.compute_logits(hidden[inputs.logits_rows_device])
-        num_prompt_rows = num_rows - len(sampled)
+        num_prompt_rows = len(logits_rows) - len(sampled)
         if prompt_rows:
             self._prompt_logprobs(logits[:num_prompt_rows], prompt_rows, step.prompt_logprobs)
         if sampled:
-            sampling = self._sampling_batch(sampled, inputs.sampling_table, inputs.distinct_params)
-            out = self.sampler(logits[num_prompt_rows:], sampling, greedy_ids)
+            out = self.sampler(logits[num_prompt_rows:], self._sampling_batch(sampled, inputs.sampling_table),
+                               greedy_ids)
             # The device ids feed the next step's inputs; the host copies are read by ``collect``.
             # Copied now, before another replay can overwrite a graph's static output.
             step.token_ids = out.token_ids

@@ -26,7 +26,7 @@ class SamplingBatch:
     repetition_penalty: torch.Tensor  # [N] float32; 1 = off
     presence_penalty: torch.Tensor  # [N] float32
     frequency_penalty: torch.Tensor  # [N] float32
-    generators: list[torch.Generator | None]  # per row (empty if all greedy); None = the global generator
+    generators: list[torch.Generator | None]  # per row; None = the global generator
     num_logprobs: int  # the largest top-N any row asked for; -1 = none
     # Only when a row uses penalties: token counts of prompt and output, [N, V].
     prompt_mask: torch.Tensor | None = None
