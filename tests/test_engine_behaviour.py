@@ -155,8 +155,9 @@ def test_abort_frees_blocks(llm) -> None:
     for _ in range(3):
         engine.step()
     assert engine.kv.num_blocks_in_use > 0
-    out = engine.abort_request("a")
+    out = engine.abort_request("a")  # a step is in flight: its pending token is dropped
     assert out.finished and out.outputs[0].finish_reason == "abort"
+    assert out.outputs[0].token_ids and all(t >= 0 for t in out.outputs[0].token_ids)
     while engine.has_unfinished_requests():
         engine.step()
     assert engine.kv.num_blocks_in_use == 0
@@ -249,3 +250,30 @@ def test_warm_up_leaves_the_cache_and_results_alone(model_dir) -> None:
     llm.engine.runner.warm_up(100, llm.engine.max_model_len)
     assert torch.equal(llm.engine.runner.kv_cache, cache)
     assert llm.generate(prompt, greedy(8), use_tqdm=False)[0].outputs[0].token_ids == before
+
+
+def test_overlap_under_preemption_and_streaming(model_dir) -> None:
+    """A pool too small for four growing sequences forces preemptions while steps overlap:
+    results equal the one-at-a-time run, and no streamed output ever shows a pending token."""
+    prompts = [[5 + i, 6, 7, 8] * 5 for i in range(4)]
+    params = greedy(60, ignore_eos=True)
+    results = {}
+    for overlap in (False, True):
+        llm = LLM(str(model_dir), device="cpu", dtype="float32", max_num_seqs=4, num_kv_blocks=10,
+                  async_scheduling=overlap)
+        engine = llm.engine
+        for i, prompt in enumerate(prompts):
+            engine.add_request(str(i), prompt, params, stream=True)
+        final = {}
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                ids = out.outputs[0].token_ids
+                assert all(t >= 0 for t in ids), "a placeholder leaked into an output"
+                assert len(ids) <= 60
+                if out.finished:
+                    final[out.request_id] = ids
+        assert engine.scheduler.num_preemptions > 0
+        assert engine.kv.num_blocks_in_use == 0
+        results[overlap] = final
+    assert results[True] == results[False]
+    assert all(len(ids) == 60 for ids in results[True].values())
