@@ -13,7 +13,7 @@ import time
 import torch
 
 from tokenmill.bench.hardware import measure_ceilings
-from tokenmill.bench.offline import make_engine, random_prompt, standard_workload
+from tokenmill.bench.offline import add_workload, make_engine, random_prompt, standard_workload
 from tokenmill.sampling_params import SamplingParams
 
 
@@ -53,9 +53,7 @@ def main() -> None:
         engine = make_engine(args.shape, max_num_seqs=256, max_num_batched_tokens=8192)
         vocab = engine.model_config.vocab_size
         for seed in (1, 0):  # a whole warm-up run (Triton compiles), then the profiled steps
-            for i, (prompt, out_len) in enumerate(standard_workload(24, seed=seed, vocab=vocab)):
-                engine.add_request(f"{seed}-{i}", prompt, SamplingParams(temperature=0, max_tokens=out_len,
-                                                                         ignore_eos=True), stream=False)
+            add_workload(engine, standard_workload(24, seed=seed, vocab=vocab), prefix=f"{seed}-")
             if seed:
                 while engine.has_unfinished_requests():
                     engine.step()

@@ -12,14 +12,7 @@ import pstats
 import statistics
 
 from tokenmill.bench.hardware import measure_ceilings
-from tokenmill.bench.offline import make_engine, release, run_metered, standard_workload
-from tokenmill.sampling_params import SamplingParams
-
-
-def add_workload(engine, workload) -> None:
-    for i, (prompt, out_len) in enumerate(workload):
-        engine.add_request(f"w{i}", prompt, SamplingParams(temperature=0, max_tokens=out_len, ignore_eos=True),
-                           stream=False)
+from tokenmill.bench.offline import add_workload, make_engine, release, run_metered, standard_workload
 
 
 def launch_costs() -> dict[str, float]:
@@ -90,7 +83,7 @@ def main() -> None:
         k = result[kind]
         print(f"{kind:6s} steps {k['steps']:5d}  {k['seconds']:.2f} s (floor {k['floor_seconds']:.2f} s)  "
               f"median {k['median_ms']:.2f} ms  batch {k['mean_batch']:.0f}  tokens {k['mean_tokens']:.0f}")
-    add_workload(engine, standard_workload(64, vocab=vocab, seed=1))
+    add_workload(engine, standard_workload(64, vocab=vocab, seed=1), prefix="p")
     profile = cProfile.Profile()
     profile.enable()
     while engine.has_unfinished_requests():

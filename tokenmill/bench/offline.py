@@ -162,10 +162,15 @@ def standard_workload(num_requests: int = 256, low: int = 100, high: int = 1024,
             for _ in range(num_requests)]
 
 
-def run_workload(engine: LLMEngine, ceilings: Ceilings, workload: list[tuple[list[int], int]]) -> dict:
+def add_workload(engine: LLMEngine, workload: list[tuple[list[int], int]], prefix: str = "w") -> None:
+    """Queue (prompt, output length) pairs as greedy ``ignore_eos`` requests."""
     for i, (prompt, out_len) in enumerate(workload):
-        engine.add_request(f"w{i}", prompt, SamplingParams(temperature=0, max_tokens=out_len, ignore_eos=True),
+        engine.add_request(f"{prefix}{i}", prompt, SamplingParams(temperature=0, max_tokens=out_len, ignore_eos=True),
                            stream=False)
+
+
+def run_workload(engine: LLMEngine, ceilings: Ceilings, workload: list[tuple[list[int], int]]) -> dict:
+    add_workload(engine, workload)
     records, wall, peak = run_metered(engine, ceilings)
     out_tokens = sum(n for _, n in workload)
     total_tokens = out_tokens + sum(len(p) for p, _ in workload)
@@ -200,26 +205,11 @@ def bench_throughput(ceilings: Ceilings, shapes: list[str], peer: bool, peer_req
 
 
 def bench_features(ceilings: Ceilings) -> list[dict]:
-    rows = []
     # CUDA graphs on and off: decode steps of a small model, where launch gaps dominate.
-    for eager in (False, True):
-        engine = make_engine("llama3.2-1b", max_num_seqs=64, enforce_eager=eager)
-        prompt = random_prompt(random.Random(2), 128, engine.model_config.vocab_size)
-        for size in (1, 64):
-            result = decode_steps(engine, ceilings, [prompt] * size, 32)
-            rows.append({"name": f"features/cuda_graphs/{'off' if eager else 'on'}/b{size}", **result})
-        del engine
-        release()
-    # Host/GPU overlap (async scheduling) on and off: decode steps of a small model, one
-    # stream and a full batch, where the host's share of a step is largest.
-    for overlap in (True, False):
-        engine = make_engine("llama3.2-1b", max_num_seqs=256, async_scheduling=overlap)
-        prompt = random_prompt(random.Random(2), 128, engine.model_config.vocab_size)
-        for size in (1, 256):
-            result = decode_steps(engine, ceilings, [prompt] * size, 32)
-            rows.append({"name": f"features/async_scheduling/{'on' if overlap else 'off'}/b{size}", **result})
-        del engine
-        release()
+    rows = _decode_on_off(ceilings, "cuda_graphs", lambda on: {"enforce_eager": not on}, (1, 64))
+    # Host/GPU overlap on and off: one stream and a full batch, where the host's share of a
+    # step is largest.
+    rows += _decode_on_off(ceilings, "async_scheduling", lambda on: {"async_scheduling": on}, (1, 256))
     # Continuous batching against static waves on the standard workload.
     for static in (False, True):
         engine = make_engine("qwen3-0.6b", max_num_seqs=64, max_num_batched_tokens=8192, static_batching=static)
@@ -248,6 +238,21 @@ def bench_features(ceilings: Ceilings) -> list[dict]:
         del engine
         release()
     rows.extend(_sampling_and_pruning_costs())
+    return rows
+
+
+def _decode_on_off(ceilings: Ceilings, feature: str, options: Callable[[bool], dict],
+                   sizes: tuple[int, ...]) -> list[dict]:
+    """Decode steps of the Llama-3.2-1B shape at each batch size, with ``feature`` on, then off."""
+    rows = []
+    for on in (True, False):
+        engine = make_engine("llama3.2-1b", max_num_seqs=max(sizes), **options(on))
+        prompt = random_prompt(random.Random(2), 128, engine.model_config.vocab_size)
+        for size in sizes:
+            result = decode_steps(engine, ceilings, [prompt] * size, 32)
+            rows.append({"name": f"features/{feature}/{'on' if on else 'off'}/b{size}", **result})
+        del engine
+        release()
     return rows
 
 

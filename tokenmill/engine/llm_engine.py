@@ -237,7 +237,6 @@ class LLMEngine:
         if not batch.seqs:
             return None
         step = self.runner.launch(batch, previous)
-        step.batch = batch
         for seq, n in zip(batch.seqs, batch.num_tokens):
             seq.num_computed_tokens += n
         self.stats.record_step(batch)
@@ -245,9 +244,7 @@ class LLMEngine:
             step.pending_index.append(seq.num_tokens)
             seq.token_ids.append(PENDING)
             seq.num_pending += 1
-            params = seq.params
-            if (params.max_tokens is not None and seq.num_output_tokens >= params.max_tokens) \
-                    or seq.num_tokens >= self.max_model_len:
+            if self._reaches_length_limit(seq.params, seq.num_output_tokens, seq.num_tokens):
                 # This token is its last whatever it is: leave the batch now, not a step late.
                 self.scheduler.finish(seq)
         return step
@@ -306,13 +303,14 @@ class LLMEngine:
             seq.text += seq.detokenizer.add(token)
             if params.stop_strings and num_output >= params.min_tokens:
                 self._check_stop_strings(seq, old_len)
-        if seq.finish_reason is None and (
-            (params.max_tokens is not None and num_output >= params.max_tokens) or index + 1 >= self.max_model_len
-        ):
+        if seq.finish_reason is None and self._reaches_length_limit(params, num_output, index + 1):
             seq.finish_reason = "length"
         if seq.finish_reason is not None:
             seq.drop_pending()
             self.scheduler.finish(seq)
+
+    def _reaches_length_limit(self, params: SamplingParams, num_output: int, num_tokens: int) -> bool:
+        return (params.max_tokens is not None and num_output >= params.max_tokens) or num_tokens >= self.max_model_len
 
     @staticmethod
     def _check_stop_strings(seq: Sequence, old_len: int) -> None:

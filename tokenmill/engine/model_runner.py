@@ -48,12 +48,12 @@ class StepResult:
 class InFlightStep:
     """A launched step: what ``collect`` needs to read its results once the device is done."""
 
+    batch: ScheduledBatch
     sampled_seqs: list[Sequence] = field(default_factory=list)
     token_ids: torch.Tensor | None = None  # on the device: the next step's pending inputs
     host: list[torch.Tensor | None] = field(default_factory=list)  # token ids, logprobs, their ids
     done: torch.cuda.Event | None = None
     prompt_logprobs: dict[Sequence, list[Logprobs]] = field(default_factory=dict)
-    batch: ScheduledBatch | None = None  # set by the engine
     pending_index: list[int] = field(default_factory=list)  # where each sampled token goes (engine)
 
 
@@ -248,7 +248,7 @@ class ModelRunner:
         pending on the host (``PENDING``) are the sampled ids of ``previous``, taken on the device."""
         inputs = self._prepare(batch, previous)
         meta, logits_rows, sampled, prompt_rows = inputs.meta, inputs.logits_rows, inputs.sampled, inputs.prompt_rows
-        step = InFlightStep(sampled_seqs=sampled)
+        step = InFlightStep(batch, sampled_seqs=sampled)
         greedy_ids = None
         if self.graphs is not None and meta.max_query_len == 1 and self.graphs.padded_size(len(batch)):
             # The graph runs the LM head on every row; a row that does not sample (a one-token
