@@ -29,6 +29,8 @@ for part in "$@"; do
     prefill-profile)
       python3 benchmarks/profile_kernels.py --shape qwen3-0.6b --prefill --out "$OUT/prefill-profile.json" 2>&1 \
         | grep -v "it/s]" | tail -40 ;;
+    study-gemv)
+      python3 benchmarks/study_gemv.py --out "$OUT/study-gemv.json" 2>&1 | tee "$OUT/study-gemv.log" | tail -60 ;;
     kernel-profile)
       python3 benchmarks/profile_kernels.py --out "$OUT/kernel-profile.json" 2>&1 | grep -v "it/s]" | tail -80 ;;
     *) echo "unknown part $part"; exit 2 ;;
