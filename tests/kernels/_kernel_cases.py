@@ -221,6 +221,20 @@ def check_silu_and_mul(ops, *, num_tokens: int, d: int, dtype: torch.dtype, devi
     assert err < ELEMWISE_TOL[dtype], f"rel err {err:.2e}: {where}"
 
 
+def check_linear_residual(ops, *, n: int, k: int, dtype: torch.dtype, device: str, bias: bool) -> None:
+    gen, seed = fresh_generator(device)
+    x = _randn((1, k), dtype, device, gen)
+    weight = _randn((n, k), dtype, device, gen) * k**-0.5
+    b = _randn((n,), dtype, device, gen) if bias else None
+    residual = _randn((1, n), dtype, device, gen)
+    ref = reference.linear_residual(x, weight, b, residual)
+    got = ops.linear_residual(x, weight, b, residual)
+    where = f"seed={seed} n={n} k={k} bias={bias} {dtype}"
+    assert got.shape == ref.shape and got.dtype == ref.dtype, where
+    err = rel_err(got, ref)
+    assert err < ELEMWISE_TOL[dtype], f"rel err {err:.2e}: {where}"
+
+
 def _interpret_attention(ops) -> None:
     f16, f32 = torch.float16, torch.float32
     common = dict(device="cpu", block_size=16)
@@ -271,7 +285,15 @@ def _interpret_silu_and_mul(ops) -> None:
     check_silu_and_mul(ops, num_tokens=2, d=1500, dtype=torch.float16, device="cpu")
 
 
+def _interpret_linear_residual(ops) -> None:
+    for dtype in (torch.float16, torch.float32):
+        # K spans several tiles and ends inside one; N ends inside a program's rows.
+        check_linear_residual(ops, n=13, k=2500, dtype=dtype, device="cpu", bias=dtype == torch.float16)
+    check_linear_residual(ops, n=64, k=64, dtype=torch.float32, device="cpu", bias=True)
+
+
 INTERPRET_CASES = {
+    "linear_residual": _interpret_linear_residual,
     "paged_attention": _interpret_attention,
     "rms_norm": _interpret_rms_norm,
     "rotary_embedding_and_write_kv": _interpret_rope_write_kv,

@@ -158,3 +158,49 @@ def test_rotary_embedding_and_write_kv_casts_to_the_cache_dtype() -> None:
 @pytest.mark.parametrize("num_tokens,d", [(1, 14336), (128, 14336), (33, 3072), (7, 300)])
 def test_silu_and_mul(dtype, num_tokens, d) -> None:
     cases.check_silu_and_mul(triton_ops, num_tokens=num_tokens, d=d, dtype=dtype, device="cuda")
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("n,k,bias", [(4096, 4096, False), (4096, 14336, False), (2048, 8192, True), (1000, 300, True)])
+def test_linear_residual(dtype, n, k, bias) -> None:
+    cases.check_linear_residual(triton_ops, n=n, k=k, dtype=dtype, device="cuda", bias=bias)
+
+
+def test_linear_residual_takes_one_row() -> None:
+    x = torch.zeros(2, 64, device="cuda", dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="at most 1 row"):
+        triton_ops.linear_residual(x, torch.zeros(8, 64, device="cuda", dtype=torch.bfloat16), None,
+                                   torch.zeros(2, 8, device="cuda", dtype=torch.bfloat16))
+
+
+def test_pdl_chain_in_cuda_graph() -> None:
+    """Kernels launched with programmatic dependent launch start before their predecessor ends; a
+    graph of a dependent chain, replayed on fresh inputs, must still equal the chain run in torch."""
+    from tokenmill.kernels.triton_launch import pdl_launch_args
+
+    hidden, inter, eps = 4096, 14336, 1e-5
+    assert pdl_launch_args(torch.device("cuda"))["PDL"] == (torch.cuda.get_device_capability()[0] >= 9)
+    gen = torch.Generator(device="cuda").manual_seed(0)
+
+    def rand(*shape: int, scale: float = 1.0) -> torch.Tensor:
+        return (torch.randn(*shape, generator=gen, device="cuda") * scale).to(torch.bfloat16)
+
+    norm_w, w_up, w_down = rand(hidden), rand(2 * inter, hidden, scale=hidden**-0.5), rand(hidden, inter, scale=inter**-0.5)
+    x, res = rand(1, hidden), rand(1, hidden)
+
+    def chain(ops) -> torch.Tensor:
+        h, stream = ops.rms_norm(x, norm_w, eps, res)
+        act = ops.silu_and_mul(torch.nn.functional.linear(h, w_up))
+        stream = ops.linear_residual(act, w_down, None, stream)
+        return ops.rms_norm(stream, norm_w, eps)
+
+    chain(triton_ops)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = chain(triton_ops)
+    for _ in range(5):
+        x.copy_(rand(1, hidden))
+        res.copy_(rand(1, hidden))
+        graph.replay()
+        assert cases.rel_err(out, chain(reference)) < 2e-2

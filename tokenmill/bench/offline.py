@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import os
 import random
 import statistics
 import sys
@@ -210,6 +211,9 @@ def bench_features(ceilings: Ceilings) -> list[dict]:
     # Host/GPU overlap on and off: one stream and a full batch, where the host's share of a
     # step is largest.
     rows += _decode_on_off(ceilings, "async_scheduling", lambda on: {"async_scheduling": on}, (1, 256))
+    # Programmatic dependent launch of the Triton kernels, where the step is a chain of kernels.
+    rows += _decode_on_off(ceilings, "pdl", _switch_pdl, (1, 32), shape="llama3-8b")
+    _switch_pdl(True)
     # Continuous batching against static waves on the standard workload.
     for static in (False, True):
         engine = make_engine("qwen3-0.6b", max_num_seqs=64, max_num_batched_tokens=8192, static_batching=static)
@@ -242,11 +246,11 @@ def bench_features(ceilings: Ceilings) -> list[dict]:
 
 
 def _decode_on_off(ceilings: Ceilings, feature: str, options: Callable[[bool], dict],
-                   sizes: tuple[int, ...]) -> list[dict]:
-    """Decode steps of the Llama-3.2-1B shape at each batch size, with ``feature`` on, then off."""
+                   sizes: tuple[int, ...], shape: str = "llama3.2-1b") -> list[dict]:
+    """Decode steps of ``shape`` at each batch size, with ``feature`` on, then off."""
     rows = []
     for on in (True, False):
-        engine = make_engine("llama3.2-1b", max_num_seqs=max(sizes), **options(on))
+        engine = make_engine(shape, max_num_seqs=max(sizes), **options(on))
         prompt = random_prompt(random.Random(2), 128, engine.model_config.vocab_size)
         for size in sizes:
             result = decode_steps(engine, ceilings, [prompt] * size, 32)
@@ -254,6 +258,16 @@ def _decode_on_off(ceilings: Ceilings, feature: str, options: Callable[[bool], d
         del engine
         release()
     return rows
+
+
+def _switch_pdl(on: bool) -> dict:
+    """PDL is a launch option of the Triton kernels, set by the environment (see triton_launch);
+    no engine option."""
+    from tokenmill.kernels.triton_launch import pdl_supported
+
+    os.environ["TOKENMILL_PDL"] = "1" if on else "0"
+    pdl_supported.cache_clear()
+    return {}
 
 
 def _sampling_and_pruning_costs() -> list[dict]:

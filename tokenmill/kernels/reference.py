@@ -161,6 +161,12 @@ def rotary_embedding_and_write_kv(
     return query
 
 
+def linear_residual(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                    residual: torch.Tensor) -> torch.Tensor:
+    """``residual + x @ weight.T (+ bias)``, the projection rounded before the add."""
+    return torch.nn.functional.linear(x, weight, bias) + residual
+
+
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """``silu(gate) * up`` for ``x = [gate | up]`` along the last dim."""
     gate, up = x.chunk(2, dim=-1)

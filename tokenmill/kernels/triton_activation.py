@@ -6,11 +6,14 @@ import torch
 import triton
 import triton.language as tl
 
+from tokenmill.kernels.triton_launch import pdl_launch_args, wait_for_previous_kernel
+
 _BLOCK = 1024
 
 
 @triton.jit
-def _silu_and_mul_kernel(x_ptr, out_ptr, x_stride, out_stride, d, BLOCK: tl.constexpr):
+def _silu_and_mul_kernel(x_ptr, out_ptr, x_stride, out_stride, d, PDL: tl.constexpr, BLOCK: tl.constexpr):
+    wait_for_previous_kernel(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < d
@@ -36,6 +39,7 @@ def silu_and_mul(x: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.T
     if rows and d:
         block = min(_BLOCK, triton.next_power_of_2(d))
         _silu_and_mul_kernel[(rows, triton.cdiv(d, block))](
-            x2, out2, x2.stride(0), out2.stride(0), d, BLOCK=block, num_warps=4 if block >= 512 else 1
+            x2, out2, x2.stride(0), out2.stride(0), d, BLOCK=block, num_warps=4 if block >= 512 else 1,
+            **pdl_launch_args(x.device),
         )
     return out

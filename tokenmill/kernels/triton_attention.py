@@ -25,6 +25,8 @@ import torch
 import triton
 import triton.language as tl
 
+from tokenmill.kernels.triton_launch import pdl_launch_args, wait_for_previous_kernel
+
 _LOG2E = 1.4426950408889634
 # Finite stand-in for -inf as the initial running max: exp2(m_old - m_new) stays
 # well-defined (never inf - inf) for rows whose first tiles are fully masked.
@@ -70,7 +72,9 @@ def _paged_attention_kernel(
     USE_WINDOW: tl.constexpr,
     WRITE_PARTIALS: tl.constexpr,
     IEEE_DOT: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    wait_for_previous_kernel(PDL)
     q_tile = tl.program_id(0)
     seq = tl.program_id(1)
     kv_head = tl.program_id(2) // num_splits
@@ -182,7 +186,9 @@ def _merge_splits_kernel(
     head_dim,
     BLOCK_S: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    wait_for_previous_kernel(PDL)
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     splits = tl.arange(0, BLOCK_S)
@@ -289,6 +295,7 @@ def paged_attention(
     else:
         part_acc = part_ml = out  # unused by the kernel when WRITE_PARTIALS is off
 
+    pdl = pdl_launch_args(query.device)
     _paged_attention_kernel[(q_tiles, batch, num_kv_heads * num_splits)](
         query,
         k_cache,
@@ -326,6 +333,7 @@ def paged_attention(
         IEEE_DOT=query.dtype == torch.float32,
         num_warps=num_warps,
         num_stages=2,
+        **pdl,
     )
     if write_partials:
         _merge_splits_kernel[(num_tokens, num_q_heads)](
@@ -339,5 +347,6 @@ def paged_attention(
             head_dim,
             BLOCK_S=triton.next_power_of_2(num_splits),
             BLOCK_D=block_d,
+            **pdl,
         )
     return out

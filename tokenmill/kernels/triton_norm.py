@@ -6,6 +6,8 @@ import torch
 import triton
 import triton.language as tl
 
+from tokenmill.kernels.triton_launch import pdl_launch_args, wait_for_previous_kernel
+
 
 @triton.jit
 def _rms_norm_kernel(
@@ -21,8 +23,10 @@ def _rms_norm_kernel(
     hidden,
     eps,
     HAS_RESIDUAL: tl.constexpr,
+    PDL: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
+    wait_for_previous_kernel(PDL)
     # One program per row; the whole row stays in registers between the two passes.
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
@@ -85,5 +89,6 @@ def rms_norm(
             HAS_RESIDUAL=residual is not None,
             BLOCK=block,
             num_warps=max(1, min(16, block // 256)),
+            **pdl_launch_args(x.device),
         )
     return out if residual is None else (out, new_residual)

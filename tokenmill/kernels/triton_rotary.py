@@ -14,6 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
+from tokenmill.kernels.triton_launch import pdl_launch_args, wait_for_previous_kernel
+
 
 @triton.jit
 def _rotate(x_ptr, stride_h, num_heads, cos, sin, half, norm_ptr, eps,
@@ -55,9 +57,10 @@ def _rope_write_kv_kernel(
     q_stride_t, q_stride_h, k_stride_t, k_stride_h, v_stride_t, v_stride_h, cos_sin_stride,
     kc_stride_block, kc_stride_slot, kc_stride_head, vc_stride_block, vc_stride_slot, vc_stride_head,
     block_size, num_q_heads, num_kv_heads, half, head_dim,
-    HAS_NORM: tl.constexpr,
+    HAS_NORM: tl.constexpr, PDL: tl.constexpr,
     BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
+    wait_for_previous_kernel(PDL)
     # One program per token: its cos/sin row is loaded once for all q and k heads.
     t = tl.program_id(0).to(tl.int64)
     pos = tl.load(positions_ptr + t).to(tl.int64)
@@ -140,5 +143,6 @@ def rotary_embedding_and_write_kv(
             BLOCK_HK=triton.next_power_of_2(num_kv_heads),
             BLOCK_HALF=triton.next_power_of_2(half),
             BLOCK_D=triton.next_power_of_2(head_dim),
+            **pdl_launch_args(query.device),
         )
     return query

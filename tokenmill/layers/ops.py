@@ -64,5 +64,16 @@ def rotary_embedding_and_write_kv(positions: torch.Tensor, query: torch.Tensor, 
                                                             v_cache, slot_mapping, q_norm_weight, k_norm_weight, eps)
 
 
+def linear_into_stream(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                       residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Project ``x`` into the residual stream: returns ``(delta, residual)`` whose sum is the new
+    stream. Where a kernel fuses the add (one-token decode on the GPU) the sum comes back whole, as
+    ``(stream, None)``; elsewhere the add is left to the next RMSNorm, which fuses it."""
+    backend = backend_for(x)
+    if backend is not reference and x.shape[0] <= backend.GEMV_MAX_ROWS:
+        return backend.linear_residual(x, weight, bias, residual), None
+    return torch.nn.functional.linear(x, weight, bias), residual
+
+
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     return backend_for(x).silu_and_mul(x)

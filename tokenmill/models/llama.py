@@ -34,15 +34,17 @@ class DecoderAttention(nn.Module):
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.attn = PagedAttention(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.sliding_windows[layer], rotary)
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor, kv_cache: KVCache,
-                meta: AttentionMetadata) -> torch.Tensor:
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor, kv_cache: KVCache,
+                meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Returns the attention block's output folded into the residual stream (see ``ops.linear_into_stream``)."""
         tokens = x.shape[0]
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.reshape(tokens, -1, self.head_dim)
         k = k.reshape(tokens, -1, self.head_dim)
         v = v.reshape(tokens, -1, self.head_dim)
         out = self.attn(positions, q, k, v, kv_cache, meta, self.q_norm, self.k_norm)
-        return self.o_proj(out.reshape(tokens, self.q_size))
+        return ops.linear_into_stream(out.reshape(tokens, self.q_size), self.o_proj.weight, self.o_proj.bias,
+                                      residual)
 
 
 class GatedMLP(nn.Module):
@@ -51,8 +53,17 @@ class GatedMLP(nn.Module):
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(ops.silu_and_mul(self.gate_up_proj(x)))
+    def forward(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        return ops.linear_into_stream(ops.silu_and_mul(self.gate_up_proj(x)), self.down_proj.weight,
+                                      self.down_proj.bias, residual)
+
+
+def norm_stream(norm: RMSNorm, x: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The residual stream is ``x + residual`` (just ``x`` when ``residual`` is None): returns its
+    norm and the stream itself."""
+    if residual is None:
+        return norm(x), x
+    return norm(x, residual)
 
 
 class DecoderLayer(nn.Module):
@@ -64,15 +75,11 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None,
-                kv_cache: KVCache, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
-        if residual is None:
-            residual = x
-            x = self.input_layernorm(x)
-        else:
-            x, residual = self.input_layernorm(x, residual)
-        x = self.self_attn(positions, x, kv_cache, meta)
-        x, residual = self.post_attention_layernorm(x, residual)
-        return self.mlp(x), residual
+                kv_cache: KVCache, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor | None]:
+        x, residual = norm_stream(self.input_layernorm, x, residual)
+        x, residual = self.self_attn(positions, x, residual, kv_cache, meta)
+        x, residual = norm_stream(self.post_attention_layernorm, x, residual)
+        return self.mlp(x, residual)
 
 
 class DecoderModel(nn.Module):
@@ -89,7 +96,7 @@ class DecoderModel(nn.Module):
         residual = None
         for layer, kv_cache in zip(self.layers, kv_caches):
             x, residual = layer(positions, x, residual, kv_cache, meta)
-        x, _ = self.norm(x, residual)
+        x, _ = norm_stream(self.norm, x, residual)
         return x
 
 
