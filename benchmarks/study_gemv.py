@@ -1,13 +1,14 @@
-"""The fused single-row GEMV (tokenmill/kernels/triton_gemv.py) against cuBLAS plus the residual add,
-on each Llama-3-8B projection shape; the engine uses it for o and down, where it wins.
+"""The fused single-row GEMV (tokenmill/kernels/triton_gemv.py) against the unfused ops it replaces,
+on each Llama-3-8B projection shape: RMSNorm + qkv, RMSNorm + gate|up + SiLU-and-multiply, o and
+down + the residual add.
 
 Each runs inside a CUDA graph over 32 distinct weight sets (one per layer, so nothing is served
 from L2), timed with CUDA events, median of replays; the floor is the weight bytes over the copy
-bandwidth measured in the same call (after a warm-up copy, so the clocks are up).
+bandwidth measured in the same call.
 
-The first version of this study (commit 90d5c8a, results in benchmarks/results/) also tried the
-GEMV for qkv and gate|up with the RMSNorm folded in front and SiLU-and-multiply behind, and for
-2-8 rows: all lost to cuBLAS, and only the one-row o/down variant was kept.
+The first version of this study (commit 90d5c8a, results in benchmarks/results/) also tried 2-8
+rows, where the kernel lost to cuBLAS; and without programmatic dependent launch the fused qkv and
+gate|up lost too.
 
     python benchmarks/study_gemv.py --out study.json
 """
@@ -22,20 +23,14 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from tokenmill.kernels.triton_gemv import linear_residual
+from tokenmill.bench.hardware import measure_ceilings
+from tokenmill.kernels import triton_ops
+from tokenmill.kernels.triton_gemv import linear_residual, norm_linear
 
 HIDDEN, QKV, INTER, LAYERS = 4096, 6144, 14336, 32
+EPS = 1e-5
 SHAPES = {"qkv": (QKV, HIDDEN), "o": (HIDDEN, HIDDEN), "gate_up": (2 * INTER, HIDDEN), "down": (HIDDEN, INTER)}
 DT = torch.bfloat16
-
-
-def copy_bandwidth() -> float:
-    a = torch.empty(2 << 30, dtype=torch.uint8, device="cuda")
-    b = torch.empty_like(a)
-    for _ in range(20):  # bring the clocks up before the graph is timed
-        b.copy_(a)
-    ms = time_graph(lambda: b.copy_(a), replays=10)
-    return 2 * a.numel() / (ms * 1e-3)
 
 
 def time_graph(fn: Callable[[], object], replays: int = 20) -> float:
@@ -67,20 +62,35 @@ def weights(n: int, k: int) -> list[torch.Tensor]:
 
 
 def per_op(bandwidth: float) -> list[dict]:
-    """One row: ``residual + x @ W.T`` through cuBLAS and the add, against the fused GEMV."""
+    """Each projection at one row with its neighbours, unfused (Triton norm and SiLU kernels, cuBLAS,
+    torch add) against the fused GEMV."""
     rows = []
     for name, (n, k) in SHAPES.items():
         ws = weights(n, k)
         floor_us = n * k * 2 / bandwidth * 1e6
         x = torch.randn(1, k, device="cuda", dtype=DT)
         res = torch.randn(1, n, device="cuda", dtype=DT)
-        cublas = time_graph(lambda ws=ws, x=x, res=res: [F.linear(x, w) + res for w in ws]) * 1e3 / LAYERS
-        fused = time_graph(lambda ws=ws, x=x, res=res: [linear_residual(x, w, None, res) for w in ws]) * 1e3 / LAYERS
-        ref = F.linear(x, ws[0]) + res
-        err = ((linear_residual(x, ws[0], None, res).float() - ref.float()).norm() / ref.float().norm()).item()
-        rows.append({"name": f"gemv/{name}/m1", "n": n, "k": k, "floor_us": floor_us, "cublas_add_us": cublas,
-                     "fused_us": fused, "rel_err": err})
-        print(f"{name:<8} floor {floor_us:7.2f} us   cuBLAS + add {cublas:7.2f}   fused GEMV {fused:7.2f}")
+        norm_w = (1 + 0.1 * torch.randn(k, device="cuda")).to(DT)
+        gated = name == "gate_up"
+
+        def unfused(w: torch.Tensor, name=name, x=x, res=res, norm_w=norm_w, gated=gated) -> torch.Tensor:
+            if name in ("o", "down"):
+                return F.linear(x, w) + res
+            out = F.linear(triton_ops.rms_norm(x, norm_w, EPS), w)
+            return triton_ops.silu_and_mul(out) if gated else out
+
+        def fused(w: torch.Tensor, name=name, x=x, res=res, norm_w=norm_w, gated=gated) -> torch.Tensor:
+            if name in ("o", "down"):
+                return linear_residual(x, w, None, res)
+            return norm_linear(x, norm_w, EPS, w, None, gated)
+
+        unfused_us = time_graph(lambda ws=ws, f=unfused: [f(w) for w in ws]) * 1e3 / LAYERS
+        fused_us = time_graph(lambda ws=ws, f=fused: [f(w) for w in ws]) * 1e3 / LAYERS
+        ref = unfused(ws[0]).float()
+        err = ((fused(ws[0]).float() - ref).norm() / ref.norm()).item()
+        rows.append({"name": f"gemv/{name}/m1", "n": n, "k": k, "floor_us": floor_us, "unfused_us": unfused_us,
+                     "fused_us": fused_us, "rel_err": err})
+        print(f"{name:<8} floor {floor_us:7.2f} us   unfused {unfused_us:7.2f}   fused GEMV {fused_us:7.2f}")
         del ws
         torch.cuda.empty_cache()
     return rows
@@ -90,7 +100,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
-    bandwidth = copy_bandwidth()
+    bandwidth = measure_ceilings().bandwidth
     print(f"copy bandwidth {bandwidth / 1e12:.2f} TB/s")
     result = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "bandwidth": bandwidth,
               "ops": per_op(bandwidth)}

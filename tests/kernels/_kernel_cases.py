@@ -221,15 +221,26 @@ def check_silu_and_mul(ops, *, num_tokens: int, d: int, dtype: torch.dtype, devi
     assert err < ELEMWISE_TOL[dtype], f"rel err {err:.2e}: {where}"
 
 
-def check_linear_residual(ops, *, n: int, k: int, dtype: torch.dtype, device: str, bias: bool) -> None:
+GEMV_KINDS = ("residual", "norm", "norm_gated")
+
+
+def check_gemv(ops, *, kind: str, n: int, k: int, dtype: torch.dtype, device: str, bias: bool) -> None:
+    """One-row fused GEMV: ``linear_residual`` (kind "residual") or ``norm_linear`` (plain or gated)."""
     gen, seed = fresh_generator(device)
-    x = _randn((1, k), dtype, device, gen)
-    weight = _randn((n, k), dtype, device, gen) * k**-0.5
-    b = _randn((n,), dtype, device, gen) if bias else None
-    residual = _randn((1, n), dtype, device, gen)
-    ref = reference.linear_residual(x, weight, b, residual)
-    got = ops.linear_residual(x, weight, b, residual)
-    where = f"seed={seed} n={n} k={k} bias={bias} {dtype}"
+    rows = 2 * n if kind == "norm_gated" else n
+    x = _randn((1, k), dtype, device, gen) * 2
+    weight = _randn((rows, k), dtype, device, gen) * k**-0.5
+    b = _randn((rows,), dtype, device, gen) if bias else None
+    if kind == "residual":
+        residual = _randn((1, n), dtype, device, gen)
+        ref = reference.linear_residual(x, weight, b, residual)
+        got = ops.linear_residual(x, weight, b, residual)
+    else:
+        norm_weight = (1 + 0.2 * _randn((k,), torch.float32, device, gen)).to(dtype)
+        gated = kind == "norm_gated"
+        ref = reference.norm_linear(x, norm_weight, 1e-6, weight, b, gated)
+        got = ops.norm_linear(x, norm_weight, 1e-6, weight, b, gated)
+    where = f"seed={seed} {kind} n={n} k={k} bias={bias} {dtype}"
     assert got.shape == ref.shape and got.dtype == ref.dtype, where
     err = rel_err(got, ref)
     assert err < ELEMWISE_TOL[dtype], f"rel err {err:.2e}: {where}"
@@ -285,15 +296,16 @@ def _interpret_silu_and_mul(ops) -> None:
     check_silu_and_mul(ops, num_tokens=2, d=1500, dtype=torch.float16, device="cpu")
 
 
-def _interpret_linear_residual(ops) -> None:
-    for dtype in (torch.float16, torch.float32):
-        # K spans several tiles and ends inside one; N ends inside a program's rows.
-        check_linear_residual(ops, n=13, k=2500, dtype=dtype, device="cpu", bias=dtype == torch.float16)
-    check_linear_residual(ops, n=64, k=64, dtype=torch.float32, device="cpu", bias=True)
+def _interpret_gemv(ops) -> None:
+    for kind in GEMV_KINDS:
+        for dtype in (torch.float16, torch.float32):
+            # K spans several tiles and ends inside one; N ends inside a program's rows.
+            check_gemv(ops, kind=kind, n=13, k=2500, dtype=dtype, device="cpu", bias=dtype == torch.float16)
+        check_gemv(ops, kind=kind, n=64, k=64, dtype=torch.float32, device="cpu", bias=True)
 
 
 INTERPRET_CASES = {
-    "linear_residual": _interpret_linear_residual,
+    "gemv": _interpret_gemv,
     "paged_attention": _interpret_attention,
     "rms_norm": _interpret_rms_norm,
     "rotary_embedding_and_write_kv": _interpret_rope_write_kv,

@@ -161,12 +161,13 @@ def test_silu_and_mul(dtype, num_tokens, d) -> None:
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("n,k,bias", [(4096, 4096, False), (4096, 14336, False), (2048, 8192, True), (1000, 300, True)])
-def test_linear_residual(dtype, n, k, bias) -> None:
-    cases.check_linear_residual(triton_ops, n=n, k=k, dtype=dtype, device="cuda", bias=bias)
+@pytest.mark.parametrize("kind", cases.GEMV_KINDS)
+@pytest.mark.parametrize("n,k,bias", [(4096, 4096, False), (4096, 14336, False), (6144, 4096, True), (1000, 300, True)])
+def test_fused_gemv(dtype, kind, n, k, bias) -> None:
+    cases.check_gemv(triton_ops, kind=kind, n=n, k=k, dtype=dtype, device="cuda", bias=bias)
 
 
-def test_linear_residual_takes_one_row() -> None:
+def test_fused_gemv_takes_one_row() -> None:
     x = torch.zeros(2, 64, device="cuda", dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="at most 1 row"):
         triton_ops.linear_residual(x, torch.zeros(8, 64, device="cuda", dtype=torch.bfloat16), None,
@@ -189,8 +190,8 @@ def test_pdl_chain_in_cuda_graph() -> None:
     x, res = rand(1, hidden), rand(1, hidden)
 
     def chain(ops) -> torch.Tensor:
-        h, stream = ops.rms_norm(x, norm_w, eps, res)
-        act = ops.silu_and_mul(torch.nn.functional.linear(h, w_up))
+        _, stream = ops.rms_norm(x, norm_w, eps, res)
+        act = ops.norm_linear(stream, norm_w, eps, w_up, None, gated=True)
         stream = ops.linear_residual(act, w_down, None, stream)
         return ops.rms_norm(stream, norm_w, eps)
 

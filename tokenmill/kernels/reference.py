@@ -167,6 +167,13 @@ def linear_residual(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
     return torch.nn.functional.linear(x, weight, bias) + residual
 
 
+def norm_linear(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight: torch.Tensor,
+                bias: torch.Tensor | None, gated: bool = False) -> torch.Tensor:
+    """``rms_norm(x) @ weight.T (+ bias)``, then ``silu_and_mul`` with ``gated``."""
+    out = torch.nn.functional.linear(rms_norm(x, norm_weight, eps), weight, bias)
+    return silu_and_mul(out) if gated else out
+
+
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """``silu(gate) * up`` for ``x = [gate | up]`` along the last dim."""
     gate, up = x.chunk(2, dim=-1)

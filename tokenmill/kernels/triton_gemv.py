@@ -1,17 +1,21 @@
-"""Triton GEMV with the residual add fused in, for single-token decode
-(see ``reference.linear_residual``).
+"""Triton GEMV for single-token decode with the projection's neighbours fused in
+(see ``reference.norm_linear`` and ``reference.linear_residual``).
 
-At batch 1 the o and down projections are matrix-vector products whose time is
-streaming the weight, and on the H200 cuBLAS runs them split-K with a separate
-reduction kernel, after which the residual add needs a third. Here each program
-owns ``BLOCK_N`` output features, walks K with the next weight tile already in
-flight, and adds the residual on its way out. Launched with PDL, a program loads
-its first weight tile before it waits for the previous kernel (attention, or
-SiLU-and-multiply), so the weight stream starts under that kernel's tail.
+At batch 1 every projection is a matrix-vector product whose time is streaming
+the weight, and around each sit small kernels (the RMSNorm in front of qkv and
+gate|up, SiLU-and-multiply behind gate|up, the residual add behind o and down;
+cuBLAS also runs o and down split-K with a reduction kernel of its own) that
+cost a few microseconds each however few bytes they move. Here each program
+owns ``BLOCK_N`` output features and walks K with the next weight tile already
+in flight, and does the neighbours' work on the way: in front, the RMSNorm of
+the input row (every program recomputes its statistics from L2, 8 KB); behind,
+the residual add, or SiLU of gate row ``n`` times up row ``N + n``. Launched
+with PDL, a program loads its first weight tile before it waits for the
+previous kernel, so the weight stream starts under that kernel's tail.
 
-``benchmarks/study_gemv.py`` measured the alternatives on the H200: the same
-kernel for the qkv and gate|up projections (with the RMSNorm folded in front)
-and for 2-8 rows lost to cuBLAS, so those stay on cuBLAS.
+Every rounding follows the unfused torch ops: the normed row and the weighted
+normed row are each rounded to the input dtype, the projection is rounded
+before the residual add or the SiLU, and the SiLU before the product.
 """
 
 from __future__ import annotations
@@ -22,59 +26,106 @@ import triton.language as tl
 
 from tokenmill.kernels.triton_launch import pdl_launch_args, wait_for_previous_kernel
 
-# Rows (tokens) the fused GEMV takes; more go to cuBLAS.
+# Rows (tokens) the fused GEMV takes; more go to cuBLAS (at 2-8 rows this kernel lost to it:
+# benchmarks/results/h200-2026-11-29-stop8/study-gemv-90d5c8a.json).
 MAX_ROWS = 1
-# The H200's best tile for the 4096-row o and down projections (benchmarks/study_gemv.py).
-BLOCK_N, BLOCK_K, NUM_WARPS = 8, 1024, 4
+# Tiles measured on the H200 by benchmarks/study_gemv.py; a gated program reads two row sets.
+BLOCK_N, GATED_BLOCK_N, BLOCK_K, NUM_WARPS = 8, 4, 1024, 4
 
 
 @triton.jit
-def _gemv_residual_kernel(x_ptr, w_ptr, bias_ptr, res_ptr, out_ptr, N, K, stride_w,
-                          HAS_BIAS: tl.constexpr, PDL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def _gemv_kernel(x_ptr, norm_w_ptr, w_ptr, bias_ptr, res_ptr, out_ptr, N, K, stride_w, eps,
+                 NORM: tl.constexpr, GATED: tl.constexpr, ADD_RES: tl.constexpr, HAS_BIAS: tl.constexpr,
+                 PDL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_POW2: tl.constexpr):
     ns = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = ns < N
     ks0 = tl.arange(0, BLOCK_K)
+    first = n_ok[:, None] & (ks0[None, :] < K)
     w_rows = w_ptr + ns.to(tl.int64)[:, None] * stride_w
-    w = tl.load(w_rows + ks0[None, :], mask=n_ok[:, None] & (ks0[None, :] < K), other=0.0,
-                eviction_policy="evict_first")
+    u_rows = w_rows + N.to(tl.int64) * stride_w
+    w = tl.load(w_rows + ks0[None, :], mask=first, other=0.0, eviction_policy="evict_first")
+    u = w
+    if GATED:
+        u = tl.load(u_rows + ks0[None, :], mask=first, other=0.0, eviction_policy="evict_first")
     wait_for_previous_kernel(PDL)
+
+    rstd = 0.0
+    if NORM:
+        all_k = tl.arange(0, K_POW2)
+        xf = tl.load(x_ptr + all_k, mask=all_k < K, other=0.0).to(tl.float32)
+        rstd = tl.rsqrt(tl.sum(xf * xf, axis=0) / K + eps)
     acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    acc_u = tl.zeros((BLOCK_N,), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         ks = k0 + ks0
         nxt = ks + BLOCK_K
-        w_next = tl.load(w_rows + nxt[None, :], mask=n_ok[:, None] & (nxt[None, :] < K), other=0.0,
-                         eviction_policy="evict_first")
+        nxt_mask = n_ok[:, None] & (nxt[None, :] < K)
+        w_next = tl.load(w_rows + nxt[None, :], mask=nxt_mask, other=0.0, eviction_policy="evict_first")
         x = tl.load(x_ptr + ks, mask=ks < K, other=0.0)
-        acc += tl.sum(x.to(tl.float32)[None, :] * w.to(tl.float32), axis=1)
+        if NORM:
+            normed = (x.to(tl.float32) * rstd).to(x.dtype)
+            nw = tl.load(norm_w_ptr + ks, mask=ks < K, other=0.0)
+            x = (nw.to(tl.float32) * normed.to(tl.float32)).to(x.dtype)
+        xf = x.to(tl.float32)[None, :]
+        acc += tl.sum(xf * w.to(tl.float32), axis=1)
         w = w_next
+        if GATED:
+            u_next = tl.load(u_rows + nxt[None, :], mask=nxt_mask, other=0.0, eviction_policy="evict_first")
+            acc_u += tl.sum(xf * u.to(tl.float32), axis=1)
+            u = u_next
+
     out_ty = out_ptr.dtype.element_ty
     if HAS_BIAS:
         acc += tl.load(bias_ptr + ns, mask=n_ok, other=0.0).to(tl.float32)
-    # Rounded to the output dtype before the add, as the projection's output is.
-    r = tl.load(res_ptr + ns, mask=n_ok, other=0.0)
-    out = acc.to(out_ty).to(tl.float32) + r.to(tl.float32)
-    tl.store(out_ptr + ns, out.to(out_ty), mask=n_ok)
+        if GATED:
+            acc_u += tl.load(bias_ptr + N + ns, mask=n_ok, other=0.0).to(tl.float32)
+    if GATED:
+        g = acc.to(out_ty).to(tl.float32)
+        act = (g / (1.0 + tl.exp(-g))).to(out_ty).to(tl.float32)
+        acc = act * acc_u.to(out_ty).to(tl.float32)
+    if ADD_RES:
+        r = tl.load(res_ptr + ns, mask=n_ok, other=0.0)
+        acc = acc.to(out_ty).to(tl.float32) + r.to(tl.float32)
+    tl.store(out_ptr + ns, acc.to(out_ty), mask=n_ok)
+
+
+def _gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, *,
+          norm_weight: torch.Tensor | None = None, eps: float = 0.0, gated: bool = False,
+          residual: torch.Tensor | None = None) -> torch.Tensor:
+    m, k = x.shape
+    n = weight.shape[0] // 2 if gated else weight.shape[0]
+    if m > MAX_ROWS:
+        raise ValueError(f"the fused GEMV takes at most {MAX_ROWS} row, got {m}")
+    if weight.shape[1] != k or (residual is not None and residual.shape != (m, n)):
+        raise ValueError(f"shapes x {tuple(x.shape)}, weight {tuple(weight.shape)}"
+                         + ("" if residual is None else f", residual {tuple(residual.shape)}") + " do not match")
+    for t in (x, weight, bias, norm_weight, residual):
+        if t is not None and t.stride(-1) != 1:
+            raise ValueError("the fused GEMV needs contiguous rows")
+    if norm_weight is not None and norm_weight.dtype != x.dtype:
+        raise ValueError(f"norm weight dtype {norm_weight.dtype} differs from the input's {x.dtype}")
+    out_dtype = x.dtype if residual is None else torch.promote_types(x.dtype, residual.dtype)
+    out = torch.empty((m, n), dtype=out_dtype, device=x.device)
+    if m == 0:
+        return out
+    block_n = GATED_BLOCK_N if gated else BLOCK_N
+    _gemv_kernel[(triton.cdiv(n, block_n),)](
+        x, norm_weight if norm_weight is not None else x, weight, bias if bias is not None else weight,
+        residual if residual is not None else out, out, n, k, weight.stride(0), float(eps),
+        NORM=norm_weight is not None, GATED=gated, ADD_RES=residual is not None, HAS_BIAS=bias is not None,
+        BLOCK_N=block_n, BLOCK_K=BLOCK_K, K_POW2=triton.next_power_of_2(k), num_warps=NUM_WARPS,
+        **pdl_launch_args(x.device),
+    )
+    return out
 
 
 def linear_residual(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                     residual: torch.Tensor) -> torch.Tensor:
     """``residual + x @ weight.T (+ bias)`` for one row ``x`` ``[1, K]``."""
-    m, k = x.shape
-    n = weight.shape[0]
-    if m > MAX_ROWS:
-        raise ValueError(f"linear_residual takes at most {MAX_ROWS} row, got {m}")
-    if residual.shape != (m, n) or weight.shape[1] != k:
-        raise ValueError(f"shapes x {tuple(x.shape)}, weight {tuple(weight.shape)}, residual "
-                         f"{tuple(residual.shape)} do not match")
-    for t in (x, weight, residual, bias):
-        if t is not None and t.stride(-1) != 1:
-            raise ValueError("linear_residual needs contiguous rows")
-    out = torch.empty((m, n), dtype=torch.promote_types(x.dtype, residual.dtype), device=x.device)
-    if m == 0:
-        return out
-    _gemv_residual_kernel[(triton.cdiv(n, BLOCK_N),)](
-        x, weight, bias if bias is not None else weight, residual, out, n, k, weight.stride(0),
-        HAS_BIAS=bias is not None, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, num_warps=NUM_WARPS,
-        **pdl_launch_args(x.device),
-    )
-    return out
+    return _gemv(x, weight, bias, residual=residual)
+
+
+def norm_linear(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight: torch.Tensor,
+                bias: torch.Tensor | None, gated: bool = False) -> torch.Tensor:
+    """``rms_norm(x) @ weight.T (+ bias)`` for one row, then SiLU-and-multiply with ``gated``."""
+    return _gemv(x, weight, bias, norm_weight=norm_weight, eps=eps, gated=gated)

@@ -64,13 +64,31 @@ def rotary_embedding_and_write_kv(positions: torch.Tensor, query: torch.Tensor, 
                                                             v_cache, slot_mapping, q_norm_weight, k_norm_weight, eps)
 
 
+def _fused_gemv(backend: ModuleType, x: torch.Tensor) -> bool:
+    return backend is not reference and x.shape[0] <= backend.GEMV_MAX_ROWS
+
+
+def norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
+                weight: torch.Tensor, bias: torch.Tensor | None,
+                gated: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """RMSNorm of the residual stream ``x + residual`` (just ``x`` when ``residual`` is None), projected,
+    then SiLU-and-multiply with ``gated``; returns ``(projection, stream)``. One kernel for one-token
+    decode on the GPU, where the stream arrives whole (see ``linear_into_stream``)."""
+    backend = backend_for(x)
+    if residual is None and _fused_gemv(backend, x) and norm_weight.dtype == x.dtype:
+        return backend.norm_linear(x, norm_weight, eps, weight, bias, gated), x
+    normed, stream = (rms_norm(x, norm_weight, eps), x) if residual is None else rms_norm(x, norm_weight, eps, residual)
+    out = torch.nn.functional.linear(normed, weight, bias)
+    return (silu_and_mul(out) if gated else out), stream
+
+
 def linear_into_stream(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                        residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Project ``x`` into the residual stream: returns ``(delta, residual)`` whose sum is the new
     stream. Where a kernel fuses the add (one-token decode on the GPU) the sum comes back whole, as
     ``(stream, None)``; elsewhere the add is left to the next RMSNorm, which fuses it."""
     backend = backend_for(x)
-    if backend is not reference and x.shape[0] <= backend.GEMV_MAX_ROWS:
+    if _fused_gemv(backend, x):
         return backend.linear_residual(x, weight, bias, residual), None
     return torch.nn.functional.linear(x, weight, bias), residual
 

@@ -34,11 +34,12 @@ class DecoderAttention(nn.Module):
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.attn = PagedAttention(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.sliding_windows[layer], rotary)
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor, kv_cache: KVCache,
+    def forward(self, positions: torch.Tensor, qkv: torch.Tensor, residual: torch.Tensor, kv_cache: KVCache,
                 meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Returns the attention block's output folded into the residual stream (see ``ops.linear_into_stream``)."""
-        tokens = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        """``qkv``: ``qkv_proj`` of the normed input, which the layer runs fused with the norm. Returns
+        the block's output folded into the residual stream (see ``ops.linear_into_stream``)."""
+        tokens = qkv.shape[0]
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.reshape(tokens, -1, self.head_dim)
         k = k.reshape(tokens, -1, self.head_dim)
         v = v.reshape(tokens, -1, self.head_dim)
@@ -53,17 +54,15 @@ class GatedMLP(nn.Module):
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        return ops.linear_into_stream(ops.silu_and_mul(self.gate_up_proj(x)), self.down_proj.weight,
-                                      self.down_proj.bias, residual)
+    def forward(self, activation: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``activation``: SiLU-and-multiply of ``gate_up_proj`` of the normed input, which the layer
+        runs fused with the norm."""
+        return ops.linear_into_stream(activation, self.down_proj.weight, self.down_proj.bias, residual)
 
 
-def norm_stream(norm: RMSNorm, x: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """The residual stream is ``x + residual`` (just ``x`` when ``residual`` is None): returns its
-    norm and the stream itself."""
-    if residual is None:
-        return norm(x), x
-    return norm(x, residual)
+def norm_linear(norm: RMSNorm, x: torch.Tensor, residual: torch.Tensor | None, linear: nn.Linear,
+                gated: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    return ops.norm_linear(x, residual, norm.weight, norm.eps, linear.weight, linear.bias, gated)
 
 
 class DecoderLayer(nn.Module):
@@ -76,10 +75,11 @@ class DecoderLayer(nn.Module):
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None,
                 kv_cache: KVCache, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor | None]:
-        x, residual = norm_stream(self.input_layernorm, x, residual)
-        x, residual = self.self_attn(positions, x, residual, kv_cache, meta)
-        x, residual = norm_stream(self.post_attention_layernorm, x, residual)
-        return self.mlp(x, residual)
+        qkv, residual = norm_linear(self.input_layernorm, x, residual, self.self_attn.qkv_proj)
+        x, residual = self.self_attn(positions, qkv, residual, kv_cache, meta)
+        activation, residual = norm_linear(self.post_attention_layernorm, x, residual, self.mlp.gate_up_proj,
+                                           gated=True)
+        return self.mlp(activation, residual)
 
 
 class DecoderModel(nn.Module):
@@ -96,8 +96,7 @@ class DecoderModel(nn.Module):
         residual = None
         for layer, kv_cache in zip(self.layers, kv_caches):
             x, residual = layer(positions, x, residual, kv_cache, meta)
-        x, _ = norm_stream(self.norm, x, residual)
-        return x
+        return self.norm(x) if residual is None else self.norm(x, residual)[0]
 
 
 class LlamaForCausalLM(nn.Module):
