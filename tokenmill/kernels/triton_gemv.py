@@ -52,8 +52,8 @@ def _gemv_kernel(x_ptr, norm_w_ptr, w_ptr, bias_ptr, res_ptr, out_ptr, N, K, str
     rstd = 0.0
     if NORM:
         all_k = tl.arange(0, K_POW2)
-        xf = tl.load(x_ptr + all_k, mask=all_k < K, other=0.0).to(tl.float32)
-        rstd = tl.rsqrt(tl.sum(xf * xf, axis=0) / K + eps)
+        row = tl.load(x_ptr + all_k, mask=all_k < K, other=0.0).to(tl.float32)
+        rstd = tl.rsqrt(tl.sum(row * row, axis=0) / K + eps)
     acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
     acc_u = tl.zeros((BLOCK_N,), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
