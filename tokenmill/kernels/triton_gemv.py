@@ -31,28 +31,12 @@ from tokenmill.kernels.triton_launch import pdl_launch_args, wait_for_previous_k
 MAX_ROWS = 1
 # Tiles measured on the H200 by benchmarks/study_gemv.py; a gated program reads two row sets.
 BLOCK_N, GATED_BLOCK_N, BLOCK_K, NUM_WARPS = 8, 4, 1024, 4
-# Rows up to this long are loaded whole, as one slab, before the wait.
-MAX_SLAB_K, SLAB_NUM_WARPS = 4096, 8
-
-
-@triton.jit
-def _input(x_ptr, norm_w_ptr, ks, K, rstd, NORM: tl.constexpr):
-    """Columns ``ks`` of the input row (normed when ``NORM``), in float32."""
-    x = tl.load(x_ptr + ks, mask=ks < K, other=0.0)
-    if NORM:
-        normed = (x.to(tl.float32) * rstd).to(x.dtype)
-        nw = tl.load(norm_w_ptr + ks, mask=ks < K, other=0.0)
-        x = (nw.to(tl.float32) * normed.to(tl.float32)).to(x.dtype)
-    return x.to(tl.float32)
 
 
 @triton.jit
 def _gemv_kernel(x_ptr, norm_w_ptr, w_ptr, bias_ptr, res_ptr, out_ptr, N, K, stride_w, eps,
                  NORM: tl.constexpr, GATED: tl.constexpr, ADD_RES: tl.constexpr, HAS_BIAS: tl.constexpr,
                  PDL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_POW2: tl.constexpr):
-    # BLOCK_K == K_POW2: the program's whole weight slab is loaded before the wait, so all of it
-    # streams under the previous kernel; otherwise the first tile is, and the rest is walked with
-    # the next tile in flight.
     ns = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = ns < N
     ks0 = tl.arange(0, BLOCK_K)
@@ -76,16 +60,17 @@ def _gemv_kernel(x_ptr, norm_w_ptr, w_ptr, bias_ptr, res_ptr, out_ptr, N, K, str
         ks = k0 + ks0
         nxt = ks + BLOCK_K
         nxt_mask = n_ok[:, None] & (nxt[None, :] < K)
-        w_next = w
-        if BLOCK_K < K_POW2:
-            w_next = tl.load(w_rows + nxt[None, :], mask=nxt_mask, other=0.0, eviction_policy="evict_first")
-        xf = _input(x_ptr, norm_w_ptr, ks, K, rstd, NORM)[None, :]
+        w_next = tl.load(w_rows + nxt[None, :], mask=nxt_mask, other=0.0, eviction_policy="evict_first")
+        x = tl.load(x_ptr + ks, mask=ks < K, other=0.0)
+        if NORM:
+            normed = (x.to(tl.float32) * rstd).to(x.dtype)
+            nw = tl.load(norm_w_ptr + ks, mask=ks < K, other=0.0)
+            x = (nw.to(tl.float32) * normed.to(tl.float32)).to(x.dtype)
+        xf = x.to(tl.float32)[None, :]
         acc += tl.sum(xf * w.to(tl.float32), axis=1)
         w = w_next
         if GATED:
-            u_next = u
-            if BLOCK_K < K_POW2:
-                u_next = tl.load(u_rows + nxt[None, :], mask=nxt_mask, other=0.0, eviction_policy="evict_first")
+            u_next = tl.load(u_rows + nxt[None, :], mask=nxt_mask, other=0.0, eviction_policy="evict_first")
             acc_u += tl.sum(xf * u.to(tl.float32), axis=1)
             u = u_next
 
@@ -124,14 +109,11 @@ def _gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, *,
     if m == 0:
         return out
     block_n = GATED_BLOCK_N if gated else BLOCK_N
-    k_pow2 = triton.next_power_of_2(k)
-    slab = k_pow2 <= MAX_SLAB_K
     _gemv_kernel[(triton.cdiv(n, block_n),)](
         x, norm_weight if norm_weight is not None else x, weight, bias if bias is not None else weight,
         residual if residual is not None else out, out, n, k, weight.stride(0), float(eps),
         NORM=norm_weight is not None, GATED=gated, ADD_RES=residual is not None, HAS_BIAS=bias is not None,
-        BLOCK_N=block_n, BLOCK_K=k_pow2 if slab else BLOCK_K, K_POW2=k_pow2,
-        num_warps=SLAB_NUM_WARPS if slab else NUM_WARPS,
+        BLOCK_N=block_n, BLOCK_K=BLOCK_K, K_POW2=triton.next_power_of_2(k), num_warps=NUM_WARPS,
         **pdl_launch_args(x.device),
     )
     return out
