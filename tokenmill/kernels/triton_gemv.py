@@ -30,8 +30,7 @@ from tokenmill.kernels.triton_launch import pdl_launch_args, wait_for_previous_k
 # benchmarks/results/h200-2026-11-29-stop8/study-gemv-90d5c8a.json).
 MAX_ROWS = 1
 # Tiles measured on the H200 by benchmarks/study_gemv.py; a gated program reads two row sets.
-# Short rows (K <= SHORT_K) take twice the rows a program.
-BLOCK_N, GATED_BLOCK_N, SHORT_K, BLOCK_K, NUM_WARPS = 8, 4, 4096, 1024, 4
+BLOCK_N, NORM_BLOCK_N, GATED_BLOCK_N, BLOCK_K, NUM_WARPS = 8, 16, 4, 1024, 4
 
 
 @triton.jit
@@ -109,7 +108,7 @@ def _gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, *,
     out = torch.empty((m, n), dtype=out_dtype, device=x.device)
     if m == 0:
         return out
-    block_n = (GATED_BLOCK_N if gated else BLOCK_N) * (2 if k <= SHORT_K else 1)
+    block_n = GATED_BLOCK_N if gated else NORM_BLOCK_N if norm_weight is not None else BLOCK_N
     _gemv_kernel[(triton.cdiv(n, block_n),)](
         x, norm_weight if norm_weight is not None else x, weight, bias if bias is not None else weight,
         residual if residual is not None else out, out, n, k, weight.stride(0), float(eps),
