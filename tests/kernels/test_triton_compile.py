@@ -1,0 +1,139 @@
+"""Every Triton kernel, launched as its wrapper launches it, compiled for Hopper (sm_90) on the CPU.
+
+The interpreter runs a kernel's Python, not its compilation, so a kernel can pass under
+``TRITON_INTERPRET=1`` and still fail to compile (a loop-carried variable whose type changes
+across iterations is one such case; it reached the H200 once). Here each ``triton_ops`` wrapper
+is called on CPU tensors with the launch intercepted, and every launch it makes is compiled to a
+cubin for sm_90 with the same constexprs and options, and again with programmatic dependent
+launch on (the path the H200 takes).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import inspect
+from typing import Any
+
+import pytest
+import torch
+
+if importlib.util.find_spec("triton") is None:
+    pytest.skip("triton is not installed", allow_module_level=True)
+
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+from triton.runtime.jit import JITFunction  # noqa: E402
+
+from tokenmill.kernels import triton_ops  # noqa: E402
+
+HOPPER = GPUTarget("cuda", 90, 32)
+LAUNCH_OPTIONS = {"num_warps", "num_stages", "num_ctas", "launch_pdl"}
+DTYPE_NAMES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32", torch.int32: "i32",
+               torch.int64: "i64"}
+
+
+def _type_of(value: Any) -> str:
+    if isinstance(value, torch.Tensor):
+        return "*" + DTYPE_NAMES[value.dtype]
+    if isinstance(value, bool):
+        return "i1"
+    if isinstance(value, int):
+        return "i32" if -(2**31) <= value < 2**31 else "i64"
+    if isinstance(value, float):
+        return "fp32"
+    raise TypeError(f"no Triton type for {type(value).__name__}")
+
+
+class Launch:
+    """One intercepted launch: the kernel, its argument types, constexprs and options."""
+
+    def __init__(self, fn: JITFunction, args: tuple, kwargs: dict) -> None:
+        self.fn = fn
+        self.options = {k: v for k, v in kwargs.items() if k in LAUNCH_OPTIONS}
+        bound = inspect.signature(fn.fn).bind(*args, **{k: v for k, v in kwargs.items() if k not in LAUNCH_OPTIONS})
+        self.signature: dict[str, str] = {}
+        self.constexprs: dict[str, Any] = {}
+        for param in fn.params:
+            value = bound.arguments[param.name]
+            if param.is_constexpr:
+                self.signature[param.name] = "constexpr"
+                self.constexprs[param.name] = value
+            else:
+                self.signature[param.name] = _type_of(value)
+
+    def key(self) -> tuple:
+        return (self.fn.__name__, tuple(self.signature.items()), tuple(sorted(self.constexprs.items())),
+                tuple(sorted(self.options.items())))
+
+    def with_pdl(self) -> Launch | None:
+        if "PDL" not in self.constexprs:
+            return None
+        other = object.__new__(Launch)
+        other.fn, other.signature = self.fn, self.signature
+        other.constexprs = {**self.constexprs, "PDL": True}
+        other.options = {**self.options, "launch_pdl": True}
+        return other
+
+    def compile(self) -> None:
+        names = list(self.signature)
+        src = ASTSource(fn=self.fn, signature=self.signature,
+                        constexprs={(names.index(k),): v for k, v in self.constexprs.items()})
+        triton.compile(src, target=HOPPER, options=self.options)
+
+
+def _launches(monkeypatch: pytest.MonkeyPatch) -> list[Launch]:
+    """Call every wrapper the way the engine does, recording launches instead of running them."""
+    seen: dict[tuple, Launch] = {}
+
+    def record(self: JITFunction, *args: Any, grid: Any, warmup: bool, **kwargs: Any) -> None:
+        launch = Launch(self, args, kwargs)
+        seen.setdefault(launch.key(), launch)
+
+    monkeypatch.setattr(JITFunction, "run", record)
+    gen = torch.Generator().manual_seed(0)
+    for dtype in (torch.bfloat16, torch.float32):
+        def rand(*shape: int) -> torch.Tensor:
+            return torch.randn(*shape, generator=gen).to(dtype)
+
+        # Attention: decode (split and not, windowed) and a ragged prefill, over a 4-block cache.
+        k_cache, v_cache = rand(4, 16, 2, 128), rand(4, 16, 2, 128)
+        tables = torch.arange(4, dtype=torch.int32).view(1, 4)
+        for splits, window in ((1, None), (4, None), (2, 32)):
+            triton_ops.paged_attention(rand(1, 8, 128), k_cache, v_cache, torch.tensor([0, 1], dtype=torch.int32),
+                                       torch.tensor([40], dtype=torch.int32), tables, 0.1, window,
+                                       num_splits=splits)
+        triton_ops.paged_attention(rand(20, 8, 128), k_cache, v_cache, torch.tensor([0, 20], dtype=torch.int32),
+                                   torch.tensor([50], dtype=torch.int32), tables, 0.1, max_query_len=20)
+        x, weight = rand(3, 256), rand(256)
+        triton_ops.rms_norm(x, weight, 1e-6)
+        triton_ops.rms_norm(x, weight, 1e-6, rand(3, 256))
+        positions = torch.arange(3)
+        cos_sin = torch.randn(64, 128, generator=gen)
+        for qk_norm in (False, True):
+            norms = (rand(128), rand(128)) if qk_norm else (None, None)
+            triton_ops.rotary_embedding_and_write_kv(positions, rand(3, 8, 128), rand(3, 2, 128), rand(3, 2, 128),
+                                                     cos_sin, k_cache, v_cache, torch.arange(3), *norms)
+        triton_ops.silu_and_mul(rand(3, 512))
+        row, proj = rand(1, 4096), rand(64, 4096)
+        triton_ops.linear_residual(row, proj, None, rand(1, 64))
+        triton_ops.linear_residual(rand(1, 14336), rand(64, 14336), rand(64), rand(1, 64))
+        triton_ops.norm_linear(row, rand(4096), 1e-6, proj, rand(64))
+        triton_ops.norm_linear(row, rand(4096), 1e-6, proj, None, gated=True)
+    launches = list(seen.values())
+    return launches + [p for p in (launch.with_pdl() for launch in launches) if p is not None]
+
+
+def test_every_kernel_compiles_for_hopper(monkeypatch: pytest.MonkeyPatch) -> None:
+    launches = _launches(monkeypatch)
+    monkeypatch.undo()
+    names = {launch.fn.__name__ for launch in launches}
+    assert {"_paged_attention_kernel", "_merge_splits_kernel", "_rms_norm_kernel", "_rope_write_kv_kernel",
+            "_silu_and_mul_kernel", "_gemv_kernel"} <= names, names
+    failures = []
+    for launch in launches:
+        try:
+            launch.compile()
+        except Exception as exc:  # every failing variant is reported, not just the first
+            failures.append(f"{launch.fn.__name__} {launch.constexprs} {launch.options}: {str(exc)[-600:]}")
+    assert not failures, "\n\n".join(failures)
