@@ -18,12 +18,13 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 
-from tokenmill.bench.hardware import measure_ceilings
+from tokenmill.bench.hardware import environment, measure_ceilings
 from tokenmill.kernels import triton_ops
 from tokenmill.kernels.triton_gemv import linear_residual, norm_linear
 
@@ -100,10 +101,9 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
-    bandwidth = measure_ceilings().bandwidth
-    print(f"copy bandwidth {bandwidth / 1e12:.2f} TB/s")
-    result = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "bandwidth": bandwidth,
-              "ops": per_op(bandwidth)}
+    ceilings = measure_ceilings()
+    print(f"copy bandwidth {ceilings.bandwidth / 1e12:.2f} TB/s")
+    result = {"environment": environment(ceilings, " ".join(sys.argv)), "ops": per_op(ceilings.bandwidth)}
     if args.out:
         with open(args.out, "w") as f:
             json.dump(result, f, indent=1)

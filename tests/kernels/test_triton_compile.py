@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import importlib.util
 import inspect
+from dataclasses import dataclass, replace
 from typing import Any
 
 import pytest
@@ -45,22 +46,27 @@ def _type_of(value: Any) -> str:
     raise TypeError(f"no Triton type for {type(value).__name__}")
 
 
+@dataclass(frozen=True)
 class Launch:
     """One intercepted launch: the kernel, its argument types, constexprs and options."""
 
-    def __init__(self, fn: JITFunction, args: tuple, kwargs: dict) -> None:
-        self.fn = fn
-        self.options = {k: v for k, v in kwargs.items() if k in LAUNCH_OPTIONS}
+    fn: JITFunction
+    signature: dict[str, str]
+    constexprs: dict[str, Any]
+    options: dict[str, Any]
+
+    @classmethod
+    def intercepted(cls, fn: JITFunction, args: tuple, kwargs: dict) -> Launch:
         bound = inspect.signature(fn.fn).bind(*args, **{k: v for k, v in kwargs.items() if k not in LAUNCH_OPTIONS})
-        self.signature: dict[str, str] = {}
-        self.constexprs: dict[str, Any] = {}
+        signature, constexprs = {}, {}
         for param in fn.params:
             value = bound.arguments[param.name]
             if param.is_constexpr:
-                self.signature[param.name] = "constexpr"
-                self.constexprs[param.name] = value
+                signature[param.name] = "constexpr"
+                constexprs[param.name] = value
             else:
-                self.signature[param.name] = _type_of(value)
+                signature[param.name] = _type_of(value)
+        return cls(fn, signature, constexprs, {k: v for k, v in kwargs.items() if k in LAUNCH_OPTIONS})
 
     def key(self) -> tuple:
         return (self.fn.__name__, tuple(self.signature.items()), tuple(sorted(self.constexprs.items())),
@@ -69,11 +75,7 @@ class Launch:
     def with_pdl(self) -> Launch | None:
         if "PDL" not in self.constexprs:
             return None
-        other = object.__new__(Launch)
-        other.fn, other.signature = self.fn, self.signature
-        other.constexprs = {**self.constexprs, "PDL": True}
-        other.options = {**self.options, "launch_pdl": True}
-        return other
+        return replace(self, constexprs={**self.constexprs, "PDL": True}, options={**self.options, "launch_pdl": True})
 
     def compile(self) -> None:
         names = list(self.signature)
@@ -87,7 +89,7 @@ def _launches(monkeypatch: pytest.MonkeyPatch) -> list[Launch]:
     seen: dict[tuple, Launch] = {}
 
     def record(self: JITFunction, *args: Any, grid: Any, warmup: bool, **kwargs: Any) -> None:
-        launch = Launch(self, args, kwargs)
+        launch = Launch.intercepted(self, args, kwargs)
         seen.setdefault(launch.key(), launch)
 
     monkeypatch.setattr(JITFunction, "run", record)

@@ -212,8 +212,9 @@ def bench_features(ceilings: Ceilings) -> list[dict]:
     # step is largest.
     rows += _decode_on_off(ceilings, "async_scheduling", lambda on: {"async_scheduling": on}, (1, 256))
     # Programmatic dependent launch of the Triton kernels, where the step is a chain of kernels.
+    pdl_was_on = os.environ.get("TOKENMILL_PDL", "1") != "0"
     rows += _decode_on_off(ceilings, "pdl", _switch_pdl, (1, 32), shape="llama3-8b")
-    _switch_pdl(True)
+    _switch_pdl(pdl_was_on)
     # Continuous batching against static waves on the standard workload.
     for static in (False, True):
         engine = make_engine("qwen3-0.6b", max_num_seqs=64, max_num_batched_tokens=8192, static_batching=static)
