@@ -2,11 +2,16 @@
 #   make generate   set up, then complete "def fibonacci(n):" with the embedded model
 #   make serve      set up, then serve the embedded model on 127.0.0.1:8000 (OpenAI API)
 #   make test       set up with the test extras, then run the test suite (CPU)
+#   make test TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
+#                   the same, with torch from PyTorch's CPU-only wheel index (on Linux the default
+#                   index serves the CUDA build: several GB with the NVIDIA libraries)
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
-# The CPU build of torch unless a CUDA driver is present (a plain `torch` pulls a multi-GB CUDA build).
+# torch pinned to the tested version unless a CUDA driver is present.
 TORCH_SPEC ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && echo torch || echo torch==2.13.0)
+# Where torch alone is installed from (pip's --index-url); empty: pip's configured index.
+TORCH_INDEX_URL ?=
 PROMPT ?= def fibonacci(n):
 
 .PHONY: setup setup-test generate serve test gpu-test clean
@@ -15,7 +20,7 @@ $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 
 $(VENV)/.torch: $(BIN)/python
-	$(BIN)/pip install -q "$(TORCH_SPEC)"
+	$(BIN)/pip install -q $(if $(TORCH_INDEX_URL),--index-url "$(TORCH_INDEX_URL)" )"$(TORCH_SPEC)"
 	touch $@
 
 setup: $(VENV)/.torch

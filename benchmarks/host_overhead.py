@@ -20,7 +20,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from helpers import make_model_dir  # noqa: E402
 
 from tokenmill import SamplingParams  # noqa: E402
-from tokenmill.engine.llm_engine import EngineConfig, LLMEngine  # noqa: E402
+from tokenmill.engine.config import EngineConfig
+from tokenmill.engine.llm_engine import LLMEngine  # noqa: E402
 
 
 def main() -> None:
@@ -33,7 +34,7 @@ def main() -> None:
     make_model_dir("llama3", model_dir)
     engine = LLMEngine(EngineConfig(model=str(model_dir), device="cpu", dtype="float32", max_num_seqs=args.batch,
                                     num_kv_blocks=64 * args.batch, async_scheduling=not args.no_async))
-    model, cfg = engine.runner.model, engine.model_config
+    model, cfg = engine.core.runner.model, engine.model_config
     model.forward = lambda ids, positions, kv, meta: torch.zeros(ids.shape[0], cfg.hidden_size)
     model.compute_logits = lambda hidden, out=None: torch.zeros(hidden.shape[0], cfg.vocab_size)
     phases: collections.Counter[str] = collections.Counter()
@@ -50,8 +51,8 @@ def main() -> None:
                 phases[name] += time.perf_counter() - started
         setattr(obj, name, wrapper)
 
-    for obj, name in ((engine.scheduler, "schedule"), (engine.runner, "_prepare"),
-                      (engine.runner, "_sampling_batch"), (engine.runner, "sampler"), (engine, "_complete")):
+    for obj, name in ((engine.core.scheduler, "schedule"), (engine.core.runner, "_prepare"),
+                      (engine.core.runner, "_sampling_batch"), (engine.core.runner, "sampler"), (engine.core, "_complete")):
         timed(obj, name)
     params = SamplingParams(temperature=0, max_tokens=10_000, ignore_eos=True)
     for i in range(args.batch):

@@ -82,9 +82,9 @@ def main() -> None:
     result["step_ms"] = (time.perf_counter() - started) / 50 * 1e3
     print(f"engine step {result['step_ms']:.3f} ms (batch {args.batch}, context ~140-190)")
     result["graphed"] = kernel_profile(engine, 20)
-    graphs, engine.runner.graphs = engine.runner.graphs, None
+    graphs, engine.core.runner.graphs = engine.core.runner.graphs, None
     result["eager"] = kernel_profile(engine, 10)
-    engine.runner.graphs = graphs
+    engine.core.runner.graphs = graphs
     if args.out:
         with open(args.out, "w") as f:
             json.dump(result, f, indent=1)

@@ -109,12 +109,12 @@ def test_logprobs_and_prompt_logprobs(llm) -> None:
 def test_prompt_only_chunks_run_no_lm_head(model_dir, monkeypatch) -> None:
     llm = LLM(str(model_dir), device="cpu", dtype="float32", max_num_batched_tokens=16)
     rows = []
-    original = llm.engine.runner.model.compute_logits
-    monkeypatch.setattr(llm.engine.runner.model, "compute_logits", lambda h: rows.append(h.shape[0]) or original(h))
+    original = llm.engine.core.runner.model.compute_logits
+    monkeypatch.setattr(llm.engine.core.runner.model, "compute_logits", lambda h: rows.append(h.shape[0]) or original(h))
     llm.generate([list(range(1, 60))], greedy(3, ignore_eos=True), use_tqdm=False)
     # 59 prompt tokens in chunks of 16: 3 chunks with no LM head, then one row per step.
     assert rows == [1, 1, 1]
-    assert llm.engine.stats.num_steps == 6
+    assert llm.engine.core.stats.num_steps == 6
 
 
 def test_chat_applies_the_template(llm) -> None:
@@ -134,7 +134,7 @@ def test_bad_prompts_raise_and_the_engine_keeps_serving(llm, prompt, params, mes
     with pytest.raises(ValueError, match=message):
         llm.generate([[1, 2, 3], prompt], params, use_tqdm=False)
     assert not llm.engine.has_unfinished_requests()
-    assert llm.engine.kv.num_blocks_in_use == 0
+    assert llm.engine.core.kv.num_blocks_in_use == 0
     assert len(llm.generate([[1, 2, 3]], greedy(2), use_tqdm=False)[0].outputs[0].token_ids) == 2
 
 
@@ -154,13 +154,13 @@ def test_abort_frees_blocks(llm) -> None:
     engine.add_request("b", [4, 5, 6] * 10, greedy(50, ignore_eos=True))
     for _ in range(3):
         engine.step()
-    assert engine.kv.num_blocks_in_use > 0
+    assert engine.core.kv.num_blocks_in_use > 0
     out = engine.abort_request("a")  # a step is in flight: its pending token is dropped
     assert out.finished and out.outputs[0].finish_reason == "abort"
     assert out.outputs[0].token_ids and all(t >= 0 for t in out.outputs[0].token_ids)
     while engine.has_unfinished_requests():
         engine.step()
-    assert engine.kv.num_blocks_in_use == 0
+    assert engine.core.kv.num_blocks_in_use == 0
     assert engine.abort_request("a") is None
 
 
@@ -180,8 +180,8 @@ def test_unknown_model_directory_errors_are_clear(tmp_path) -> None:
 def test_random_weights_cpu_kv_sizing(model_dir) -> None:
     llm = LLM(str(model_dir), device="cpu", dtype="float32", max_num_seqs=2, cpu_kv_cache_gib=0.001)
     per_block = 2 * 2 * 16 * 2 * 32 * 4
-    assert llm.engine.kv.pool.num_blocks == min(int(0.001 * (1 << 30)) // per_block, 2 * 512 // 16)
-    assert torch.is_tensor(llm.engine.runner.kv_cache)
+    assert llm.engine.core.kv.pool.num_blocks == min(int(0.001 * (1 << 30)) // per_block, 2 * 512 // 16)
+    assert torch.is_tensor(llm.engine.core.runner.kv_cache)
 
 
 def test_penalties_steer_away_from_seen_tokens(llm) -> None:
@@ -204,7 +204,7 @@ def test_overlapped_steps_match_one_step_at_a_time(model_dir) -> None:
         llm = LLM(str(model_dir), device="cpu", dtype="float32", max_num_seqs=3, max_num_batched_tokens=24,
                   num_kv_blocks=12, async_scheduling=async_scheduling)
         outs = llm.generate(prompts, params, use_tqdm=False)
-        assert llm.engine.kv.num_blocks_in_use == 0 and not llm.engine.has_unfinished_requests()
+        assert llm.engine.core.kv.num_blocks_in_use == 0 and not llm.engine.has_unfinished_requests()
         return llm, [(c.token_ids, c.text, c.finish_reason, c.stop_reason, c.logprobs)
                      for o in outs for c in o.outputs]
 
@@ -230,12 +230,12 @@ def test_steps_overlap_unless_penalties_need_the_tokens(llm) -> None:
     engine = llm.engine
     engine.add_request("plain", [1, 2, 3] * 4, greedy(8, ignore_eos=True))
     engine.step()
-    assert engine._in_flight is not None  # the next step was launched before this one was read
+    assert engine.core._in_flight is not None  # the next step was launched before this one was read
     while engine.has_unfinished_requests():
         engine.step()
     engine.add_request("penalised", [1, 2, 3] * 4, greedy(8, ignore_eos=True, repetition_penalty=1.5))
     engine.step()
-    assert engine._in_flight is None
+    assert engine.core._in_flight is None
     while engine.has_unfinished_requests():
         engine.step()
 
@@ -246,9 +246,9 @@ def test_warm_up_leaves_the_cache_and_results_alone(model_dir) -> None:
     llm = LLM(str(model_dir), device="cpu", dtype="float32", max_num_seqs=4, max_num_batched_tokens=100)
     prompt = [[3, 1, 4, 1, 5, 9, 2, 6] * 4]
     before = llm.generate(prompt, greedy(8), use_tqdm=False)[0].outputs[0].token_ids
-    cache = llm.engine.runner.kv_cache.clone()
-    llm.engine.runner.warm_up(100, llm.engine.max_model_len)
-    assert torch.equal(llm.engine.runner.kv_cache, cache)
+    cache = llm.engine.core.runner.kv_cache.clone()
+    llm.engine.core.runner.warm_up(100, llm.engine.max_model_len)
+    assert torch.equal(llm.engine.core.runner.kv_cache, cache)
     assert llm.generate(prompt, greedy(8), use_tqdm=False)[0].outputs[0].token_ids == before
 
 
@@ -272,8 +272,8 @@ def test_overlap_under_preemption_and_streaming(model_dir) -> None:
                 assert len(ids) <= 60
                 if out.finished:
                     final[out.request_id] = ids
-        assert engine.scheduler.num_preemptions > 0
-        assert engine.kv.num_blocks_in_use == 0
+        assert engine.core.scheduler.num_preemptions > 0
+        assert engine.core.kv.num_blocks_in_use == 0
         results[overlap] = final
     assert results[True] == results[False]
     assert all(len(ids) == 60 for ids in results[True].values())

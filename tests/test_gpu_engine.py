@@ -31,7 +31,7 @@ def test_cuda_parity_with_transformers(arch: str, tmp_path) -> None:
     llm = LLM(str(tmp_path), device="cuda", dtype="float32", max_num_seqs=4, max_num_batched_tokens=48,
               num_kv_blocks=16)
     outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
-    assert llm.engine.scheduler.num_preemptions > 0
+    assert llm.engine.core.scheduler.num_preemptions > 0
     for prompt, out in zip(prompts, outputs):
         ref, ref_logits = reference_generate(model, prompt)
         assert_matches_reference(out.outputs[0].token_ids, out.outputs[0].logprobs, ref.copy(), ref_logits.cpu())
@@ -58,7 +58,7 @@ def test_graphs_match_eager(tmp_path) -> None:
     prompts = parity_prompts()
     eager = LLM(str(tmp_path), device="cuda", dtype="float32", enforce_eager=True)
     graphs = LLM(str(tmp_path), device="cuda", dtype="float32")
-    assert graphs.engine.runner.graphs is not None and eager.engine.runner.graphs is None
+    assert graphs.engine.core.runner.graphs is not None and eager.engine.core.runner.graphs is None
     a = [o.outputs[0].token_ids for o in eager.generate(prompts, GREEDY, use_tqdm=False)]
     b = [o.outputs[0].token_ids for o in graphs.generate(prompts, GREEDY, use_tqdm=False)]
     assert a == b
@@ -105,7 +105,7 @@ def test_graphs_match_eager_across_context_buckets_and_decode_shaped_prefill(tmp
     eager = LLM(str(tmp_path), device="cuda", dtype="float32", enforce_eager=True)
     graphs = LLM(str(tmp_path), device="cuda", dtype="float32")
     one_token = LLM(str(tmp_path), device="cuda", dtype="float32", max_num_batched_tokens=1, max_num_seqs=4)
-    assert {ctx for _, ctx in graphs.engine.runner.graphs.graphs} == {256, 512}
+    assert {ctx for _, ctx in graphs.engine.core.runner.graphs.graphs} == {256, 512}
     for params in (plain, with_logprobs):
         want = eager.generate(prompts, params, use_tqdm=False)
         for llm in (graphs, one_token):

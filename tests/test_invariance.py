@@ -36,7 +36,7 @@ def run(model_dir: str, params: SamplingParams, one_at_a_time: bool = False, **o
         outs = [llm.generate([p], params, use_tqdm=False)[0] for p in prompts]
     else:
         outs = llm.generate(prompts, params, use_tqdm=False)
-    assert llm.engine.kv.num_blocks_in_use == 0
+    assert llm.engine.core.kv.num_blocks_in_use == 0
     return [o.outputs[0].token_ids for o in outs]
 
 

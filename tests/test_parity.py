@@ -60,12 +60,12 @@ def test_greedy_parity_with_transformers(arch: str, tmp_path) -> None:
               max_num_batched_tokens=48, num_kv_blocks=16)
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=0)
     outputs = llm.generate(prompts, params, use_tqdm=False)
-    assert llm.engine.scheduler.num_preemptions > 0, "the pool was meant to force preemption"
-    assert llm.engine.kv.hit_tokens > 0, "prompts sharing a prefix were meant to hit the prefix cache"
+    assert llm.engine.core.scheduler.num_preemptions > 0, "the pool was meant to force preemption"
+    assert llm.engine.core.kv.hit_tokens > 0, "prompts sharing a prefix were meant to hit the prefix cache"
     for prompt, out in zip(prompts, outputs):
         completion = out.outputs[0]
         assert len(completion.token_ids) == MAX_TOKENS
         assert completion.finish_reason == "length"
         ref, ref_logits = reference_generate(model, prompt)
         assert_matches_reference(completion.token_ids, completion.logprobs, ref, ref_logits)
-    assert llm.engine.kv.num_blocks_in_use == 0
+    assert llm.engine.core.kv.num_blocks_in_use == 0

@@ -2,7 +2,19 @@
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
+
+
+class OutputKind(enum.Enum):
+    """What each ``RequestOutput`` of a request holds, as in vLLM: everything so far
+    (``CUMULATIVE``, the CLI), only what is new since the last one (``DELTA``, the
+    server's streams), or one output when the request ends (``FINAL_ONLY``, offline)."""
+
+    CUMULATIVE = "cumulative"
+    DELTA = "delta"
+    FINAL_ONLY = "final_only"
+
 
 # One position's logprobs: token id -> logprob (the sampled token and the top-N).
 Logprobs = dict[int, float]
@@ -49,3 +61,5 @@ class RequestOutput:
     metrics: RequestMetrics
     prompt_logprobs: list[Logprobs | None] | None = None
     num_cached_tokens: int = field(default=0)
+    # Why the engine could not finish this request (a failed step); None when it ran.
+    error: str | None = None

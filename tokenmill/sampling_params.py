@@ -3,67 +3,89 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
+
+from tokenmill.validation import BOOLEAN, REJECT, Rule, check_fields, integer, number, ruled
+
+
+def _is_stop_text(value: Any) -> bool:
+    """A stop string must be non-empty (it would match everywhere) and encodable as UTF-8
+    (a lone surrogate can never appear in decoded text, and breaks JSON output)."""
+    if not isinstance(value, str) or not value:
+        return False
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def _stop(value: Any) -> Any:
+    if value is None:
+        return None
+    if isinstance(value, str):
+        return value if _is_stop_text(value) else REJECT
+    if isinstance(value, (list, tuple)) and all(_is_stop_text(s) for s in value):
+        return list(value)
+    return REJECT
+
+
+_TOKEN_ID = integer(lo=0)
+
+
+def _token_ids(value: Any) -> Any:
+    if value is None:
+        return []
+    if not isinstance(value, (list, tuple)):
+        return REJECT
+    ids = [_TOKEN_ID.normal(v) for v in value]
+    return REJECT if any(i is REJECT for i in ids) else ids
+
+
+_STOP = Rule("None, a string or a list of strings, each non-empty and valid UTF-8", "", _stop)
+# Token ids are only known to be >= 0 here; the engine checks them against the vocabulary.
+_STOP_TOKEN_IDS = Rule("None or a list of integers >= 0", "", _token_ids)
+# The range torch's Generator.manual_seed takes.
+_SEED = integer(-2**63, 2**64 - 1, bounds="in [-2**63, 2**64 - 1]").or_none()
+_COUNT = integer(lo=0).or_none()
 
 
 @dataclass
 class SamplingParams:
     """How to pick tokens and when to stop. Validated on construction so that a bad
-    request fails with a ValueError before it reaches the engine."""
+    request fails with a ValueError (naming the field, the rule and the value) before
+    it reaches the engine; every field is then in its normal form (``int``, finite
+    ``float``, ``bool``; ``stop_token_ids`` a list)."""
 
-    n: int = 1
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    min_p: float = 0.0
-    repetition_penalty: float = 1.0
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    seed: int | None = None
-    max_tokens: int | None = 16
-    min_tokens: int = 0
-    stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
-    ignore_eos: bool = False
-    logprobs: int | None = None
-    prompt_logprobs: int | None = None
-    skip_special_tokens: bool = True
-    include_stop_str_in_output: bool = False
+    n: int = ruled(1, integer(lo=1))
+    temperature: float = ruled(1.0, number(lo=0))
+    top_p: float = ruled(1.0, number(0, 1, lo_open=True))
+    # Any size is allowed: the engine clamps it to the vocabulary.
+    top_k: int = ruled(0, integer(lo=-1, bounds=">= -1 (-1 and 0 turn it off)"))
+    min_p: float = ruled(0.0, number(0, 1))
+    repetition_penalty: float = ruled(1.0, number(0, lo_open=True))
+    presence_penalty: float = ruled(0.0, number(-2, 2))
+    frequency_penalty: float = ruled(0.0, number(-2, 2))
+    seed: int | None = ruled(None, _SEED)
+    max_tokens: int | None = ruled(16, integer(lo=1).or_none())
+    min_tokens: int = ruled(0, integer(lo=0))
+    stop: str | list[str] | None = ruled(None, _STOP)
+    stop_token_ids: list[int] | None = ruled(None, _STOP_TOKEN_IDS)
+    ignore_eos: bool = ruled(False, BOOLEAN)
+    logprobs: int | None = ruled(None, _COUNT)
+    prompt_logprobs: int | None = ruled(None, _COUNT)
+    skip_special_tokens: bool = ruled(True, BOOLEAN)
+    include_stop_str_in_output: bool = ruled(False, BOOLEAN)
     stop_strings: list[str] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
+        check_fields(self)
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError(f"min_tokens must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}")
         if isinstance(self.stop, str):
             self.stop_strings = [self.stop]
         else:
             self.stop_strings = list(self.stop or [])
-        self.stop_token_ids = list(self.stop_token_ids or [])
-        self._validate()
-
-    def _validate(self) -> None:
-        if not isinstance(self.n, int) or self.n < 1:
-            raise ValueError(f"n must be an integer >= 1, got {self.n!r}")
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k < 0 and self.top_k != -1:
-            raise ValueError(f"top_k must be 0 or -1 (disabled) or >= 1, got {self.top_k}")
-        if not 0 <= self.min_p <= 1:
-            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
-        if self.repetition_penalty <= 0:
-            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
-        for name in ("presence_penalty", "frequency_penalty"):
-            if not -2 <= getattr(self, name) <= 2:
-                raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
-        if self.max_tokens is not None and self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
-        if self.min_tokens < 0 or (self.max_tokens is not None and self.min_tokens > self.max_tokens):
-            raise ValueError(f"min_tokens must be in [0, max_tokens], got {self.min_tokens}")
-        for name in ("logprobs", "prompt_logprobs"):
-            value = getattr(self, name)
-            if value is not None and value < 0:
-                raise ValueError(f"{name} must be >= 0, got {value}")
-        if any(not s for s in self.stop_strings):
-            raise ValueError("stop strings must be non-empty")
 
     @property
     def greedy(self) -> bool:

@@ -23,14 +23,46 @@ def load_tokenizer(model_dir: str | Path) -> Any | None:
     return AutoTokenizer.from_pretrained(str(model_dir))
 
 
-def apply_chat_template(tokenizer: Any, messages: list[dict[str, Any]]) -> list[int]:
-    """Token ids of ``messages`` rendered by the model's chat template, ready for the reply."""
+def check_text(text: str, what: str = "the prompt") -> None:
+    """Text must be valid Unicode: a lone surrogate (JSON allows ``"\\ud800"``) cannot be
+    tokenized, and must be refused here rather than fail inside the tokenizer."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ValueError(f"{what} is not valid Unicode: {exc.reason} at position {exc.start}") from None
+
+
+def encode_prompt(tokenizer: Any, text: str, add_special_tokens: bool = True) -> list[int]:
+    """Token ids of ``text``. The engine checks the length against its own limit, so the
+    tokenizer's warning about its ``model_max_length`` would only mislead."""
+    check_text(text)
+    return tokenizer.encode(text, add_special_tokens=add_special_tokens, verbose=False)
+
+
+def render_chat(tokenizer: Any, messages: list[dict[str, Any]]) -> str:
+    """``messages`` through the model's chat template, ready for the reply. The template
+    decides which roles and contents it takes; its refusal is a ValueError."""
+    from jinja2 import TemplateError
+
     if tokenizer is None:
         raise ValueError("this model has no tokenizer, so it cannot take chat messages")
     if not getattr(tokenizer, "chat_template", None):
         raise ValueError("this model's tokenizer has no chat template")
-    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-    return tokenizer.encode(text, add_special_tokens=False)
+    for message in messages:
+        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+            raise ValueError(f"each chat message must be a dict with a string 'role', got {message!r:.80}")
+        if isinstance(message.get("content"), str):
+            check_text(message["content"], "a message's content")
+    try:
+        return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    except TemplateError as exc:
+        raise ValueError(f"the chat template cannot render these messages: {exc}") from None
+
+
+def apply_chat_template(tokenizer: Any, messages: list[dict[str, Any]]) -> list[int]:
+    """Token ids of ``messages`` rendered by the model's chat template (the template
+    already holds any special tokens it wants)."""
+    return encode_prompt(tokenizer, render_chat(tokenizer, messages), add_special_tokens=False)
 
 
 class IncrementalDetokenizer:

@@ -1,5 +1,6 @@
-"""One in-process server for the whole server suite: uvicorn on 127.0.0.1 (a free port
-picked by the OS) in a background thread, over a small CPU engine."""
+"""One server for the whole server suite: uvicorn on 127.0.0.1 (a free port picked by the
+OS) in a background thread, over a small CPU engine whose core runs in a child process,
+as ``tokenmill serve`` runs it."""
 
 from __future__ import annotations
 
@@ -15,8 +16,8 @@ import openai
 import pytest
 import uvicorn
 
-from tokenmill.engine.async_engine import AsyncEngine
-from tokenmill.engine.llm_engine import EngineConfig, LLMEngine
+from tokenmill.engine.async_llm import AsyncLLM
+from tokenmill.engine.config import EngineConfig
 from tokenmill.entrypoints.openai.server import build_app
 
 from .tiny_model import model_dir_for_tests
@@ -25,17 +26,16 @@ MODEL_NAME = "test-model"
 MAX_MODEL_LEN = 256
 
 
-def small_engine(model_dir: Path) -> LLMEngine:
+def small_engine_config(model_dir: Path) -> EngineConfig:
     """A small CPU engine: some requests wait (32 slots for up to 74 clients)."""
-    return LLMEngine(EngineConfig(model=str(model_dir), device="cpu", dtype="float32", max_num_seqs=32,
-                                  max_num_batched_tokens=512, max_model_len=MAX_MODEL_LEN, num_kv_blocks=512))
+    return EngineConfig(model=str(model_dir), device="cpu", dtype="float32", max_num_seqs=32,
+                        max_num_batched_tokens=512, max_model_len=MAX_MODEL_LEN, num_kv_blocks=512)
 
 
 @dataclass
 class LiveServer:
     base_url: str
-    engine: LLMEngine
-    async_engine: AsyncEngine
+    engine: AsyncLLM
 
     def client(self, **kwargs: object) -> openai.OpenAI:
         return openai.OpenAI(base_url=f"{self.base_url}/v1", api_key="unused", max_retries=0, timeout=60, **kwargs)
@@ -51,9 +51,8 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="session")
 def server(model_dir: Path) -> Iterator[LiveServer]:
-    engine = small_engine(model_dir)
-    async_engine = AsyncEngine(engine, max_waiting=512)
-    app = build_app(async_engine, MODEL_NAME)
+    engine = AsyncLLM(small_engine_config(model_dir), max_waiting=512)
+    app = build_app(engine, MODEL_NAME)
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind(("127.0.0.1", 0))
@@ -66,12 +65,12 @@ def server(model_dir: Path) -> Iterator[LiveServer]:
         assert time.monotonic() < deadline and thread.is_alive(), "the test server did not start"
         time.sleep(0.05)
     try:
-        yield LiveServer(f"http://127.0.0.1:{port}", engine, async_engine)
+        yield LiveServer(f"http://127.0.0.1:{port}", engine)
     finally:
         uv.should_exit = True
         thread.join(30)
         sock.close()
-        async_engine.close()
+        engine.close()
 
 
 @pytest.fixture()
@@ -80,7 +79,9 @@ def http(server: LiveServer) -> Iterator[httpx.Client]:
         yield client
 
 
-@pytest.fixture(scope="session")
-def spare_engine(model_dir: Path) -> LLMEngine:
-    """A second engine for tests that need their own AsyncEngine (queue limits, failures)."""
-    return small_engine(model_dir)
+@pytest.fixture()
+def engine_in_thread(model_dir: Path) -> Iterator[AsyncLLM]:
+    """An engine of a test's own whose core runs in a thread, so the test can reach into it."""
+    engine = AsyncLLM(small_engine_config(model_dir), core_in_thread=True)
+    yield engine
+    engine.close()

@@ -80,4 +80,4 @@ def test_concurrent_streams_with_cancellations(server: LiveServer, http: httpx.C
     # The cancelled requests stopped early: far fewer tokens than running them out would take.
     generated = server.engine.stats.generation_tokens - generated_before
     assert generated < NUM_CLIENTS * MAX_TOKENS + NUM_CANCELLED * CANCELLED_MAX_TOKENS // 2
-    assert server.engine.requests == {}
+    assert server.engine.outputs.requests == {}

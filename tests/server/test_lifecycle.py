@@ -1,5 +1,5 @@
 """Admission and failure paths: API keys, a full queue, draining, a failing engine step,
-and SIGTERM on a real ``tokenmill serve`` process."""
+a core process that dies, and SIGTERM on a real ``tokenmill serve`` process."""
 
 from __future__ import annotations
 
@@ -12,40 +12,36 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
 import openai
 import pytest
 
-from tokenmill.engine.async_engine import AsyncEngine
-from tokenmill.engine.llm_engine import LLMEngine
+from tokenmill.engine.async_llm import AsyncLLM
 from tokenmill.entrypoints.openai.server import build_app
 
-from .conftest import MODEL_NAME, LiveServer
+from .conftest import MAX_MODEL_LEN, MODEL_NAME, LiveServer
 
 BODY = {"model": MODEL_NAME, "prompt": "hello", "max_tokens": 4}
 
 
-def with_app(async_engine: AsyncEngine, test: Callable[[httpx.AsyncClient], Awaitable[None]],
-             api_key: str | None = None, close: bool = True) -> None:
-    """Run ``test`` against a fresh app over ``async_engine`` in memory (no socket)."""
-    app = build_app(async_engine, MODEL_NAME, api_key=api_key)
+def with_app(engine: AsyncLLM, test: Callable[[httpx.AsyncClient], Awaitable[None]],
+             api_key: str | None = None) -> None:
+    """Run ``test`` against a fresh app over ``engine`` in memory (no socket)."""
+    app = build_app(engine, MODEL_NAME, api_key=api_key)
 
     async def run() -> None:
         transport = httpx.ASGITransport(app=app)
         async with httpx.AsyncClient(transport=transport, base_url="http://test", timeout=30) as client:
             await asyncio.wait_for(test(client), timeout=60)
 
-    try:
-        asyncio.run(run())
-    finally:
-        if close:
-            async_engine.close()
+    asyncio.run(run())
 
 
-def test_api_key(server: LiveServer) -> None:
+def test_api_key(engine_in_thread: AsyncLLM) -> None:
     async def test(raw: httpx.AsyncClient) -> None:
         wrong = openai.AsyncOpenAI(base_url="http://test/v1", api_key="wrong", max_retries=0, http_client=raw)
         with pytest.raises(openai.AuthenticationError) as info:
@@ -61,31 +57,42 @@ def test_api_key(server: LiveServer) -> None:
         out = await good.completions.create(**BODY)
         assert len(out.choices) == 1
 
-    # The shared engine stays open: the live server still uses it.
-    with_app(server.async_engine, test, api_key="s3cret", close=False)
+    with_app(engine_in_thread, test, api_key="s3cret")
 
 
-def test_full_queue_is_503(spare_engine: LLMEngine) -> None:
-    async def test(client: httpx.AsyncClient) -> None:
-        response = await client.post("/v1/completions", json=BODY)
-        assert response.status_code == 503
-        assert response.json()["error"]["type"] == "service_unavailable"
-        assert (await client.get("/health")).status_code == 200
+def test_queue_limit(server: LiveServer, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``max_waiting`` counts requests beyond those that can run: with 0, an idle server still
+    serves; more prompts in one request than could ever be queued is a 400, not a 503 forever;
+    a full engine answers 503 and serves again once the running requests end."""
+    monkeypatch.setattr(server.engine, "max_waiting", 0)
+    slots = server.engine.config.max_num_seqs
+    base = server.base_url
+    assert httpx.post(f"{base}/v1/completions", json=BODY, timeout=30).status_code == 200
+    too_many = httpx.post(f"{base}/v1/completions", json={**BODY, "prompt": [[1, 2]] * (slots + 1)}, timeout=30)
+    assert too_many.status_code == 400 and "at most" in too_many.json()["error"]["message"]
+    long = {**BODY, "prompt": [[1, 2, 3]] * slots, "max_tokens": 100, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", f"{base}/v1/completions", json=long, timeout=60) as filling:
+        assert filling.status_code == 200
+        full = httpx.post(f"{base}/v1/completions", json=BODY, timeout=30)
+        assert full.status_code == 503
+        assert full.json()["error"]["type"] == "service_unavailable"
+        assert httpx.get(f"{base}/health", timeout=30).status_code == 200
+        events = [line for line in filling.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "data: [DONE]"
+    assert httpx.post(f"{base}/v1/completions", json=BODY, timeout=30).status_code == 200
 
-    with_app(AsyncEngine(spare_engine, max_waiting=0), test)
 
-
-def test_draining_refuses_new_requests(spare_engine: LLMEngine) -> None:
-    async_engine = AsyncEngine(spare_engine)
+def test_draining_refuses_new_requests(engine_in_thread: AsyncLLM) -> None:
+    engine = engine_in_thread
 
     async def test(client: httpx.AsyncClient) -> None:
         running = asyncio.create_task(
             client.post("/v1/completions", json={**BODY, "max_tokens": 40, "ignore_eos": True}))
         for _ in range(200):
-            if async_engine.snapshot.num_running:
+            if engine.num_unfinished:
                 break
             await asyncio.sleep(0.01)
-        async_engine.stop_admitting()
+        engine.stop_admitting()
         refused = await client.post("/v1/completions", json=BODY)
         assert refused.status_code == 503
         assert (await client.get("/health")).status_code == 503
@@ -94,25 +101,27 @@ def test_draining_refuses_new_requests(spare_engine: LLMEngine) -> None:
         assert finished.json()["choices"][0]["finish_reason"] == "length"
         assert finished.json()["usage"]["completion_tokens"] == 40
 
-    with_app(async_engine, test)
+    with_app(engine, test)
 
 
-def test_failed_step_fails_requests_and_keeps_serving(spare_engine: LLMEngine,
-                                                      monkeypatch: pytest.MonkeyPatch) -> None:
-    real_step = spare_engine.step
+def test_failed_step_fails_only_its_requests_and_keeps_serving(engine_in_thread: AsyncLLM,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    core = engine_in_thread.client.core
+    real_launch = core.runner.launch
     failures = iter([True, True])
 
-    def flaky_step() -> list:
+    def flaky_launch(*args: object) -> object:
         if next(failures, False):
             raise RuntimeError("injected failure")
-        return real_step()
+        return real_launch(*args)
 
-    monkeypatch.setattr(spare_engine, "step", flaky_step)
+    monkeypatch.setattr(core.runner, "launch", flaky_launch)
 
     async def test(client: httpx.AsyncClient) -> None:
         whole = await client.post("/v1/completions", json=BODY)
         assert whole.status_code == 500
         assert whole.json()["error"]["code"] == "engine_error"
+        assert "injected failure" in whole.json()["error"]["message"]
         async with client.stream("POST", "/v1/completions", json={**BODY, "stream": True}) as streamed:
             assert streamed.status_code == 200
             events = [line async for line in streamed.aiter_lines() if line.startswith("data: ")]
@@ -121,27 +130,31 @@ def test_failed_step_fails_requests_and_keeps_serving(spare_engine: LLMEngine,
         ok = await client.post("/v1/completions", json=BODY)
         assert ok.status_code == 200, ok.text
 
-    with_app(AsyncEngine(spare_engine), test)
-    assert spare_engine.requests == {} and spare_engine.kv.num_blocks_in_use == 0
+    with_app(engine_in_thread, test)
+    assert core.requests == {} and core.kv.num_blocks_in_use == 0
+    assert core.stats.num_failed_steps == 2
 
 
+# ------------------------------------------------------- a real server process
 def _free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
 
 
-def test_sigterm_lets_running_requests_finish(model_dir: Path) -> None:
+@contextmanager
+def serve_process(model_dir: Path, *options: str) -> Iterator[tuple[subprocess.Popen, str]]:
+    """``tokenmill serve`` in a child process, up and healthy; killed if the test leaves it."""
     port = _free_port()
-    command = [sys.executable, "-m", "tokenmill.entrypoints.cli", "serve", "--model", str(model_dir),
-               "--device", "cpu", "--dtype", "float32", "--max-model-len", "256", "--num-kv-blocks", "64",
-               "--port", str(port), "--served-model-name", MODEL_NAME, "--grace-period", "20",
-               "--uvicorn-log-level", "warning"]
+    command = [sys.executable, "-m", "tokenmill.entrypoints.cli", "serve", str(model_dir),
+               "--device", "cpu", "--dtype", "float32", "--max-model-len", str(MAX_MODEL_LEN),
+               "--num-kv-blocks", "64", "--port", str(port), "--served-model-name", MODEL_NAME,
+               "--uvicorn-log-level", "warning", *options]
     proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             env={**os.environ, "PYTHONUNBUFFERED": "1"})
     base = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 90
+        deadline = time.monotonic() + 120
         while True:
             assert proc.poll() is None, proc.stdout.read().decode()
             assert time.monotonic() < deadline, "the server did not come up"
@@ -150,20 +163,49 @@ def test_sigterm_lets_running_requests_finish(model_dir: Path) -> None:
                     break
             except httpx.HTTPError:
                 time.sleep(0.2)
-        events: list[str] = []
-        started = threading.Event()
+        yield proc, base
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
 
-        def stream() -> None:
-            body = {**BODY, "max_tokens": 200, "ignore_eos": True, "stream": True, "logprobs": 0}
-            with httpx.stream("POST", f"{base}/v1/completions", json=body, timeout=60) as response:
-                for line in response.iter_lines():
-                    if line.startswith("data: "):
-                        events.append(line)
-                        started.set()
 
-        reader = threading.Thread(target=stream)
+class StreamReader(threading.Thread):
+    """Reads one streamed completion in the background, keeping its data lines."""
+
+    def __init__(self, base: str, body: dict) -> None:
+        super().__init__(daemon=True)
+        self.base, self.body = base, body
+        self.events: list[str] = []
+        self.started = threading.Event()
+
+    def run(self) -> None:
+        with httpx.stream("POST", f"{self.base}/v1/completions", json=self.body, timeout=60) as response:
+            for line in response.iter_lines():
+                if line.startswith("data: "):
+                    self.events.append(line)
+                    self.started.set()
+
+    def chunks(self) -> list[dict]:
+        return [json.loads(e[6:]) for e in self.events if e != "data: [DONE]"]
+
+
+def _core_pid(server_pid: int) -> int:
+    """The engine core: the server's child that multiprocessing spawned."""
+    for pid in Path(f"/proc/{server_pid}/task/{server_pid}/children").read_text().split():
+        if b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes():
+            return int(pid)
+    raise AssertionError("the server has no engine core process")
+
+
+LONG = {**BODY, "max_tokens": MAX_MODEL_LEN - 8, "ignore_eos": True, "stream": True, "logprobs": 0}
+
+
+def test_sigterm_lets_running_requests_finish(model_dir: Path) -> None:
+    with serve_process(model_dir, "--grace-period", "30") as (proc, base):
+        reader = StreamReader(base, LONG)
         reader.start()
-        assert started.wait(30)
+        assert reader.started.wait(30)
         proc.send_signal(signal.SIGTERM)
         try:  # a new request is refused: 503 while draining, or no listener any more
             assert httpx.post(f"{base}/v1/completions", json=BODY, timeout=10).status_code == 503
@@ -171,11 +213,47 @@ def test_sigterm_lets_running_requests_finish(model_dir: Path) -> None:
             pass
         reader.join(60)
         assert proc.wait(60) in (0, -signal.SIGTERM)  # uvicorn re-raises the signal once drained
-        assert events[-1] == "data: [DONE]"
-        chunks = [json.loads(e[6:]) for e in events[:-1]]
-        assert sum(len(c["choices"][0]["logprobs"]["tokens"]) for c in chunks) == 200
+        assert reader.events[-1] == "data: [DONE]"
+        chunks = reader.chunks()
+        assert sum(len(c["choices"][0]["logprobs"]["tokens"]) for c in chunks) == LONG["max_tokens"]
         assert chunks[-1]["choices"][0]["finish_reason"] == "length"
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(10)
+
+
+def test_sigterm_after_the_grace_period_ends_streams_with_abort(model_dir: Path) -> None:
+    with serve_process(model_dir, "--grace-period", "0.2") as (proc, base):
+        readers = [StreamReader(base, LONG) for _ in range(3)]
+        for reader in readers:
+            reader.start()
+        assert all(reader.started.wait(30) for reader in readers)
+        proc.send_signal(signal.SIGTERM)
+        for reader in readers:
+            reader.join(60)
+        assert proc.wait(60) in (0, -signal.SIGTERM)
+        output = proc.stdout.read().decode()
+        assert "CancelledError" not in output and "Traceback" not in output, output
+        for reader in readers:
+            assert reader.events[-1] == "data: [DONE]"
+            chunks = reader.chunks()
+            assert chunks[-1]["choices"][0]["finish_reason"] == "abort"
+            assert sum(len(c["choices"][0]["logprobs"]["tokens"]) for c in chunks) < LONG["max_tokens"]
+
+
+def test_dead_core_fails_requests_and_health(model_dir: Path) -> None:
+    """Killing the engine core mid-stream: the stream ends with an error event and [DONE],
+    ``/health`` turns 503, new requests get 503 at once; nothing hangs."""
+    with serve_process(model_dir, "--grace-period", "1") as (proc, base):
+        reader = StreamReader(base, LONG)
+        reader.start()
+        assert reader.started.wait(30)
+        os.kill(_core_pid(proc.pid), signal.SIGKILL)
+        reader.join(30)
+        assert not reader.is_alive()
+        assert reader.events[-1] == "data: [DONE]"
+        error = json.loads(reader.events[-2][6:])["error"]
+        assert error["code"] == "engine_error" and "died" in error["message"]
+        health = httpx.get(f"{base}/health", timeout=10)
+        assert health.status_code == 503 and "died" in health.json()["error"]["message"]
+        refused = httpx.post(f"{base}/v1/completions", json=BODY, timeout=10)
+        assert refused.status_code == 503
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) in (0, -signal.SIGTERM)

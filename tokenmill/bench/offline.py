@@ -28,7 +28,8 @@ import torch
 from tokenmill.bench import hf_peer
 from tokenmill.bench.hardware import Ceilings, environment, measure_ceilings, time_cuda
 from tokenmill.bench.shapes import shape_dir, step_cost
-from tokenmill.engine.llm_engine import EngineConfig, LLMEngine
+from tokenmill.engine.config import EngineConfig
+from tokenmill.engine.llm_engine import LLMEngine
 from tokenmill.sampling_params import SamplingParams
 
 
@@ -57,7 +58,7 @@ def run_metered(engine: LLMEngine, ceilings: Ceilings) -> tuple[list[StepRecord]
     """Step the engine until idle, recording each step's time and floor.
     Returns (steps, wall seconds, peak KV blocks in use)."""
     cfg = engine.model_config
-    schedule = engine.scheduler.schedule
+    schedule = engine.core.scheduler.schedule
     shapes: list[tuple[list[int], list[int], int]] = []
 
     def metered_schedule():
@@ -67,7 +68,7 @@ def run_metered(engine: LLMEngine, ceilings: Ceilings) -> tuple[list[StepRecord]
         shapes.append((batch.num_tokens, contexts, sampled))
         return batch
 
-    engine.scheduler.schedule = metered_schedule
+    engine.core.scheduler.schedule = metered_schedule
     seconds, peak = [], 0
     torch.cuda.synchronize()
     started = time.perf_counter()
@@ -76,11 +77,11 @@ def run_metered(engine: LLMEngine, ceilings: Ceilings) -> tuple[list[StepRecord]
             t0 = time.perf_counter()
             engine.step()
             seconds.append(time.perf_counter() - t0)
-            peak = max(peak, engine.kv.num_blocks_in_use)
+            peak = max(peak, engine.core.kv.num_blocks_in_use)
         torch.cuda.synchronize()
         wall = time.perf_counter() - started
     finally:
-        engine.scheduler.schedule = schedule
+        engine.core.scheduler.schedule = schedule
     records = []  # floors are computed after the run, so metering adds no host work to the steps
     for step_seconds, (query_lens, contexts, sampled) in zip(seconds, shapes):
         if query_lens:
@@ -105,7 +106,7 @@ def decode_steps(engine: LLMEngine, ceilings: Ceilings, prompts: list[list[int]]
     floor_ms = statistics.median(r.floor for r in decode) * 1e3
     result = {"ms_per_step": ms, "tok_per_s": len(prompts) / ms * 1e3, "floor_ms": floor_ms,
               "fraction_of_floor": floor_ms / ms, "steps_timed": len(decode)}
-    graphs = engine.runner.graphs
+    graphs = engine.core.runner.graphs
     if graphs is not None and graphs.padded_size(len(prompts)):
         # The step's graph alone on the GPU (decoder, LM head, greedy argmax): what the step
         # costs beyond it is the GPU idling on the host.
@@ -222,7 +223,7 @@ def bench_features(ceilings: Ceilings) -> list[dict]:
         result["utilisation"] = result["mean_decode_batch"] / 64
         mode = "static" if static else "continuous"
         if not static:
-            per_token = engine.model_config.kv_bytes_per_token(engine.dtype)
+            per_token = engine.model_config.kv_bytes_per_token(engine.core.dtype)
             paged = result["peak_kv_blocks"] * engine.config.block_size * per_token
             contiguous = 64 * engine.max_model_len * per_token
             rows.append({"name": "features/paged_kv_memory", "paged_peak_bytes": paged,
@@ -238,7 +239,7 @@ def bench_features(ceilings: Ceilings) -> list[dict]:
         prefix = random_prompt(rng, 1024, vocab)
         workload = [(prefix + random_prompt(rng, 32, vocab), 64) for _ in range(128)]
         result = run_workload(engine, ceilings, workload)
-        result["prefix_hit_rate"] = engine.kv.hit_tokens / max(1, engine.kv.query_tokens)
+        result["prefix_hit_rate"] = engine.core.kv.hit_tokens / max(1, engine.core.kv.query_tokens)
         rows.append({"name": f"features/prefix_caching/{'on' if caching else 'off'}", **result})
         del engine
         release()
@@ -297,8 +298,8 @@ def bench_startup(shape: str = "llama3-8b") -> list[dict]:
     started = time.perf_counter()
     engine = make_engine(shape, max_num_seqs=256)
     total = time.perf_counter() - started
-    graphs = engine.runner.graphs
-    row = {"name": f"startup/{shape}", "seconds_total": total, **engine.startup_seconds,
+    graphs = engine.core.runner.graphs
+    row = {"name": f"startup/{shape}", "seconds_total": total, **engine.core.startup_seconds,
            "graph_capture_seconds": graphs.capture_seconds if graphs else None,
            "graph_batch_sizes": graphs.sizes if graphs else None}
     del engine

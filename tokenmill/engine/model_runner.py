@@ -165,7 +165,7 @@ class ModelRunner:
         sampled = [s for s, end in zip(seqs, ends) if end == s.num_tokens]
         logits_rows, prompt_rows = [], []
         for b, seq in enumerate(seqs):
-            if seq.prompt_logprobs is None:
+            if seq.params.prompt_logprobs is None:
                 continue
             # Rows whose next token is still a prompt token give prompt logprobs, each once:
             # a recompute after preemption skips the positions already given.
@@ -178,7 +178,7 @@ class ModelRunner:
                 seq.next_prompt_logprob_position = last
         logits_rows.extend(int(query_start[b + 1]) - 1 for b, (s, end) in enumerate(zip(seqs, ends))
                            if end == s.num_tokens)
-        params = np.array([_param_row(s.params) for s in sampled], dtype=np.float32).reshape(len(sampled), 7)
+        params = np.array([_param_row(s.params, self.cfg.vocab_size) for s in sampled], dtype=np.float32).reshape(len(sampled), 7)
         seq_lens = (starts + counts).astype(np.int32)
         pending_rows = np.flatnonzero(ids == PENDING)
         if len(pending_rows) and previous is None:
@@ -311,8 +311,8 @@ class ModelRunner:
             row += count
 
 
-def _param_row(p: SamplingParams) -> tuple[float, ...]:
-    return (p.temperature, max(p.top_k, 0), p.top_p, p.min_p, p.repetition_penalty, p.presence_penalty,
+def _param_row(p: SamplingParams, vocab_size: int) -> tuple[float, ...]:
+    return (p.temperature, min(max(p.top_k, 0), vocab_size), p.top_p, p.min_p, p.repetition_penalty, p.presence_penalty,
             p.frequency_penalty)
 
 

@@ -1,4 +1,5 @@
-"""One sequence being generated: its tokens, progress, KV blocks and output so far.
+"""One sequence being generated, as the engine core sees it: its tokens, progress and
+KV blocks. Text, logprobs kept for the caller and stop strings live in the front-end.
 
 While a step is in flight its sampled token is not known on the host yet, but the
 next step is already scheduled: the token list then ends with ``num_pending``
@@ -14,9 +15,7 @@ from dataclasses import dataclass, field
 import torch
 
 from tokenmill.engine.block_pool import BlockHash, hash_block
-from tokenmill.outputs import Logprobs
 from tokenmill.sampling_params import SamplingParams
-from tokenmill.tokenizer import IncrementalDetokenizer
 
 
 PENDING = -1  # placeholder for a sampled token still on the device
@@ -38,7 +37,6 @@ class Sequence:
     prompt_token_ids: list[int]
     params: SamplingParams
     arrival_time: float
-    detokenizer: IncrementalDetokenizer | None
     generator: torch.Generator | None = None
     eos_token_ids: tuple[int, ...] = ()
     token_ids: list[int] = field(default_factory=list)
@@ -49,22 +47,15 @@ class Sequence:
     num_committed_blocks: int = 0
     num_cached_tokens: int = 0
     num_preemptions: int = 0
-    logprobs: list[Logprobs] | None = None
-    prompt_logprobs: list[Logprobs | None] | None = None
-    cumulative_logprob: float = 0.0
-    text: str = ""
     finish_reason: str | None = None
-    stop_reason: int | str | None = None
+    stop_reason: int | None = None
     first_scheduled_time: float | None = None
-    first_token_time: float | None = None
     num_pending: int = 0
     next_prompt_logprob_position: int = 0  # the first prompt position whose logprobs are not yet computed
 
     def __post_init__(self) -> None:
         if not self.token_ids:
             self.token_ids = list(self.prompt_token_ids)
-        if self.params.logprobs is not None:
-            self.logprobs = []
 
     @property
     def num_prompt_tokens(self) -> int:

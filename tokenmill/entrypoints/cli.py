@@ -1,56 +1,84 @@
-"""``tokenmill`` command line: generate, chat, serve, bench."""
+"""``tokenmill`` command line: generate, chat, serve, bench.
+
+Each command's options are added only when that command is parsed, so the server
+(FastAPI) and the benchmark modules are imported only by ``serve`` and ``bench``:
+``generate`` and the engine benchmarks run where FastAPI is not installed.
+"""
 
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import logging
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
-from tokenmill.bench.offline import BENCHMARKS, add_bench_args, run_bench
-from tokenmill.bench.serve import add_bench_serve_args, run_serve_bench
-from tokenmill.engine.llm_engine import EngineConfig, LLMEngine
-from tokenmill.entrypoints.openai.server import add_serve_args, run_server
+import tokenmill
+from tokenmill.engine.config import add_engine_args, engine_config_from_args
+from tokenmill.engine.llm_engine import LLMEngine
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.tokenizer import apply_chat_template
 
-
-def add_engine_args(parser: argparse.ArgumentParser) -> None:
-    """Engine options shared by every command that starts an engine."""
-    g = parser.add_argument_group("engine")
-    g.add_argument("--model", default=None, help="Hugging Face model directory (default: the embedded model)")
-    g.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"])
-    g.add_argument("--device", default="auto", help="auto, cpu or cuda[:N]")
-    g.add_argument("--block-size", type=int, default=16)
-    g.add_argument("--max-num-seqs", type=int, default=256)
-    g.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    g.add_argument("--max-model-len", type=int, default=None)
-    g.add_argument("--num-kv-blocks", type=int, default=None)
-    g.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-    g.add_argument("--no-prefix-caching", action="store_true")
-    g.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
-    g.add_argument("--no-async-scheduling", action="store_true",
-                   help="read each step's tokens before launching the next (no host/GPU overlap)")
+LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
+_FORMATTER = argparse.ArgumentDefaultsHelpFormatter
 
 
-def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
-    return EngineConfig(
-        model=args.model, dtype=args.dtype, device=args.device, seed=getattr(args, "seed", None) or 0,
-        block_size=args.block_size, max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
-        num_kv_blocks=args.num_kv_blocks, gpu_memory_utilization=args.gpu_memory_utilization,
-        enable_prefix_caching=not args.no_prefix_caching, enforce_eager=args.enforce_eager,
-        async_scheduling=not args.no_async_scheduling,
-    )
+class _CommandParser(argparse.ArgumentParser):
+    """A subcommand's parser that adds its options (``populate``) the first time it is
+    used: parsing the command or printing its help."""
+
+    def __init__(self, *args: Any, populate: Callable[[argparse.ArgumentParser], None] | None = None,
+                 **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._populate = populate
+
+    def _ensure_populated(self) -> None:
+        if self._populate is not None:
+            populate, self._populate = self._populate, None
+            populate(self)
+
+    def parse_known_args(self, args: Any = None, namespace: Any = None) -> tuple[argparse.Namespace, list[str]]:
+        self._ensure_populated()
+        return super().parse_known_args(args, namespace)
+
+    def format_help(self) -> str:
+        self._ensure_populated()
+        return super().format_help()
 
 
+def _log_level(value: str) -> str:
+    level = value.lower()
+    if level not in LOG_LEVELS:
+        raise argparse.ArgumentTypeError(f"must be one of {', '.join(LOG_LEVELS)} (any case), got {value!r}")
+    return level
+
+
+def _add_command(commands: Any, name: str, help_text: str,
+                 populate: Callable[[argparse.ArgumentParser], None]) -> None:
+    parser = commands.add_parser(name, help=help_text, description=help_text, formatter_class=_FORMATTER,
+                                 populate=populate)
+    # SUPPRESS: when absent here, a --log-level given before the command stands.
+    parser.add_argument("--log-level", type=_log_level, default=argparse.SUPPRESS, metavar="LEVEL",
+                        help="logging level, also accepted before the command (default: warning)")
+
+
+def _version() -> str:
+    try:
+        return importlib.metadata.version("tokenmill")
+    except importlib.metadata.PackageNotFoundError:  # run from a source tree that is not installed
+        return tokenmill.__version__
+
+
+# ------------------------------------------------------------ generate / chat
 def _add_sampling_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--max-tokens", type=int, default=128)
-    parser.add_argument("--temperature", type=float, default=0.7)
-    parser.add_argument("--top-p", type=float, default=0.95)
-    parser.add_argument("--top-k", type=int, default=0)
-    parser.add_argument("--seed", type=int, default=0, help="sampling seed (the same seed gives the same text)")
+    """Sampling options; the engine's --seed is also the sampling seed."""
+    g = parser.add_argument_group("sampling")
+    g.add_argument("--max-tokens", type=int, default=128, help="most tokens to generate")
+    g.add_argument("--temperature", type=float, default=0.7, help="randomness of sampling; 0 is greedy")
+    g.add_argument("--top-p", type=float, default=0.95,
+                   help="sample from the smallest set of tokens whose probabilities add up to this")
+    g.add_argument("--top-k", type=int, default=0, help="sample from the k most likely tokens; 0 or -1: all")
 
 
 def _sampling_params(args: argparse.Namespace) -> SamplingParams:
@@ -59,8 +87,13 @@ def _sampling_params(args: argparse.Namespace) -> SamplingParams:
 
 
 def stream_text(engine: LLMEngine, prompt: str | list[int], params: SamplingParams) -> Iterator[str]:
-    """Text deltas of one request, as the engine produces them."""
+    """Text deltas of one request, as the engine produces them. The request is queued
+    at once, so a bad prompt fails here rather than after output has begun."""
     engine.add_request("cli", prompt, params)
+    return _deltas(engine)
+
+
+def _deltas(engine: LLMEngine) -> Iterator[str]:
     sent = 0
     while engine.has_unfinished_requests():
         for out in engine.step():
@@ -70,23 +103,35 @@ def stream_text(engine: LLMEngine, prompt: str | list[int], params: SamplingPara
                 sent = len(text)
 
 
-def _write_stream(chunks: Iterator[str]) -> None:
+def _write_stream(chunks: Iterator[str]) -> str:
+    """Print the chunks as they come, then a newline; returns the whole text."""
+    written = []
     for chunk in chunks:
+        written.append(chunk)
         sys.stdout.write(chunk)
         sys.stdout.flush()
     sys.stdout.write("\n")
+    return "".join(written)
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    engine = LLMEngine(engine_config_from_args(args))
+    # Everything is checked before the model loads and before anything is printed.
+    if not args.prompt:
+        raise ValueError("the prompt is empty")
+    config = engine_config_from_args(args)
+    params = _sampling_params(args)
+    engine = LLMEngine(config)
+    chunks = stream_text(engine, args.prompt, params)
     sys.stdout.write(args.prompt)
-    _write_stream(stream_text(engine, args.prompt, _sampling_params(args)))
+    _write_stream(chunks)
     return 0
 
 
 def cmd_chat(args: argparse.Namespace) -> int:
     """A conversation on stdin: each line is a user turn; the reply streams back."""
-    engine = LLMEngine(engine_config_from_args(args))
+    config = engine_config_from_args(args)
+    params = _sampling_params(args)
+    engine = LLMEngine(config)
     messages: list[dict[str, Any]] = []
     if args.system:
         messages.append({"role": "system", "content": args.system})
@@ -102,58 +147,103 @@ def cmd_chat(args: argparse.Namespace) -> int:
             continue
         messages.append({"role": "user", "content": line.rstrip("\n")})
         prompt = apply_chat_template(engine.tokenizer, messages)
-        reply = []
-        for chunk in stream_text(engine, prompt, _sampling_params(args)):
-            reply.append(chunk)
-            sys.stdout.write(chunk)
-            sys.stdout.flush()
-        sys.stdout.write("\n")
-        messages.append({"role": "assistant", "content": "".join(reply)})
+        reply = _write_stream(stream_text(engine, prompt, params))
+        messages.append({"role": "assistant", "content": reply})
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="tokenmill", description="LLM inference and serving engine")
-    parser.add_argument("--log-level", default="WARNING")
-    sub = parser.add_subparsers(dest="command", required=True)
+def _generate_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("prompt", help="the text to complete")
+    add_engine_args(parser)
+    _add_sampling_args(parser)
+    parser.set_defaults(func=cmd_generate)
 
-    gen = sub.add_parser("generate", help="complete one prompt, streaming to stdout")
-    gen.add_argument("prompt")
-    add_engine_args(gen)
-    _add_sampling_args(gen)
-    gen.set_defaults(func=cmd_generate)
 
-    chat = sub.add_parser("chat", help="chat on stdin/stdout through the model's chat template")
-    chat.add_argument("--system", default=None, help="system message")
-    add_engine_args(chat)
-    _add_sampling_args(chat)
-    chat.set_defaults(func=cmd_chat)
+def _chat_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--system", default=None, help="system message at the start of the conversation")
+    add_engine_args(parser)
+    _add_sampling_args(parser)
+    parser.set_defaults(func=cmd_chat)
 
-    serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
-    add_engine_args(serve)
-    add_serve_args(serve)
-    serve.set_defaults(func=run_server)
 
-    bench = sub.add_parser("bench", help="benchmarks: engine on the GPU, or load against a server")
-    bench_sub = bench.add_subparsers(dest="bench_command", required=True)
+# ---------------------------------------------------------------------- serve
+def _serve_args(parser: argparse.ArgumentParser) -> None:
+    from tokenmill.entrypoints.openai.server import add_serve_args, run_server
+
+    parser.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
+                        help="model directory, as with --model (give one or the other)")
+    add_engine_args(parser)
+    add_serve_args(parser)
+    parser.set_defaults(func=run_server)
+
+
+def _merge_model_tag(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """``serve MODEL`` is ``serve --model MODEL``; two different models is an error."""
+    tag = getattr(args, "model_tag", None)
+    if tag is None:
+        return
+    if args.model is not None and args.model != tag:
+        parser.error(f"serve got two models: {tag!r} as MODEL and {args.model!r} as --model; give one")
+    args.model = tag
+
+
+# ---------------------------------------------------------------------- bench
+def _bench_args(parser: argparse.ArgumentParser) -> None:
+    from tokenmill.bench.offline import BENCHMARKS
+
+    benchmarks = parser.add_subparsers(dest="bench_command", required=True, metavar="BENCHMARK",
+                                       parser_class=_CommandParser)
     for name in BENCHMARKS:
-        engine_bench = bench_sub.add_parser(name, help=f"{name} benchmark on the GPU (random weights, real shapes)")
-        add_bench_args(engine_bench)
-        engine_bench.set_defaults(func=run_bench)
-    serve_bench = bench_sub.add_parser("serve", help="load generator against an OpenAI-compatible server")
-    add_bench_serve_args(serve_bench)
-    serve_bench.set_defaults(func=run_serve_bench)
+        _add_command(benchmarks, name, f"engine benchmark '{name}' on a GPU (random weights, real shapes)",
+                     _engine_bench_args)
+    _add_command(benchmarks, "serve", "load generator against an OpenAI-compatible server", _serve_bench_args)
+
+
+def _engine_bench_args(parser: argparse.ArgumentParser) -> None:
+    from tokenmill.bench.offline import add_bench_args, run_bench
+
+    add_bench_args(parser)
+    parser.set_defaults(func=run_bench)
+
+
+def _serve_bench_args(parser: argparse.ArgumentParser) -> None:
+    from tokenmill.bench.serve import add_bench_serve_args, run_serve_bench
+
+    add_bench_serve_args(parser)
+    parser.set_defaults(func=run_serve_bench)
+
+
+# ----------------------------------------------------------------------- main
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="tokenmill", description="LLM inference and serving engine",
+                                     formatter_class=_FORMATTER)
+    parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
+    parser.add_argument("--log-level", type=_log_level, default="warning", metavar="LEVEL",
+                        help="logging level: " + ", ".join(LOG_LEVELS))
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND",
+                                     parser_class=_CommandParser)
+    _add_command(commands, "generate", "complete one prompt, streaming to stdout", _generate_args)
+    _add_command(commands, "chat", "chat on stdin/stdout through the model's chat template", _chat_args)
+    _add_command(commands, "serve", "OpenAI-compatible HTTP server", _serve_args)
+    _add_command(commands, "bench", "benchmarks: the engine on a GPU, or load against a server", _bench_args)
     return parser
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """Parse a command line; exits with status 2 and a usage message on bad options."""
     parser = build_parser()
     args = parser.parse_args(argv)
+    _merge_model_tag(parser, args)
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     try:
         return int(args.func(args) or 0)
-    except (ValueError, KeyboardInterrupt) as exc:
-        if isinstance(exc, KeyboardInterrupt):
-            return 130
+    except KeyboardInterrupt:
+        return 130
+    except ValueError as exc:
         print(f"tokenmill: error: {exc}", file=sys.stderr)
         return 2
 

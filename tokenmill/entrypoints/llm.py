@@ -8,7 +8,8 @@ from typing import Any
 
 from tqdm import tqdm
 
-from tokenmill.engine.llm_engine import EngineConfig, LLMEngine
+from tokenmill.engine.config import EngineConfig
+from tokenmill.engine.llm_engine import LLMEngine
 from tokenmill.outputs import RequestOutput
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.tokenizer import apply_chat_template
@@ -16,12 +17,18 @@ from tokenmill.tokenizer import apply_chat_template
 Prompt = str | list[int]
 
 
+class EngineError(RuntimeError):
+    """The engine could not finish a request (a step failed). The engine itself is fine:
+    the next ``generate`` works."""
+
+
 class LLM:
     """Generate offline for a batch of prompts: all are queued, then the engine steps
-    until every one is done (continuous batching does the rest)."""
+    until every one is done (continuous batching does the rest). The engine core runs in
+    this process."""
 
     def __init__(self, model: str | None = None, **engine_options: Any) -> None:
-        self.engine = LLMEngine(EngineConfig(model=model, **engine_options))
+        self.engine = LLMEngine(EngineConfig.from_options(model, **engine_options))
         self._ids = itertools.count()
 
     def get_tokenizer(self) -> Any:
@@ -30,13 +37,15 @@ class LLM:
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
-        """Outputs in the order of ``prompts``. A single prompt may be a string or a list of ids."""
-        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
-        prompts = list(prompts)
+        """Outputs in the order of ``prompts``. A single prompt may be a string or a list of
+        ids. Bad input raises ValueError before anything runs; the engine is left as it was."""
+        prompts = _prompt_list(prompts)
         params = sampling_params if sampling_params is not None else SamplingParams()
         if isinstance(params, SamplingParams):
             params = [params] * len(prompts)
+        elif not isinstance(params, Sequence) or isinstance(params, str):
+            raise ValueError(f"sampling_params must be a SamplingParams or a list of them, "
+                             f"not {type(params).__name__}")
         elif len(params) != len(prompts):
             raise ValueError(f"got {len(params)} sampling params for {len(prompts)} prompts")
         ids = []
@@ -45,17 +54,19 @@ class LLM:
                 request_id = str(next(self._ids))
                 self.engine.add_request(request_id, prompt, p, stream=False)
                 ids.append(request_id)
-        except ValueError:
+            finals = {out.request_id: out for out in self._run(len(ids), use_tqdm)}
+        except BaseException:
             for request_id in ids:
                 self.engine.abort_request(request_id)
             raise
-        finals = {out.request_id: out for out in self._run(len(ids), use_tqdm)}
         return [finals[request_id] for request_id in ids]
 
     def _run(self, total: int, use_tqdm: bool) -> Iterator[RequestOutput]:
         with tqdm(total=total, desc="Generating", unit="req", disable=not use_tqdm) as bar:
             while self.engine.has_unfinished_requests():
                 for out in self.engine.step():
+                    if out.error is not None:
+                        raise EngineError(f"request {out.request_id}: {out.error}")
                     if out.finished:
                         bar.update(1)
                         yield out
@@ -63,6 +74,22 @@ class LLM:
     def chat(self, messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
              sampling_params: SamplingParams | None = None, use_tqdm: bool = True) -> list[RequestOutput]:
         """Apply the model's chat template to one conversation or a list of them, and generate."""
-        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        if not isinstance(messages, list) or not messages:
+            raise ValueError("messages must be a non-empty list of messages, or a list of conversations")
+        conversations = [messages] if isinstance(messages[0], dict) else messages
         prompts = [apply_chat_template(self.engine.tokenizer, conv) for conv in conversations]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+
+def _prompt_list(prompts: Any) -> list[Prompt]:
+    """One prompt (a string or a list of ids) or a sequence of them, as a list."""
+    if isinstance(prompts, str):
+        return [prompts]
+    if isinstance(prompts, list | tuple) and prompts and all(type(t) is int for t in prompts):
+        return [list(prompts)]
+    if not isinstance(prompts, list | tuple):
+        raise ValueError(f"prompts must be a string, a list of token ids, or a list of those, "
+                         f"not {type(prompts).__name__}")
+    if not prompts:
+        raise ValueError("no prompts were given")
+    return list(prompts)

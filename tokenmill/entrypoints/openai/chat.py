@@ -6,7 +6,6 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 
 from fastapi import Request
-from jinja2 import TemplateError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from tokenmill.entrypoints.openai.errors import APIError
@@ -24,25 +23,30 @@ from tokenmill.entrypoints.openai.protocol import (
     now_seconds,
     random_id,
 )
-from tokenmill.entrypoints.openai.serving import RequestGroup, ServingContext, sampling_params, sse_stream, usage_of
+from tokenmill.entrypoints.openai.serving import (
+    RequestGroup,
+    ServingContext,
+    final_usage,
+    sampling_params,
+    sse_stream,
+    usage_of,
+)
 from tokenmill.outputs import Logprobs
-from tokenmill.tokenizer import apply_chat_template
 
 
 async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest, raw: Request) -> Response:
     ctx.check_model(req.model)
     if req.top_logprobs is not None and not req.logprobs:
         raise APIError(400, "top_logprobs needs logprobs set to true", param="top_logprobs")
-    messages = [m.for_template() for m in req.messages]
-    try:
-        prompt = await ctx.engine.call(lambda engine: apply_chat_template(engine.tokenizer, messages))
-    except TemplateError as exc:  # the template refuses these messages (e.g. a role it does not know)
-        raise APIError(400, f"the chat template cannot render these messages: {exc}", param="messages",
-                       code="invalid_value") from exc
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     params = sampling_params(req, max_tokens, (req.top_logprobs or 0) if req.logprobs else None)
+    ctx.engine.check_admission(1)
+    try:  # the template decides which roles and contents it takes
+        prompt = await ctx.engine.render_chat([m.for_template() for m in req.messages])
+    except ValueError as exc:
+        raise APIError(400, str(exc), param="messages", code="invalid_value") from exc
     request_id = random_id("chatcmpl")
-    group = await ctx.start(request_id, [prompt], params)
+    group = await ctx.start(request_id, [prompt], params, stream=req.stream)
     if req.stream:
         return StreamingResponse(sse_stream(_stream_events(ctx, req, group, request_id), group),
                                  media_type="text/event-stream")
@@ -53,7 +57,8 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
                    stop_reason=c.stop_reason)
         for c in final.outputs
     ]
-    response = ChatCompletionResponse(id=request_id, model=ctx.model_name, choices=choices, usage=usage_of([final]))
+    response = ChatCompletionResponse(id=request_id, model=ctx.model_name, choices=choices,
+                                      usage=final_usage([final]))
     return JSONResponse(response.model_dump())
 
 
@@ -87,25 +92,15 @@ async def _stream_events(ctx: ServingContext, req: ChatCompletionRequest, group:
 
     for index in range(req.n):
         yield chunk(index, DeltaMessage(role="assistant", content=""))
-    text_sent = [0] * req.n
-    tokens_sent = [0] * req.n
-    done = [False] * req.n
-    final = None
-    async for _, out in group.outputs():
-        final = out
+    prompt_tokens = completion_tokens = 0
+    async for _, out in group.outputs():  # deltas: each output carries only what is new
+        prompt_tokens = len(out.prompt_token_ids)
         for c in out.outputs:
-            i = c.index
-            if done[i]:
-                continue
-            text = c.text[text_sent[i]:]
-            new_ids = c.token_ids[tokens_sent[i]:]
-            if text or new_ids:
-                entries = (c.logprobs or [])[tokens_sent[i]:]
-                yield chunk(i, DeltaMessage(content=text), _logprobs(ctx, req, new_ids, entries))
-            text_sent[i], tokens_sent[i] = len(c.text), len(c.token_ids)
+            completion_tokens += len(c.token_ids)
+            if c.text or c.token_ids:
+                yield chunk(c.index, DeltaMessage(content=c.text), _logprobs(ctx, req, c.token_ids, c.logprobs))
             if c.finished:
-                done[i] = True
-                yield chunk(i, DeltaMessage(), finish_reason=c.finish_reason)
-    if final is not None and req.stream_options is not None and req.stream_options.include_usage:
+                yield chunk(c.index, DeltaMessage(), finish_reason=c.finish_reason)
+    if req.stream_options is not None and req.stream_options.include_usage:
         yield ChatCompletionChunk(id=request_id, created=created, model=ctx.model_name, choices=[],
-                                  usage=usage_of([final]))
+                                  usage=usage_of(prompt_tokens, completion_tokens))

@@ -18,7 +18,14 @@ from tokenmill.entrypoints.openai.protocol import (
     now_seconds,
     random_id,
 )
-from tokenmill.entrypoints.openai.serving import RequestGroup, ServingContext, sampling_params, sse_stream, usage_of
+from tokenmill.entrypoints.openai.serving import (
+    RequestGroup,
+    ServingContext,
+    final_usage,
+    sampling_params,
+    sse_stream,
+    usage_of,
+)
 from tokenmill.outputs import CompletionOutput, Logprobs, RequestOutput
 
 
@@ -60,17 +67,6 @@ class _LogprobsBuilder:
         return top
 
 
-class _ChoiceState:
-    """What one choice has sent so far in a stream; the echoed prompt goes out with its first chunk."""
-
-    def __init__(self, ctx: ServingContext, echo: _Echo) -> None:
-        self.text_sent = 0
-        self.tokens_sent = 0
-        self.finished = False
-        self.echo: _Echo | None = echo
-        self.logprobs = _LogprobsBuilder(ctx, 0)
-
-
 async def create_completion(ctx: ServingContext, req: CompletionRequest, raw: Request) -> Response:
     ctx.check_model(req.model)
     if req.suffix:
@@ -79,13 +75,13 @@ async def create_completion(ctx: ServingContext, req: CompletionRequest, raw: Re
     echo_logprobs = req.logprobs if req.echo and req.logprobs is not None else None
     params = sampling_params(req, req.max_tokens, req.logprobs, prompt_logprobs=echo_logprobs)
     request_id = random_id("cmpl")
-    group = await ctx.start(request_id, prompts, params)
+    group = await ctx.start(request_id, prompts, params, stream=req.stream)
     if req.stream:
         return StreamingResponse(sse_stream(_stream_events(ctx, req, group, request_id), group),
                                  media_type="text/event-stream")
     finals = await group.final_outputs(raw)
     choices = [_choice(ctx, req, out, c, i * req.n + c.index) for i, out in enumerate(finals) for c in out.outputs]
-    response = CompletionResponse(id=request_id, model=ctx.model_name, choices=choices, usage=usage_of(finals))
+    response = CompletionResponse(id=request_id, model=ctx.model_name, choices=choices, usage=final_usage(finals))
     return JSONResponse(response.model_dump())
 
 
@@ -98,19 +94,20 @@ class _Echo:
     entries: list[Logprobs | None] = field(default_factory=list)
 
 
-def _echo(ctx: ServingContext, req: CompletionRequest, out: RequestOutput) -> _Echo:
+def _echo(ctx: ServingContext, req: CompletionRequest, out: RequestOutput,
+          prompt_logprobs: list[Logprobs | None] | None) -> _Echo:
     if not req.echo:
         return _Echo()
     text = out.prompt
     if text is None:
         text = ctx.tokenizer.decode(out.prompt_token_ids) if ctx.tokenizer is not None else ""
-    entries = out.prompt_logprobs or [None] * len(out.prompt_token_ids)
+    entries = prompt_logprobs or [None] * len(out.prompt_token_ids)
     return _Echo(text, list(out.prompt_token_ids), list(entries))
 
 
 def _choice(ctx: ServingContext, req: CompletionRequest, out: RequestOutput, c: CompletionOutput,
             index: int) -> CompletionChoice:
-    echo = _echo(ctx, req, out)
+    echo = _echo(ctx, req, out, out.prompt_logprobs)
     logprobs = None
     if req.logprobs is not None:
         logprobs = _LogprobsBuilder(ctx, 0).build(echo.token_ids + c.token_ids, echo.entries + (c.logprobs or []))
@@ -118,36 +115,48 @@ def _choice(ctx: ServingContext, req: CompletionRequest, out: RequestOutput, c: 
                             stop_reason=c.stop_reason)
 
 
+class _PromptState:
+    """What one prompt of a stream has shown so far: its echo (sent with each choice's
+    first chunk, once the prompt logprobs are all in), each choice's logprobs offsets."""
+
+    def __init__(self, ctx: ServingContext, n: int) -> None:
+        self.started = [False] * n
+        self.logprobs = [_LogprobsBuilder(ctx, 0) for _ in range(n)]
+        self.prompt_logprobs: list[Logprobs | None] = []
+        self.num_prompt_tokens = 0
+        self.completion_tokens = 0
+
+
 async def _stream_events(ctx: ServingContext, req: CompletionRequest, group: RequestGroup,
                          request_id: str) -> AsyncIterator[CompletionResponse]:
-    """One chunk per choice whenever it has new text or tokens, or finishes."""
+    """One chunk per choice whenever it has new text or tokens, or finishes (the engine's
+    outputs are deltas: each carries only what is new)."""
     created = now_seconds()
-    states: dict[tuple[int, int], _ChoiceState] = {}
-    finals: dict[int, RequestOutput] = {}
+    prompts: dict[int, _PromptState] = {}
 
     def chunk(choice: CompletionChoice) -> CompletionResponse:
         return CompletionResponse(id=request_id, created=created, model=ctx.model_name, choices=[choice])
 
     async for i, out in group.outputs():
-        finals[i] = out
+        state = prompts.get(i)
+        if state is None:
+            state = prompts[i] = _PromptState(ctx, req.n)
+            state.num_prompt_tokens = len(out.prompt_token_ids)
+        if out.prompt_logprobs:
+            state.prompt_logprobs.extend(out.prompt_logprobs)
         for c in out.outputs:
-            state = states.get((i, c.index))
-            if state is None:
-                state = states[(i, c.index)] = _ChoiceState(ctx, _echo(ctx, req, out))
-            if state.finished:
-                continue
-            echo, state.echo = state.echo or _Echo(), None
-            new_ids = c.token_ids[state.tokens_sent:]
-            text = c.text[state.text_sent:]
-            if not (new_ids or text or c.finished or echo.text):
-                continue
+            echo = _Echo()
+            if not state.started[c.index]:
+                state.started[c.index] = True
+                echo = _echo(ctx, req, out, state.prompt_logprobs)
+            state.completion_tokens += len(c.token_ids)
             logprobs = None
             if req.logprobs is not None:
-                logprobs = state.logprobs.build(echo.token_ids + new_ids,
-                                                echo.entries + (c.logprobs or [])[state.tokens_sent:])
-            yield chunk(CompletionChoice(index=i * req.n + c.index, text=echo.text + text, logprobs=logprobs,
+                logprobs = state.logprobs[c.index].build(echo.token_ids + c.token_ids,
+                                                         echo.entries + (c.logprobs or []))
+            yield chunk(CompletionChoice(index=i * req.n + c.index, text=echo.text + c.text, logprobs=logprobs,
                                          finish_reason=c.finish_reason, stop_reason=c.stop_reason))
-            state.text_sent, state.tokens_sent, state.finished = len(c.text), len(c.token_ids), c.finished
     if req.stream_options is not None and req.stream_options.include_usage:
-        usage = usage_of([finals[i] for i in sorted(finals)])
+        usage = usage_of(sum(p.num_prompt_tokens for p in prompts.values()),
+                         sum(p.completion_tokens for p in prompts.values()))
         yield CompletionResponse(id=request_id, created=created, model=ctx.model_name, choices=[], usage=usage)

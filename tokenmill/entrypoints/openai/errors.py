@@ -6,15 +6,23 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Mapping
 from http import HTTPStatus
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from tokenmill.engine.async_engine import EngineStepError, EngineStopped, QueueFull
-from tokenmill.entrypoints.openai.protocol import ErrorInfo, ErrorResponse
+from tokenmill.engine.async_llm import EngineStepError, EngineStopped, QueueFull
+from tokenmill.entrypoints.openai.protocol import (
+    UNION_TAGS,
+    UNSUPPORTED_PARAMETER,
+    UNSUPPORTED_VALUE,
+    ErrorInfo,
+    ErrorResponse,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -60,19 +68,39 @@ def to_api_error(exc: BaseException) -> APIError:
     return APIError(500, f"internal error: {type(exc).__name__}", code="internal_error")
 
 
+_CODES = {UNSUPPORTED_PARAMETER: UNSUPPORTED_PARAMETER, UNSUPPORTED_VALUE: UNSUPPORTED_VALUE}
+"""Validation error types whose OpenAI code is more than invalid_type or invalid_value."""
+
+
+def _path(loc: tuple[int | str, ...]) -> str:
+    """Where in the body an error sits, as ``messages[0].content``: FastAPI's leading
+    ``body`` and the protocol's union tags name no field the client wrote."""
+    path = ""
+    for part in loc[1:] if loc[:1] == ("body",) else loc:
+        if isinstance(part, int):
+            path += f"[{part}]"
+        elif part not in UNION_TAGS:
+            path += f".{part}" if path else part
+    return path
+
+
+def _describe(error: Mapping[str, Any]) -> str:
+    path = _path(tuple(error.get("loc", ())))
+    return f"{path}: {error.get('msg', 'invalid')}" if path else "the request body must be a JSON object"
+
+
 def _validation_error(exc: RequestValidationError) -> APIError:
+    """One 400 for all of a body's problems (the first few, each with its path); param and
+    code come from the first."""
     errors = exc.errors()
     first = errors[0] if errors else {}
-    if first.get("type") == "json_invalid":
+    kind = first.get("type", "")
+    if kind == "json_invalid":
         return APIError(400, f"the body is not valid JSON: {first.get('ctx', {}).get('error', '')}".rstrip(": "),
                         code="invalid_json")
-    loc = [str(part) for part in first.get("loc", ()) if part != "body"]
-    param = loc[0] if loc else None
-    message = "; ".join(
-        f"{'.'.join(str(p) for p in e.get('loc', ()) if p != 'body') or 'body'}: {e.get('msg', 'invalid')}"
-        for e in errors[:4])
-    code = "invalid_type" if "type" in first.get("type", "") else "invalid_value"
-    return APIError(400, message, param=param, code=code)
+    message = "; ".join(dict.fromkeys(_describe(e) for e in errors[:4]))
+    code = _CODES.get(kind) or ("invalid_type" if "type" in kind else "invalid_value")
+    return APIError(400, message, param=_path(tuple(first.get("loc", ()))) or None, code=code)
 
 
 def install_error_handlers(app: FastAPI) -> None:

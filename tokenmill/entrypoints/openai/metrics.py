@@ -1,22 +1,22 @@
 """Prometheus metrics of one server, named as in vLLM (``tokenmill:`` prefix).
 
-Gauges and engine counters are read from the AsyncEngine's snapshot at scrape
-time (the engine already counts them; nothing is counted twice). Latency
-histograms are observed as outputs reach the HTTP handlers. Each app owns its
-CollectorRegistry, so several apps can live in one process (tests do).
+Gauges and engine counters are read at scrape time from the last statistics
+the engine core sent (the core already counts them; nothing is counted twice).
+Latency histograms are observed as the front-end processes the core's outputs,
+for every request, streamed or not. Each app owns its CollectorRegistry, so
+several apps can live in one process (tests do).
 """
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator
 
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from tokenmill.engine.async_engine import AsyncEngine
-from tokenmill.outputs import RequestOutput
+from tokenmill.engine.async_llm import AsyncLLM
+from tokenmill.engine.output_processor import ProcessedOutputs
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -25,11 +25,11 @@ _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.2
 
 
 class _EngineCollector(Collector):
-    def __init__(self, engine: AsyncEngine) -> None:
+    def __init__(self, engine: AsyncLLM) -> None:
         self.engine = engine
 
     def collect(self) -> Iterator[Metric]:
-        s = self.engine.snapshot
+        s = self.engine.stats
         gauges = [
             ("num_requests_running", "Requests being decoded or prefilled.", s.num_running),
             ("num_requests_waiting", "Requests waiting to be scheduled.", s.num_waiting),
@@ -54,7 +54,7 @@ class _EngineCollector(Collector):
 class ServerMetrics:
     """The registry of one app and the request-latency histograms it fills."""
 
-    def __init__(self, engine: AsyncEngine) -> None:
+    def __init__(self, engine: AsyncLLM) -> None:
         self.registry = CollectorRegistry()
         self.registry.register(_EngineCollector(engine))
         self.ttft = Histogram("tokenmill:time_to_first_token_seconds", "Time to first token.",
@@ -63,37 +63,17 @@ class ServerMetrics:
                              buckets=_LATENCY_BUCKETS, registry=self.registry)
         self.e2e = Histogram("tokenmill:e2e_request_latency_seconds", "Arrival to last token.",
                              buckets=_LATENCY_BUCKETS, registry=self.registry)
+        engine.observers.append(self.observe)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
 
-    def tracker(self) -> RequestTracker:
-        return RequestTracker(self)
-
-
-class RequestTracker:
-    """Observes one engine request's outputs as they arrive: its first token, the gaps
-    between tokens (spread over the tokens that arrived together), and its end."""
-
-    def __init__(self, metrics: ServerMetrics) -> None:
-        self.metrics = metrics
-        self.num_tokens = 0
-        self.last_time: float | None = None
-
-    def observe(self, output: RequestOutput) -> None:
-        now = time.monotonic()
-        num_tokens = sum(len(c.token_ids) for c in output.outputs)
-        new = num_tokens - self.num_tokens
-        if new > 0:
-            if self.last_time is None:
-                first = output.metrics.first_token_time or now
-                self.metrics.ttft.observe(max(0.0, first - output.metrics.arrival_time))
-            else:
-                gap = (now - self.last_time) / new
-                for _ in range(new):
-                    self.metrics.itl.observe(gap)
-            self.last_time = now
-            self.num_tokens = num_tokens
-        if output.finished:
-            end = output.metrics.finished_time or now
-            self.metrics.e2e.observe(max(0.0, end - output.metrics.arrival_time))
+    def observe(self, processed: ProcessedOutputs) -> None:
+        """Latencies of one batch of outputs; a gap shared by several tokens counts once per token."""
+        for value in processed.ttfts:
+            self.ttft.observe(value)
+        for gap, count in processed.itls:
+            for _ in range(count):
+                self.itl.observe(gap)
+        for value in processed.e2e_latencies:
+            self.e2e.observe(value)

@@ -1,13 +1,19 @@
 """The OpenAI-compatible HTTP server: app factory, API-key check, and ``tokenmill serve``.
 
-Shutdown on SIGTERM: the engine stops admitting at once (new requests get 503),
-uvicorn closes its sockets and waits up to ``--grace-period`` seconds for the
-responses in flight, then the app's shutdown aborts whatever is left.
+The engine core runs in a child process (``AsyncLLM``); this process only
+speaks HTTP, tokenizes and detokenizes.
+
+Shutdown on SIGTERM: the engine stops admitting at once (new requests get 503)
+and uvicorn closes its listening sockets. Requests in flight get
+``--grace-period`` seconds to finish; then every one still running ends with
+``finish_reason: "abort"``, so each stream closes properly (its last chunk,
+then ``[DONE]``), and the core process is stopped.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import logging
 import secrets
@@ -20,7 +26,8 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from tokenmill.engine.async_engine import AsyncEngine
+from tokenmill.engine.async_llm import AsyncLLM
+from tokenmill.engine.config import engine_config_from_args
 from tokenmill.entrypoints.openai.chat import create_chat_completion
 from tokenmill.entrypoints.openai.completions import create_completion
 from tokenmill.entrypoints.openai.errors import APIError, install_error_handlers
@@ -51,16 +58,14 @@ class _APIKeyMiddleware:
         await self.app(scope, receive, send)
 
 
-def build_app(async_engine: AsyncEngine, served_model_name: str, api_key: str | None = None,
-              grace_period: float = 0.0) -> FastAPI:
-    """An app over ``async_engine``; its shutdown drains the engine for ``grace_period`` s."""
-    engine = async_engine.engine
-    ctx = ServingContext(async_engine, served_model_name, engine.tokenizer, ServerMetrics(async_engine))
+def build_app(engine: AsyncLLM, served_model_name: str, api_key: str | None = None) -> FastAPI:
+    """An app over ``engine``; its shutdown ends whatever still runs and stops the core."""
+    ctx = ServingContext(engine, served_model_name, engine.tokenizer, ServerMetrics(engine))
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         yield
-        await async_engine.drain(grace_period)
+        await engine.drain(0.0)
 
     app = FastAPI(title="tokenmill", lifespan=lifespan)
     app.state.serving = ctx
@@ -82,7 +87,9 @@ def build_app(async_engine: AsyncEngine, served_model_name: str, api_key: str | 
 
     @app.get("/health")
     async def health() -> Response:
-        if not async_engine.accepting:
+        if engine.dead_reason is not None:
+            return APIError(503, engine.dead_reason, code="engine_dead").response()
+        if not engine.accepting:
             return APIError(503, "the server is shutting down", code="unavailable").response()
         return JSONResponse({"status": "ok"})
 
@@ -94,44 +101,60 @@ def build_app(async_engine: AsyncEngine, served_model_name: str, api_key: str | 
 
 
 class _DrainingServer(uvicorn.Server):
-    """uvicorn, but a shutdown signal first makes the engine refuse new requests (503)."""
+    """uvicorn, but a shutdown signal first makes the engine refuse new requests (503) and,
+    after the grace period, end the requests still running, so their responses complete
+    before uvicorn's own (later) deadline would cut them."""
 
-    def __init__(self, config: uvicorn.Config, async_engine: AsyncEngine) -> None:
+    def __init__(self, config: uvicorn.Config, engine: AsyncLLM, grace_period: float) -> None:
         super().__init__(config)
-        self.async_engine = async_engine
+        self.engine = engine
+        self.grace_period = grace_period
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    async def serve(self, sockets: list | None = None) -> None:
+        self._loop = asyncio.get_running_loop()
+        await super().serve(sockets)
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
-        self.async_engine.stop_admitting()
+        if self.engine.accepting and self._loop is not None:
+            self.engine.stop_admitting()
+            self._loop.call_soon_threadsafe(self._loop.call_later, self.grace_period, self.engine.abort_all)
         super().handle_exit(sig, frame)
 
 
 def add_serve_args(parser: argparse.ArgumentParser) -> None:
-    """Server options of ``tokenmill serve``; the engine options come from the CLI's
-    shared ``add_engine_args``."""
+    """Server options of ``tokenmill serve``; the engine options come from
+    ``tokenmill.engine.config.add_engine_args``."""
     g = parser.add_argument_group("server")
-    g.add_argument("--host", default="127.0.0.1", help="address to listen on (default: loopback only)")
-    g.add_argument("--port", type=int, default=8000)
+    g.add_argument("--host", default="127.0.0.1",
+                   help="address to listen on (127.0.0.1: this machine only; 0.0.0.0: every interface)")
+    g.add_argument("--port", type=int, default=8000, help="TCP port to listen on")
     g.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/*")
     g.add_argument("--served-model-name", default=None,
-                   help="the model name clients send (default: the --model path, or tokenmill-default)")
+                   help="the model name clients send (unset: the model path, or tokenmill-default)")
     g.add_argument("--max-waiting", type=int, default=1024,
-                   help="requests allowed to wait for scheduling before new ones get 503")
+                   help="requests allowed to wait beyond the max-num-seqs that run at once; past it new "
+                        "requests get 503")
     g.add_argument("--grace-period", type=float, default=30.0,
-                   help="seconds that running requests get to finish on SIGTERM")
-    g.add_argument("--uvicorn-log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+                   help="seconds that running requests get to finish on SIGTERM; then they end with "
+                        "finish_reason 'abort'")
+    g.add_argument("--uvicorn-log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
+                   help="log level of the HTTP server (access log at info)")
 
 
 def run_server(args: argparse.Namespace) -> int:
-    """``tokenmill serve``: load the engine, serve until SIGTERM/SIGINT, drain, exit 0."""
-    from tokenmill.engine.llm_engine import LLMEngine
-    from tokenmill.entrypoints.cli import engine_config_from_args
-
-    engine = LLMEngine(engine_config_from_args(args))
-    async_engine = AsyncEngine(engine, max_waiting=args.max_waiting)
-    name = args.served_model_name or args.model or DEFAULT_MODEL_NAME
-    app = build_app(async_engine, name, api_key=args.api_key)
-    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
-                            timeout_graceful_shutdown=max(0.1, args.grace_period))
-    logger.info("serving %s on http://%s:%d", json.dumps(name), args.host, args.port)
-    _DrainingServer(config, async_engine).run()
+    """``tokenmill serve``: start the engine core process, serve until SIGTERM/SIGINT, drain, exit 0."""
+    if args.grace_period < 0:
+        raise ValueError(f"--grace-period must be >= 0, got {args.grace_period}")
+    engine = AsyncLLM(engine_config_from_args(args), max_waiting=args.max_waiting)
+    try:
+        name = args.served_model_name or args.model or DEFAULT_MODEL_NAME
+        app = build_app(engine, name, api_key=args.api_key)
+        # uvicorn's own deadline comes after ours: by then every stream has ended cleanly.
+        config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
+                                timeout_graceful_shutdown=args.grace_period + 10)
+        logger.info("serving %s on http://%s:%d", json.dumps(name), args.host, args.port)
+        _DrainingServer(config, engine, args.grace_period).run()
+    finally:
+        engine.close()
     return 0

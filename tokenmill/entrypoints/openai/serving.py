@@ -14,11 +14,11 @@ from typing import Any
 from fastapi import Request
 from pydantic import BaseModel
 
-from tokenmill.engine.async_engine import AsyncEngine, RequestStream
+from tokenmill.engine.async_llm import AsyncLLM, RequestStream
 from tokenmill.entrypoints.openai.errors import APIError, to_api_error
 from tokenmill.entrypoints.openai.metrics import ServerMetrics
 from tokenmill.entrypoints.openai.protocol import SamplingFields, UsageInfo
-from tokenmill.outputs import RequestOutput
+from tokenmill.outputs import OutputKind, RequestOutput
 from tokenmill.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -32,7 +32,7 @@ _DISCONNECT_POLL_S = 0.5
 class ServingContext:
     """Everything a handler needs: the engine, the name it answers to, metrics."""
 
-    engine: AsyncEngine
+    engine: AsyncLLM
     model_name: str
     tokenizer: Any
     metrics: ServerMetrics
@@ -48,17 +48,22 @@ class ServingContext:
             return f"token_id:{token_id}"
         return self.tokenizer.decode([token_id])
 
-    async def start(self, request_id: str, prompts: list[str | list[int]], params: SamplingParams) -> RequestGroup:
-        """Add one engine request per prompt; if any is refused, none stays queued."""
+    async def start(self, request_id: str, prompts: list[str | list[int]], params: SamplingParams,
+                    stream: bool) -> RequestGroup:
+        """Add one engine request per prompt; if any is refused, none stays queued. A stream
+        gets each prompt's news as it comes; otherwise only each prompt's final output."""
+        self.engine.check_admission(len(prompts))
+        kind = OutputKind.DELTA if stream else OutputKind.FINAL_ONLY
+        processed = [await self.engine.process_input(prompt, params) for prompt in prompts]
         streams: list[RequestStream] = []
         try:
-            for i, prompt in enumerate(prompts):
-                streams.append(await self.engine.add_request(f"{request_id}-{i}", prompt, params))
+            for i, prompt in enumerate(processed):
+                streams.append(await self.engine.add_request(f"{request_id}-{i}", prompt, params, kind))
         except BaseException:
-            for stream in streams:
-                stream.abort()
+            for s in streams:
+                s.abort()
             raise
-        return RequestGroup(streams, self.metrics)
+        return RequestGroup(streams)
 
 
 def sampling_params(req: SamplingFields, max_tokens: int | None, logprobs: int | None,
@@ -77,23 +82,31 @@ class RequestGroup:
     """The engine requests of one HTTP request, read together. Leaving early, for any
     reason, aborts those still running so their KV blocks are freed at once."""
 
-    def __init__(self, streams: list[RequestStream], metrics: ServerMetrics) -> None:
+    def __init__(self, streams: list[RequestStream]) -> None:
         self.streams = streams
-        self.metrics = metrics
 
     def abort(self) -> None:
         for stream in self.streams:
             stream.abort()
 
     async def outputs(self) -> AsyncIterator[tuple[int, RequestOutput]]:
-        """(prompt index, cumulative output) as they come, from all prompts interleaved."""
+        """(prompt index, output) as they come, from all prompts interleaved."""
+        try:
+            if len(self.streams) == 1:
+                async for output in self.streams[0]:
+                    yield 0, output
+                return
+            async for item in self._merged():
+                yield item
+        finally:
+            self.abort()
+
+    async def _merged(self) -> AsyncIterator[tuple[int, RequestOutput]]:
         queue: asyncio.Queue[tuple[int, RequestOutput | BaseException | None]] = asyncio.Queue()
 
         async def pump(index: int, stream: RequestStream) -> None:
-            tracker = self.metrics.tracker()
             try:
                 async for output in stream:
-                    tracker.observe(output)
                     queue.put_nowait((index, output))
                 queue.put_nowait((index, None))
             except Exception as exc:
@@ -113,10 +126,9 @@ class RequestGroup:
         finally:
             for task in tasks:
                 task.cancel()
-            self.abort()
 
     async def final_outputs(self, raw: Request) -> list[RequestOutput]:
-        """The last output of every prompt; aborts everything if the client goes away."""
+        """The final output of every prompt; aborts everything if the client goes away."""
         finals: dict[int, RequestOutput] = {}
 
         async def consume() -> None:
@@ -136,28 +148,36 @@ class RequestGroup:
         return [finals[i] for i in range(len(self.streams))]
 
 
-def usage_of(outputs: list[RequestOutput]) -> UsageInfo:
+def usage_of(prompt_tokens: int, completion_tokens: int) -> UsageInfo:
+    return UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                     total_tokens=prompt_tokens + completion_tokens)
+
+
+def final_usage(outputs: list[RequestOutput]) -> UsageInfo:
     """Prompt tokens counted once per prompt, completion tokens over every choice."""
-    prompt = sum(len(out.prompt_token_ids) for out in outputs)
-    completion = sum(len(c.token_ids) for out in outputs for c in out.outputs)
-    return UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+    return usage_of(sum(len(out.prompt_token_ids) for out in outputs),
+                    sum(len(c.token_ids) for out in outputs for c in out.outputs))
 
 
 def sse(data: BaseModel | dict[str, Any] | str) -> str:
     payload = data if isinstance(data, str) else (
-        data.model_dump_json(exclude_unset=False) if isinstance(data, BaseModel) else json.dumps(data))
+        data.model_dump_json() if isinstance(data, BaseModel) else json.dumps(data))
     return f"data: {payload}\n\n"
 
 
 async def sse_stream(events: AsyncIterator[BaseModel], group: RequestGroup) -> AsyncIterator[str]:
     """Server-sent events of ``events``, then ``[DONE]``; an error mid-stream becomes an
-    error event (the status line is already sent) and the stream still ends with ``[DONE]``."""
+    error event (the status line is already sent) and the stream still ends with ``[DONE]``.
+    A shutdown that cancels the response mid-stream ends it the same way: the client always
+    sees the end of its stream."""
     try:
         async for event in events:
             yield sse(event)
+    except asyncio.CancelledError:
+        group.abort()
+        raise
     except Exception as exc:
         yield sse(to_api_error(exc).body())
     finally:
         group.abort()
     yield sse("[DONE]")
-

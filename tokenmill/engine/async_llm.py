@@ -1,0 +1,294 @@
+"""AsyncLLM: the server's front-end, on the event loop, over an engine core in its own process.
+
+Requests are tokenized and validated here (a long prompt or a chat template
+in a worker thread, so other streams keep flowing), sent to the core, and
+their outputs come back through one task that reads every core message,
+detokenizes, applies stop strings and hands each request its news. A request's
+stream holds at most one pending output: when its reader falls behind, new
+tokens merge into it, so a slow client costs memory for its own text only and
+never slows the core.
+
+If the core process dies, every request in flight ends with an error at once,
+``is_healthy`` turns false, and new requests are refused.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import msgspec
+import zmq
+import zmq.asyncio
+
+from tokenmill.engine.config import EngineConfig
+from tokenmill.engine.core import model_dir_of
+from tokenmill.engine.core_process import CoreClient
+from tokenmill.engine.input_processor import InputProcessor, ModelLimits, ProcessedPrompt
+from tokenmill.engine.messages import AbortRequests, AddRequest, CoreOutputs, CoreStats
+from tokenmill.engine.output_processor import OutputProcessor, ProcessedOutputs
+from tokenmill.outputs import OutputKind, RequestOutput
+from tokenmill.sampling_params import SamplingParams
+from tokenmill.tokenizer import apply_chat_template, load_tokenizer
+
+logger = logging.getLogger(__name__)
+
+_INLINE_PROMPT_CHARS = 4096  # longer prompts are tokenized in a worker thread
+
+
+class QueueFull(RuntimeError):
+    """Too many requests wait already; the client should come back later (HTTP 503)."""
+
+
+class EngineStopped(RuntimeError):
+    """The engine is shutting down, or its core is gone, and admits no request (HTTP 503)."""
+
+
+class EngineStepError(RuntimeError):
+    """The engine could not finish this request (a failed step, or the core died)."""
+
+
+def merge_delta(pending: RequestOutput, new: RequestOutput) -> None:
+    """Fold ``new`` into ``pending`` (both DELTA outputs of one request), choice by choice."""
+    by_index = {c.index: c for c in pending.outputs}
+    for c in new.outputs:
+        old = by_index.get(c.index)
+        if old is None:
+            pending.outputs.append(c)
+            continue
+        old.text += c.text
+        old.token_ids.extend(c.token_ids)
+        if old.logprobs is not None and c.logprobs is not None:
+            old.logprobs.extend(c.logprobs)
+        old.cumulative_logprob = c.cumulative_logprob
+        old.finish_reason, old.stop_reason = c.finish_reason, c.stop_reason
+    if new.prompt_logprobs:
+        pending.prompt_logprobs = (pending.prompt_logprobs or []) + new.prompt_logprobs
+    pending.finished, pending.error, pending.metrics = new.finished, new.error, new.metrics
+    pending.num_cached_tokens = new.num_cached_tokens
+
+
+class RequestStream:
+    """The outputs of one request, in order; iterating it to the end is the normal path,
+    leaving early (a client that disconnects, a cancelled task) aborts the request."""
+
+    def __init__(self, owner: AsyncLLM, request_id: str) -> None:
+        self.request_id = request_id
+        self.finished = False
+        self._owner = owner
+        self._pending: RequestOutput | None = None
+        self._ready = asyncio.Event()
+
+    def put(self, output: RequestOutput) -> None:
+        if self._pending is None:
+            self._pending = output
+        elif output.outputs or output.finished or output.prompt_logprobs:
+            merge_delta(self._pending, output)
+        self._ready.set()
+
+    async def __aiter__(self) -> AsyncIterator[RequestOutput]:
+        try:
+            while not self.finished:
+                await self._ready.wait()
+                self._ready.clear()
+                output, self._pending = self._pending, None
+                if output is None:
+                    continue
+                self.finished = output.finished
+                if output.error is not None:
+                    raise EngineStepError(output.error)
+                yield output
+        finally:
+            self.abort()
+
+    def abort(self) -> None:
+        """Stop the request now (its KV blocks are freed by the core); nothing once finished."""
+        if not self.finished:
+            self.finished = True
+            self._owner.abort(self.request_id)
+
+
+class AsyncLLM:
+    """The engine for asyncio callers. ``max_waiting`` bounds the requests queued beyond
+    those that can run at once (``max_num_seqs``): past it new requests get QueueFull."""
+
+    def __init__(self, config: EngineConfig, max_waiting: int = 1024, core_in_thread: bool = False) -> None:
+        if type(max_waiting) is not int or max_waiting < 0:
+            raise ValueError(f"max_waiting must be an integer >= 0, got {max_waiting!r}")
+        self.config = config
+        self.max_waiting = max_waiting
+        self.client = CoreClient(config, in_thread=core_in_thread)
+        ready = self.client.ready
+        self.max_model_len = ready.max_model_len
+        self.vocab_size = ready.vocab_size
+        self.tokenizer = None if config.random_weights else load_tokenizer(model_dir_of(config))
+        self.inputs = InputProcessor(self.tokenizer, ModelLimits(ready.vocab_size, ready.max_model_len))
+        self.outputs = OutputProcessor(self.tokenizer)
+        self.stats = CoreStats()
+        self.accepting = True
+        self.dead_reason: str | None = None
+        self.observers: list[Any] = []  # called with each ProcessedOutputs (server metrics)
+        self._streams: dict[str, RequestStream] = {}
+        self._executor = ThreadPoolExecutor(max_workers=2, thread_name_prefix="tokenmill-tokenize")
+        self._reader: asyncio.Task | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._closed = False
+
+    # ----------------------------------------------------------- public API
+    @property
+    def is_healthy(self) -> bool:
+        return self.dead_reason is None and not self._closed
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.outputs.requests)
+
+    @property
+    def capacity(self) -> int:
+        """Requests the engine takes at once: those that can run plus ``max_waiting`` more."""
+        return self.config.max_num_seqs + self.max_waiting
+
+    def check_admission(self, count: int) -> None:
+        """Raise unless ``count`` more requests can be admitted now."""
+        if self.dead_reason is not None:
+            raise EngineStopped(self.dead_reason)
+        if not self.accepting or self._closed:
+            raise EngineStopped("the server is shutting down")
+        if count > self.capacity:
+            raise ValueError(f"{count} prompts in one request, but at most {self.capacity} can be queued "
+                             f"(max_num_seqs + max_waiting)")
+        if self.num_unfinished + count > self.capacity:
+            raise QueueFull(f"too many requests are waiting (max_waiting={self.max_waiting}); retry later")
+
+    async def process_input(self, prompt: str | list[int], params: SamplingParams) -> ProcessedPrompt:
+        """Tokenize and validate; long prompts in a worker thread, so other streams go on."""
+        if isinstance(prompt, str) and len(prompt) > _INLINE_PROMPT_CHARS:
+            return await asyncio.get_running_loop().run_in_executor(self._executor, self.inputs.process, prompt,
+                                                                    params)
+        return self.inputs.process(prompt, params)
+
+    async def render_chat(self, messages: list[dict[str, Any]]) -> list[int]:
+        """The chat template and tokenizing, in a worker thread (a template may be slow)."""
+        return await asyncio.get_running_loop().run_in_executor(self._executor, apply_chat_template,
+                                                                self.tokenizer, messages)
+
+    async def add_request(self, request_id: str, prompt: str | list[int] | ProcessedPrompt,
+                          params: SamplingParams, kind: OutputKind = OutputKind.DELTA) -> RequestStream:
+        """Queue a request and return its stream. Raises ValueError for bad input (nothing is
+        queued), QueueFull when too many wait, EngineStopped while draining or once the core is gone."""
+        self.check_admission(1)
+        arrival = time.monotonic()
+        processed = prompt if isinstance(prompt, ProcessedPrompt) else await self.process_input(prompt, params)
+        self.inputs.check(processed, params)
+        self.check_admission(1)  # the state may have changed while tokenizing
+        self._start()
+        self.outputs.add_request(request_id, processed.text, processed.token_ids, params, kind, arrival)
+        stream = self._streams[request_id] = RequestStream(self, request_id)
+        self.client.send(AddRequest(request_id, processed.token_ids, params, arrival))
+        return stream
+
+    async def generate(self, request_id: str, prompt: str | list[int],
+                       params: SamplingParams, kind: OutputKind = OutputKind.DELTA) -> AsyncIterator[RequestOutput]:
+        stream = await self.add_request(request_id, prompt, params, kind)
+        async for output in stream:
+            yield output
+
+    def abort(self, request_id: str) -> None:
+        """Abort a request; unknown or finished ids are ignored."""
+        self._streams.pop(request_id, None)
+        if self.outputs.abort_request(request_id) is not None and self.dead_reason is None and not self._closed:
+            self.client.send(AbortRequests([request_id]))
+
+    def stop_admitting(self) -> None:
+        """From now on new requests fail with EngineStopped; running ones go on."""
+        self.accepting = False
+
+    async def drain(self, grace_period: float) -> None:
+        """Graceful shutdown: admit nothing new, give running requests ``grace_period``
+        seconds to finish, end the rest with finish_reason "abort", stop the core."""
+        self.stop_admitting()
+        deadline = time.monotonic() + grace_period
+        while self.num_unfinished and time.monotonic() < deadline and self.dead_reason is None:
+            await asyncio.sleep(0.05)
+        self.abort_all()
+        await asyncio.sleep(0)  # let the streams take their final outputs
+        await asyncio.get_running_loop().run_in_executor(None, self.close)
+
+    def abort_all(self) -> None:
+        """End every request now with finish_reason "abort"; their streams get that output."""
+        request_ids = list(self.outputs.requests)
+        for request_id in request_ids:
+            output = self.outputs.abort_request(request_id)
+            stream = self._streams.pop(request_id, None)
+            if stream is not None and output is not None:
+                stream.put(output)
+        if request_ids and self.dead_reason is None and not self._closed:
+            self.client.send(AbortRequests(request_ids))
+
+    def close(self) -> None:
+        """Stop the core (requests still running end with "abort") and the worker threads."""
+        if self._closed:
+            return
+        self._closed = True
+        self.accepting = False
+        if self._loop is not None and self.client.process is not None and not self._loop.is_closed():
+            self._loop.call_soon_threadsafe(self._loop.remove_reader, self.client.process.sentinel)
+        self.client.shutdown()
+        self._executor.shutdown(wait=False, cancel_futures=True)
+
+    # -------------------------------------------------------- output reader
+    def _start(self) -> None:
+        """Start reading the core's outputs on the running loop (once)."""
+        if self._reader is not None:
+            return
+        self._loop = asyncio.get_running_loop()
+        self._reader = self._loop.create_task(self._read_outputs(), name="tokenmill-outputs")
+        if self.client.process is not None:
+            self._loop.add_reader(self.client.process.sentinel, self._on_core_exit)
+
+    async def _read_outputs(self) -> None:
+        socket = zmq.asyncio.Socket.from_socket(self.client.output_socket)
+        decoder = msgspec.msgpack.Decoder(CoreOutputs)
+        try:
+            while True:
+                frame = await socket.recv(copy=False)
+                self._dispatch(decoder.decode(frame.buffer))
+        except (asyncio.CancelledError, zmq.ZMQError):
+            pass
+        except Exception as exc:  # a front-end bug: every request must still end
+            logger.exception("reading the engine core's outputs failed")
+            self._on_dead(f"the server failed reading the engine's outputs: {exc!r}")
+
+    def _dispatch(self, core_outputs: CoreOutputs) -> None:
+        self.stats = core_outputs.stats
+        processed = self.outputs.process(core_outputs)
+        for abort in processed.aborts:
+            self.client.send(abort)
+        self._deliver(processed)
+
+    def _deliver(self, processed: ProcessedOutputs) -> None:
+        for output in processed.outputs:
+            stream = self._streams.get(output.request_id)
+            if output.finished:
+                self._streams.pop(output.request_id, None)
+            if stream is not None:
+                stream.put(output)
+        for observe in self.observers:
+            observe(processed)
+
+    def _on_core_exit(self) -> None:
+        if self._loop is not None and self.client.process is not None:
+            self._loop.remove_reader(self.client.process.sentinel)
+        if not self._closed:
+            self._on_dead(f"the engine core process died ({self.client.exit_description()})")
+
+    def _on_dead(self, reason: str) -> None:
+        logger.error("%s: failing %d requests in flight", reason, self.num_unfinished)
+        self.dead_reason = reason
+        self.accepting = False
+        self._deliver(ProcessedOutputs(outputs=self.outputs.fail_all(reason)))
+

@@ -1,0 +1,137 @@
+"""Engine options, defined once: ``LLM(...)``, the CLI and the server all read them from here.
+
+Each field carries its rule (checked on construction) and its command-line help, and
+``add_engine_args`` builds the argparse options from the fields, so a new option is one
+new field.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import types
+import typing
+from dataclasses import dataclass, fields
+from typing import Any
+
+from tokenmill.validation import BOOLEAN, REJECT, Rule, check_fields, integer, number, one_of, ruled
+
+# Accepted spellings of each dtype, as torch names them.
+_DTYPES = {"auto": "auto", "bfloat16": "bfloat16", "float16": "float16", "half": "float16",
+           "float32": "float32", "float": "float32"}
+_DEVICE = re.compile(r"auto|cpu|cuda(:[0-9]+)?")
+
+
+def _model(value: Any) -> Any:
+    if value is None:
+        return None
+    if not isinstance(value, (str, os.PathLike)):
+        return REJECT
+    path = os.fspath(value)
+    return path if isinstance(path, str) and path else REJECT
+
+
+def _device(value: Any) -> Any:
+    return value if isinstance(value, str) and _DEVICE.fullmatch(value) else REJECT
+
+
+_POSITIVE = integer(lo=1)
+
+
+@dataclass
+class EngineConfig:
+    """Engine options, named as in vLLM. ``model=None`` is the embedded default model.
+    Every field is checked on construction: a bad value is a ValueError that names it."""
+
+    model: str | None = ruled(
+        None, Rule("None or a non-empty path (str or os.PathLike)", "", _model),
+        help="directory of a Hugging Face checkpoint; none means the small model shipped with tokenmill")
+    dtype: str = ruled(
+        "auto", one_of(_DTYPES), choices=tuple(_DTYPES),
+        help="weight and activation dtype; auto keeps the checkpoint's dtype on a GPU and uses float32 on "
+             "the CPU (half is float16, float is float32)")
+    device: str = ruled(
+        "auto", Rule("auto, cpu, cuda or cuda:N", "", _device),
+        help="where to run: auto (a GPU if there is one), cpu, cuda or cuda:N")
+    seed: int = ruled(
+        0, integer(-2**63, 2**64 - 1, bounds="in [-2**63, 2**64 - 1]"),
+        help="seed of the engine's random numbers (random weights); generate and chat also sample with it, "
+             "so the same seed gives the same text")
+    block_size: int = ruled(16, _POSITIVE, help="tokens per KV cache block")
+    max_num_seqs: int = ruled(256, _POSITIVE, help="most sequences decoded together in one step")
+    max_num_batched_tokens: int = ruled(
+        2048, _POSITIVE, help="most tokens one step computes (prompt chunks and decoded tokens together)")
+    max_model_len: int | None = ruled(
+        None, _POSITIVE.or_none(),
+        help="longest sequence, prompt and output together; none means the model's context length")
+    enable_prefix_caching: bool = ruled(
+        True, BOOLEAN, negative_alias="--no-prefix-caching",
+        help="reuse the KV cache of prompt prefixes computed before")
+    num_kv_blocks: int | None = ruled(
+        None, _POSITIVE.or_none(),
+        help="KV cache blocks to allocate; none sizes the cache from the memory left after the weights")
+    gpu_memory_utilization: float = ruled(
+        0.9, number(0, 1, lo_open=True),
+        help="fraction of the GPU's memory the engine may use (weights, activations and KV cache)")
+    cpu_kv_cache_gib: float = ruled(
+        1.0, number(0, lo_open=True), help="KV cache size in GiB when the engine runs on the CPU")
+    static_batching: bool = ruled(
+        False, BOOLEAN,
+        help="admit new requests only when the batch is empty, in waves (to compare with continuous batching)")
+    enforce_eager: bool = ruled(False, BOOLEAN, help="run without CUDA graphs")
+    async_scheduling: bool = ruled(
+        True, BOOLEAN,
+        help="launch step N+1 before reading step N's tokens, so the GPU never waits for the host")
+    random_weights: bool = ruled(
+        False, BOOLEAN, cli=False, help="real shapes with random values: for benchmarks, which need no checkpoint")
+
+    def __post_init__(self) -> None:
+        check_fields(self)
+
+    @classmethod
+    def from_options(cls, model: str | os.PathLike[str] | None = None, **options: Any) -> EngineConfig:
+        """The config of ``LLM(model, **options)``: an unknown option is a ValueError that
+        lists the valid ones (a plain dataclass would raise a TypeError naming one)."""
+        valid = [f.name for f in fields(cls) if f.name != "model"]
+        unknown = sorted(set(options) - set(valid))
+        if unknown:
+            raise ValueError(f"unknown engine option{'s' if len(unknown) > 1 else ''}: {', '.join(unknown)}; "
+                             f"the options are model, {', '.join(valid)}")
+        return cls(model=model, **options)
+
+
+def _cli_fields() -> list[Any]:
+    return [f for f in fields(EngineConfig) if f.metadata.get("cli", True)]
+
+
+def _value_type(hint: Any) -> type:
+    """``int`` for ``int | None``: what argparse converts the option's text to."""
+    if isinstance(hint, types.UnionType):
+        (hint,) = [arg for arg in typing.get_args(hint) if arg is not type(None)]
+    return hint
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    """Add the engine options (``--model``, ``--max-num-seqs``, ...) as an argument group,
+    one per ``EngineConfig`` field. A boolean that is on by default also gets ``--no-...``."""
+    group = parser.add_argument_group("engine")
+    hints = typing.get_type_hints(EngineConfig)
+    for f in _cli_fields():
+        flag = "--" + f.name.replace("_", "-")
+        help_text = f.metadata["help"]
+        if hints[f.name] is bool:
+            action = argparse.BooleanOptionalAction if f.default else "store_true"
+            group.add_argument(flag, action=action, default=f.default, help=help_text)
+        else:
+            group.add_argument(flag, type=_value_type(hints[f.name]), default=f.default,
+                               choices=f.metadata.get("choices"), help=help_text)
+        if "negative_alias" in f.metadata:
+            group.add_argument(f.metadata["negative_alias"], dest=f.name, action="store_false",
+                               default=argparse.SUPPRESS, help=f"the same as --no-{flag[2:]}")
+
+
+def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
+    """The ``EngineConfig`` of parsed command-line options (other options are ignored)."""
+    names = {f.name for f in _cli_fields()}
+    return EngineConfig(**{name: value for name, value in vars(args).items() if name in names})

@@ -1,0 +1,383 @@
+"""EngineCore: scheduler, KV cache manager and model runner in one busy loop.
+
+The core sees only requests that the front-end has validated and tokenized, and
+answers each step with every request's new token ids (``CoreOutputs``). It
+knows no text: detokenizing, stop strings and assembling ``RequestOutput`` are
+the front-end's. Token-level stops (eos, stop token ids, ``max_tokens``, the
+context length) are the core's, since they decide what runs next.
+
+A step that fails fails only the requests in it: they end with an error, their
+blocks go back, and the core keeps serving the rest.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from tokenmill.default_model import DEFAULT_MODEL_DIR
+from tokenmill.engine.config import EngineConfig
+from tokenmill.engine.kv_cache_manager import KVCacheManager
+from tokenmill.engine.messages import (
+    AbortRequests,
+    AbortSequence,
+    AddRequest,
+    CoreInput,
+    CoreOutputs,
+    CoreReady,
+    CoreStats,
+    RequestDelta,
+    SeqDelta,
+)
+from tokenmill.engine.model_runner import InFlightStep, ModelRunner, build_model
+from tokenmill.engine.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
+from tokenmill.engine.sequence import PENDING, Sequence, SequenceStatus
+from tokenmill.loader.hf_config import ModelConfig, load_model_config, resolve_dtype
+from tokenmill.outputs import Logprobs
+from tokenmill.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError("device 'cuda' was asked for, but no CUDA device is available")
+    if name not in ("cpu",) and not name.startswith("cuda"):
+        raise ValueError(f"device must be auto, cpu or cuda[:N], got {name!r}")
+    return torch.device(name)
+
+
+def model_dir_of(config: EngineConfig) -> Path:
+    return Path(config.model) if config.model is not None else DEFAULT_MODEL_DIR
+
+
+@dataclass(eq=False)
+class CoreRequest:
+    request_id: str
+    params: SamplingParams
+    seqs: list[Sequence]
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        model_dir = model_dir_of(config)
+        self.model_config: ModelConfig = load_model_config(model_dir)
+        cfg = self.model_config
+        self.device = resolve_device(config.device)
+        self.dtype = resolve_dtype(config.dtype, cfg, self.device)
+        torch.manual_seed(config.seed)
+        max_len = config.max_model_len or cfg.max_position_embeddings
+        started = time.monotonic()
+        model = build_model(cfg, None if config.random_weights else model_dir, self.dtype, self.device,
+                            max_len, config.seed)
+        load_seconds = time.monotonic() - started
+        num_blocks = self._num_kv_blocks(max_len)
+        capacity = num_blocks * config.block_size
+        if capacity < max_len:
+            logger.warning("max_model_len lowered from %d to %d: the KV pool holds %d blocks of %d",
+                           max_len, capacity, num_blocks, config.block_size)
+            max_len = capacity
+        self.max_model_len = max_len
+        self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(
+            SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, config.static_batching), self.kv)
+        started = time.monotonic()
+        self.runner = ModelRunner(cfg, model, num_blocks, config.block_size, self.device, self.dtype,
+                                  max_num_seqs=config.max_num_seqs, max_model_len=max_len,
+                                  cuda_graphs=not config.enforce_eager)
+        self.startup_seconds = {"load": load_seconds, "kv_cache_and_graphs": time.monotonic() - started}
+        if self.device.type == "cuda":  # nothing is compiled on the CPU path
+            started = time.monotonic()
+            self.runner.warm_up(config.max_num_batched_tokens, max_len)
+            self.startup_seconds["warm_up"] = time.monotonic() - started
+        self.requests: dict[str, CoreRequest] = {}
+        self._seq_ids = itertools.count()
+        self.stats = CoreStats()
+        self._in_flight: InFlightStep | None = None
+        self._deltas: dict[str, RequestDelta] = {}  # news since the last step's outputs
+        logger.info("engine ready: %s on %s (%s), KV pool %d blocks of %d tokens (%d tokens), max_model_len %d",
+                    model_dir, self.device, str(self.dtype).removeprefix("torch."), num_blocks, config.block_size,
+                    capacity, max_len)
+
+    # ----------------------------------------------------------------- sizing
+    def _num_kv_blocks(self, max_len: int) -> int:
+        cfg, config = self.model_config, self.config
+        if config.num_kv_blocks is not None:
+            return config.num_kv_blocks
+        per_block = cfg.kv_bytes_per_token(self.dtype) * config.block_size
+        enough = config.max_num_seqs * -(-max_len // config.block_size)
+        if self.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(self.device)
+            used_elsewhere = total - free
+            elem = torch.tensor([], dtype=self.dtype).element_size()
+            tokens = config.max_num_batched_tokens
+            activations = tokens * elem * (6 * cfg.hidden_size + 4 * cfg.intermediate_size
+                                           + 3 * cfg.num_heads * cfg.head_dim)
+            logits = config.max_num_seqs * cfg.vocab_size * 4 * 4
+            budget = total * config.gpu_memory_utilization - used_elsewhere - activations - logits - (1 << 30)
+        else:
+            budget = config.cpu_kv_cache_gib * (1 << 30)
+        blocks = min(int(budget // per_block), enough)
+        if blocks < 1:
+            where = "gpu_memory_utilization" if self.device.type == "cuda" else "cpu_kv_cache_gib"
+            raise ValueError(f"no memory is left for the KV cache (one block of {config.block_size} tokens takes "
+                             f"{per_block} bytes): raise {where}, or lower max_num_batched_tokens")
+        return blocks
+
+    def ready_message(self) -> CoreReady:
+        cfg = self.model_config
+        return CoreReady(max_model_len=self.max_model_len, vocab_size=cfg.vocab_size,
+                         eos_token_ids=list(cfg.eos_token_ids), num_kv_blocks=self.kv.pool.num_blocks,
+                         block_size=self.config.block_size, device=str(self.device),
+                         dtype=str(self.dtype).removeprefix("torch."))
+
+    # --------------------------------------------------------------- requests
+    def handle(self, message: CoreInput) -> None:
+        """Apply one message from the front-end (the core process's dispatch)."""
+        if isinstance(message, AddRequest):
+            self.add_request(message)
+        elif isinstance(message, AbortRequests):
+            for request_id in message.request_ids:
+                self.abort_request(request_id)
+        elif isinstance(message, AbortSequence):
+            self.abort_sequence(message.request_id, message.index)
+
+    def add_request(self, request: AddRequest) -> None:
+        """Queue a request the front-end validated. A duplicate id is a front-end bug: the
+        request is answered with an error instead of touching the one that holds the id."""
+        if request.request_id in self.requests:
+            self._fail(request.request_id, f"request id {request.request_id!r} is already in use", [])
+            return
+        params = request.params
+        ids = request.prompt_token_ids
+        seqs = [self._new_sequence(request.request_id, i, ids, params, request.arrival_time)
+                for i in range(params.n)]
+        self.requests[request.request_id] = CoreRequest(request.request_id, params, seqs)
+        for seq in seqs:
+            self.scheduler.add(seq)
+
+    def _new_sequence(self, request_id: str, index: int, ids: list[int], params: SamplingParams,
+                      now: float) -> Sequence:
+        generator = None
+        if params.seed is not None:
+            generator = torch.Generator(device=self.device).manual_seed((params.seed * 65537 + index) % (1 << 63))
+        return Sequence(next(self._seq_ids), request_id, index, list(ids), params, now, generator,
+                        eos_token_ids=self.model_config.eos_token_ids)
+
+    def abort_request(self, request_id: str) -> None:
+        """Stop a request now and free its blocks; unknown ids are ignored (it may have
+        finished while the abort travelled). No output follows an abort."""
+        request = self.requests.pop(request_id, None)
+        self._deltas.pop(request_id, None)
+        if request is None:
+            return
+        for seq in request.seqs:
+            self._end(seq, "abort")
+
+    def abort_sequence(self, request_id: str, index: int) -> None:
+        """End one sequence of a request (the front-end saw a stop string); the request ends
+        once all its sequences have."""
+        request = self.requests.get(request_id)
+        if request is None or not 0 <= index < len(request.seqs):
+            return
+        seq = request.seqs[index]
+        if seq.is_finished:
+            return
+        self._end(seq, "stop")
+        if self._request_done(request):
+            self._delta(request).finished = True
+            del self.requests[request_id]
+
+    def _end(self, seq: Sequence, reason: str) -> None:
+        seq.drop_pending()
+        if not seq.is_finished:
+            self.scheduler.finish(seq)
+            seq.finish_reason = seq.finish_reason or reason
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests) or self._in_flight is not None
+
+    # ------------------------------------------------------------------- step
+    def step(self) -> CoreOutputs:
+        """One iteration; the outputs of the requests that changed. Never raises for a failed
+        step: its requests end with an error and the rest go on."""
+        try:
+            self._step()
+        except Exception as exc:  # a bug or a device fault inside the step
+            logger.exception("engine step failed; failing the requests in it")
+            self._fail_step(exc)
+        return self.take_outputs()
+
+    def take_outputs(self) -> CoreOutputs:
+        outputs, self._deltas = list(self._deltas.values()), {}
+        return CoreOutputs(outputs, self._snapshot())
+
+    def _step(self) -> None:
+        """Steps overlap: the next step is scheduled and launched before this one's sampled
+        ids are read, so the device runs it while the host appends tokens and checks stops
+        (its inputs take the pending ids on the device). A sequence that stops here has run
+        one step too many, which is thrown away. Penalties need every output token on the
+        host, so while a running sequence uses them steps run one at a time."""
+        if self._in_flight is None:
+            self._in_flight = self._launch(None)
+            if self._in_flight is None:
+                self._fail_unschedulable()
+                return
+        following = self._launch(self._in_flight) if self._can_overlap() else None
+        current, self._in_flight = self._in_flight, following
+        self._complete(current)
+
+    def _fail_step(self, exc: Exception) -> None:
+        """End every request that a failed step may have touched: the running ones (each is
+        in the step or the one in flight) and waiting ones whose sampled token never came."""
+        self._in_flight = None
+        message = f"the engine failed while running this request: {type(exc).__name__}: {exc}"
+        touched = {seq.request_id for seq in self.scheduler.running}
+        touched |= {seq.request_id for seq in self.scheduler.waiting if seq.num_pending}
+        self.stats.num_failed_steps += 1
+        for request_id in touched:
+            request = self.requests.pop(request_id, None)
+            if request is not None:
+                for seq in request.seqs:
+                    self._end(seq, "abort")
+                self._fail(request_id, message, request.seqs)
+
+    def _fail_unschedulable(self) -> None:
+        """Nothing runs and nothing could be admitted: the first waiting sequence does not fit
+        the whole KV pool, and never will. End its request rather than wait forever."""
+        if self.scheduler.running or not self.scheduler.waiting:
+            return
+        seq = self.scheduler.waiting[0]
+        request = self.requests.pop(seq.request_id)
+        for s in request.seqs:
+            self._end(s, "abort")
+        needed = self.kv.blocks_needed(seq.num_tokens)
+        self._fail(request.request_id, f"the request needs {needed} KV blocks but the pool holds "
+                   f"{self.kv.pool.num_blocks}: it can never run", request.seqs)
+
+    def _fail(self, request_id: str, message: str, seqs: list[Sequence]) -> None:
+        self._deltas[request_id] = RequestDelta(
+            request_id, [SeqDelta(s.index, [], finish_reason="abort") for s in seqs], finished=True, error=message)
+
+    def _can_overlap(self) -> bool:
+        return self.config.async_scheduling and not any(seq.params.uses_penalties for seq in self.scheduler.running)
+
+    def _launch(self, previous: InFlightStep | None) -> InFlightStep | None:
+        """Schedule and enqueue a step; each sequence that samples gets a ``PENDING`` token."""
+        batch = self.scheduler.schedule()
+        self.stats.num_preemptions += batch.num_preempted
+        if not batch.seqs:
+            return None
+        step = self.runner.launch(batch, previous)
+        for seq, n in zip(batch.seqs, batch.num_tokens):
+            seq.num_computed_tokens += n
+        self._record_step(batch)
+        for seq in step.sampled_seqs:
+            step.pending_index.append(seq.num_tokens)
+            seq.token_ids.append(PENDING)
+            seq.num_pending += 1
+            if self._reaches_length_limit(seq.params, seq.num_output_tokens, seq.num_tokens):
+                # This token is its last whatever it is: leave the batch now, not a step late.
+                self.scheduler.finish(seq)
+        return step
+
+    def _complete(self, step: InFlightStep) -> None:
+        """Read a launched step's tokens, append them, check the token-level stops."""
+        result = self.runner.collect(step)
+        for seq in step.batch.seqs:
+            if not seq.is_finished:
+                self.kv.commit_computed_blocks(seq)
+        for seq, values in result.prompt_logprobs.items():
+            if seq.request_id in self.requests and seq.index == 0:
+                delta = self._delta(self.requests[seq.request_id])
+                delta.prompt_logprobs = (delta.prompt_logprobs or []) + values
+        touched: dict[str, CoreRequest] = {}
+        for seq, index, token, logprobs in zip(result.sampled_seqs, step.pending_index, result.token_ids,
+                                               result.logprobs):
+            if index >= seq.num_tokens or seq.token_ids[index] != PENDING:
+                continue  # the sequence ended meanwhile: nobody wants this token
+            request = self.requests[seq.request_id]
+            self._accept_token(request, seq, index, token, logprobs)
+            touched[seq.request_id] = request
+        for request in touched.values():
+            # A sequence that left the batch at launch (its last token) still awaits that token.
+            if self._request_done(request):
+                self._delta(request).finished = True
+                del self.requests[request.request_id]
+
+    @staticmethod
+    def _request_done(request: CoreRequest) -> bool:
+        return all(seq.is_finished and not seq.num_pending for seq in request.seqs)
+
+    def _delta(self, request: CoreRequest) -> RequestDelta:
+        delta = self._deltas.get(request.request_id)
+        if delta is None:
+            first = request.seqs[0]
+            delta = self._deltas[request.request_id] = RequestDelta(
+                request.request_id, [], num_cached_tokens=first.num_cached_tokens,
+                num_preemptions=sum(s.num_preemptions for s in request.seqs),
+                first_scheduled_time=first.first_scheduled_time)
+        return delta
+
+    def _seq_delta(self, request: CoreRequest, seq: Sequence) -> SeqDelta:
+        delta = self._delta(request)
+        for item in delta.seqs:
+            if item.index == seq.index:
+                return item
+        item = SeqDelta(seq.index, [], [] if seq.params.logprobs is not None else None)
+        delta.seqs.append(item)
+        return item
+
+    def _accept_token(self, request: CoreRequest, seq: Sequence, index: int, token: int,
+                      logprobs: Logprobs | None) -> None:
+        """Put the sampled token in its placeholder at ``index`` and apply the stop rules as of it."""
+        params = seq.params
+        seq.token_ids[index] = token
+        seq.num_pending -= 1
+        num_output = index + 1 - seq.num_prompt_tokens
+        self.stats.generation_tokens += 1
+        out = self._seq_delta(request, seq)
+        out.token_ids.append(token)
+        if out.logprobs is not None and logprobs is not None:
+            out.logprobs.append(logprobs)
+        if num_output >= params.min_tokens:
+            if not params.ignore_eos and token in seq.eos_token_ids:
+                seq.finish_reason = "stop"
+            elif token in params.stop_token_ids:
+                seq.finish_reason, seq.stop_reason = "stop", token
+        if seq.finish_reason is None and self._reaches_length_limit(params, num_output, index + 1):
+            seq.finish_reason = "length"
+        if seq.finish_reason is not None:
+            out.finish_reason, out.stop_reason = seq.finish_reason, seq.stop_reason
+            seq.drop_pending()
+            self.scheduler.finish(seq)
+
+    def _reaches_length_limit(self, params: SamplingParams, num_output: int, num_tokens: int) -> bool:
+        return (params.max_tokens is not None and num_output >= params.max_tokens) or num_tokens >= self.max_model_len
+
+    # ------------------------------------------------------------------ stats
+    def _record_step(self, batch: ScheduledBatch) -> None:
+        """Count the step's prompt tokens (called after ``num_computed_tokens`` moved on)."""
+        self.stats.num_steps += 1
+        for seq, n in zip(batch.seqs, batch.num_tokens):
+            end = seq.num_computed_tokens
+            self.stats.prompt_tokens += max(0, min(end, seq.num_prompt_tokens) - (end - n))
+
+    def _snapshot(self) -> CoreStats:
+        scheduler, kv, stats = self.scheduler, self.kv, self.stats
+        running = {seq.request_id for seq in scheduler.running}
+        waiting = {seq.request_id for seq in scheduler.waiting if seq.status is SequenceStatus.WAITING} - running
+        stats.num_running, stats.num_waiting = len(running), len(waiting)
+        stats.kv_usage = kv.pool.usage()
+        stats.kv_blocks_in_use = kv.num_blocks_in_use
+        stats.kv_blocks_cached = kv.pool.num_cached
+        stats.prefix_cache_queries, stats.prefix_cache_hits = kv.query_tokens, kv.hit_tokens
+        return CoreStats(**{f: getattr(stats, f) for f in CoreStats.__struct_fields__})

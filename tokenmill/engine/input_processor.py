@@ -1,0 +1,81 @@
+"""The front-end's gate: every request is tokenized and checked against the model here,
+so the engine core never sees a value it cannot run.
+
+``SamplingParams`` checks what needs no model (types, finiteness, ranges); this
+checks what does: token ids within the vocabulary, and the prompt plus
+``max_tokens`` within ``max_model_len``. Every failure is a ``ValueError`` that
+says what is wrong, raised before anything reaches the core.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from tokenmill.sampling_params import SamplingParams
+from tokenmill.tokenizer import encode_prompt
+
+
+@dataclass(frozen=True)
+class ModelLimits:
+    """What the front-end must know of the engine to validate a request."""
+
+    vocab_size: int
+    max_model_len: int
+
+
+@dataclass
+class ProcessedPrompt:
+    text: str | None
+    token_ids: list[int]
+
+
+class InputProcessor:
+    def __init__(self, tokenizer: Any, limits: ModelLimits) -> None:
+        self.tokenizer = tokenizer
+        self.limits = limits
+
+    def tokenize(self, prompt: Any) -> ProcessedPrompt:
+        """A prompt is a string (tokenized here) or a list of token ids (checked here)."""
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("this model has no tokenizer: pass prompts as lists of token ids")
+            return ProcessedPrompt(prompt, encode_prompt(self.tokenizer, prompt))
+        if isinstance(prompt, list | tuple):
+            ids = list(prompt)
+            vocab = self.limits.vocab_size
+            bad = [t for t in ids if type(t) is not int or not 0 <= t < vocab]
+            if bad:
+                raise ValueError(f"the prompt has token ids outside the vocabulary [0, {vocab}): "
+                                 f"{[repr(t) for t in bad[:5]]}")
+            return ProcessedPrompt(None, ids)
+        raise ValueError(f"a prompt must be a string or a list of token ids, not {type(prompt).__name__}")
+
+    def check(self, prompt: ProcessedPrompt, params: SamplingParams) -> None:
+        """The request as a whole against the model's limits."""
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"sampling params must be a SamplingParams, not {type(params).__name__}")
+        limits = self.limits
+        num_prompt = len(prompt.token_ids)
+        if num_prompt == 0:
+            raise ValueError("the prompt is empty")
+        if num_prompt >= limits.max_model_len:
+            raise ValueError(f"the prompt has {num_prompt} tokens, but this model's maximum context length "
+                             f"(max_model_len) is {limits.max_model_len}: it must be shorter to leave room for "
+                             "at least one new token")
+        if params.max_tokens is not None and num_prompt + params.max_tokens > limits.max_model_len:
+            raise ValueError(f"this model's maximum context length is {limits.max_model_len} tokens, but "
+                             f"{num_prompt + params.max_tokens} were asked for ({num_prompt} in the prompt, "
+                             f"max_tokens {params.max_tokens}): lower max_tokens or shorten the prompt")
+        bad = [t for t in params.stop_token_ids if t >= limits.vocab_size]
+        if bad:
+            raise ValueError(f"stop_token_ids {bad[:5]} are not in the vocabulary [0, {limits.vocab_size})")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(params, name)
+            if value is not None and value > limits.vocab_size:
+                raise ValueError(f"{name} must be at most the vocabulary size {limits.vocab_size}, got {value}")
+
+    def process(self, prompt: Any, params: SamplingParams) -> ProcessedPrompt:
+        processed = self.tokenize(prompt)
+        self.check(processed, params)
+        return processed
