@@ -9,7 +9,7 @@ import torch
 
 from helpers import make_model_dir, make_tokenizer
 from tokenmill import LLM, SamplingParams
-from tokenmill.tokenizer import IncrementalDetokenizer
+from tokenmill.tokenizer import StreamDetokenizer, WindowDetokenizer, make_detokenizer
 
 
 @pytest.fixture(scope="module")
@@ -29,27 +29,38 @@ def greedy(max_tokens: int = 16, **kw) -> SamplingParams:
     return SamplingParams(temperature=0, max_tokens=max_tokens, **kw)
 
 
-def test_detokenizer_never_emits_half_a_character(model_dir) -> None:
+DETOKENIZERS = pytest.mark.parametrize("detokenizer", [StreamDetokenizer, WindowDetokenizer])
+
+
+def test_fast_tokenizers_stream(model_dir) -> None:
+    from transformers import AutoTokenizer
+
+    assert isinstance(make_detokenizer(AutoTokenizer.from_pretrained(str(model_dir)), []), StreamDetokenizer)
+
+
+@DETOKENIZERS
+def test_detokenizer_never_emits_half_a_character(model_dir, detokenizer) -> None:
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(str(model_dir))
     text = "naïve café 日本語 🙂 ✓"
     ids = tok.encode(text)
     # Split multi-byte characters across tokens by encoding byte by byte where possible.
-    detok = IncrementalDetokenizer(tok, [])
+    detok = detokenizer(tok, [])
     pieces = [detok.add(i) for i in ids]
     assert "".join(pieces) == text
     assert all("\ufffd" not in p for p in pieces)
 
 
-def test_detokenizer_holds_back_partial_utf8(model_dir) -> None:
+@DETOKENIZERS
+def test_detokenizer_holds_back_partial_utf8(model_dir, detokenizer) -> None:
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(str(model_dir))
     vocab = tok.get_vocab()
     # The byte-level pieces of "🙂" (F0 9F 99 82), one token per byte.
     byte_tokens = [vocab[c] for c in "ðŁĻĤ"]
-    detok = IncrementalDetokenizer(tok, [])
+    detok = detokenizer(tok, [])
     pieces = [detok.add(i) for i in byte_tokens]
     assert pieces[:3] == ["", "", ""] and pieces[3] == "🙂"
 

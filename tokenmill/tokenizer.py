@@ -65,13 +65,34 @@ def apply_chat_template(tokenizer: Any, messages: list[dict[str, Any]]) -> list[
     return encode_prompt(tokenizer, render_chat(tokenizer, messages), add_special_tokens=False)
 
 
-class IncrementalDetokenizer:
-    """Turns a growing list of token ids into text, one delta at a time.
+class Detokenizer:
+    """Turns a growing list of token ids into text, one delta at a time; a token that ends
+    inside a multi-byte UTF-8 character gives no text until the character is complete, so
+    no half character is ever emitted."""
 
-    A token that ends inside a multi-byte UTF-8 character decodes to U+FFFD; the
-    delta is then held back until the character is complete, so no half character
-    is ever emitted.
-    """
+    def add(self, token_id: int) -> str:
+        """The text that ``token_id`` completes (possibly empty)."""
+        raise NotImplementedError
+
+
+class StreamDetokenizer(Detokenizer):
+    """For fast tokenizers: the ``tokenizers`` library's own incremental decoder, one call
+    into Rust per token (about 7x cheaper than decoding two windows of ids in Python)."""
+
+    def __init__(self, tokenizer: Any, prompt_token_ids: list[int], skip_special_tokens: bool = True) -> None:
+        from tokenizers.decoders import DecodeStream
+
+        self.backend = tokenizer._tokenizer
+        self.stream = DecodeStream(ids=list(prompt_token_ids[-_CONTEXT_TOKENS:]),
+                                   skip_special_tokens=skip_special_tokens)
+
+    def add(self, token_id: int) -> str:
+        return self.stream.step(self.backend, token_id) or ""
+
+
+class WindowDetokenizer(Detokenizer):
+    """For any tokenizer: decode the window of ids before and with the new token, and emit
+    the difference (held back while it ends in U+FFFD, a character not yet complete)."""
 
     def __init__(self, tokenizer: Any, prompt_token_ids: list[int], skip_special_tokens: bool = True) -> None:
         self.tokenizer = tokenizer
@@ -84,7 +105,6 @@ class IncrementalDetokenizer:
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
 
     def add(self, token_id: int) -> str:
-        """The text that ``token_id`` completes (possibly empty)."""
         self.ids.append(token_id)
         prefix = self._decode(self.ids[self.prefix_offset:self.read_offset])
         full = self._decode(self.ids[self.prefix_offset:])
@@ -93,3 +113,10 @@ class IncrementalDetokenizer:
         self.prefix_offset = self.read_offset
         self.read_offset = len(self.ids)
         return full[len(prefix):]
+
+
+def make_detokenizer(tokenizer: Any, prompt_token_ids: list[int], skip_special_tokens: bool = True) -> Detokenizer:
+    from tokenizers import Tokenizer
+
+    kind = StreamDetokenizer if isinstance(getattr(tokenizer, "_tokenizer", None), Tokenizer) else WindowDetokenizer
+    return kind(tokenizer, prompt_token_ids, skip_special_tokens)

@@ -207,7 +207,8 @@ def check_response(http: httpx.Client, path: str, body: str | bytes) -> None:
         assert set(error) == ERROR_KEYS and error["message"], response.text
         assert error["type"] == "invalid_request_error", response.text
     elif response.headers["content-type"].startswith("text/event-stream"):
-        events = [line[len("data: "):] for line in response.text.splitlines() if line.startswith("data: ")]
+        # split("\n"), not splitlines(), which also breaks at U+0085 and U+2028 inside the JSON
+        events = [line[len("data: "):] for line in response.text.split("\n") if line.startswith("data: ")]
         assert events[-1] == "[DONE]", response.text
         assert not [e for e in events[:-1] if "error" in json.loads(e)], f"{body!r}: {response.text}"
     else:

@@ -17,13 +17,13 @@ from typing import Any
 from tokenmill.engine.messages import AbortRequests, AbortSequence, CoreOutputs, RequestDelta, SeqDelta
 from tokenmill.outputs import CompletionOutput, Logprobs, OutputKind, RequestMetrics, RequestOutput
 from tokenmill.sampling_params import SamplingParams
-from tokenmill.tokenizer import IncrementalDetokenizer
+from tokenmill.tokenizer import Detokenizer, make_detokenizer
 
 
 @dataclass(eq=False)
 class SeqState:
     index: int
-    detokenizer: IncrementalDetokenizer | None
+    detokenizer: Detokenizer | None
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[Logprobs] | None = None
     cumulative_logprob: float = 0.0
@@ -81,7 +81,7 @@ class OutputProcessor:
         for i in range(params.n):
             detok = None
             if self.tokenizer is not None:
-                detok = IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params.skip_special_tokens)
+                detok = make_detokenizer(self.tokenizer, prompt_token_ids, params.skip_special_tokens)
             seqs.append(SeqState(i, detok, logprobs=[] if params.logprobs is not None else None))
         self.requests[request_id] = RequestState(
             request_id, prompt, prompt_token_ids, params, kind, seqs, RequestMetrics(arrival_time=arrival_time),
