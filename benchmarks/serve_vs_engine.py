@@ -121,9 +121,11 @@ def run_offline(model: Path, args: argparse.Namespace) -> tuple[list[dict], int]
             elif i < len(requests):
                 time.sleep(max(0.0, offsets[i] - now))
         seconds = time.perf_counter() - started
+        # Nothing can end before the last request arrives.
+        paced_floor = max(floor, offsets[-1]) if floor else None
         rows.append({"name": f"{args.label}/offline/rate{args.request_rate:g}", "seconds": seconds,
-                     "output_tok_per_s": out_tokens / seconds, "floor_seconds": floor,
-                     "fraction_of_floor": floor / seconds if floor else None})
+                     "output_tok_per_s": out_tokens / seconds, "floor_seconds": paced_floor,
+                     "last_arrival_s": offsets[-1], "fraction_of_floor": paced_floor / seconds if floor else None})
     del engine
     gc.collect()
     if torch.cuda.is_available():

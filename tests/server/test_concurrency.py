@@ -81,3 +81,68 @@ def test_concurrent_streams_with_cancellations(server: LiveServer, http: httpx.C
     generated = server.engine.stats.generation_tokens - generated_before
     assert generated < NUM_CLIENTS * MAX_TOKENS + NUM_CANCELLED * CANCELLED_MAX_TOKENS // 2
     assert server.engine.outputs.requests == {}
+
+
+def test_a_huge_prompt_does_not_stall_other_streams(server: LiveServer) -> None:
+    """Tokenizing a prompt of millions of characters takes seconds; it happens beside the
+    event loop, so another stream keeps getting its tokens meanwhile."""
+    huge = "def fibonacci(n): return n if n < 2 else fib(n - 1) + fib(n - 2)\n" * 70_000  # 4.6M characters
+    gaps: list[float] = []
+
+    async def stream_and_time(client) -> None:
+        stream = await client.completions.create(model=MODEL_NAME, prompt="# timing\n", max_tokens=240,
+                                                 temperature=0, stream=True, extra_body={"ignore_eos": True})
+        last = time.monotonic()
+        async for _ in stream:
+            now = time.monotonic()
+            gaps.append(now - last)
+            last = now
+
+    async def run() -> int:
+        client = server.async_client()
+        async with client, httpx.AsyncClient(base_url=server.base_url, timeout=120) as http:
+            streaming = asyncio.create_task(stream_and_time(client))
+            await asyncio.sleep(0.3)  # the stream is under way
+            started = time.monotonic()
+            response = await http.post("/v1/completions", json={"model": MODEL_NAME, "prompt": huge, "max_tokens": 1})
+            assert time.monotonic() - started > 1.0, "the huge prompt was meant to take a while"
+            await streaming
+            return response.status_code
+
+    assert asyncio.run(run()) == 400  # far longer than max_model_len, which it was tokenized to learn
+    assert len(gaps) > 10
+    assert max(gaps[1:]) < 1.0, f"a stream stalled for {max(gaps[1:]):.1f} s while a prompt was tokenized"
+
+
+POISON_BODIES = [  # raw JSON: some of these no client library would send
+    '{"model": "%s", "prompt": "x", "max_tokens": 2, "min_tokens": 1, "stop_token_ids": [99999]}',
+    '{"model": "%s", "prompt": "x", "max_tokens": 2, "top_k": 1' + "0" * 400 + "}",
+    '{"model": "%s", "prompt": "x", "max_tokens": 2, "temperature": NaN}',
+    '{"model": "%s", "prompt": "x", "max_tokens": 2, "repetition_penalty": NaN}',
+    '{"model": "%s", "prompt": "ab\\ud800", "max_tokens": 2}',
+    '{"model": "%s", "messages": [{"role": "user", "content": "ab\\ud800"}], "max_tokens": 2}',
+    '{"model": "%s", "prompt": "x", "max_tokens": 100000}',
+    '{"model": "%s", "prompt": "x", "max_tokens": 2, "response_format": {"type": "json_object"}}',
+]
+
+
+def test_poisoned_requests_leave_concurrent_streams_complete(server: LiveServer) -> None:
+    async def poison(http: httpx.AsyncClient, body: str) -> int:
+        path = "/v1/chat/completions" if '"messages"' in body else "/v1/completions"
+        response = await http.post(path, content=body % MODEL_NAME, headers={"Content-Type": "application/json"})
+        assert response.status_code < 500, response.text
+        if response.status_code != 200:
+            assert response.json()["error"]["type"] == "invalid_request_error"
+        return response.status_code
+
+    async def run() -> tuple[list, list[int]]:
+        client = server.async_client()
+        async with client, httpx.AsyncClient(base_url=server.base_url, timeout=60) as http:
+            good = [_full_stream(client, 100 + i) for i in range(8)]
+            bad = [poison(http, body) for body in POISON_BODIES for _ in range(2)]
+            results = await asyncio.wait_for(asyncio.gather(*good, *bad), timeout=120)
+        return results[:8], results[8:]
+
+    good, statuses = asyncio.run(run())
+    assert good == [(MAX_TOKENS, MAX_TOKENS)] * 8
+    assert statuses.count(400) >= 2 * (len(POISON_BODIES) - 1)  # a clamped top_k may run
