@@ -51,10 +51,11 @@ def main() -> None:
                 phases[name] += time.perf_counter() - started
         setattr(obj, name, wrapper)
 
-    for obj, name in ((engine.core.scheduler, "schedule"), (engine.core.runner, "_prepare"),
-                      (engine.core.runner, "_sampling_batch"), (engine.core.runner, "sampler"), (engine.core, "_complete")):
+    core = engine.core
+    for obj, name in ((core.scheduler, "schedule"), (core.runner, "_prepare"), (core.runner, "_sampling_batch"),
+                      (core.runner, "sampler"), (core, "_complete"), (engine.outputs, "process")):
         timed(obj, name)
-    params = SamplingParams(temperature=0, max_tokens=10_000, ignore_eos=True)
+    params = SamplingParams(temperature=0, max_tokens=engine.max_model_len - 128, ignore_eos=True)
     for i in range(args.batch):
         engine.add_request(str(i), [1 + i % 50] * 128, params, stream=False)
     for _ in range(20):

@@ -62,3 +62,10 @@ def make_tokenizer(path: Path) -> PreTrainedTokenizerFast:
                           "{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
     fast.save_pretrained(path)
     return fast
+
+
+def make_model_with_tokenizer(name: str, path: Path) -> Path:
+    """A tiny model of config ``name`` and the test tokenizer, in ``path``."""
+    make_model_dir(name, path)
+    make_tokenizer(path)
+    return path

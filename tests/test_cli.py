@@ -124,7 +124,7 @@ class _RefusingEngine:
 
 @pytest.mark.parametrize("argv, message", [
     (["generate", "hi", "--temperature", "nan"], "temperature must be a finite number"),
-    (["generate", "hi", "--top-k", "-3"], "top_k must be >= -1"),
+    (["generate", "hi", "--top-k", "-3"], "top_k must be in [-1, 2**63 - 1]"),
     (["generate", "hi", "--max-model-len", "0"], "max_model_len must be >= 1"),
     (["generate", "hi", "--device", "gpu"], "device must be"),
     (["generate", ""], "the prompt is empty"),

@@ -7,17 +7,14 @@ import json
 import pytest
 import torch
 
-from helpers import make_model_dir, make_tokenizer
+from helpers import make_model_dir, make_model_with_tokenizer
 from tokenmill import LLM, SamplingParams
 from tokenmill.tokenizer import StreamDetokenizer, WindowDetokenizer, make_detokenizer
 
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    path = tmp_path_factory.mktemp("tiny-with-tokenizer")
-    make_model_dir("llama3", path)
-    make_tokenizer(path)
-    return path
+    return make_model_with_tokenizer("llama3", tmp_path_factory.mktemp("tiny-with-tokenizer"))
 
 
 @pytest.fixture(scope="module")

@@ -8,17 +8,14 @@ import pytest
 from tokenmill import LLM, SamplingParams
 from tokenmill.entrypoints.llm import EngineError
 
-from helpers import make_model_dir, make_tokenizer
+from helpers import make_model_with_tokenizer
 from tokenmill.default_model import DEFAULT_MODEL_DIR
 from tokenmill.tokenizer import load_tokenizer, render_chat
 
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    path = tmp_path_factory.mktemp("tiny-isolation")
-    make_model_dir("qwen3", path)
-    make_tokenizer(path)
-    return path
+    return make_model_with_tokenizer("qwen3", tmp_path_factory.mktemp("tiny-isolation"))
 
 
 @pytest.fixture(scope="module")
@@ -47,6 +44,8 @@ POISON = {
     "lone surrogate in the prompt": (lambda: ("ab\ud800", SamplingParams()), "not valid Unicode"),
     "prompt id of the wrong type": (lambda: ([1, "2"], SamplingParams()), "outside the vocabulary"),
     "logprobs over the vocabulary": (lambda: ([1], SamplingParams(logprobs=10**6)), "vocabulary size"),
+    "min_tokens over the context": (lambda: ([1, 2], SamplingParams(max_tokens=None, min_tokens=500)),
+                                    "min_tokens"),
 }
 
 
@@ -64,7 +63,8 @@ def test_poisoned_request_is_refused_and_the_engine_keeps_serving(llm: LLM, case
 @pytest.mark.parametrize("bad", [
     dict(temperature=float("nan")), dict(repetition_penalty=float("nan")), dict(temperature=None),
     dict(max_tokens="x"), dict(stop=123), dict(top_k=2.5), dict(max_tokens=1.5), dict(seed="x"), dict(stop=[1]),
-    dict(stop_token_ids="ab"), dict(seed=2**64), dict(stop="ab\ud800"),
+    dict(stop_token_ids="ab"), dict(seed=2**64), dict(stop="ab\ud800"), dict(repetition_penalty=1e-45),
+    dict(temperature=1e300), dict(min_tokens=2**63),
 ])
 def test_bad_sampling_params_are_value_errors(bad: dict) -> None:
     with pytest.raises(ValueError):
@@ -72,8 +72,11 @@ def test_bad_sampling_params_are_value_errors(bad: dict) -> None:
 
 
 def test_a_huge_top_k_is_clamped_to_the_vocabulary(llm: LLM) -> None:
-    """``top_k`` of 10**400 used to overflow inside the step and fail the whole batch."""
-    params = SamplingParams(temperature=1.0, top_k=10**400, max_tokens=3, seed=0, ignore_eos=True)
+    """``top_k`` of 10**400 used to overflow inside the step and fail the whole batch: now
+    it is refused (it cannot cross to the engine's process), and any 64-bit one is clamped."""
+    with pytest.raises(ValueError, match="top_k"):
+        SamplingParams(top_k=10**400)
+    params = SamplingParams(temperature=1.0, top_k=2**63 - 1, max_tokens=3, seed=0, ignore_eos=True)
     out = llm.generate([[3, 4, 5]], params, use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == 3
     assert_clean(llm)

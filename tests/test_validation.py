@@ -59,7 +59,7 @@ def test_min_tokens_above_max_tokens() -> None:
 
 
 def test_sampling_message_shows_the_rule_and_the_value() -> None:
-    assert "finite number >= 0" in _raises_naming(SamplingParams, "temperature", temperature=NAN)
+    assert "finite number in [0, 1e+30]" in _raises_naming(SamplingParams, "temperature", temperature=NAN)
     assert "(0, 1]" in _raises_naming(SamplingParams, "top_p", top_p=0)
     assert _raises_naming(SamplingParams, "stop", stop="ab\ud800").endswith(r"got 'ab\ud800'")
 

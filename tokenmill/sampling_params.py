@@ -47,7 +47,10 @@ _STOP = Rule("None, a string or a list of strings, each non-empty and valid UTF-
 _STOP_TOKEN_IDS = Rule("None or a list of integers >= 0", "", _token_ids)
 # The range torch's Generator.manual_seed takes.
 _SEED = integer(-2**63, 2**64 - 1, bounds="in [-2**63, 2**64 - 1]").or_none()
-_COUNT = integer(lo=0).or_none()
+# Counts must fit the 64-bit integers of the engine's messages; floats the device's float32.
+_INT64_MAX = 2**63 - 1
+_COUNT = integer(0, _INT64_MAX).or_none()
+_FLOAT32_MAX, _FLOAT32_MIN = 1e30, 1e-30
 
 
 @dataclass
@@ -58,17 +61,17 @@ class SamplingParams:
     ``float``, ``bool``; ``stop_token_ids`` a list)."""
 
     n: int = ruled(1, integer(lo=1))
-    temperature: float = ruled(1.0, number(lo=0))
+    temperature: float = ruled(1.0, number(0, _FLOAT32_MAX))
     top_p: float = ruled(1.0, number(0, 1, lo_open=True))
     # Any size is allowed: the engine clamps it to the vocabulary.
-    top_k: int = ruled(0, integer(lo=-1, bounds=">= -1 (-1 and 0 turn it off)"))
+    top_k: int = ruled(0, integer(-1, _INT64_MAX, bounds="in [-1, 2**63 - 1] (-1 and 0 turn it off)"))
     min_p: float = ruled(0.0, number(0, 1))
-    repetition_penalty: float = ruled(1.0, number(0, lo_open=True))
+    repetition_penalty: float = ruled(1.0, number(_FLOAT32_MIN, _FLOAT32_MAX))
     presence_penalty: float = ruled(0.0, number(-2, 2))
     frequency_penalty: float = ruled(0.0, number(-2, 2))
     seed: int | None = ruled(None, _SEED)
-    max_tokens: int | None = ruled(16, integer(lo=1).or_none())
-    min_tokens: int = ruled(0, integer(lo=0))
+    max_tokens: int | None = ruled(16, integer(1, _INT64_MAX).or_none())
+    min_tokens: int = ruled(0, integer(0, _INT64_MAX))
     stop: str | list[str] | None = ruled(None, _STOP)
     stop_token_ids: list[int] | None = ruled(None, _STOP_TOKEN_IDS)
     ignore_eos: bool = ruled(False, BOOLEAN)

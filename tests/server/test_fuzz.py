@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 
 from .conftest import MAX_MODEL_LEN, MODEL_NAME, LiveServer
 
-EXAMPLES = 80
+EXAMPLES = 250
 GOOD_MAX_TOKENS = 6
 QUICK_TOKENS = 8
 QUICK_CHOICES = 4

@@ -129,6 +129,7 @@ def test_failed_step_fails_only_its_requests_and_keeps_serving(engine_in_thread:
         assert events[-1] == "data: [DONE]"
         ok = await client.post("/v1/completions", json=BODY)
         assert ok.status_code == 200, ok.text
+        assert "tokenmill:num_failed_steps_total 2.0" in (await client.get("/metrics")).text
 
     with_app(engine_in_thread, test)
     assert core.requests == {} and core.kv.num_blocks_in_use == 0

@@ -26,7 +26,7 @@ import zmq
 import zmq.asyncio
 
 from tokenmill.engine.config import EngineConfig
-from tokenmill.engine.core import model_dir_of
+from tokenmill.engine.core import freeze_startup_objects, model_dir_of
 from tokenmill.engine.core_process import CoreClient
 from tokenmill.engine.input_processor import InputProcessor, ModelLimits, ProcessedPrompt
 from tokenmill.engine.messages import AbortRequests, AddRequest, CoreOutputs, CoreStats
@@ -137,6 +137,8 @@ class AsyncLLM:
         self._reader: asyncio.Task | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._closed = False
+        self._encoder = msgspec.msgpack.Encoder()
+        freeze_startup_objects()
 
     # ----------------------------------------------------------- public API
     @property
@@ -182,13 +184,20 @@ class AsyncLLM:
         queued), QueueFull when too many wait, EngineStopped while draining or once the core is gone."""
         self.check_admission(1)
         arrival = time.monotonic()
-        processed = prompt if isinstance(prompt, ProcessedPrompt) else await self.process_input(prompt, params)
-        self.inputs.check(processed, params)
-        self.check_admission(1)  # the state may have changed while tokenizing
+        if isinstance(prompt, ProcessedPrompt):
+            self.inputs.check(prompt, params)
+            processed = prompt
+        else:
+            processed = await self.process_input(prompt, params)
+            self.check_admission(1)  # the state may have changed while tokenizing
+        try:  # before anything is registered: a value msgpack cannot hold fails this request alone
+            message = self._encoder.encode(AddRequest(request_id, processed.token_ids, params, arrival))
+        except (OverflowError, TypeError) as exc:
+            raise ValueError(f"the request holds a value that cannot be sent to the engine: {exc}") from None
         self._start()
         self.outputs.add_request(request_id, processed.text, processed.token_ids, params, kind, arrival)
         stream = self._streams[request_id] = RequestStream(self, request_id)
-        self.client.send(AddRequest(request_id, processed.token_ids, params, arrival))
+        self.client.send_encoded(message)
         return stream
 
     async def generate(self, request_id: str, prompt: str | list[int],

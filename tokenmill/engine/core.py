@@ -12,6 +12,8 @@ blocks go back, and the core keeps serving the rest.
 
 from __future__ import annotations
 
+import atexit
+import gc
 import itertools
 import logging
 import time
@@ -52,6 +54,15 @@ def resolve_device(name: str) -> torch.device:
     if name not in ("cpu",) and not name.startswith("cuda"):
         raise ValueError(f"device must be auto, cpu or cuda[:N], got {name!r}")
     return torch.device(name)
+
+
+def freeze_startup_objects() -> None:
+    """Move everything alive after start-up (modules, weights' wrappers, tokenizers) out of
+    the garbage collector's reach: otherwise each full collection walks millions of objects
+    that never die, and the steps that trigger one pay milliseconds for it."""
+    gc.collect()
+    gc.freeze()
+    atexit.register(gc.unfreeze)  # let them be finalized normally when the process ends
 
 
 def model_dir_of(config: EngineConfig) -> Path:
@@ -106,6 +117,7 @@ class EngineCore:
         logger.info("engine ready: %s on %s (%s), KV pool %d blocks of %d tokens (%d tokens), max_model_len %d",
                     model_dir, self.device, str(self.dtype).removeprefix("torch."), num_blocks, config.block_size,
                     capacity, max_len)
+        freeze_startup_objects()
 
     # ----------------------------------------------------------------- sizing
     def _num_kv_blocks(self, max_len: int) -> int:
@@ -279,6 +291,8 @@ class EngineCore:
         step = self.runner.launch(batch, previous)
         for seq, n in zip(batch.seqs, batch.num_tokens):
             seq.num_computed_tokens += n
+        for rows in step.prompt_rows:  # each prompt position's logprobs are given once
+            rows.seq.next_prompt_logprob_position = rows.first + rows.count
         self._record_step(batch)
         for seq in step.sampled_seqs:
             step.pending_index.append(seq.num_tokens)

@@ -199,7 +199,10 @@ class CoreClient:
         return self.thread_core[0] if self.thread_core else None
 
     def send(self, message: CoreInput) -> None:
-        self.input_socket.send(self._encoder.encode(message), copy=False)
+        self.send_encoded(self._encoder.encode(message))
+
+    def send_encoded(self, message: bytes) -> None:
+        self.input_socket.send(message, copy=False)
 
     def is_alive(self) -> bool:
         if self.process is not None:

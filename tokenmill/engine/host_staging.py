@@ -22,12 +22,12 @@ class HostStaging:
         if device.type == "cuda":
             self._pinned = torch.empty(capacity, dtype=torch.uint8, pin_memory=True)
 
-    def send(self, *arrays: np.ndarray) -> list[torch.Tensor]:
-        """The arrays as device tensors of the same dtype and shape."""
+    def send(self, arrays: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:
+        """The arrays as device tensors of the same names, dtypes and shapes."""
         if self._pinned is None:
-            return [torch.from_numpy(np.ascontiguousarray(a)) for a in arrays]
+            return {name: torch.from_numpy(np.ascontiguousarray(a)) for name, a in arrays.items()}
         offsets, total = [], 0
-        for a in arrays:
+        for a in arrays.values():
             offsets.append(total)
             total += -(-a.nbytes // _ALIGN) * _ALIGN
         if self._copied is not None:
@@ -35,10 +35,10 @@ class HostStaging:
         if total > self._pinned.numel():
             self._pinned = torch.empty(2 * total, dtype=torch.uint8, pin_memory=True)
         host = self._pinned.numpy()
-        for a, off in zip(arrays, offsets):
+        for a, off in zip(arrays.values(), offsets):
             host[off:off + a.nbytes] = np.ascontiguousarray(a).reshape(-1).view(np.uint8)
         on_device = self._pinned[:total].to(self.device, non_blocking=True)
         self._copied = torch.cuda.Event()
         self._copied.record()
-        return [on_device[off:off + a.nbytes].view(torch.from_numpy(a[:0].reshape(-1)).dtype).view(a.shape)
-                for a, off in zip(arrays, offsets)]
+        return {name: on_device[off:off + a.nbytes].view(torch.from_numpy(a[:0].reshape(-1)).dtype).view(a.shape)
+                for (name, a), off in zip(arrays.items(), offsets)}

@@ -67,6 +67,9 @@ class InputProcessor:
             raise ValueError(f"this model's maximum context length is {limits.max_model_len} tokens, but "
                              f"{num_prompt + params.max_tokens} were asked for ({num_prompt} in the prompt, "
                              f"max_tokens {params.max_tokens}): lower max_tokens or shorten the prompt")
+        if num_prompt + params.min_tokens > limits.max_model_len:
+            raise ValueError(f"min_tokens {params.min_tokens} does not fit: the prompt has {num_prompt} tokens and "
+                             f"this model's maximum context length is {limits.max_model_len}")
         bad = [t for t in params.stop_token_ids if t >= limits.vocab_size]
         if bad:
             raise ValueError(f"stop_token_ids {bad[:5]} are not in the vocabulary [0, {limits.vocab_size})")

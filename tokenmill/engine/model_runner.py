@@ -45,11 +45,22 @@ class StepResult:
 
 
 @dataclass
+class PromptLogprobRows:
+    """One sequence's prompt positions whose logprobs this step gives: ``first`` onwards,
+    ``count`` of them."""
+
+    seq: Sequence
+    first: int
+    count: int
+
+
+@dataclass
 class InFlightStep:
     """A launched step: what ``collect`` needs to read its results once the device is done."""
 
     batch: ScheduledBatch
     sampled_seqs: list[Sequence] = field(default_factory=list)
+    prompt_rows: list[PromptLogprobRows] = field(default_factory=list)
     token_ids: torch.Tensor | None = None  # on the device: the next step's pending inputs
     host: list[torch.Tensor | None] = field(default_factory=list)  # token ids, logprobs, their ids
     done: torch.cuda.Event | None = None
@@ -67,8 +78,8 @@ class StepInputs:
     logits_rows: list[int]  # prompt-logprob rows first, then one row per sampled sequence
     logits_rows_device: torch.Tensor
     sampled: list[Sequence]
-    sampling_table: torch.Tensor  # [7, len(sampled)] float32, rows as in _param_row
-    prompt_rows: list[tuple[Sequence, int, int]]  # (seq, first position, count)
+    sampling_columns: dict[str, torch.Tensor]  # per sampled row, named as SamplingBatch's fields
+    prompt_rows: list[PromptLogprobRows]
 
 
 def build_model(cfg: ModelConfig, model_dir: Path | None, dtype: torch.dtype, device: torch.device,
@@ -163,7 +174,8 @@ class ModelRunner:
             dtype=np.int64, count=total)
         ends = (starts + counts).tolist()
         sampled = [s for s, end in zip(seqs, ends) if end == s.num_tokens]
-        logits_rows, prompt_rows = [], []
+        logits_rows: list[int] = []
+        prompt_rows: list[PromptLogprobRows] = []
         for b, seq in enumerate(seqs):
             if seq.params.prompt_logprobs is None:
                 continue
@@ -173,12 +185,10 @@ class ModelRunner:
             last = min(ends[b], seq.num_prompt_tokens - 1)
             if first < last:
                 row0 = int(query_start[b]) - int(starts[b])
-                prompt_rows.append((seq, first, last - first))
+                prompt_rows.append(PromptLogprobRows(seq, first, last - first))
                 logits_rows.extend(range(row0 + first, row0 + last))
-                seq.next_prompt_logprob_position = last
         logits_rows.extend(int(query_start[b + 1]) - 1 for b, (s, end) in enumerate(zip(seqs, ends))
                            if end == s.num_tokens)
-        params = np.array([_param_row(s.params, self.cfg.vocab_size) for s in sampled], dtype=np.float32).reshape(len(sampled), 7)
         seq_lens = (starts + counts).astype(np.int32)
         pending_rows = np.flatnonzero(ids == PENDING)
         if len(pending_rows) and previous is None:
@@ -186,19 +196,22 @@ class ModelRunner:
         row_of = {seq: i for i, seq in enumerate(previous.sampled_seqs)} if len(pending_rows) else {}
         pending_sources = np.fromiter((row_of[seqs[b]] for b in owner[pending_rows].tolist()), dtype=np.int64,
                                       count=len(pending_rows))
-        ids_t, pos_t, slots_t, qsl_t, lens_t, tables_t, rows_t, params_t, pending_t, sources_t = self.staging.send(
-            ids, positions, slots, query_start, seq_lens, tables, np.asarray(logits_rows, dtype=np.int64),
-            params.T.copy(), pending_rows.astype(np.int64), pending_sources)
+        sampling = sampling_columns([s.params for s in sampled], self.cfg.vocab_size)
+        t = self.staging.send({
+            "input_ids": ids, "positions": positions, "slot_mapping": slots, "query_start_loc": query_start,
+            "seq_lens": seq_lens, "block_tables": tables, "logits_rows": np.asarray(logits_rows, dtype=np.int64),
+            "pending_rows": pending_rows.astype(np.int64), "pending_sources": pending_sources,
+            **{f"sampling.{name}": column for name, column in sampling.items()}})
         if len(pending_rows):
-            ids_t[pending_t] = previous.token_ids[sources_t]
-        meta = AttentionMetadata(slot_mapping=slots_t, query_start_loc=qsl_t, seq_lens=lens_t,
-                                 block_tables=tables_t, max_query_len=int(counts.max()),
-                                 max_seq_len=int(seq_lens.max()))
-        return StepInputs(ids_t, pos_t, meta, logits_rows, rows_t, sampled, params_t, prompt_rows)
+            t["input_ids"][t["pending_rows"]] = previous.token_ids[t["pending_sources"]]
+        meta = AttentionMetadata(slot_mapping=t["slot_mapping"], query_start_loc=t["query_start_loc"],
+                                 seq_lens=t["seq_lens"], block_tables=t["block_tables"],
+                                 max_query_len=int(counts.max()), max_seq_len=int(seq_lens.max()))
+        return StepInputs(t["input_ids"], t["positions"], meta, logits_rows, t["logits_rows"], sampled,
+                          {name: t[f"sampling.{name}"] for name in sampling}, prompt_rows)
 
-    def _sampling_batch(self, seqs: list[Sequence], table: torch.Tensor) -> SamplingBatch:
-        """Per-row parameters: ``table`` holds the numeric ones (see ``_param_row``), already
-        on the device."""
+    def _sampling_batch(self, seqs: list[Sequence], columns: dict[str, torch.Tensor]) -> SamplingBatch:
+        """Per-row parameters: the numeric ones arrive as ``columns``, already on the device."""
         dev = self.device
         params = [s.params for s in seqs]
 
@@ -207,8 +220,7 @@ class ModelRunner:
 
         nums = [p.logprobs for p in params if p.logprobs is not None]
         batch = SamplingBatch(
-            temperature=table[0], top_k=table[1].long(), top_p=table[2], min_p=table[3],
-            repetition_penalty=table[4], presence_penalty=table[5], frequency_penalty=table[6],
+            **columns,
             generators=[s.generator for s in seqs],
             num_logprobs=max(nums) if nums else -1,
             all_greedy=all(p.temperature == 0 for p in params),
@@ -232,13 +244,14 @@ class ModelRunner:
 
         out_rows, out_ids = flat([s.output_token_ids for s in seqs])
         prompt_rows, prompt_ids = flat([s.prompt_token_ids for s in seqs])
-        out_rows_t, out_ids_t, prompt_rows_t, prompt_ids_t = self.staging.send(out_rows, out_ids, prompt_rows,
-                                                                               prompt_ids)
+        t = self.staging.send({"output_rows": out_rows, "output_ids": out_ids, "prompt_rows": prompt_rows,
+                               "prompt_ids": prompt_ids})
         shape = (len(seqs), self.cfg.vocab_size)
         counts = torch.zeros(shape, dtype=torch.float32, device=self.device)
-        counts.index_put_((out_rows_t, out_ids_t), torch.ones_like(out_ids_t, dtype=torch.float32), accumulate=True)
+        ones = torch.ones_like(t["output_ids"], dtype=torch.float32)
+        counts.index_put_((t["output_rows"], t["output_ids"]), ones, accumulate=True)
         mask = torch.zeros(shape, dtype=torch.bool, device=self.device)
-        mask[prompt_rows_t, prompt_ids_t] = True
+        mask[t["prompt_rows"], t["prompt_ids"]] = True
         return counts, mask
 
     # --------------------------------------------------------------- execution
@@ -248,7 +261,7 @@ class ModelRunner:
         pending on the host (``PENDING``) are the sampled ids of ``previous``, taken on the device."""
         inputs = self._prepare(batch, previous)
         meta, logits_rows, sampled, prompt_rows = inputs.meta, inputs.logits_rows, inputs.sampled, inputs.prompt_rows
-        step = InFlightStep(batch, sampled_seqs=sampled)
+        step = InFlightStep(batch, sampled_seqs=sampled, prompt_rows=prompt_rows)
         greedy_ids = None
         if self.graphs is not None and meta.max_query_len == 1 and self.graphs.padded_size(len(batch)):
             # The graph runs the LM head on every row; a row that does not sample (a one-token
@@ -265,7 +278,7 @@ class ModelRunner:
         if prompt_rows:
             self._prompt_logprobs(logits[:num_prompt_rows], prompt_rows, step.prompt_logprobs)
         if sampled:
-            out = self.sampler(logits[num_prompt_rows:], self._sampling_batch(sampled, inputs.sampling_table),
+            out = self.sampler(logits[num_prompt_rows:], self._sampling_batch(sampled, inputs.sampling_columns),
                                greedy_ids)
             # The device ids feed the next step's inputs; the host copies are read by ``collect``.
             # Copied now, before another replay can overwrite a graph's static output.
@@ -297,12 +310,13 @@ class ModelRunner:
             ]
         return result
 
-    def _prompt_logprobs(self, logits: torch.Tensor, prompt_rows: list[tuple[Sequence, int, int]],
+    def _prompt_logprobs(self, logits: torch.Tensor, prompt_rows: list[PromptLogprobRows],
                          into: dict[Sequence, list[Logprobs]]) -> None:
         """Computed at launch (a host read: prompt logprobs are rare and end the overlap for one step)."""
         logprobs = logits.float().log_softmax(dim=-1)
         row = 0
-        for seq, first, count in prompt_rows:
+        for rows in prompt_rows:
+            seq, first, count = rows.seq, rows.first, rows.count
             targets = torch.tensor(seq.prompt_token_ids[first + 1:first + 1 + count], device=self.device)
             values, ids = gather_logprobs(logprobs[row:row + count], targets, seq.params.prompt_logprobs)
             values, ids = values.tolist(), ids.tolist()
@@ -311,9 +325,23 @@ class ModelRunner:
             row += count
 
 
-def _param_row(p: SamplingParams, vocab_size: int) -> tuple[float, ...]:
-    return (p.temperature, min(max(p.top_k, 0), vocab_size), p.top_p, p.min_p, p.repetition_penalty, p.presence_penalty,
-            p.frequency_penalty)
+def sampling_columns(params: list[SamplingParams], vocab_size: int) -> dict[str, np.ndarray]:
+    """The numeric sampling parameters of each row, one named column each (``top_k`` 0 is
+    off; larger than the vocabulary means all of it)."""
+    n = len(params)
+
+    def column(values: object, dtype: type) -> np.ndarray:
+        return np.fromiter(values, dtype=dtype, count=n)
+
+    return {
+        "temperature": column((p.temperature for p in params), np.float32),
+        "top_k": column((min(max(p.top_k, 0), vocab_size) for p in params), np.int64),
+        "top_p": column((p.top_p for p in params), np.float32),
+        "min_p": column((p.min_p for p in params), np.float32),
+        "repetition_penalty": column((p.repetition_penalty for p in params), np.float32),
+        "presence_penalty": column((p.presence_penalty for p in params), np.float32),
+        "frequency_penalty": column((p.frequency_penalty for p in params), np.float32),
+    }
 
 
 def _logprob_dict(ids: list[int], values: list[float], keep: int) -> Logprobs:

@@ -30,11 +30,10 @@ from tokenmill.outputs import CompletionOutput, Logprobs, RequestOutput
 
 
 def prompt_list(prompt: str | list[str] | list[int] | list[list[int]]) -> list[str | list[int]]:
-    """The request's prompts as a list: one string, one list of ids, or a batch of either."""
+    """The request's prompts as a list: one string, one list of ids, or a batch of either
+    (the schema has refused empty lists already)."""
     if isinstance(prompt, str):
         return [prompt]
-    if not prompt:
-        raise APIError(400, "the prompt is empty", param="prompt")
     if isinstance(prompt[0], int):
         return [list(prompt)]  # type: ignore[arg-type]
     return list(prompt)  # type: ignore[arg-type]

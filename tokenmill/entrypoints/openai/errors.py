@@ -68,8 +68,8 @@ def to_api_error(exc: BaseException) -> APIError:
     return APIError(500, f"internal error: {type(exc).__name__}", code="internal_error")
 
 
-_CODES = {UNSUPPORTED_PARAMETER: UNSUPPORTED_PARAMETER, UNSUPPORTED_VALUE: UNSUPPORTED_VALUE}
-"""Validation error types whose OpenAI code is more than invalid_type or invalid_value."""
+_OWN_CODES = frozenset({UNSUPPORTED_PARAMETER, UNSUPPORTED_VALUE})
+"""Validation error types of the protocol's own that are the OpenAI code as they stand."""
 
 
 def _path(loc: tuple[int | str, ...]) -> str:
@@ -85,6 +85,7 @@ def _path(loc: tuple[int | str, ...]) -> str:
 
 
 def _describe(error: Mapping[str, Any]) -> str:
+    """An error without a path is about the body as a whole, which then is no object."""
     path = _path(tuple(error.get("loc", ())))
     return f"{path}: {error.get('msg', 'invalid')}" if path else "the request body must be a JSON object"
 
@@ -99,7 +100,7 @@ def _validation_error(exc: RequestValidationError) -> APIError:
         return APIError(400, f"the body is not valid JSON: {first.get('ctx', {}).get('error', '')}".rstrip(": "),
                         code="invalid_json")
     message = "; ".join(dict.fromkeys(_describe(e) for e in errors[:4]))
-    code = _CODES.get(kind) or ("invalid_type" if "type" in kind else "invalid_value")
+    code = kind if kind in _OWN_CODES else "invalid_type" if "type" in kind else "invalid_value"
     return APIError(400, message, param=_path(tuple(first.get("loc", ()))) or None, code=code)
 
 

@@ -46,6 +46,8 @@ class _EngineCollector(Collector):
             ("prompt_tokens", "Prompt tokens computed.", s.prompt_tokens),
             ("generation_tokens", "Tokens generated.", s.generation_tokens),
             ("num_preemptions", "Sequences preempted for lack of KV blocks.", s.num_preemptions),
+            ("num_failed_steps", "Engine steps that failed (their requests ended with an error).",
+             s.num_failed_steps),
         ]
         for name, doc, value in counters:
             yield CounterMetricFamily(f"tokenmill:{name}", doc, value=value)
