@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -39,30 +40,46 @@ def encode_prompt(tokenizer: Any, text: str, add_special_tokens: bool = True) ->
     return tokenizer.encode(text, add_special_tokens=add_special_tokens, verbose=False)
 
 
-def render_chat(tokenizer: Any, messages: list[dict[str, Any]]) -> str:
-    """``messages`` through the model's chat template, ready for the reply. The template
-    decides which roles and contents it takes; its refusal is a ValueError."""
+@dataclass(frozen=True)
+class ChatOptions:
+    """How a conversation is rendered, named as vLLM's chat request fields."""
+
+    add_generation_prompt: bool = True  # open the assistant's turn
+    continue_final_message: bool = False  # leave the last message open, to be continued
+    chat_template: str | None = None  # a Jinja template instead of the tokenizer's
+    chat_template_kwargs: dict[str, Any] = field(default_factory=dict)  # extra variables for the template
+
+
+def render_chat(tokenizer: Any, messages: list[dict[str, Any]], options: ChatOptions = ChatOptions()) -> str:
+    """``messages`` through the chat template, ready for the reply. The template decides
+    which roles and contents it takes; its refusal is a ValueError."""
     from jinja2 import TemplateError
 
     if tokenizer is None:
         raise ValueError("this model has no tokenizer, so it cannot take chat messages")
-    if not getattr(tokenizer, "chat_template", None):
+    if options.chat_template is None and not getattr(tokenizer, "chat_template", None):
         raise ValueError("this model's tokenizer has no chat template")
+    if options.add_generation_prompt and options.continue_final_message:
+        raise ValueError("add_generation_prompt and continue_final_message cannot both be true")
     for message in messages:
         if not isinstance(message, dict) or not isinstance(message.get("role"), str):
             raise ValueError(f"each chat message must be a dict with a string 'role', got {message!r:.80}")
         if isinstance(message.get("content"), str):
             check_text(message["content"], "a message's content")
     try:
-        return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-    except TemplateError as exc:
+        return tokenizer.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=options.add_generation_prompt,
+            continue_final_message=options.continue_final_message, chat_template=options.chat_template,
+            **options.chat_template_kwargs)
+    except (TemplateError, ValueError, TypeError) as exc:
         raise ValueError(f"the chat template cannot render these messages: {exc}") from None
 
 
-def apply_chat_template(tokenizer: Any, messages: list[dict[str, Any]]) -> list[int]:
-    """Token ids of ``messages`` rendered by the model's chat template (the template
-    already holds any special tokens it wants)."""
-    return encode_prompt(tokenizer, render_chat(tokenizer, messages), add_special_tokens=False)
+def apply_chat_template(tokenizer: Any, messages: list[dict[str, Any]],
+                        options: ChatOptions = ChatOptions()) -> list[int]:
+    """Token ids of ``messages`` rendered by the chat template (the template already holds
+    any special tokens it wants)."""
+    return encode_prompt(tokenizer, render_chat(tokenizer, messages, options), add_special_tokens=False)
 
 
 class Detokenizer:

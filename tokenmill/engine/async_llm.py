@@ -33,7 +33,7 @@ from tokenmill.engine.messages import AbortRequests, AddRequest, CoreOutputs, Co
 from tokenmill.engine.output_processor import OutputProcessor, ProcessedOutputs
 from tokenmill.outputs import OutputKind, RequestOutput
 from tokenmill.sampling_params import SamplingParams
-from tokenmill.tokenizer import apply_chat_template, load_tokenizer
+from tokenmill.tokenizer import ChatOptions, apply_chat_template, load_tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -173,10 +173,10 @@ class AsyncLLM:
                                                                     params)
         return self.inputs.process(prompt, params)
 
-    async def render_chat(self, messages: list[dict[str, Any]]) -> list[int]:
+    async def render_chat(self, messages: list[dict[str, Any]], options: ChatOptions = ChatOptions()) -> list[int]:
         """The chat template and tokenizing, in a worker thread (a template may be slow)."""
         return await asyncio.get_running_loop().run_in_executor(self._executor, apply_chat_template,
-                                                                self.tokenizer, messages)
+                                                                self.tokenizer, messages, options)
 
     async def add_request(self, request_id: str, prompt: str | list[int] | ProcessedPrompt,
                           params: SamplingParams, kind: OutputKind = OutputKind.DELTA) -> RequestStream:

@@ -33,7 +33,7 @@ from tokenmill.entrypoints.openai.completions import create_completion
 from tokenmill.entrypoints.openai.errors import APIError, install_error_handlers
 from tokenmill.entrypoints.openai.metrics import CONTENT_TYPE, ServerMetrics
 from tokenmill.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
-from tokenmill.entrypoints.openai.serving import ServingContext
+from tokenmill.entrypoints.openai.serving import ServingContext, ServingOptions
 
 logger = logging.getLogger(__name__)
 
@@ -58,9 +58,10 @@ class _APIKeyMiddleware:
         await self.app(scope, receive, send)
 
 
-def build_app(engine: AsyncLLM, served_model_name: str, api_key: str | None = None) -> FastAPI:
+def build_app(engine: AsyncLLM, served_model_name: str, api_key: str | None = None,
+              options: ServingOptions = ServingOptions()) -> FastAPI:
     """An app over ``engine``; its shutdown ends whatever still runs and stops the core."""
-    ctx = ServingContext(engine, served_model_name, engine.tokenizer, ServerMetrics(engine))
+    ctx = ServingContext(engine, served_model_name, engine.tokenizer, ServerMetrics(engine), options)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:

@@ -28,14 +28,24 @@ _OPTIONAL_SAMPLING = ("temperature", "top_p", "top_k", "min_p", "presence_penalt
 _DISCONNECT_POLL_S = 0.5
 
 
+@dataclass(frozen=True)
+class ServingOptions:
+    """Server-wide switches, named as vLLM's server flags."""
+
+    enable_prompt_tokens_details: bool = False  # usage.prompt_tokens_details.cached_tokens
+    enable_force_include_usage: bool = False  # usage in every stream, asked for or not
+    return_tokens_as_token_ids: bool = False  # logprobs show tokens as "token_id:N"
+
+
 @dataclass
 class ServingContext:
-    """Everything a handler needs: the engine, the name it answers to, metrics."""
+    """Everything a handler needs: the engine, the name it answers to, metrics, switches."""
 
     engine: AsyncLLM
     model_name: str
     tokenizer: Any
     metrics: ServerMetrics
+    options: ServingOptions = ServingOptions()
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.model_name:
