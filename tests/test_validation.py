@@ -45,7 +45,9 @@ def _raises_naming(cls: type, field: str, **kwargs: object) -> str:
     ("n", 0), ("temperature", -0.1), ("top_p", 0.0), ("top_p", 1.5), ("top_k", -2), ("min_p", -0.1),
     ("min_p", 1.01), ("repetition_penalty", 0.0), ("presence_penalty", 2.5), ("frequency_penalty", -3),
     ("seed", SEED_MAX + 1), ("seed", SEED_MIN - 1), ("max_tokens", 0), ("min_tokens", -1),
-    ("stop_token_ids", [-1]), ("logprobs", -1), ("prompt_logprobs", -5),
+    ("stop_token_ids", [-1]), ("logprobs", -2), ("prompt_logprobs", -5),
+    ("logit_bias", {3: 100.5}), ("logit_bias", {-1: 1.0}), ("logit_bias", {"3": 1.0}), ("logit_bias", {3: NAN}),
+    ("logit_bias", {True: 1.0}), ("logit_bias", {3: "1"}), ("logit_bias", [(3, 1.0)]),
     # Stop strings: empty, or not encodable as UTF-8.
     ("stop", ""), ("stop", [""]), ("stop", "ab\ud800"), ("stop", ["ok", "\udfff"]),
 ])
@@ -98,6 +100,7 @@ def test_sampling_edges_that_are_allowed() -> None:
     ("device", "gpu"), ("device", "cuda:"), ("device", "cuda:x"), ("device", "cuda1"), ("device", 0),
     ("model", ""), ("model", 5), ("model", b"/bytes/path"), ("enable_prefix_caching", "no"),
     ("enforce_eager", 1), ("async_scheduling", None), ("static_batching", 0), ("random_weights", "true"),
+    ("scheduling_policy", "lifo"), ("scheduling_policy", None),
 ])
 def test_bad_engine_value_is_a_value_error_naming_the_field(field: str, value: object) -> None:
     _raises_naming(EngineConfig, field, **{field: value})
@@ -145,7 +148,7 @@ def _anything() -> st.SearchStrategy:
                      st.dictionaries(st.text(max_size=2), scalars, max_size=2))
 
 
-_COUNT = st.none() | st.integers(0, 20)
+_COUNT = st.none() | st.integers(-1, 20)
 SAMPLING_VALID = {
     "n": st.integers(1, 8), "temperature": st.floats(0, 2), "top_p": st.floats(0, 1, exclude_min=True),
     "top_k": st.integers(-1, 100), "min_p": st.floats(0, 1), "repetition_penalty": st.floats(0.01, 2),
@@ -155,6 +158,7 @@ SAMPLING_VALID = {
     "stop_token_ids": st.none() | st.lists(st.integers(0, 100)), "ignore_eos": st.booleans(),
     "logprobs": _COUNT, "prompt_logprobs": _COUNT, "skip_special_tokens": st.booleans(),
     "include_stop_str_in_output": st.booleans(),
+    "logit_bias": st.none() | st.dictionaries(st.integers(0, 1000), st.floats(-100, 100), max_size=4),
 }
 _SIZE = st.integers(1, 4096)
 ENGINE_VALID = {
@@ -166,6 +170,7 @@ ENGINE_VALID = {
     "gpu_memory_utilization": st.floats(0, 1, exclude_min=True), "cpu_kv_cache_gib": st.floats(1e-3, 64),
     "enable_prefix_caching": st.booleans(), "static_batching": st.booleans(), "enforce_eager": st.booleans(),
     "async_scheduling": st.booleans(), "random_weights": st.booleans(),
+    "scheduling_policy": st.sampled_from(["fcfs", "priority"]),
 }
 
 
@@ -213,8 +218,10 @@ def _check_sampling_invariants(p: SamplingParams) -> None:
     assert type(p.stop_strings) is list and all(_is_stop_text(s) for s in p.stop_strings)
     assert type(p.stop_token_ids) is list and all(_is_int(t, 0) for t in p.stop_token_ids)
     assert all(type(v) is bool for v in (p.ignore_eos, p.skip_special_tokens, p.include_stop_str_in_output))
-    assert p.logprobs is None or _is_int(p.logprobs, 0)
-    assert p.prompt_logprobs is None or _is_int(p.prompt_logprobs, 0)
+    assert p.logprobs is None or _is_int(p.logprobs, -1)
+    assert p.prompt_logprobs is None or _is_int(p.prompt_logprobs, -1)
+    assert p.logit_bias is None or (type(p.logit_bias) is dict and all(
+        _is_int(t, 0) and _is_float(v, -100, 100) for t, v in p.logit_bias.items()))
 
 
 @settings(max_examples=400, deadline=None)
@@ -239,6 +246,7 @@ def _check_engine_invariants(c: EngineConfig) -> None:
     assert c.num_kv_blocks is None or _is_int(c.num_kv_blocks, 1)
     assert _is_float(c.gpu_memory_utilization, 0, 1, lo_open=True)
     assert _is_float(c.cpu_kv_cache_gib, 0, lo_open=True)
+    assert c.scheduling_policy in ("fcfs", "priority")
     assert all(type(v) is bool for v in (c.enable_prefix_caching, c.static_batching, c.enforce_eager,
                                          c.async_scheduling, c.random_weights))
 

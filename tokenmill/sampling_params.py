@@ -49,8 +49,26 @@ _STOP_TOKEN_IDS = Rule("None or a list of integers >= 0", "", _token_ids)
 _SEED = integer(-2**63, 2**64 - 1, bounds="in [-2**63, 2**64 - 1]").or_none()
 # Counts must fit the 64-bit integers of the engine's messages; floats the device's float32.
 _INT64_MAX = 2**63 - 1
-_COUNT = integer(0, _INT64_MAX).or_none()
 _FLOAT32_MAX, _FLOAT32_MIN = 1e30, 1e-30
+# -1 asks for every token of the vocabulary, as in vLLM.
+_LOGPROBS = integer(-1, _INT64_MAX, bounds="in [-1, 2**63 - 1] (-1 means the whole vocabulary)").or_none()
+_BIAS_TOKEN = integer(0, _INT64_MAX)
+# OpenAI's range: -100 in effect bans a token, +100 in effect forces it.
+_BIAS_VALUE = number(-100, 100)
+
+
+def _logit_bias(value: Any) -> Any:
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        return REJECT
+    bias = {_BIAS_TOKEN.normal(k): _BIAS_VALUE.normal(v) for k, v in value.items()}
+    return REJECT if REJECT in bias or any(v is REJECT for v in bias.values()) else bias
+
+
+# Token ids are only known to be >= 0 here; the engine checks them against the vocabulary.
+_LOGIT_BIAS = Rule("None or a dict of token ids (integers >= 0) to finite numbers in [-100, 100]", "",
+                   _logit_bias)
 
 
 @dataclass
@@ -75,10 +93,12 @@ class SamplingParams:
     stop: str | list[str] | None = ruled(None, _STOP)
     stop_token_ids: list[int] | None = ruled(None, _STOP_TOKEN_IDS)
     ignore_eos: bool = ruled(False, BOOLEAN)
-    logprobs: int | None = ruled(None, _COUNT)
-    prompt_logprobs: int | None = ruled(None, _COUNT)
+    logprobs: int | None = ruled(None, _LOGPROBS)
+    prompt_logprobs: int | None = ruled(None, _LOGPROBS)
     skip_special_tokens: bool = ruled(True, BOOLEAN)
     include_stop_str_in_output: bool = ruled(False, BOOLEAN)
+    # Added to the raw logits of the named tokens before penalties and temperature.
+    logit_bias: dict[int, float] | None = ruled(None, _LOGIT_BIAS)
     stop_strings: list[str] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:

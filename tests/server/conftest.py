@@ -15,6 +15,7 @@ import httpx
 import openai
 import pytest
 import uvicorn
+from fastapi import FastAPI
 
 from tokenmill.engine.async_llm import AsyncLLM
 from tokenmill.engine.config import EngineConfig
@@ -36,6 +37,7 @@ def small_engine_config(model_dir: Path) -> EngineConfig:
 class LiveServer:
     base_url: str
     engine: AsyncLLM
+    app: FastAPI
 
     def client(self, **kwargs: object) -> openai.OpenAI:
         return openai.OpenAI(base_url=f"{self.base_url}/v1", api_key="unused", max_retries=0, timeout=60, **kwargs)
@@ -65,7 +67,7 @@ def server(model_dir: Path) -> Iterator[LiveServer]:
         assert time.monotonic() < deadline and thread.is_alive(), "the test server did not start"
         time.sleep(0.05)
     try:
-        yield LiveServer(f"http://127.0.0.1:{port}", engine)
+        yield LiveServer(f"http://127.0.0.1:{port}", engine, app)
     finally:
         uv.should_exit = True
         thread.join(30)

@@ -28,7 +28,7 @@ import zmq.asyncio
 from tokenmill.engine.config import EngineConfig
 from tokenmill.engine.core import freeze_startup_objects, model_dir_of
 from tokenmill.engine.core_process import CoreClient
-from tokenmill.engine.input_processor import InputProcessor, ModelLimits, ProcessedPrompt
+from tokenmill.engine.input_processor import InputProcessor, ModelLimits, ProcessedPrompt, check_priority
 from tokenmill.engine.messages import AbortRequests, AddRequest, CoreOutputs, CoreStats
 from tokenmill.engine.output_processor import OutputProcessor, ProcessedOutputs
 from tokenmill.outputs import OutputKind, RequestOutput
@@ -179,10 +179,13 @@ class AsyncLLM:
                                                                 self.tokenizer, messages, options)
 
     async def add_request(self, request_id: str, prompt: str | list[int] | ProcessedPrompt,
-                          params: SamplingParams, kind: OutputKind = OutputKind.DELTA) -> RequestStream:
+                          params: SamplingParams, kind: OutputKind = OutputKind.DELTA,
+                          priority: int = 0) -> RequestStream:
         """Queue a request and return its stream. Raises ValueError for bad input (nothing is
-        queued), QueueFull when too many wait, EngineStopped while draining or once the core is gone."""
+        queued; a nonzero ``priority`` needs scheduling_policy "priority"), QueueFull when too
+        many wait, EngineStopped while draining or once the core is gone."""
         self.check_admission(1)
+        priority = check_priority(priority, self.config.scheduling_policy)
         arrival = time.monotonic()
         if isinstance(prompt, ProcessedPrompt):
             self.inputs.check(prompt, params)
@@ -191,7 +194,7 @@ class AsyncLLM:
             processed = await self.process_input(prompt, params)
             self.check_admission(1)  # the state may have changed while tokenizing
         try:  # before anything is registered: a value msgpack cannot hold fails this request alone
-            message = self._encoder.encode(AddRequest(request_id, processed.token_ids, params, arrival))
+            message = self._encoder.encode(AddRequest(request_id, processed.token_ids, params, arrival, priority))
         except (OverflowError, TypeError) as exc:
             raise ValueError(f"the request holds a value that cannot be sent to the engine: {exc}") from None
         self._start()
@@ -201,8 +204,9 @@ class AsyncLLM:
         return stream
 
     async def generate(self, request_id: str, prompt: str | list[int],
-                       params: SamplingParams, kind: OutputKind = OutputKind.DELTA) -> AsyncIterator[RequestOutput]:
-        stream = await self.add_request(request_id, prompt, params, kind)
+                       params: SamplingParams, kind: OutputKind = OutputKind.DELTA,
+                       priority: int = 0) -> AsyncIterator[RequestOutput]:
+        stream = await self.add_request(request_id, prompt, params, kind, priority)
         async for output in stream:
             yield output
 

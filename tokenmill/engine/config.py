@@ -20,6 +20,7 @@ from tokenmill.validation import BOOLEAN, REJECT, Rule, check_fields, integer, n
 # Accepted spellings of each dtype, as torch names them.
 _DTYPES = {"auto": "auto", "bfloat16": "bfloat16", "float16": "float16", "half": "float16",
            "float32": "float32", "float": "float32"}
+_POLICIES = {"fcfs": "fcfs", "priority": "priority"}
 _DEVICE = re.compile(r"auto|cpu|cuda(:[0-9]+)?")
 
 
@@ -79,6 +80,10 @@ class EngineConfig:
     static_batching: bool = ruled(
         False, BOOLEAN,
         help="admit new requests only when the batch is empty, in waves (to compare with continuous batching)")
+    scheduling_policy: str = ruled(
+        "fcfs", one_of(_POLICIES), choices=tuple(_POLICIES),
+        help="order of admission and preemption: fcfs (arrival) or priority (each request's priority, lower "
+             "first, then arrival; preemption takes the last in that order)")
     enforce_eager: bool = ruled(False, BOOLEAN, help="run without CUDA graphs")
     async_scheduling: bool = ruled(
         True, BOOLEAN,

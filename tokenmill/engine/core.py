@@ -99,7 +99,8 @@ class EngineCore:
         self.max_model_len = max_len
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(
-            SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, config.static_batching), self.kv)
+            SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, config.static_batching,
+                            config.scheduling_policy), self.kv)
         started = time.monotonic()
         self.runner = ModelRunner(cfg, model, num_blocks, config.block_size, self.device, self.dtype,
                                   max_num_seqs=config.max_num_seqs, max_model_len=max_len,
@@ -174,7 +175,7 @@ class EngineCore:
                 for i in range(params.n)]
         self.requests[request.request_id] = CoreRequest(request.request_id, params, seqs)
         for seq in seqs:
-            self.scheduler.add(seq)
+            self.scheduler.add(seq, request.priority)
 
     def _new_sequence(self, request_id: str, index: int, ids: list[int], params: SamplingParams,
                       now: float) -> Sequence:

@@ -14,6 +14,10 @@ from typing import Any
 
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.tokenizer import encode_prompt
+from tokenmill.validation import integer
+
+# A priority travels to the core as a 64-bit integer.
+_PRIORITY = integer(-2**63, 2**63 - 1)
 
 
 @dataclass(frozen=True)
@@ -73,6 +77,9 @@ class InputProcessor:
         bad = [t for t in params.stop_token_ids if t >= limits.vocab_size]
         if bad:
             raise ValueError(f"stop_token_ids {bad[:5]} are not in the vocabulary [0, {limits.vocab_size})")
+        bad = [t for t in params.logit_bias or () if t >= limits.vocab_size]
+        if bad:
+            raise ValueError(f"logit_bias has token ids outside the vocabulary [0, {limits.vocab_size}): {bad[:5]}")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(params, name)
             if value is not None and value > limits.vocab_size:
@@ -82,3 +89,13 @@ class InputProcessor:
         processed = self.tokenize(prompt)
         self.check(processed, params)
         return processed
+
+
+def check_priority(priority: Any, scheduling_policy: str) -> int:
+    """``priority`` as an ``int``, or a ValueError: it must fit 64 bits, and as in vLLM only
+    the priority policy takes a nonzero one (fcfs would silently ignore it)."""
+    priority = _PRIORITY("priority", priority)
+    if priority != 0 and scheduling_policy != "priority":
+        raise ValueError(f"priority needs scheduling_policy='priority' (this engine's is "
+                         f"{scheduling_policy!r}), got {priority}")
+    return priority

@@ -13,7 +13,7 @@ import time
 
 from tokenmill.engine.config import EngineConfig
 from tokenmill.engine.core import EngineCore, model_dir_of
-from tokenmill.engine.input_processor import InputProcessor, ModelLimits
+from tokenmill.engine.input_processor import InputProcessor, ModelLimits, check_priority
 from tokenmill.engine.messages import AbortRequests, AddRequest
 from tokenmill.engine.output_processor import OutputProcessor
 from tokenmill.outputs import OutputKind, RequestOutput
@@ -36,17 +36,19 @@ class LLMEngine:
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
                     arrival_time: float | None = None, stream: bool = True,
-                    output_kind: OutputKind | None = None) -> None:
+                    output_kind: OutputKind | None = None, priority: int = 0) -> None:
         """Validate and queue a request; raises ValueError for bad input, leaving the engine as
         it was. ``stream=False`` reports the request only once it is finished (the offline API
-        wants only the end); ``output_kind`` overrides it."""
+        wants only the end); ``output_kind`` overrides it. ``priority`` (lower first, as in
+        vLLM) needs ``scheduling_policy="priority"``."""
         if request_id in self.outputs.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
+        priority = check_priority(priority, self.config.scheduling_policy)
         processed = self.inputs.process(prompt, params)
         kind = output_kind or (OutputKind.CUMULATIVE if stream else OutputKind.FINAL_ONLY)
         now = time.monotonic() if arrival_time is None else arrival_time
         self.outputs.add_request(request_id, processed.text, processed.token_ids, params, kind, now)
-        self.core.add_request(AddRequest(request_id, processed.token_ids, params, now))
+        self.core.add_request(AddRequest(request_id, processed.token_ids, params, now, priority))
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Stop a request now and free its blocks; returns its final output, or None if unknown."""

@@ -23,6 +23,7 @@ class AddRequest(msgspec.Struct, tag=True, array_like=True):
     prompt_token_ids: list[int]
     params: SamplingParams
     arrival_time: float
+    priority: int = 0  # lower is served first; only under scheduling_policy "priority"
 
 
 class AbortRequests(msgspec.Struct, tag=True, array_like=True):

@@ -212,13 +212,15 @@ class ModelRunner:
 
     def _sampling_batch(self, seqs: list[Sequence], columns: dict[str, torch.Tensor]) -> SamplingBatch:
         """Per-row parameters: the numeric ones arrive as ``columns``, already on the device."""
-        dev = self.device
         params = [s.params for s in seqs]
 
-        def col(values: list, dtype: torch.dtype) -> torch.Tensor:
-            return torch.tensor(values, dtype=dtype, device=dev)
+        def sparse(entries: list[tuple], *dtypes: torch.dtype) -> tuple[torch.Tensor, ...] | None:
+            """The columns of ``entries`` (row, token id, ...) on the device; None if there are none."""
+            if not entries:
+                return None
+            return tuple(torch.tensor(c, dtype=d, device=self.device) for c, d in zip(zip(*entries), dtypes))
 
-        nums = [p.logprobs for p in params if p.logprobs is not None]
+        nums = [num_top_logprobs(p.logprobs, self.cfg.vocab_size) for p in params if p.logprobs is not None]
         batch = SamplingBatch(
             **columns,
             generators=[s.generator for s in seqs],
@@ -229,9 +231,10 @@ class ModelRunner:
         )
         banned = [(row, tok) for row, seq in enumerate(seqs) if seq.num_output_tokens < seq.params.min_tokens
                   for tok in seq.stop_token_ids_for_min_tokens]
-        if banned:
-            rows, toks = zip(*banned)
-            batch.banned = (col(list(rows), torch.int64), col(list(toks), torch.int64))
+        batch.banned = sparse(banned, torch.int64, torch.int64)
+        biased = [(row, tok, value) for row, p in enumerate(params) if p.logit_bias
+                  for tok, value in p.logit_bias.items()]
+        batch.logit_bias = sparse(biased, torch.int64, torch.int64, torch.float32)
         if any(p.uses_penalties for p in params):
             batch.output_counts, batch.prompt_mask = self._token_counts(seqs)
         return batch
@@ -304,7 +307,7 @@ class ModelRunner:
         else:
             values, ids = logprobs.tolist(), logprob_ids.tolist()
             result.logprobs = [
-                _logprob_dict(ids[i], values[i], 1 + (seq.params.logprobs or 0))
+                _logprob_dict(ids[i], values[i], 1 + num_top_logprobs(seq.params.logprobs, self.cfg.vocab_size))
                 if seq.params.logprobs is not None else None
                 for i, seq in enumerate(step.sampled_seqs)
             ]
@@ -318,10 +321,10 @@ class ModelRunner:
         for rows in prompt_rows:
             seq, first, count = rows.seq, rows.first, rows.count
             targets = torch.tensor(seq.prompt_token_ids[first + 1:first + 1 + count], device=self.device)
-            values, ids = gather_logprobs(logprobs[row:row + count], targets, seq.params.prompt_logprobs)
+            num_top = num_top_logprobs(seq.params.prompt_logprobs, self.cfg.vocab_size)
+            values, ids = gather_logprobs(logprobs[row:row + count], targets, num_top)
             values, ids = values.tolist(), ids.tolist()
-            into[seq] = [
-                _logprob_dict(ids[i], values[i], 1 + seq.params.prompt_logprobs) for i in range(count)]
+            into[seq] = [_logprob_dict(ids[i], values[i], 1 + num_top) for i in range(count)]
             row += count
 
 
@@ -342,6 +345,12 @@ def sampling_columns(params: list[SamplingParams], vocab_size: int) -> dict[str,
         "presence_penalty": column((p.presence_penalty for p in params), np.float32),
         "frequency_penalty": column((p.frequency_penalty for p in params), np.float32),
     }
+
+
+def num_top_logprobs(requested: int, vocab_size: int) -> int:
+    """How many of the best tokens a position's logprobs list besides the chosen one: -1 asks
+    for the whole vocabulary, as in vLLM."""
+    return vocab_size if requested == -1 else requested
 
 
 def _logprob_dict(ids: list[int], values: list[float], keep: int) -> Logprobs:

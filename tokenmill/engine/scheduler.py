@@ -8,10 +8,17 @@ of the token budget); then waiting sequences are admitted while
 the most recently admitted running sequence is preempted: its blocks go back
 (full ones stay in the prefix cache) and it waits at the head of the queue to
 recompute its prompt and output so far.
+
+Under the ``priority`` policy (vLLM's) both queues are kept in (priority, arrival)
+order, lower first: admission follows it, the running are served in it, and the
+victim of a preemption is the last in it, which then waits at its place in the
+queue. Keeping ``running`` sorted makes the victim the last running sequence, as
+under ``fcfs``, so a victim is never one already scheduled in this step.
 """
 
 from __future__ import annotations
 
+import bisect
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -25,8 +32,11 @@ class SchedulerConfig:
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
     static_batching: bool = False  # waves: admit only when nothing is running
+    policy: str = "fcfs"  # "fcfs" | "priority"
 
     def __post_init__(self) -> None:
+        if self.policy not in ("fcfs", "priority"):
+            raise ValueError(f"scheduling_policy must be fcfs or priority, got {self.policy!r}")
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if self.max_num_batched_tokens < 1:
@@ -56,16 +66,32 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        self._by_priority = config.policy == "priority"
+        # Under "priority": each queued or running sequence's place, (priority, arrival, seq_id);
+        # the seq id breaks ties between requests that arrived at once, and between n choices.
+        self._order: dict[Sequence, tuple[int, float, int]] = {}
 
-    def add(self, seq: Sequence) -> None:
-        self.waiting.append(seq)
+    def add(self, seq: Sequence, priority: int = 0) -> None:
+        """Queue a new sequence; ``priority`` (lower first) counts only under the priority policy."""
+        if self._by_priority:
+            self._order[seq] = (priority, seq.arrival_time, seq.seq_id)
+            self._insert(self.waiting, seq)
+        else:
+            self.waiting.append(seq)
+
+    def _insert(self, queue: deque[Sequence] | list[Sequence], seq: Sequence) -> None:
+        """Put ``seq`` at its place in a queue kept in priority order."""
+        bisect.insort(queue, seq, key=self._order.__getitem__)
 
     def _preempt(self, seq: Sequence) -> None:
         self.kv.free(seq)
         seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1
         self.num_preemptions += 1
-        self.waiting.appendleft(seq)
+        if self._by_priority:
+            self._insert(self.waiting, seq)
+        else:
+            self.waiting.appendleft(seq)
 
     def schedule(self) -> ScheduledBatch:
         batch = ScheduledBatch()
@@ -109,7 +135,10 @@ class Scheduler:
             seq.status = SequenceStatus.RUNNING
             if seq.first_scheduled_time is None:
                 seq.first_scheduled_time = time.monotonic()
-            self.running.append(seq)
+            if self._by_priority:
+                self._insert(self.running, seq)
+            else:
+                self.running.append(seq)
             if num_new > 0:
                 batch.seqs.append(seq)
                 batch.num_tokens.append(num_new)
@@ -122,4 +151,5 @@ class Scheduler:
         elif seq.status is SequenceStatus.WAITING:
             self.waiting.remove(seq)
         self.kv.free(seq)
+        self._order.pop(seq, None)
         seq.status = SequenceStatus.FINISHED

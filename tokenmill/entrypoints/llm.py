@@ -36,23 +36,23 @@ class LLM:
 
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
+                 use_tqdm: bool = True, priority: list[int] | None = None) -> list[RequestOutput]:
         """Outputs in the order of ``prompts``. A single prompt may be a string or a list of
-        ids. Bad input raises ValueError before anything runs; the engine is left as it was."""
+        ids. ``priority`` gives one per prompt (lower first; needs scheduling_policy "priority").
+        Bad input raises ValueError before anything runs; the engine is left as it was."""
         prompts = _prompt_list(prompts)
         params = sampling_params if sampling_params is not None else SamplingParams()
         if isinstance(params, SamplingParams):
             params = [params] * len(prompts)
-        elif not isinstance(params, Sequence) or isinstance(params, str):
-            raise ValueError(f"sampling_params must be a SamplingParams or a list of them, "
-                             f"not {type(params).__name__}")
-        elif len(params) != len(prompts):
-            raise ValueError(f"got {len(params)} sampling params for {len(prompts)} prompts")
+        else:
+            params = _one_per_prompt("sampling_params", params, len(prompts), "a SamplingParams or a list of them")
+        priorities = [0] * len(prompts) if priority is None else _one_per_prompt(
+            "priority", priority, len(prompts), "None or a list of integers")
         ids = []
         try:
-            for prompt, p in zip(prompts, params):
+            for prompt, p, rank in zip(prompts, params, priorities):
                 request_id = str(next(self._ids))
-                self.engine.add_request(request_id, prompt, p, stream=False)
+                self.engine.add_request(request_id, prompt, p, stream=False, priority=rank)
                 ids.append(request_id)
             finals = {out.request_id: out for out in self._run(len(ids), use_tqdm)}
         except BaseException:
@@ -93,3 +93,12 @@ def _prompt_list(prompts: Any) -> list[Prompt]:
     if not prompts:
         raise ValueError("no prompts were given")
     return list(prompts)
+
+
+def _one_per_prompt(name: str, values: Any, num_prompts: int, kind: str) -> list[Any]:
+    """``values`` as a list of one item per prompt, or a ValueError naming ``name``."""
+    if not isinstance(values, Sequence) or isinstance(values, str):
+        raise ValueError(f"{name} must be {kind}, not {type(values).__name__}")
+    if len(values) != num_prompts:
+        raise ValueError(f"got {len(values)} {name} for {num_prompts} prompts")
+    return list(values)

@@ -1,7 +1,7 @@
 """Batched sampling on the device with per-row parameters.
 
-Every row of the batch may have its own temperature, top-k, top-p, min-p,
-penalties and seed. Sampling uses the exponential race (``argmax(p / E)`` with
+Every row of the batch may have its own logit bias, temperature, top-k, top-p,
+min-p, penalties and seed. Sampling uses the exponential race (``argmax(p / E)`` with
 ``E ~ Exp(1)``), which draws from ``p`` exactly and lets each seeded row take
 its noise from its own generator, so a seeded request gives the same tokens
 whatever else shares the batch. Only the sampled ids and the requested
@@ -33,6 +33,8 @@ class SamplingBatch:
     output_counts: torch.Tensor | None = None
     # Tokens a row may not sample yet (stop tokens before min_tokens): (rows, token ids).
     banned: tuple[torch.Tensor, torch.Tensor] | None = None
+    # Per-row logit_bias, added to the raw logits: (rows, token ids, float32 values).
+    logit_bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
     all_greedy: bool = False
     needs_top_k_top_p: bool = True
     needs_min_p: bool = True
@@ -122,13 +124,17 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch,
                  greedy_ids: torch.Tensor | None = None) -> SamplerOutput:
         """``greedy_ids``: the argmax of ``logits`` if already taken (inside a CUDA graph);
-        used unless penalties or banned tokens change the logits first."""
-        if batch.output_counts is not None or batch.banned is not None:
+        used unless a logit bias, penalties or banned tokens change the logits first."""
+        if batch.output_counts is not None or batch.banned is not None or batch.logit_bias is not None:
             greedy_ids = None
         if batch.all_greedy and batch.num_logprobs < 0 and greedy_ids is not None:
             return SamplerOutput(greedy_ids, None, None)
         logits = logits.float()
         raw_logprobs = logits.log_softmax(dim=-1) if batch.num_logprobs >= 0 else None
+        if batch.logit_bias is not None:
+            rows, token_ids, bias = batch.logit_bias
+            # Out of place: ``logits`` may be the caller's tensor (a graph's static output).
+            logits = logits.index_put((rows, token_ids), bias, accumulate=True)
         logits = apply_penalties(logits, batch)
         if batch.banned is not None:
             logits[batch.banned] = float("-inf")

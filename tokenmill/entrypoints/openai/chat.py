@@ -20,18 +20,39 @@ from tokenmill.entrypoints.openai.protocol import (
     ChatTokenLogprob,
     DeltaMessage,
     TopLogprob,
+    UsageInfo,
     now_seconds,
-    random_id,
 )
 from tokenmill.entrypoints.openai.serving import (
     RequestGroup,
     ServingContext,
-    final_usage,
+    best,
     sampling_params,
     sse_stream,
-    usage_of,
 )
 from tokenmill.outputs import Logprobs
+from tokenmill.tokenizer import ChatOptions
+
+
+def _chat_options(req: ChatCompletionRequest) -> ChatOptions:
+    return ChatOptions(add_generation_prompt=req.add_generation_prompt,
+                       continue_final_message=req.continue_final_message, chat_template=req.chat_template,
+                       chat_template_kwargs=dict(req.chat_template_kwargs or {}))
+
+
+def _role(req: ChatCompletionRequest) -> str:
+    """The reply's role, as vLLM names it: the assistant's when the template opens its turn,
+    else the last message's, which the reply continues."""
+    return "assistant" if req.add_generation_prompt else req.messages[-1].role
+
+
+def _echoed(req: ChatCompletionRequest) -> str:
+    """With ``echo``, the last message's content goes in front of the reply when its role is
+    the reply's own, as vLLM does."""
+    last = req.messages[-1]
+    if not req.echo or last.role != _role(req):
+        return ""
+    return last.for_template()["content"]
 
 
 async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest, raw: Request) -> Response:
@@ -39,68 +60,86 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
     if req.top_logprobs is not None and not req.logprobs:
         raise APIError(400, "top_logprobs needs logprobs set to true", param="top_logprobs")
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-    params = sampling_params(req, max_tokens, (req.top_logprobs or 0) if req.logprobs else None)
+    params = sampling_params(req, max_tokens, (req.top_logprobs or 0) if req.logprobs else None,
+                             prompt_logprobs=req.prompt_logprobs)
     ctx.engine.check_admission(1)
     try:  # the template decides which roles and contents it takes
-        prompt = await ctx.engine.render_chat([m.for_template() for m in req.messages])
+        prompt = await ctx.engine.render_chat([m.for_template() for m in req.messages], _chat_options(req))
     except ValueError as exc:
         raise APIError(400, str(exc), param="messages", code="invalid_value") from exc
-    request_id = random_id("chatcmpl")
-    group = await ctx.start(request_id, [prompt], params, stream=req.stream)
+    request_id = ctx.request_id(req, raw, "chatcmpl")
+    group = await ctx.start(request_id, [prompt], params, stream=req.stream, req=req)
     if req.stream:
-        return StreamingResponse(sse_stream(_stream_events(ctx, req, group, request_id), group),
+        return StreamingResponse(sse_stream(_stream_events(ctx, req, group, request_id, prompt), group),
                                  media_type="text/event-stream")
     [final] = await group.final_outputs(raw)
+    ids = req.return_token_ids
     choices = [
-        ChatChoice(index=c.index, message=ChatResponseMessage(content=c.text),
+        ChatChoice(index=c.index, message=ChatResponseMessage(role=_role(req), content=_echoed(req) + c.text),
                    logprobs=_logprobs(ctx, req, c.token_ids, c.logprobs), finish_reason=c.finish_reason,
-                   stop_reason=c.stop_reason)
+                   stop_reason=c.stop_reason, token_ids=list(c.token_ids) if ids else None)
         for c in final.outputs
     ]
-    response = ChatCompletionResponse(id=request_id, model=ctx.model_name, choices=choices,
-                                      usage=final_usage([final]))
+    response = ChatCompletionResponse(
+        id=request_id, model=ctx.model_name, choices=choices, usage=ctx.final_usage([final]),
+        prompt_logprobs=ctx.prompt_logprobs(req, final.prompt_token_ids, final.prompt_logprobs,
+                                            req.prompt_logprobs),
+        prompt_token_ids=list(final.prompt_token_ids) if ids else None)
     return JSONResponse(response.model_dump())
 
 
 def _logprobs(ctx: ServingContext, req: ChatCompletionRequest, token_ids: list[int],
               entries: list[Logprobs] | None) -> ChatLogprobs | None:
-    """The chat format: per token its text, bytes, logprob and the ``top_logprobs`` best."""
+    """The chat format: per token its text, bytes, logprob and the ``top_logprobs`` best
+    (-1: every token of the vocabulary)."""
     if not req.logprobs:
         return None
     top_n = req.top_logprobs or 0
+    as_id = ctx.tokens_as_ids(req)
 
     def item(token_id: int, logprob: float) -> TopLogprob:
-        text = ctx.token_text(token_id)
+        text = ctx.token_text(token_id, as_id)
         return TopLogprob(token=text, logprob=logprob, bytes=list(text.encode()))
 
     content = []
     for token_id, entry in zip(token_ids, entries or []):
-        best = sorted(entry.items(), key=lambda kv: kv[1], reverse=True)[:top_n]
         head = item(token_id, entry[token_id])
-        content.append(ChatTokenLogprob(**head.model_dump(), top_logprobs=[item(t, lp) for t, lp in best]))
+        content.append(ChatTokenLogprob(**head.model_dump(),
+                                        top_logprobs=[item(t, lp) for t, lp in best(entry, top_n)]))
     return ChatLogprobs(content=content)
 
 
 async def _stream_events(ctx: ServingContext, req: ChatCompletionRequest, group: RequestGroup,
-                         request_id: str) -> AsyncIterator[ChatCompletionChunk]:
+                         request_id: str, prompt_token_ids: list[int]) -> AsyncIterator[ChatCompletionChunk]:
+    """Per choice the role (the first chunk also carries the prompt's ids when asked), the
+    echoed content if any, then content deltas and an empty delta with finish_reason."""
     created = now_seconds()
+    final_usage, continuous_usage = ctx.stream_usage(req)
+    ids = req.return_token_ids
+    num_prompt = len(prompt_token_ids)
+    completion_tokens = cached_tokens = 0
 
-    def chunk(index: int, delta: DeltaMessage, logprobs: ChatLogprobs | None = None,
-              finish_reason: str | None = None) -> ChatCompletionChunk:
-        return ChatCompletionChunk(id=request_id, created=created, model=ctx.model_name, choices=[
-            ChatStreamChoice(index=index, delta=delta, logprobs=logprobs, finish_reason=finish_reason)])
+    def usage() -> UsageInfo:
+        return ctx.usage(num_prompt, completion_tokens, cached_tokens)
+
+    def chunk(choice: ChatStreamChoice, prompt_ids: list[int] | None = None) -> ChatCompletionChunk:
+        return ChatCompletionChunk(id=request_id, created=created, model=ctx.model_name, choices=[choice],
+                                   usage=usage() if continuous_usage else None, prompt_token_ids=prompt_ids)
 
     for index in range(req.n):
-        yield chunk(index, DeltaMessage(role="assistant", content=""))
-    prompt_tokens = completion_tokens = 0
+        yield chunk(ChatStreamChoice(index=index, delta=DeltaMessage(role=_role(req), content="")),
+                    list(prompt_token_ids) if ids and index == 0 else None)
+        if _echoed(req):
+            yield chunk(ChatStreamChoice(index=index, delta=DeltaMessage(content=_echoed(req))))
     async for _, out in group.outputs():  # deltas: each output carries only what is new
-        prompt_tokens = len(out.prompt_token_ids)
+        cached_tokens = out.num_cached_tokens
         for c in out.outputs:
             completion_tokens += len(c.token_ids)
             if c.text or c.token_ids:
-                yield chunk(c.index, DeltaMessage(content=c.text), _logprobs(ctx, req, c.token_ids, c.logprobs))
+                yield chunk(ChatStreamChoice(index=c.index, delta=DeltaMessage(content=c.text),
+                                             logprobs=_logprobs(ctx, req, c.token_ids, c.logprobs),
+                                             token_ids=list(c.token_ids) if ids else None))
             if c.finished:
-                yield chunk(c.index, DeltaMessage(), finish_reason=c.finish_reason)
-    if req.stream_options is not None and req.stream_options.include_usage:
-        yield ChatCompletionChunk(id=request_id, created=created, model=ctx.model_name, choices=[],
-                                  usage=usage_of(prompt_tokens, completion_tokens))
+                yield chunk(ChatStreamChoice(index=c.index, delta=DeltaMessage(), finish_reason=c.finish_reason))
+    if final_usage:
+        yield ChatCompletionChunk(id=request_id, created=created, model=ctx.model_name, choices=[], usage=usage())

@@ -15,16 +15,16 @@ from tokenmill.entrypoints.openai.protocol import (
     CompletionLogprobs,
     CompletionRequest,
     CompletionResponse,
+    UsageInfo,
     now_seconds,
-    random_id,
 )
 from tokenmill.entrypoints.openai.serving import (
     RequestGroup,
     ServingContext,
-    final_usage,
+    best,
+    merged_logprobs,
     sampling_params,
     sse_stream,
-    usage_of,
 )
 from tokenmill.outputs import CompletionOutput, Logprobs, RequestOutput
 
@@ -42,27 +42,30 @@ def prompt_list(prompt: str | list[str] | list[int] | list[list[int]]) -> list[s
 class _LogprobsBuilder:
     """Appends tokens to a CompletionLogprobs, keeping text offsets running across chunks."""
 
-    def __init__(self, ctx: ServingContext, offset: int) -> None:
+    def __init__(self, ctx: ServingContext, req: CompletionRequest) -> None:
         self.ctx = ctx
-        self.offset = offset
+        self.as_id = ctx.tokens_as_ids(req)
+        self.top_n = req.logprobs or 0
+        self.offset = 0
 
     def build(self, token_ids: list[int], entries: list[Logprobs | None]) -> CompletionLogprobs:
         out = CompletionLogprobs()
         for token_id, entry in zip(token_ids, entries):
-            text = self.ctx.token_text(token_id)
+            text = self.ctx.token_text(token_id, self.as_id)
             out.tokens.append(text)
             out.token_logprobs.append(entry.get(token_id) if entry else None)
-            out.top_logprobs.append(self._top(entry) if entry else None)
+            out.top_logprobs.append(self._top(token_id, entry) if entry else None)
             out.text_offset.append(self.offset)
             self.offset += len(text)
         return out
 
-    def _top(self, entry: Logprobs) -> dict[str, float]:
-        """Keyed by token text: where two tokens read the same, the first (the sampled one,
-        which the engine puts first) keeps its logprob."""
+    def _top(self, token_id: int, entry: Logprobs) -> dict[str, float]:
+        """The sampled token and the ``logprobs`` best (the engine may hold more, asked for
+        ``prompt_logprobs``), keyed by token text: where two tokens read the same, the
+        sampled one keeps its logprob."""
         top: dict[str, float] = {}
-        for token_id, logprob in entry.items():
-            top.setdefault(self.ctx.token_text(token_id), logprob)
+        for token, logprob in [(token_id, entry[token_id]), *best(entry, self.top_n)]:
+            top.setdefault(self.ctx.token_text(token, self.as_id), logprob)
         return top
 
 
@@ -72,15 +75,18 @@ async def create_completion(ctx: ServingContext, req: CompletionRequest, raw: Re
         raise APIError(400, "suffix is not supported", param="suffix")
     prompts = prompt_list(req.prompt)
     echo_logprobs = req.logprobs if req.echo and req.logprobs is not None else None
-    params = sampling_params(req, req.max_tokens, req.logprobs, prompt_logprobs=echo_logprobs)
-    request_id = random_id("cmpl")
-    group = await ctx.start(request_id, prompts, params, stream=req.stream)
+    engine_n = merged_logprobs(echo_logprobs, req.prompt_logprobs)
+    params = sampling_params(req, req.max_tokens, req.logprobs, prompt_logprobs=engine_n)
+    request_id = ctx.request_id(req, raw, "cmpl")
+    group = await ctx.start(request_id, prompts, params, stream=req.stream, req=req)
     if req.stream:
         return StreamingResponse(sse_stream(_stream_events(ctx, req, group, request_id), group),
                                  media_type="text/event-stream")
     finals = await group.final_outputs(raw)
-    choices = [_choice(ctx, req, out, c, i * req.n + c.index) for i, out in enumerate(finals) for c in out.outputs]
-    response = CompletionResponse(id=request_id, model=ctx.model_name, choices=choices, usage=final_usage(finals))
+    choices = [_choice(ctx, req, out, c, i * req.n + c.index, engine_n)
+               for i, out in enumerate(finals) for c in out.outputs]
+    response = CompletionResponse(id=request_id, model=ctx.model_name, choices=choices,
+                                  usage=ctx.final_usage(finals))
     return JSONResponse(response.model_dump())
 
 
@@ -105,25 +111,39 @@ def _echo(ctx: ServingContext, req: CompletionRequest, out: RequestOutput,
 
 
 def _choice(ctx: ServingContext, req: CompletionRequest, out: RequestOutput, c: CompletionOutput,
-            index: int) -> CompletionChoice:
+            index: int, engine_n: int | None) -> CompletionChoice:
     echo = _echo(ctx, req, out, out.prompt_logprobs)
     logprobs = None
     if req.logprobs is not None:
-        logprobs = _LogprobsBuilder(ctx, 0).build(echo.token_ids + c.token_ids, echo.entries + (c.logprobs or []))
+        logprobs = _LogprobsBuilder(ctx, req).build(echo.token_ids + c.token_ids,
+                                                    echo.entries + (c.logprobs or []))
+    ids = req.return_token_ids
     return CompletionChoice(index=index, text=echo.text + c.text, logprobs=logprobs, finish_reason=c.finish_reason,
-                            stop_reason=c.stop_reason)
+                            stop_reason=c.stop_reason,
+                            prompt_logprobs=ctx.prompt_logprobs(req, out.prompt_token_ids, out.prompt_logprobs,
+                                                                engine_n),
+                            prompt_token_ids=list(out.prompt_token_ids) if ids else None,
+                            token_ids=list(c.token_ids) if ids else None)
 
 
 class _PromptState:
-    """What one prompt of a stream has shown so far: its echo (sent with each choice's
-    first chunk, once the prompt logprobs are all in), each choice's logprobs offsets."""
+    """What one prompt of a stream has shown so far: its echo and prompt token ids (sent
+    with each choice's first chunk, once the prompt logprobs are all in), each choice's
+    logprobs offsets, and its share of the usage."""
 
-    def __init__(self, ctx: ServingContext, n: int) -> None:
-        self.started = [False] * n
-        self.logprobs = [_LogprobsBuilder(ctx, 0) for _ in range(n)]
+    def __init__(self, ctx: ServingContext, req: CompletionRequest, out: RequestOutput) -> None:
+        self.started = [False] * req.n
+        self.logprobs = [_LogprobsBuilder(ctx, req) for _ in range(req.n)]
         self.prompt_logprobs: list[Logprobs | None] = []
-        self.num_prompt_tokens = 0
+        self.num_prompt_tokens = len(out.prompt_token_ids)
+        self.num_cached_tokens = 0
         self.completion_tokens = 0
+
+
+def _usage_so_far(ctx: ServingContext, prompts: dict[int, _PromptState]) -> UsageInfo:
+    states = prompts.values()
+    return ctx.usage(sum(p.num_prompt_tokens for p in states), sum(p.completion_tokens for p in states),
+                     sum(p.num_cached_tokens for p in states))
 
 
 async def _stream_events(ctx: ServingContext, req: CompletionRequest, group: RequestGroup,
@@ -132,20 +152,24 @@ async def _stream_events(ctx: ServingContext, req: CompletionRequest, group: Req
     outputs are deltas: each carries only what is new)."""
     created = now_seconds()
     prompts: dict[int, _PromptState] = {}
+    final_usage, continuous_usage = ctx.stream_usage(req)
 
     def chunk(choice: CompletionChoice) -> CompletionResponse:
-        return CompletionResponse(id=request_id, created=created, model=ctx.model_name, choices=[choice])
+        usage = _usage_so_far(ctx, prompts) if continuous_usage else None
+        return CompletionResponse(id=request_id, created=created, model=ctx.model_name, choices=[choice],
+                                  usage=usage)
 
     async for i, out in group.outputs():
         state = prompts.get(i)
         if state is None:
-            state = prompts[i] = _PromptState(ctx, req.n)
-            state.num_prompt_tokens = len(out.prompt_token_ids)
+            state = prompts[i] = _PromptState(ctx, req, out)
+        state.num_cached_tokens = out.num_cached_tokens
         if out.prompt_logprobs:
             state.prompt_logprobs.extend(out.prompt_logprobs)
         for c in out.outputs:
             echo = _Echo()
-            if not state.started[c.index]:
+            first = not state.started[c.index]
+            if first:
                 state.started[c.index] = True
                 echo = _echo(ctx, req, out, state.prompt_logprobs)
             state.completion_tokens += len(c.token_ids)
@@ -153,9 +177,11 @@ async def _stream_events(ctx: ServingContext, req: CompletionRequest, group: Req
             if req.logprobs is not None:
                 logprobs = state.logprobs[c.index].build(echo.token_ids + c.token_ids,
                                                          echo.entries + (c.logprobs or []))
+            ids = req.return_token_ids
             yield chunk(CompletionChoice(index=i * req.n + c.index, text=echo.text + c.text, logprobs=logprobs,
-                                         finish_reason=c.finish_reason, stop_reason=c.stop_reason))
-    if req.stream_options is not None and req.stream_options.include_usage:
-        usage = usage_of(sum(p.num_prompt_tokens for p in prompts.values()),
-                         sum(p.completion_tokens for p in prompts.values()))
-        yield CompletionResponse(id=request_id, created=created, model=ctx.model_name, choices=[], usage=usage)
+                                         finish_reason=c.finish_reason, stop_reason=c.stop_reason,
+                                         prompt_token_ids=list(out.prompt_token_ids) if ids and first else None,
+                                         token_ids=list(c.token_ids) if ids else None))
+    if final_usage:
+        yield CompletionResponse(id=request_id, created=created, model=ctx.model_name, choices=[],
+                                 usage=_usage_so_far(ctx, prompts))

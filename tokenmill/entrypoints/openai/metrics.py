@@ -5,6 +5,11 @@ the engine core sent (the core already counts them; nothing is counted twice).
 Latency histograms are observed as the front-end processes the core's outputs,
 for every request, streamed or not. Each app owns its CollectorRegistry, so
 several apps can live in one process (tests do).
+
+With ``vllm_names``, every metric that vLLM also has is exported a second time under
+vLLM's name (``vllm:`` prefix) with vLLM's ``model_name`` and ``engine`` labels, so
+dashboards and autoscalers written for vLLM read this server as they are. The twin
+is made from the same samples at scrape time, so the two can never disagree.
 """
 
 from __future__ import annotations
@@ -53,18 +58,51 @@ class _EngineCollector(Collector):
             yield CounterMetricFamily(f"tokenmill:{name}", doc, value=value)
 
 
+VLLM_SHARED_NAMES = frozenset({
+    "num_requests_running", "num_requests_waiting", "kv_cache_usage_perc", "prompt_tokens", "generation_tokens",
+    "prefix_cache_queries", "prefix_cache_hits", "num_preemptions", "time_to_first_token_seconds",
+    "inter_token_latency_seconds", "e2e_request_latency_seconds",
+})
+"""Metrics that vLLM exports with the same meaning, under ``vllm:`` and this same suffix."""
+
+
+class _VllmTwins(Collector):
+    """The metrics of ``sources`` that vLLM also has, renamed to vLLM's names and labelled as vLLM labels them."""
+
+    def __init__(self, sources: list[Collector], model_name: str) -> None:
+        self.sources = sources
+        self.labels = {"model_name": model_name, "engine": "0"}
+
+    def collect(self) -> Iterator[Metric]:
+        for source in self.sources:
+            for metric in source.collect():
+                suffix = metric.name.removeprefix("tokenmill:")
+                if suffix in VLLM_SHARED_NAMES:
+                    yield self._twin(metric, suffix)
+
+    def _twin(self, metric: Metric, suffix: str) -> Metric:
+        twin = Metric(f"vllm:{suffix}", metric.documentation, metric.type)
+        twin.samples = [sample._replace(name="vllm:" + sample.name.removeprefix("tokenmill:"),
+                                        labels={**self.labels, **sample.labels})
+                        for sample in metric.samples]
+        return twin
+
+
 class ServerMetrics:
     """The registry of one app and the request-latency histograms it fills."""
 
-    def __init__(self, engine: AsyncLLM) -> None:
+    def __init__(self, engine: AsyncLLM, model_name: str = "", vllm_names: bool = False) -> None:
         self.registry = CollectorRegistry()
-        self.registry.register(_EngineCollector(engine))
+        engine_collector = _EngineCollector(engine)
+        self.registry.register(engine_collector)
         self.ttft = Histogram("tokenmill:time_to_first_token_seconds", "Time to first token.",
                               buckets=_LATENCY_BUCKETS, registry=self.registry)
         self.itl = Histogram("tokenmill:inter_token_latency_seconds", "Time between two output tokens.",
                              buckets=_LATENCY_BUCKETS, registry=self.registry)
         self.e2e = Histogram("tokenmill:e2e_request_latency_seconds", "Arrival to last token.",
                              buckets=_LATENCY_BUCKETS, registry=self.registry)
+        if vllm_names:
+            self.registry.register(_VllmTwins([engine_collector, self.ttft, self.itl, self.e2e], model_name))
         engine.observers.append(self.observe)
 
     def render(self) -> bytes:

@@ -9,6 +9,7 @@ against the vocabulary, lengths against max_model_len) by the engine.
 
 from __future__ import annotations
 
+import logging
 import time
 import uuid
 from typing import Annotated, Any, Literal, Union
@@ -19,14 +20,19 @@ from pydantic import (
     ConfigDict,
     Discriminator,
     Field,
+    SerializerFunctionWrapHandler,
     StrictBool,
     StrictFloat,
     StrictInt,
     Tag,
     ValidationInfo,
     field_validator,
+    model_serializer,
+    model_validator,
 )
 from pydantic_core import PydanticCustomError
+
+logger = logging.getLogger(__name__)
 
 # Error types of our own validators that are also the OpenAI error code the client sees.
 UNSUPPORTED_PARAMETER = "unsupported_parameter"
@@ -139,22 +145,60 @@ class RequestModel(BaseModel):
 
 class StreamOptions(RequestModel):
     include_usage: StrictBool = False
+    continuous_usage_stats: StrictBool = False  # usage in every chunk (with include_usage), as vLLM
 
 
-_UNSUPPORTED = ("response_format", "tools", "tool_choice", "functions", "function_call", "logit_bias",
-                "guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs")
+_UNSUPPORTED = ("response_format", "tools", "tool_choice", "functions", "function_call", "guided_json",
+                "guided_regex", "guided_choice", "guided_grammar", "structured_outputs", "best_of",
+                "use_beam_search", "length_penalty", "allowed_token_ids", "bad_words", "logits_processors",
+                "prompt_embeds", "vllm_xargs", "kv_transfer_params", "audio", "modalities",
+                "spaces_between_special_tokens")
 _NEUTRAL_VALUES: dict[str, tuple[Any, ...]] = {
     "response_format": ({"type": "text"},),
     "tool_choice": ("none",),
-    "logit_bias": ({},),
+    "best_of": (1,),
+    "use_beam_search": (False,),
+    "length_penalty": (1,),
+    "bad_words": ([],),
+    "logits_processors": ([],),
+    "vllm_xargs": ({},),
+    "modalities": (["text"],),
+    "spaces_between_special_tokens": (True,),
 }
 """Values of unsupported fields that ask for nothing beyond plain generation (null aside)."""
+_CHAT_UNSUPPORTED = ("documents", "reasoning_effort", "mm_processor_kwargs")
+_warned_unknown: set[str] = set()
+_MAX_WARNED = 1024  # names remembered: a client sending random names must not grow it forever
+
+
+def refuse_unsupported(value: Any, info: ValidationInfo) -> Any:
+    """Ignoring these would answer a client that asked for JSON, a tool call or beam search
+    with free text and a 200; null and the neutral values ask for nothing, so they pass."""
+    if value is None or value in _NEUTRAL_VALUES.get(info.field_name or "", ()):
+        return value
+    raise PydanticCustomError(UNSUPPORTED_PARAMETER, "not supported by this server yet")
+
+
+def only_default(value: bool, default: bool) -> bool:
+    """``add_special_tokens``: a completion prompt gets the tokenizer's special tokens and a
+    chat prompt only the template's, as vLLM's defaults; the other choice is not built."""
+    if value != default:
+        raise PydanticCustomError(UNSUPPORTED_PARAMETER, "only {default} is supported by this server yet",
+                                  {"default": "true" if default else "false"})
+    return value
+
+
+def _logit_bias_key(key: str) -> int:
+    """JSON object keys are strings: a token id must be spelled as plain decimal digits."""
+    if not (key.isascii() and key.isdigit()):
+        raise PydanticCustomError("invalid_logit_bias", "the key '{key}' is not a token id", {"key": key})
+    return int(key)
 
 
 class SamplingFields(RequestModel):
     """What completions and chat share: sampling, stopping, and the vLLM extensions."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="allow")
 
     model: Text | None = None
     temperature: StrictFloat | None = None
@@ -174,30 +218,84 @@ class SamplingFields(RequestModel):
     min_tokens: Count = 0
     include_stop_str_in_output: StrictBool = False
     skip_special_tokens: StrictBool = True
-    user: Text | None = None
+    logit_bias: dict[Text, StrictFloat] | None = None
+    prompt_logprobs: int_range(-1, 20) | None = None  # type: ignore[valid-type]
+    return_token_ids: StrictBool = False
+    return_tokens_as_token_ids: StrictBool = False
+    truncate_prompt_tokens: int_range(-1) | None = None  # type: ignore[valid-type]
+    priority: int_range(-2**63) = 0  # type: ignore[valid-type]
+    request_id: Annotated[Text, Field(min_length=1, max_length=256)] | None = None
 
-    # Structured output and tools, not built yet: declared so that asking for them is
-    # refused by _refuse_unsupported rather than dropped with the unknown fields.
+    # Output-neutral: they change neither what is generated nor what is returned.
+    user: Text | None = None
+    metadata: Any = None
+    store: Any = None
+    service_tier: Any = None
+    parallel_tool_calls: Any = None
+    cache_salt: Any = None
+    prediction: Any = None
+
+    # Structured output, tools, beam search and the like, not built yet: declared so that
+    # asking for them is refused by refuse_unsupported rather than dropped as unknown.
     response_format: Any = None
     tools: Any = None
     tool_choice: Any = None
     functions: Any = None
     function_call: Any = None
-    logit_bias: Any = None
     guided_json: Any = None
     guided_regex: Any = None
     guided_choice: Any = None
     guided_grammar: Any = None
     structured_outputs: Any = None
+    best_of: Any = None
+    use_beam_search: Any = None
+    length_penalty: Any = None
+    allowed_token_ids: Any = None
+    bad_words: Any = None
+    logits_processors: Any = None
+    prompt_embeds: Any = None
+    vllm_xargs: Any = None
+    kv_transfer_params: Any = None
+    audio: Any = None
+    modalities: Any = None
+    spaces_between_special_tokens: Any = None
 
-    @field_validator(*_UNSUPPORTED)
+    _refuse_unsupported = field_validator(*_UNSUPPORTED)(refuse_unsupported)
+
+    @field_validator("truncate_prompt_tokens")
     @classmethod
-    def _refuse_unsupported(cls, value: Any, info: ValidationInfo) -> Any:
-        """Ignoring these would answer a client that asked for JSON or a tool call with free
-        text and a 200; null and the neutral values ask for nothing, so they pass."""
-        if value is None or value in _NEUTRAL_VALUES.get(info.field_name or "", ()):
-            return value
-        raise PydanticCustomError(UNSUPPORTED_PARAMETER, "not supported by this server yet")
+    def _truncation(cls, value: int | None) -> int | None:
+        """0 would keep no prompt at all; -1 is vLLM's "up to max_model_len"."""
+        if value == 0:
+            raise PydanticCustomError("invalid_truncation", "must be -1 or an integer >= 1, got 0")
+        return value
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _logit_bias_keys(cls, value: dict[str, float] | None) -> dict[str, float] | None:
+        """Keys are checked here, where a key that is no token id can be named; against the
+        vocabulary by the engine, which knows it."""
+        for key in value or {}:
+            _logit_bias_key(key)
+        return value
+
+    @model_validator(mode="after")
+    def _log_unknown_fields(self) -> SamplingFields:
+        """Unknown fields are accepted, as vLLM does, but said once per name: a misspelled
+        parameter should not pass unnoticed forever."""
+        for name in (self.model_extra or {}).keys() - _warned_unknown:
+            if len(_warned_unknown) >= _MAX_WARNED:
+                break
+            _warned_unknown.add(name)
+            logger.warning("the request field %r is not known to this server and is ignored", name)
+        return self
+
+    def logit_bias_ids(self) -> dict[int, float] | None:
+        """``logit_bias`` keyed by token id, as SamplingParams takes it; biases clipped to
+        [-100, 100], the range OpenAI documents (vLLM clips the same way)."""
+        if not self.logit_bias:
+            return None
+        return {_logit_bias_key(k): min(100.0, max(-100.0, v)) for k, v in self.logit_bias.items()}
 
     @field_validator("stream_options")
     @classmethod
@@ -215,6 +313,12 @@ class CompletionRequest(SamplingFields):
     logprobs: LogprobCount | None = None
     echo: StrictBool = False
     suffix: Text | None = None
+    add_special_tokens: StrictBool = True
+
+    @field_validator("add_special_tokens")
+    @classmethod
+    def _special_tokens(cls, value: bool) -> bool:
+        return only_default(value, True)
 
 
 class ChatContentPart(RequestModel):
@@ -255,13 +359,46 @@ class ChatCompletionRequest(SamplingFields):
     max_tokens: MaxTokens | None = None
     max_completion_tokens: MaxTokens | None = None
     logprobs: StrictBool = False
-    top_logprobs: LogprobCount | None = None
+    top_logprobs: int_range(-1, 20) | None = None  # type: ignore[valid-type]
+    echo: StrictBool = False
+    add_generation_prompt: StrictBool = True
+    continue_final_message: StrictBool = False
+    chat_template: Text | None = None
+    chat_template_kwargs: dict[Text, Any] | None = None
+    documents: Any = None
+    reasoning_effort: Any = None
+    mm_processor_kwargs: Any = None
+    add_special_tokens: StrictBool = False
+
+    _refuse_chat_unsupported = field_validator(*_CHAT_UNSUPPORTED)(refuse_unsupported)
+
+    @field_validator("add_special_tokens")
+    @classmethod
+    def _special_tokens(cls, value: bool) -> bool:
+        return only_default(value, False)
+
+
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = 0
 
 
 class UsageInfo(BaseModel):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
+    prompt_tokens_details: PromptTokensDetails | None = None
+
+
+class PromptLogprob(BaseModel):
+    """One prompt position's token in vLLM's ``prompt_logprobs`` format; ``rank`` is None
+    where the engine's top list does not reach the token."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+PromptLogprobs = list[dict[int, PromptLogprob] | None]
 
 
 class CompletionLogprobs(BaseModel):
@@ -279,6 +416,9 @@ class CompletionChoice(BaseModel):
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    prompt_logprobs: PromptLogprobs | None = None
+    prompt_token_ids: list[int] | None = None
+    token_ids: list[int] | None = None
 
 
 class CompletionResponse(BaseModel):
@@ -305,7 +445,7 @@ class ChatLogprobs(BaseModel):
 
 
 class ChatResponseMessage(BaseModel):
-    role: Literal["assistant"] = "assistant"
+    role: str = "assistant"  # the last message's role when add_generation_prompt is false, as vLLM
     content: str | None = None
 
 
@@ -315,6 +455,7 @@ class ChatChoice(BaseModel):
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    token_ids: list[int] | None = None
 
 
 class ChatCompletionResponse(BaseModel):
@@ -324,10 +465,12 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: UsageInfo
+    prompt_logprobs: PromptLogprobs | None = None
+    prompt_token_ids: list[int] | None = None
 
 
 class DeltaMessage(BaseModel):
-    role: Literal["assistant"] | None = None
+    role: str | None = None
     content: str | None = None
 
 
@@ -336,6 +479,7 @@ class ChatStreamChoice(BaseModel):
     delta: DeltaMessage
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
+    token_ids: list[int] | None = None
 
 
 class ChatCompletionChunk(BaseModel):
@@ -345,6 +489,16 @@ class ChatCompletionChunk(BaseModel):
     model: str
     choices: list[ChatStreamChoice]
     usage: UsageInfo | None = None
+    prompt_token_ids: list[int] | None = None
+
+    @model_serializer(mode="wrap")
+    def _prompt_ids_once(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        """vLLM sends ``prompt_token_ids`` in a stream's first chunk only, and leaves the key
+        out of the others."""
+        data = handler(self)
+        if data.get("prompt_token_ids") is None:
+            data.pop("prompt_token_ids", None)
+        return data
 
 
 class ModelCard(BaseModel):

@@ -14,17 +14,21 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib.metadata
 import json
 import logging
 import secrets
+import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from types import FrameType
+from typing import Literal
 
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
-from starlette.types import ASGIApp, Receive, Scope, Send
+from pydantic import BaseModel, Field
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from tokenmill.engine.async_llm import AsyncLLM
 from tokenmill.engine.config import engine_config_from_args
@@ -32,8 +36,23 @@ from tokenmill.entrypoints.openai.chat import create_chat_completion
 from tokenmill.entrypoints.openai.completions import create_completion
 from tokenmill.entrypoints.openai.errors import APIError, install_error_handlers
 from tokenmill.entrypoints.openai.metrics import CONTENT_TYPE, ServerMetrics
-from tokenmill.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
+from tokenmill.entrypoints.openai.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    ModelCard,
+    ModelList,
+    now_seconds,
+    random_id,
+)
 from tokenmill.entrypoints.openai.serving import ServingContext, ServingOptions
+from tokenmill.entrypoints.openai.tokenization import (
+    DetokenizeRequest,
+    DetokenizeResponse,
+    TokenizeRequest,
+    TokenizeResponse,
+    detokenize,
+    tokenize,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -42,7 +61,8 @@ DEFAULT_MODEL_NAME = "tokenmill-default"
 
 class _APIKeyMiddleware:
     """Requires ``Authorization: Bearer <key>`` on /v1/*, before the body is even read
-    (so a bad key is a 401 whatever the body holds); /health and /metrics stay open."""
+    (so a bad key is a 401 whatever the body holds). Every other path stays open, as in
+    vLLM: /health, /metrics, /version, and /tokenize and /detokenize, which run no model."""
 
     def __init__(self, app: ASGIApp, api_key: str) -> None:
         self.app = app
@@ -58,10 +78,66 @@ class _APIKeyMiddleware:
         await self.app(scope, receive, send)
 
 
+class ModelPermission(BaseModel):
+    """OpenAI's legacy permission entry, which vLLM still lists and some clients still read."""
+
+    id: str = Field(default_factory=lambda: random_id("modelperm"))
+    object: Literal["model_permission"] = "model_permission"
+    created: int = Field(default_factory=now_seconds)
+    allow_create_engine: bool = False
+    allow_sampling: bool = True
+    allow_logprobs: bool = True
+    allow_search_indices: bool = False
+    allow_view: bool = True
+    allow_fine_tuning: bool = False
+    organization: str = "*"
+    group: str | None = None
+    is_blocking: bool = False
+
+
+class ServedModelCard(ModelCard):
+    """A ``/v1/models`` entry with vLLM's fields: ``root`` is the model it was loaded from."""
+
+    root: str
+    parent: str | None = None
+    permission: list[ModelPermission] = Field(default_factory=lambda: [ModelPermission()])
+
+
+class ServedModelList(ModelList):
+    data: list[ServedModelCard]
+
+
+class _RequestIdMiddleware:
+    """Echoes the client's ``X-Request-Id`` on every response, or makes one up, so that a
+    proxy's logs and the client's can be matched (vLLM's ``--enable-request-id-headers``)."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        given = dict(scope["headers"]).get(b"x-request-id")
+        request_id = given or uuid.uuid4().hex.encode()
+
+        async def send_with_id(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                message["headers"] = [*message.get("headers", []), (b"x-request-id", request_id)]
+            await send(message)
+
+        await self.app(scope, receive, send_with_id)
+
+
 def build_app(engine: AsyncLLM, served_model_name: str, api_key: str | None = None,
-              options: ServingOptions = ServingOptions()) -> FastAPI:
-    """An app over ``engine``; its shutdown ends whatever still runs and stops the core."""
-    ctx = ServingContext(engine, served_model_name, engine.tokenizer, ServerMetrics(engine), options)
+              options: ServingOptions = ServingOptions(), vllm_metrics: bool = False,
+              request_id_headers: bool = False) -> FastAPI:
+    """An app over ``engine``; its shutdown ends whatever still runs and stops the core.
+    ``vllm_metrics`` also exports the metrics vLLM has under vLLM's names;
+    ``request_id_headers`` puts an ``X-Request-Id`` on every response."""
+    metrics = ServerMetrics(engine, served_model_name, vllm_names=vllm_metrics)
+    ctx = ServingContext(engine, served_model_name, engine.tokenizer, metrics, options)
+    model_root = str(engine.config.model or served_model_name)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -73,6 +149,8 @@ def build_app(engine: AsyncLLM, served_model_name: str, api_key: str | None = No
     install_error_handlers(app)
     if api_key:
         app.add_middleware(_APIKeyMiddleware, api_key=api_key)
+    if request_id_headers:  # added last, so it is outermost: a 401 gets its id too
+        app.add_middleware(_RequestIdMiddleware)
 
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, raw: Request) -> Response:
@@ -83,8 +161,21 @@ def build_app(engine: AsyncLLM, served_model_name: str, api_key: str | None = No
         return await create_chat_completion(ctx, req, raw)
 
     @app.get("/v1/models")
-    async def models() -> ModelList:
-        return ModelList(data=[ModelCard(id=served_model_name, max_model_len=engine.max_model_len)])
+    async def models() -> ServedModelList:
+        card = ServedModelCard(id=served_model_name, root=model_root, max_model_len=engine.max_model_len)
+        return ServedModelList(data=[card])
+
+    @app.post("/tokenize")
+    async def tokenize_endpoint(req: TokenizeRequest) -> TokenizeResponse:
+        return await tokenize(ctx, req)
+
+    @app.post("/detokenize")
+    async def detokenize_endpoint(req: DetokenizeRequest) -> DetokenizeResponse:
+        return await detokenize(ctx, req)
+
+    @app.get("/version")
+    async def version() -> dict[str, str]:
+        return {"version": importlib.metadata.version("tokenmill")}
 
     @app.get("/health")
     async def health() -> Response:
@@ -139,8 +230,25 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--grace-period", type=float, default=30.0,
                    help="seconds that running requests get to finish on SIGTERM; then they end with "
                         "finish_reason 'abort'")
+    g.add_argument("--enable-prompt-tokens-details", action="store_true",
+                   help="report the prompt tokens found in the prefix cache as "
+                        "usage.prompt_tokens_details.cached_tokens")
+    g.add_argument("--enable-force-include-usage", action="store_true",
+                   help="end every stream with a usage chunk, whether the request asked for it or not")
+    g.add_argument("--return-tokens-as-token-ids", action="store_true",
+                   help="show tokens in logprobs as 'token_id:N', for tokens that are not valid text on their own")
+    g.add_argument("--vllm-compatible-metrics", action="store_true",
+                   help="also export each metric that vLLM has under vLLM's name (vllm:...), for vLLM dashboards")
+    g.add_argument("--enable-request-id-headers", action="store_true",
+                   help="put an X-Request-Id header on every response: the client's own, or a new one")
     g.add_argument("--uvicorn-log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
                    help="log level of the HTTP server (access log at info)")
+
+
+def serving_options_from_args(args: argparse.Namespace) -> ServingOptions:
+    return ServingOptions(enable_prompt_tokens_details=args.enable_prompt_tokens_details,
+                          enable_force_include_usage=args.enable_force_include_usage,
+                          return_tokens_as_token_ids=args.return_tokens_as_token_ids)
 
 
 def run_server(args: argparse.Namespace) -> int:
@@ -150,7 +258,9 @@ def run_server(args: argparse.Namespace) -> int:
     engine = AsyncLLM(engine_config_from_args(args), max_waiting=args.max_waiting)
     try:
         name = args.served_model_name or args.model or DEFAULT_MODEL_NAME
-        app = build_app(engine, name, api_key=args.api_key)
+        app = build_app(engine, name, api_key=args.api_key, options=serving_options_from_args(args),
+                        vllm_metrics=args.vllm_compatible_metrics,
+                        request_id_headers=args.enable_request_id_headers)
         # uvicorn's own deadline comes after ours: by then every stream has ended cleanly.
         config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
                                 timeout_graceful_shutdown=args.grace_period + 10)

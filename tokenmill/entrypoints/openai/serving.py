@@ -15,10 +15,18 @@ from fastapi import Request
 from pydantic import BaseModel
 
 from tokenmill.engine.async_llm import AsyncLLM, RequestStream
+from tokenmill.engine.input_processor import ProcessedPrompt, check_priority
 from tokenmill.entrypoints.openai.errors import APIError, to_api_error
 from tokenmill.entrypoints.openai.metrics import ServerMetrics
-from tokenmill.entrypoints.openai.protocol import SamplingFields, UsageInfo
-from tokenmill.outputs import OutputKind, RequestOutput
+from tokenmill.entrypoints.openai.protocol import (
+    PromptLogprob,
+    PromptLogprobs,
+    PromptTokensDetails,
+    SamplingFields,
+    UsageInfo,
+    random_id,
+)
+from tokenmill.outputs import Logprobs, OutputKind, RequestOutput
 from tokenmill.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -26,6 +34,7 @@ logger = logging.getLogger(__name__)
 _OPTIONAL_SAMPLING = ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
                       "repetition_penalty")
 _DISCONNECT_POLL_S = 0.5
+REQUEST_ID_HEADER = "X-Request-Id"
 
 
 @dataclass(frozen=True)
@@ -52,40 +61,143 @@ class ServingContext:
             raise APIError(400, f"the model {model!r} does not exist; this server serves {self.model_name!r}",
                            param="model", code="model_not_found")
 
-    def token_text(self, token_id: int) -> str:
-        """How one token reads on its own (what logprobs show); ids without a tokenizer."""
-        if self.tokenizer is None:
+    def token_text(self, token_id: int, as_id: bool = False) -> str:
+        """How one token reads on its own (what logprobs show): ``token_id:N`` when asked
+        for (request or server option), or without a tokenizer."""
+        if as_id or self.tokenizer is None:
             return f"token_id:{token_id}"
         return self.tokenizer.decode([token_id])
 
+    def tokens_as_ids(self, req: SamplingFields) -> bool:
+        return req.return_tokens_as_token_ids or self.options.return_tokens_as_token_ids
+
+    @staticmethod
+    def request_id(req: SamplingFields, raw: Request, prefix: str) -> str:
+        """The response id, as vLLM forms it: the endpoint's prefix and the client's own id
+        (``X-Request-Id`` header first, then the body's ``request_id``), else a random one.
+        Echoing the header back is the server's ``--enable-request-id-headers``."""
+        given = raw.headers.get(REQUEST_ID_HEADER) or req.request_id
+        return f"{prefix}-{given}" if given else random_id(prefix)
+
+    def usage(self, prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> UsageInfo:
+        """Usage, with the cached prompt tokens when the server is run to report them."""
+        details = PromptTokensDetails(cached_tokens=cached_tokens) if self.options.enable_prompt_tokens_details \
+            else None
+        return UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                         total_tokens=prompt_tokens + completion_tokens, prompt_tokens_details=details)
+
+    def final_usage(self, outputs: list[RequestOutput]) -> UsageInfo:
+        """Prompt tokens counted once per prompt, completion tokens over every choice."""
+        return self.usage(sum(len(out.prompt_token_ids) for out in outputs),
+                          sum(len(c.token_ids) for out in outputs for c in out.outputs),
+                          sum(out.num_cached_tokens for out in outputs))
+
+    def stream_usage(self, req: SamplingFields) -> tuple[bool, bool]:
+        """(a usage chunk at the end, usage in every chunk) for a stream: the end chunk when
+        asked for or forced by the server; every chunk only beside it, as in vLLM."""
+        options = req.stream_options
+        final = (options is not None and options.include_usage) or self.options.enable_force_include_usage
+        return final, final and options is not None and options.continuous_usage_stats
+
+    def prompt_logprobs(self, req: SamplingFields, token_ids: list[int], entries: list[Logprobs | None] | None,
+                        engine_n: int | None) -> PromptLogprobs | None:
+        """vLLM's ``prompt_logprobs``: per prompt position (the first has none) the prompt's
+        token and the ``prompt_logprobs`` best, each with its rank and text. ``engine_n`` is
+        how many the engine was asked for (echo may have asked for more)."""
+        if req.prompt_logprobs is None or entries is None or engine_n is None:
+            return None
+        as_id = self.tokens_as_ids(req)
+
+        def position(token_id: int, entry: Logprobs | None) -> dict[int, PromptLogprob] | None:
+            if entry is None:
+                return None
+            ranks = _ranks(entry, engine_n)
+            chosen = dict(best(entry, req.prompt_logprobs)) | {token_id: entry[token_id]}
+            return {t: PromptLogprob(logprob=lp, rank=ranks.get(t), decoded_token=self.token_text(t, as_id))
+                    for t, lp in chosen.items()}
+
+        return [position(t, e) for t, e in zip(token_ids, entries)]
+
     async def start(self, request_id: str, prompts: list[str | list[int]], params: SamplingParams,
-                    stream: bool) -> RequestGroup:
+                    stream: bool, req: SamplingFields) -> RequestGroup:
         """Add one engine request per prompt; if any is refused, none stays queued. A stream
         gets each prompt's news as it comes; otherwise only each prompt's final output."""
         self.engine.check_admission(len(prompts))
         kind = OutputKind.DELTA if stream else OutputKind.FINAL_ONLY
-        processed = [await self.engine.process_input(prompt, params) for prompt in prompts]
+        try:
+            check_priority(req.priority, self.engine.config.scheduling_policy)
+        except ValueError as exc:
+            raise APIError(400, str(exc), param="priority", code="invalid_value") from None
+        processed = [await self._prepare(prompt, params, req.truncate_prompt_tokens) for prompt in prompts]
         streams: list[RequestStream] = []
         try:
             for i, prompt in enumerate(processed):
-                streams.append(await self.engine.add_request(f"{request_id}-{i}", prompt, params, kind))
+                streams.append(await self.engine.add_request(f"{request_id}-{i}", prompt, params, kind,
+                                                             req.priority))
         except BaseException:
             for s in streams:
                 s.abort()
             raise
         return RequestGroup(streams)
 
+    async def _prepare(self, prompt: str | list[int], params: SamplingParams,
+                       truncate: int | None) -> ProcessedPrompt:
+        """Tokenized and checked; with ``truncate_prompt_tokens`` only the last k tokens are
+        kept (-1: up to max_model_len), before the length is checked, as in vLLM."""
+        if truncate is None:
+            return await self.engine.process_input(prompt, params)
+        full = await asyncio.to_thread(self.engine.inputs.tokenize, prompt)
+        keep = self.engine.max_model_len if truncate == -1 else truncate
+        if len(full.token_ids) > keep:
+            full = ProcessedPrompt(None, full.token_ids[-keep:])
+        self.engine.inputs.check(full, params)
+        return full
+
+
+def best(entry: Logprobs, count: int) -> list[tuple[int, float]]:
+    """The ``count`` likeliest tokens of a position, likeliest first (-1: all it holds)."""
+    ranked = sorted(entry.items(), key=lambda kv: kv[1], reverse=True)
+    return ranked if count == -1 else ranked[:count]
+
+
+def _ranks(entry: Logprobs, engine_n: int) -> dict[int, int]:
+    """Each token's rank (1 for the likeliest; tied tokens share the best), for the tokens
+    whose rank is known: those within the ``engine_n`` best that the engine sent (-1: the
+    whole vocabulary). One sort, as the entry may hold the whole vocabulary."""
+    ranks: dict[int, int] = {}
+    previous, rank = None, 0
+    for i, (token_id, logprob) in enumerate(best(entry, -1), start=1):
+        if logprob != previous:
+            previous, rank = logprob, i
+        if engine_n != -1 and rank > engine_n:
+            break
+        ranks[token_id] = rank
+    return ranks
+
 
 def sampling_params(req: SamplingFields, max_tokens: int | None, logprobs: int | None,
                     prompt_logprobs: int | None = None) -> SamplingParams:
-    """SamplingParams from the fields both endpoints share; unset fields keep the defaults."""
+    """SamplingParams from the fields both endpoints share; unset fields keep the defaults.
+    (Token ids of ``logit_bias`` are checked against the vocabulary by the engine.)"""
     options: dict[str, Any] = {name: getattr(req, name) for name in _OPTIONAL_SAMPLING
                                if getattr(req, name) is not None}
+    if req.prompt_logprobs is not None and req.stream:
+        raise APIError(400, "prompt_logprobs are not available when stream is true", param="prompt_logprobs",
+                       code="invalid_value")
     return SamplingParams(
         n=req.n, max_tokens=max_tokens, min_tokens=req.min_tokens, stop=req.stop,
         stop_token_ids=req.stop_token_ids, seed=req.seed, ignore_eos=req.ignore_eos, logprobs=logprobs,
         prompt_logprobs=prompt_logprobs, include_stop_str_in_output=req.include_stop_str_in_output,
-        skip_special_tokens=req.skip_special_tokens, **options)
+        skip_special_tokens=req.skip_special_tokens, logit_bias=req.logit_bias_ids(), **options)
+
+
+def merged_logprobs(*counts: int | None) -> int | None:
+    """One engine count serving several asks: None if none asks, -1 (the whole
+    vocabulary) if any does, else the largest."""
+    asked = [c for c in counts if c is not None]
+    if not asked:
+        return None
+    return -1 if -1 in asked else max(asked)
 
 
 class RequestGroup:
@@ -156,17 +268,6 @@ class RequestGroup:
             task.cancel()
             self.abort()
         return [finals[i] for i in range(len(self.streams))]
-
-
-def usage_of(prompt_tokens: int, completion_tokens: int) -> UsageInfo:
-    return UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
-                     total_tokens=prompt_tokens + completion_tokens)
-
-
-def final_usage(outputs: list[RequestOutput]) -> UsageInfo:
-    """Prompt tokens counted once per prompt, completion tokens over every choice."""
-    return usage_of(sum(len(out.prompt_token_ids) for out in outputs),
-                    sum(len(c.token_ids) for out in outputs for c in out.outputs))
 
 
 def sse(data: BaseModel | dict[str, Any] | str) -> str:
