@@ -48,6 +48,7 @@ class ChatOptions:
     continue_final_message: bool = False  # leave the last message open, to be continued
     chat_template: str | None = None  # a Jinja template instead of the tokenizer's
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)  # extra variables for the template
+    add_special_tokens: bool = False  # the tokenizer's own (BOS...) on top of those the template writes
 
 
 def render_chat(tokenizer: Any, messages: list[dict[str, Any]], options: ChatOptions = ChatOptions()) -> str:
@@ -79,7 +80,7 @@ def apply_chat_template(tokenizer: Any, messages: list[dict[str, Any]],
                         options: ChatOptions = ChatOptions()) -> list[int]:
     """Token ids of ``messages`` rendered by the chat template (the template already holds
     any special tokens it wants)."""
-    return encode_prompt(tokenizer, render_chat(tokenizer, messages, options), add_special_tokens=False)
+    return encode_prompt(tokenizer, render_chat(tokenizer, messages, options), options.add_special_tokens)
 
 
 class Detokenizer:

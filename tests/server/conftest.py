@@ -4,12 +4,14 @@ as ``tokenmill serve`` runs it."""
 
 from __future__ import annotations
 
+import asyncio
 import socket
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import httpx
 import openai
@@ -87,3 +89,16 @@ def engine_in_thread(model_dir: Path) -> Iterator[AsyncLLM]:
     engine = AsyncLLM(small_engine_config(model_dir), core_in_thread=True)
     yield engine
     engine.close()
+
+
+def with_app(engine: AsyncLLM, test: Callable[[httpx.AsyncClient], Awaitable[None]], **app_options: Any) -> None:
+    """Run ``test`` against a fresh app over ``engine`` in memory (no socket), built with
+    any of ``build_app``'s options."""
+    app = build_app(engine, MODEL_NAME, **app_options)
+
+    async def run() -> None:
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://test", timeout=30) as client:
+            await asyncio.wait_for(test(client), timeout=60)
+
+    asyncio.run(run())

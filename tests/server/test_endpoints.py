@@ -7,8 +7,6 @@ from __future__ import annotations
 import asyncio
 import importlib.metadata
 import re
-from collections.abc import Awaitable, Callable
-from typing import Any
 
 import httpx
 import pytest
@@ -17,11 +15,11 @@ from tokenmill.engine.async_llm import AsyncLLM
 from tokenmill.entrypoints import cli
 from tokenmill.entrypoints.openai.metrics import VLLM_SHARED_NAMES
 from tokenmill.entrypoints.openai import server as server_module
-from tokenmill.entrypoints.openai.server import build_app, serving_options_from_args
+from tokenmill.entrypoints.openai.server import serving_options_from_args
 from tokenmill.entrypoints.openai.serving import ServingOptions
 from tokenmill.tokenizer import ChatOptions
 
-from .conftest import MAX_MODEL_LEN, MODEL_NAME, LiveServer
+from .conftest import MAX_MODEL_LEN, MODEL_NAME, LiveServer, with_app
 
 PROMPT = "def add(a, b):\n    return a + b"
 MESSAGES = [{"role": "system", "content": "You write code."}, {"role": "user", "content": "Add two numbers."}]
@@ -128,19 +126,6 @@ def test_models_has_vllms_fields(http: httpx.Client, server: LiveServer) -> None
         "allow_fine_tuning": False, "organization": "*", "group": None, "is_blocking": False}
 
 
-def _run_app(engine: AsyncLLM, test: Callable[[httpx.AsyncClient], Awaitable[None]], **app_options: Any) -> None:
-    """``test`` against a fresh app over ``engine`` in memory (no socket), as test_lifecycle's
-    ``with_app`` but with any of build_app's options."""
-    app = build_app(engine, MODEL_NAME, **app_options)
-
-    async def run() -> None:
-        transport = httpx.ASGITransport(app=app)
-        async with httpx.AsyncClient(transport=transport, base_url="http://test", timeout=30) as client:
-            await asyncio.wait_for(test(client), timeout=60)
-
-    asyncio.run(run())
-
-
 def test_api_key_guards_v1_only_as_in_vllm(engine_in_thread: AsyncLLM) -> None:
     async def test(client: httpx.AsyncClient) -> None:
         assert (await client.get("/v1/models")).status_code == 401
@@ -150,7 +135,7 @@ def test_api_key_guards_v1_only_as_in_vllm(engine_in_thread: AsyncLLM) -> None:
         for path in ("/version", "/health", "/metrics"):
             assert (await client.get(path)).status_code == 200, path
 
-    _run_app(engine_in_thread, test, api_key="k")
+    with_app(engine_in_thread, test, api_key="k")
 
 
 Sample = tuple[str, frozenset[tuple[str, str]]]
@@ -164,7 +149,7 @@ def test_request_id_headers(engine_in_thread: AsyncLLM) -> None:
         assert len(set(made)) == 2 and all(len(i) == 32 for i in made)
         assert "x-request-id" in (await client.get("/v1/models")).headers  # a 401 too
 
-    _run_app(engine_in_thread, test, api_key="k", request_id_headers=True)
+    with_app(engine_in_thread, test, api_key="k", request_id_headers=True)
 
 
 def _samples(text: str) -> dict[Sample, float]:
@@ -196,7 +181,7 @@ def test_vllm_metric_names_carry_the_same_values(engine_in_thread: AsyncLLM) -> 
         assert samples["vllm:e2e_request_latency_seconds_count", vllm_labels] == 1
         assert not any(name.startswith("vllm:num_failed_steps") for name, _ in samples)
 
-    _run_app(engine_in_thread, test, vllm_metrics=True)
+    with_app(engine_in_thread, test, vllm_metrics=True)
 
 
 def test_vllm_metric_names_and_request_ids_are_off_by_default(http: httpx.Client) -> None:

@@ -7,16 +7,20 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import httpx
 import openai
 import pytest
 
+from helpers import make_model_with_tokenizer
+from tokenmill.engine.async_llm import AsyncLLM
+from tokenmill.engine.config import EngineConfig
 from tokenmill.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
 from tokenmill.entrypoints.openai.serving import ServingContext, ServingOptions
 
-from .conftest import MAX_MODEL_LEN, MODEL_NAME, LiveServer
+from .conftest import MAX_MODEL_LEN, MODEL_NAME, LiveServer, with_app
 
 CHAT = [{"role": "user", "content": "hi"}]
 PROMPT = "def add(a, b):"
@@ -54,14 +58,14 @@ SHARED: dict[str, tuple[str, Any]] = {
 }
 COMPLETION_ONLY: dict[str, tuple[str, Any]] = {
     "prompt": (OUTPUT, None), "echo": (OUTPUT, None), "suffix": (REFUSED, "end"),
-    "add_special_tokens": (REFUSED, False),
+    "add_special_tokens": (OUTPUT, None),
 }
 CHAT_ONLY: dict[str, tuple[str, Any]] = {
     "messages": (OUTPUT, None), "max_completion_tokens": (OUTPUT, None), "top_logprobs": (OUTPUT, None),
     "echo": (OUTPUT, None), "add_generation_prompt": (OUTPUT, None), "continue_final_message": (OUTPUT, None),
     "chat_template": (OUTPUT, None), "chat_template_kwargs": (OUTPUT, None),
     "documents": (REFUSED, [{"text": "x"}]), "reasoning_effort": (REFUSED, "low"),
-    "mm_processor_kwargs": (REFUSED, {"k": 1}), "add_special_tokens": (REFUSED, True),
+    "mm_processor_kwargs": (REFUSED, {"k": 1}), "add_special_tokens": (OUTPUT, None),
 }
 TABLES = {
     "/v1/completions": (CompletionRequest, SHARED | COMPLETION_ONLY, {"prompt": PROMPT}),
@@ -327,3 +331,40 @@ def test_server_return_tokens_as_token_ids(client: openai.OpenAI, serving_option
     serving_options(return_tokens_as_token_ids=True)
     out = client.completions.create(model=MODEL_NAME, prompt=PROMPT, **GREEDY, logprobs=0)
     assert all(t.startswith("token_id:") for t in out.choices[0].logprobs.tokens)
+
+
+def _model_with_bos(path: Path) -> Path:
+    """A tiny model whose tokenizer puts a BOS in front of every text it encodes."""
+    from tokenizers import Tokenizer, processors
+
+    make_model_with_tokenizer("llama3", path)
+    tokenizer = Tokenizer.from_file(str(path / "tokenizer.json"))
+    bos = "<|endoftext|>"
+    tokenizer.post_processor = processors.TemplateProcessing(
+        single=f"{bos} $A", special_tokens=[(bos, tokenizer.token_to_id(bos))])
+    tokenizer.save(str(path / "tokenizer.json"))
+    return path
+
+
+def test_add_special_tokens(tmp_path: Path) -> None:
+    """A text prompt gets the tokenizer's special tokens unless told not to; a chat prompt
+    only the template's unless told to add them (the usage shows the prompt's length)."""
+    config = EngineConfig(model=str(_model_with_bos(tmp_path)), device="cpu", dtype="float32", max_model_len=128,
+                          num_kv_blocks=64)
+    engine = AsyncLLM(config, core_in_thread=True)
+
+    async def test(http: httpx.AsyncClient) -> None:
+        async def prompt_tokens(path: str, body: dict) -> int:
+            response = await http.post(path, json={"model": MODEL_NAME, **GREEDY, **body})
+            assert response.status_code == 200, response.text
+            return response.json()["usage"]["prompt_tokens"]
+
+        plain = await prompt_tokens("/v1/completions", {"prompt": PROMPT})
+        assert await prompt_tokens("/v1/completions", {"prompt": PROMPT, "add_special_tokens": False}) == plain - 1
+        chat = await prompt_tokens("/v1/chat/completions", {"messages": CHAT})
+        assert await prompt_tokens("/v1/chat/completions", {"messages": CHAT, "add_special_tokens": True}) == chat + 1
+
+    try:
+        with_app(engine, test)
+    finally:
+        engine.close()

@@ -12,7 +12,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -21,24 +21,10 @@ import openai
 import pytest
 
 from tokenmill.engine.async_llm import AsyncLLM
-from tokenmill.entrypoints.openai.server import build_app
 
-from .conftest import MAX_MODEL_LEN, MODEL_NAME, LiveServer
+from .conftest import MAX_MODEL_LEN, MODEL_NAME, LiveServer, with_app
 
 BODY = {"model": MODEL_NAME, "prompt": "hello", "max_tokens": 4}
-
-
-def with_app(engine: AsyncLLM, test: Callable[[httpx.AsyncClient], Awaitable[None]],
-             api_key: str | None = None) -> None:
-    """Run ``test`` against a fresh app over ``engine`` in memory (no socket)."""
-    app = build_app(engine, MODEL_NAME, api_key=api_key)
-
-    async def run() -> None:
-        transport = httpx.ASGITransport(app=app)
-        async with httpx.AsyncClient(transport=transport, base_url="http://test", timeout=30) as client:
-            await asyncio.wait_for(test(client), timeout=60)
-
-    asyncio.run(run())
 
 
 def test_api_key(engine_in_thread: AsyncLLM) -> None:

@@ -166,12 +166,13 @@ class AsyncLLM:
         if self.num_unfinished + count > self.capacity:
             raise QueueFull(f"too many requests are waiting (max_waiting={self.max_waiting}); retry later")
 
-    async def process_input(self, prompt: str | list[int], params: SamplingParams) -> ProcessedPrompt:
+    async def process_input(self, prompt: str | list[int], params: SamplingParams,
+                            add_special_tokens: bool = True) -> ProcessedPrompt:
         """Tokenize and validate; long prompts in a worker thread, so other streams go on."""
         if isinstance(prompt, str) and len(prompt) > _INLINE_PROMPT_CHARS:
             return await asyncio.get_running_loop().run_in_executor(self._executor, self.inputs.process, prompt,
-                                                                    params)
-        return self.inputs.process(prompt, params)
+                                                                    params, add_special_tokens)
+        return self.inputs.process(prompt, params, add_special_tokens)
 
     async def render_chat(self, messages: list[dict[str, Any]], options: ChatOptions = ChatOptions()) -> list[int]:
         """The chat template and tokenizing, in a worker thread (a template may be slow)."""

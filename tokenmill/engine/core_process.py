@@ -30,7 +30,7 @@ import zmq
 
 from tokenmill.engine.config import EngineConfig
 from tokenmill.engine.core import EngineCore
-from tokenmill.engine.messages import CoreFailed, CoreInput, CoreOutputs, CoreReady, Shutdown
+from tokenmill.engine.messages import CoreFailed, CoreInput, CoreReady, Shutdown
 
 logger = logging.getLogger(__name__)
 

@@ -39,12 +39,13 @@ class InputProcessor:
         self.tokenizer = tokenizer
         self.limits = limits
 
-    def tokenize(self, prompt: Any) -> ProcessedPrompt:
-        """A prompt is a string (tokenized here) or a list of token ids (checked here)."""
+    def tokenize(self, prompt: Any, add_special_tokens: bool = True) -> ProcessedPrompt:
+        """A prompt is a string (tokenized here, with the tokenizer's special tokens unless
+        told not to) or a list of token ids (checked here, taken as they are)."""
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError("this model has no tokenizer: pass prompts as lists of token ids")
-            return ProcessedPrompt(prompt, encode_prompt(self.tokenizer, prompt))
+            return ProcessedPrompt(prompt, encode_prompt(self.tokenizer, prompt, add_special_tokens))
         if isinstance(prompt, list | tuple):
             ids = list(prompt)
             vocab = self.limits.vocab_size
@@ -85,8 +86,8 @@ class InputProcessor:
             if value is not None and value > limits.vocab_size:
                 raise ValueError(f"{name} must be at most the vocabulary size {limits.vocab_size}, got {value}")
 
-    def process(self, prompt: Any, params: SamplingParams) -> ProcessedPrompt:
-        processed = self.tokenize(prompt)
+    def process(self, prompt: Any, params: SamplingParams, add_special_tokens: bool = True) -> ProcessedPrompt:
+        processed = self.tokenize(prompt, add_special_tokens)
         self.check(processed, params)
         return processed
 

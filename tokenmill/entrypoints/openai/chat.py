@@ -27,17 +27,11 @@ from tokenmill.entrypoints.openai.serving import (
     RequestGroup,
     ServingContext,
     best,
+    chat_options,
     sampling_params,
     sse_stream,
 )
 from tokenmill.outputs import Logprobs
-from tokenmill.tokenizer import ChatOptions
-
-
-def _chat_options(req: ChatCompletionRequest) -> ChatOptions:
-    return ChatOptions(add_generation_prompt=req.add_generation_prompt,
-                       continue_final_message=req.continue_final_message, chat_template=req.chat_template,
-                       chat_template_kwargs=dict(req.chat_template_kwargs or {}))
 
 
 def _role(req: ChatCompletionRequest) -> str:
@@ -64,7 +58,8 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
                              prompt_logprobs=req.prompt_logprobs)
     ctx.engine.check_admission(1)
     try:  # the template decides which roles and contents it takes
-        prompt = await ctx.engine.render_chat([m.for_template() for m in req.messages], _chat_options(req))
+        options = chat_options(req, req.add_special_tokens)
+        prompt = await ctx.engine.render_chat([m.for_template() for m in req.messages], options)
     except ValueError as exc:
         raise APIError(400, str(exc), param="messages", code="invalid_value") from exc
     request_id = ctx.request_id(req, raw, "chatcmpl")

@@ -179,15 +179,6 @@ def refuse_unsupported(value: Any, info: ValidationInfo) -> Any:
     raise PydanticCustomError(UNSUPPORTED_PARAMETER, "not supported by this server yet")
 
 
-def only_default(value: bool, default: bool) -> bool:
-    """``add_special_tokens``: a completion prompt gets the tokenizer's special tokens and a
-    chat prompt only the template's, as vLLM's defaults; the other choice is not built."""
-    if value != default:
-        raise PydanticCustomError(UNSUPPORTED_PARAMETER, "only {default} is supported by this server yet",
-                                  {"default": "true" if default else "false"})
-    return value
-
-
 def _logit_bias_key(key: str) -> int:
     """JSON object keys are strings: a token id must be spelled as plain decimal digits."""
     if not (key.isascii() and key.isdigit()):
@@ -313,12 +304,7 @@ class CompletionRequest(SamplingFields):
     logprobs: LogprobCount | None = None
     echo: StrictBool = False
     suffix: Text | None = None
-    add_special_tokens: StrictBool = True
-
-    @field_validator("add_special_tokens")
-    @classmethod
-    def _special_tokens(cls, value: bool) -> bool:
-        return only_default(value, True)
+    add_special_tokens: StrictBool = True  # the tokenizer's BOS and the like around a text prompt
 
 
 class ChatContentPart(RequestModel):
@@ -368,14 +354,9 @@ class ChatCompletionRequest(SamplingFields):
     documents: Any = None
     reasoning_effort: Any = None
     mm_processor_kwargs: Any = None
-    add_special_tokens: StrictBool = False
+    add_special_tokens: StrictBool = False  # the template writes the special tokens it wants
 
     _refuse_chat_unsupported = field_validator(*_CHAT_UNSUPPORTED)(refuse_unsupported)
-
-    @field_validator("add_special_tokens")
-    @classmethod
-    def _special_tokens(cls, value: bool) -> bool:
-        return only_default(value, False)
 
 
 class PromptTokensDetails(BaseModel):

@@ -28,6 +28,7 @@ from tokenmill.entrypoints.openai.protocol import (
 )
 from tokenmill.outputs import Logprobs, OutputKind, RequestOutput
 from tokenmill.sampling_params import SamplingParams
+from tokenmill.tokenizer import ChatOptions
 
 logger = logging.getLogger(__name__)
 
@@ -128,7 +129,7 @@ class ServingContext:
             check_priority(req.priority, self.engine.config.scheduling_policy)
         except ValueError as exc:
             raise APIError(400, str(exc), param="priority", code="invalid_value") from None
-        processed = [await self._prepare(prompt, params, req.truncate_prompt_tokens) for prompt in prompts]
+        processed = [await self._prepare(prompt, params, req) for prompt in prompts]
         streams: list[RequestStream] = []
         try:
             for i, prompt in enumerate(processed):
@@ -140,18 +141,28 @@ class ServingContext:
             raise
         return RequestGroup(streams)
 
-    async def _prepare(self, prompt: str | list[int], params: SamplingParams,
-                       truncate: int | None) -> ProcessedPrompt:
+    async def _prepare(self, prompt: str | list[int], params: SamplingParams, req: SamplingFields) -> ProcessedPrompt:
         """Tokenized and checked; with ``truncate_prompt_tokens`` only the last k tokens are
-        kept (-1: up to max_model_len), before the length is checked, as in vLLM."""
+        kept (-1: up to max_model_len), before the length is checked, as in vLLM. (A chat
+        prompt arrives as ids, which ``add_special_tokens`` leaves alone.)"""
+        truncate, special = req.truncate_prompt_tokens, getattr(req, "add_special_tokens", True)
         if truncate is None:
-            return await self.engine.process_input(prompt, params)
-        full = await asyncio.to_thread(self.engine.inputs.tokenize, prompt)
+            return await self.engine.process_input(prompt, params, special)
+        full = await asyncio.to_thread(self.engine.inputs.tokenize, prompt, special)
         keep = self.engine.max_model_len if truncate == -1 else truncate
         if len(full.token_ids) > keep:
             full = ProcessedPrompt(None, full.token_ids[-keep:])
         self.engine.inputs.check(full, params)
         return full
+
+
+def chat_options(req: Any, add_special_tokens: bool) -> ChatOptions:
+    """The chat rendering a request asks for (chat completions and ``/tokenize`` name the
+    fields alike)."""
+    return ChatOptions(add_generation_prompt=req.add_generation_prompt,
+                       continue_final_message=req.continue_final_message, chat_template=req.chat_template,
+                       chat_template_kwargs=dict(req.chat_template_kwargs or {}),
+                       add_special_tokens=add_special_tokens)
 
 
 def best(entry: Logprobs, count: int) -> list[tuple[int, float]]:

@@ -18,8 +18,8 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool
 
 from tokenmill.entrypoints.openai.errors import APIError
 from tokenmill.entrypoints.openai.protocol import ChatMessage, RequestModel, Text, TokenId
-from tokenmill.entrypoints.openai.serving import ServingContext
-from tokenmill.tokenizer import ChatOptions, encode_prompt, render_chat
+from tokenmill.entrypoints.openai.serving import ServingContext, chat_options
+from tokenmill.tokenizer import encode_prompt
 
 T = TypeVar("T")
 
@@ -40,11 +40,6 @@ class TokenizeRequest(RequestModel):
     chat_template: Text | None = None
     chat_template_kwargs: dict[Text, Any] | None = None
     return_token_strs: StrictBool = False
-
-    def chat_options(self) -> ChatOptions:
-        return ChatOptions(add_generation_prompt=self.add_generation_prompt,
-                           continue_final_message=self.continue_final_message, chat_template=self.chat_template,
-                           chat_template_kwargs=self.chat_template_kwargs or {})
 
 
 class TokenizeResponse(BaseModel):
@@ -78,14 +73,9 @@ def _tokenizer(ctx: ServingContext) -> Any:
 
 async def _chat_ids(ctx: ServingContext, req: TokenizeRequest, messages: list[ChatMessage]) -> list[int]:
     """Without extra special tokens these are the very ids a chat request feeds the model."""
-    options = req.chat_options()
-    messages = [m.for_template() for m in messages]
+    options = chat_options(req, add_special_tokens=req.add_special_tokens is True)
     try:
-        if not req.add_special_tokens:
-            return await ctx.engine.render_chat(messages, options)
-        tokenizer = _tokenizer(ctx)
-        text = await _in_thread(render_chat, tokenizer, messages, options)
-        return await _in_thread(encode_prompt, tokenizer, text, True)
+        return await ctx.engine.render_chat([m.for_template() for m in messages], options)
     except ValueError as exc:
         raise APIError(400, str(exc), param="messages", code="invalid_value") from exc
 
