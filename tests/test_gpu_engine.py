@@ -115,3 +115,20 @@ def test_graphs_match_eager_across_context_buckets_and_decode_shaped_prefill(tmp
                 if params.prompt_logprobs is not None:
                     for x, y in zip(a.prompt_logprobs[1:], b.prompt_logprobs[1:]):
                         assert set(x) == set(y) and all(abs(x[t] - y[t]) < 1e-4 for t in x)
+
+
+def test_logit_bias_and_full_vocabulary_logprobs_on_cuda(tmp_path) -> None:
+    """The bias reaches greedy rows of CUDA-graph steps too (the graph's own argmax must not
+    be taken), and matches the CPU path; logprobs=-1 gives the whole vocabulary."""
+    make_model_dir("qwen3", tmp_path)
+    prompts = [[5, 6, 7, 8], [9, 10, 11]]
+    forced = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logit_bias={7: 100.0})
+    banned = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logit_bias={7: -100.0}, logprobs=-1)
+    cuda = LLM(str(tmp_path), device="cuda", dtype="float32")
+    cpu = LLM(str(tmp_path), device="cpu", dtype="float32")
+    assert all(o.outputs[0].token_ids == [7] * 12 for o in cuda.generate(prompts, forced, use_tqdm=False))
+    got = cuda.generate(prompts, banned, use_tqdm=False)
+    want = cpu.generate(prompts, banned, use_tqdm=False)
+    for a, b in zip(got, want):
+        assert 7 not in a.outputs[0].token_ids and a.outputs[0].token_ids == b.outputs[0].token_ids
+        assert all(len(entry) == cuda.engine.model_config.vocab_size for entry in a.outputs[0].logprobs)

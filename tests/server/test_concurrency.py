@@ -18,7 +18,7 @@ CANCELLED_MAX_TOKENS = 200
 
 
 def metric(text: str, name: str) -> float:
-    match = re.search(rf"^tokenmill:{name} ([0-9.e+-]+)$", text, re.MULTILINE)
+    match = re.search(rf"^tokenmill:{re.escape(name)} ([0-9.e+-]+)$", text, re.MULTILINE)
     assert match, f"{name} missing from /metrics"
     return float(match.group(1))
 
@@ -77,6 +77,8 @@ def test_concurrent_streams_with_cancellations(server: LiveServer, http: httpx.C
     assert metric(text, "kv_cache_usage_perc") == 0
     assert metric(text, "time_to_first_token_seconds_count") >= NUM_CLIENTS
     assert metric(text, "generation_tokens_total") >= NUM_CLIENTS * MAX_TOKENS
+    assert metric(text, 'request_success_total{finished_reason="length"}') >= NUM_CLIENTS
+    assert metric(text, 'request_success_total{finished_reason="abort"}') >= NUM_CANCELLED
     # The cancelled requests stopped early: far fewer tokens than running them out would take.
     generated = server.engine.stats.generation_tokens - generated_before
     assert generated < NUM_CLIENTS * MAX_TOKENS + NUM_CANCELLED * CANCELLED_MAX_TOKENS // 2

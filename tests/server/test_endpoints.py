@@ -179,6 +179,7 @@ def test_vllm_metric_names_carry_the_same_values(engine_in_thread: AsyncLLM) -> 
         assert twins >= len(VLLM_SHARED_NAMES)
         assert samples["vllm:generation_tokens_total", vllm_labels] == 4
         assert samples["vllm:e2e_request_latency_seconds_count", vllm_labels] == 1
+        assert samples["vllm:request_success_total", vllm_labels | {("finished_reason", "length")}] == 1
         assert not any(name.startswith("vllm:num_failed_steps") for name, _ in samples)
 
     with_app(engine_in_thread, test, vllm_metrics=True)

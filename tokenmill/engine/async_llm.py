@@ -212,9 +212,13 @@ class AsyncLLM:
             yield output
 
     def abort(self, request_id: str) -> None:
-        """Abort a request; unknown or finished ids are ignored."""
+        """Abort a request (its reader has left); unknown or finished ids are ignored."""
         self._streams.pop(request_id, None)
-        if self.outputs.abort_request(request_id) is not None and self.dead_reason is None and not self._closed:
+        output = self.outputs.abort_request(request_id)
+        if output is None:
+            return
+        self._deliver(ProcessedOutputs(outputs=[output]))  # the observers count it
+        if self.dead_reason is None and not self._closed:
             self.client.send(AbortRequests([request_id]))
 
     def stop_admitting(self) -> None:
@@ -235,11 +239,8 @@ class AsyncLLM:
     def abort_all(self) -> None:
         """End every request now with finish_reason "abort"; their streams get that output."""
         request_ids = list(self.outputs.requests)
-        for request_id in request_ids:
-            output = self.outputs.abort_request(request_id)
-            stream = self._streams.pop(request_id, None)
-            if stream is not None and output is not None:
-                stream.put(output)
+        outputs = [self.outputs.abort_request(request_id) for request_id in request_ids]
+        self._deliver(ProcessedOutputs(outputs=[output for output in outputs if output is not None]))
         if request_ids and self.dead_reason is None and not self._closed:
             self.client.send(AbortRequests(request_ids))
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from prometheus_client import CollectorRegistry, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -61,7 +61,7 @@ class _EngineCollector(Collector):
 VLLM_SHARED_NAMES = frozenset({
     "num_requests_running", "num_requests_waiting", "kv_cache_usage_perc", "prompt_tokens", "generation_tokens",
     "prefix_cache_queries", "prefix_cache_hits", "num_preemptions", "time_to_first_token_seconds",
-    "inter_token_latency_seconds", "e2e_request_latency_seconds",
+    "inter_token_latency_seconds", "e2e_request_latency_seconds", "request_success",
 })
 """Metrics that vLLM exports with the same meaning, under ``vllm:`` and this same suffix."""
 
@@ -101,15 +101,23 @@ class ServerMetrics:
                              buckets=_LATENCY_BUCKETS, registry=self.registry)
         self.e2e = Histogram("tokenmill:e2e_request_latency_seconds", "Arrival to last token.",
                              buckets=_LATENCY_BUCKETS, registry=self.registry)
+        self.finished = Counter("tokenmill:request_success", "Sequences finished, by why they finished.",
+                                ["finished_reason"], registry=self.registry)
         if vllm_names:
-            self.registry.register(_VllmTwins([engine_collector, self.ttft, self.itl, self.e2e], model_name))
+            self.registry.register(_VllmTwins([engine_collector, self.ttft, self.itl, self.e2e, self.finished],
+                                              model_name))
         engine.observers.append(self.observe)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
 
     def observe(self, processed: ProcessedOutputs) -> None:
-        """Latencies of one batch of outputs; a gap shared by several tokens counts once per token."""
+        """Latencies of one batch of outputs (a gap shared by several tokens counts once per
+        token), and the reasons its finished sequences ended ("error" for a failed request)."""
+        for output in processed.outputs:
+            if output.finished:
+                for choice in output.outputs:
+                    self.finished.labels("error" if output.error else choice.finish_reason or "abort").inc()
         for value in processed.ttfts:
             self.ttft.observe(value)
         for gap, count in processed.itls:
