@@ -18,6 +18,7 @@ import logging
 import multiprocessing
 import os
 import shutil
+import signal
 import tempfile
 import threading
 import time
@@ -121,7 +122,11 @@ def _serve_core(config: EngineConfig, input_address: str, output_address: str, c
 
 def run_core_process(config: EngineConfig, input_address: str, output_address: str, parent_pid: int,
                      log_level: int) -> None:
-    """The child process's entry point."""
+    """The child process's entry point. The front-end alone decides when the core stops (a
+    Shutdown message, or its own death): a terminal's Ctrl-C, or a SIGTERM sent to the whole
+    process group, must not end the core before the server has drained its streams."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     logging.basicConfig(level=log_level, format="%(levelname)s %(name)s: %(message)s")
     if "OMP_NUM_THREADS" not in os.environ:
         # Leave a core to the front-end: torch's CPU threads spin at their barriers, and one
@@ -130,8 +135,6 @@ def run_core_process(config: EngineConfig, input_address: str, output_address: s
     context = zmq.Context()
     try:
         _serve_core(config, input_address, output_address, context, parent_pid)
-    except KeyboardInterrupt:  # the terminal's Ctrl-C reaches the whole group; the front-end shuts us down
-        pass
     finally:
         context.term()
 
