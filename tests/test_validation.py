@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 
 from tokenmill.engine.config import EngineConfig
 from tokenmill.sampling_params import SamplingParams
+from tokenmill.tokenizer import invalid_unicode_at
 
 NAN, INF = float("nan"), float("inf")
 SEED_MIN, SEED_MAX = -2**63, 2**64 - 1
@@ -193,13 +194,7 @@ def _is_float(value: object, lo: float, hi: float = math.inf, lo_open: bool = Fa
 
 
 def _is_stop_text(value: object) -> bool:
-    if not isinstance(value, str) or not value:
-        return False
-    try:
-        value.encode("utf-8")
-    except UnicodeEncodeError:
-        return False
-    return True
+    return isinstance(value, str) and bool(value) and invalid_unicode_at(value) is None
 
 
 def _check_sampling_invariants(p: SamplingParams) -> None:

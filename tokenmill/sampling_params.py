@@ -5,19 +5,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from tokenmill.tokenizer import invalid_unicode_at
 from tokenmill.validation import BOOLEAN, REJECT, Rule, check_fields, integer, number, ruled
 
 
 def _is_stop_text(value: Any) -> bool:
     """A stop string must be non-empty (it would match everywhere) and encodable as UTF-8
     (a lone surrogate can never appear in decoded text, and breaks JSON output)."""
-    if not isinstance(value, str) or not value:
-        return False
-    try:
-        value.encode("utf-8")
-    except UnicodeEncodeError:
-        return False
-    return True
+    return isinstance(value, str) and bool(value) and invalid_unicode_at(value) is None
 
 
 def _stop(value: Any) -> Any:

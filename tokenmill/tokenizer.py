@@ -24,13 +24,22 @@ def load_tokenizer(model_dir: str | Path) -> Any | None:
     return AutoTokenizer.from_pretrained(str(model_dir))
 
 
-def check_text(text: str, what: str = "the prompt") -> None:
-    """Text must be valid Unicode: a lone surrogate (JSON allows ``"\\ud800"``) cannot be
-    tokenized, and must be refused here rather than fail inside the tokenizer."""
+def invalid_unicode_at(text: str) -> int | None:
+    """Where ``text`` stops being valid Unicode, or None. A lone surrogate (JSON allows
+    ``"\\ud800"``) cannot be tokenized nor written as UTF-8, so every boundary refuses it."""
     try:
         text.encode("utf-8")
     except UnicodeEncodeError as exc:
-        raise ValueError(f"{what} is not valid Unicode: {exc.reason} at position {exc.start}") from None
+        return exc.start
+    return None
+
+
+def check_text(text: str, what: str = "the prompt") -> None:
+    """Refused here rather than failing inside the tokenizer."""
+    index = invalid_unicode_at(text)
+    if index is not None:
+        raise ValueError(f"{what} is not valid Unicode: a lone surrogate U+{ord(text[index]):04X} "
+                         f"at position {index}")
 
 
 def encode_prompt(tokenizer: Any, text: str, add_special_tokens: bool = True) -> list[int]:

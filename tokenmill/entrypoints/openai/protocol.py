@@ -32,6 +32,8 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
+from tokenmill.tokenizer import invalid_unicode_at
+
 logger = logging.getLogger(__name__)
 
 # Error types of our own validators that are also the OpenAI error code the client sees.
@@ -59,14 +61,13 @@ class ErrorResponse(BaseModel):
 
 
 def _utf8_encodable(text: str) -> str:
-    """JSON escapes can spell a lone surrogate (``"\\ud800"``) that no UTF-8 encoder takes;
-    left in, it fails deep in the tokenizer as a 500, so it is refused where it arrives."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as exc:
+    """JSON escapes can spell a lone surrogate (``"\\ud800"``); left in, it fails deep in the
+    tokenizer as a 500, so it is refused where it arrives."""
+    index = invalid_unicode_at(text)
+    if index is not None:
         raise PydanticCustomError(
             "invalid_unicode", "the text holds a lone surrogate (U+{code}) at index {index}, not valid Unicode",
-            {"code": f"{ord(text[exc.start]):04X}", "index": exc.start}) from None
+            {"code": f"{ord(text[index]):04X}", "index": index})
     return text
 
 
