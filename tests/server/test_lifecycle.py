@@ -22,7 +22,7 @@ import pytest
 
 from tokenmill.engine.async_llm import AsyncLLM
 
-from .conftest import MAX_MODEL_LEN, MODEL_NAME, LiveServer, with_app
+from .conftest import MAX_MODEL_LEN, MODEL_NAME, LiveServer, small_engine_config, with_app
 
 BODY = {"model": MODEL_NAME, "prompt": "hello", "max_tokens": 4}
 
@@ -248,3 +248,19 @@ def test_dead_core_fails_requests_and_health(model_dir: Path) -> None:
         assert refused.status_code == 503
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(60) in (0, -signal.SIGTERM)
+
+
+def test_a_core_that_dies_before_any_request_turns_health_503(model_dir: Path) -> None:
+    engine = AsyncLLM(small_engine_config(model_dir))
+    try:
+        engine.client.process.kill()
+        engine.client.process.join(10)
+
+        async def test(client: httpx.AsyncClient) -> None:
+            health = await client.get("/health")
+            assert health.status_code == 503 and "died" in health.json()["error"]["message"]
+            assert (await client.post("/v1/completions", json=BODY)).status_code == 503
+
+        with_app(engine, test)
+    finally:
+        engine.close()

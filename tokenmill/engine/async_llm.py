@@ -9,7 +9,7 @@ tokens merge into it, so a slow client costs memory for its own text only and
 never slows the core.
 
 If the core process dies, every request in flight ends with an error at once,
-``is_healthy`` turns false, and new requests are refused.
+``core_alive`` turns false, and new requests are refused.
 """
 
 from __future__ import annotations
@@ -141,9 +141,12 @@ class AsyncLLM:
         freeze_startup_objects()
 
     # ----------------------------------------------------------- public API
-    @property
-    def is_healthy(self) -> bool:
-        return self.dead_reason is None and not self._closed
+    def core_alive(self) -> bool:
+        """False once the core is gone: noticed at once while requests run (the event loop
+        watches its process), and here for a server that has not served a request yet."""
+        if self.dead_reason is None and not self._closed and not self.client.is_alive():
+            self._on_dead(f"the engine core process died ({self.client.exit_description()})")
+        return self.dead_reason is None
 
     @property
     def num_unfinished(self) -> int:
@@ -156,7 +159,7 @@ class AsyncLLM:
 
     def check_admission(self, count: int) -> None:
         """Raise unless ``count`` more requests can be admitted now."""
-        if self.dead_reason is not None:
+        if not self.core_alive():
             raise EngineStopped(self.dead_reason)
         if not self.accepting or self._closed:
             raise EngineStopped("the server is shutting down")

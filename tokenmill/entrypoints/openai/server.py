@@ -179,7 +179,7 @@ def build_app(engine: AsyncLLM, served_model_name: str, api_key: str | None = No
 
     @app.get("/health")
     async def health() -> Response:
-        if engine.dead_reason is not None:
+        if not engine.core_alive():
             return APIError(503, engine.dead_reason, code="engine_dead").response()
         if not engine.accepting:
             return APIError(503, "the server is shutting down", code="unavailable").response()
