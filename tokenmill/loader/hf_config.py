@@ -1,25 +1,20 @@
 """Reads a Hugging Face ``config.json`` into the engine's own ModelConfig.
 
 The engine never looks at the raw dict again: everything the models and the
-KV cache need is normalised here once (rope parameters old and new style,
-per-layer sliding windows, explicit or derived head_dim).
+KV cache need is normalised here once. This module knows no architecture: the
+family registered for the ``architectures`` name maps the raw dict onto
+ModelConfig, using the generic helpers below (rope parameters old and new
+style, checkpoint dtype).
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 import torch
-
-SUPPORTED_ARCHITECTURES = (
-    "LlamaForCausalLM",
-    "MistralForCausalLM",
-    "Qwen2ForCausalLM",
-    "Qwen3ForCausalLM",
-)
 
 _DTYPES = {
     "float32": torch.float32,
@@ -79,9 +74,9 @@ def _as_id_list(value: Any) -> list[int]:
     return [int(v) for v in value]
 
 
-def _rope(raw: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
+def rope_parameters(raw: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
     """Rope theta and scaling, from transformers 5's ``rope_parameters`` or the older
-    ``rope_theta`` + ``rope_scaling`` pair."""
+    ``rope_theta`` + ``rope_scaling`` pair; scaling is None for plain rope."""
     params = dict(raw.get("rope_parameters") or {})
     scaling = dict(raw.get("rope_scaling") or {}) or None
     theta = float(params.pop("rope_theta", raw.get("rope_theta", 10000.0)))
@@ -99,74 +94,41 @@ def _rope(raw: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
     return theta, scaling
 
 
-def _sliding_windows(raw: dict[str, Any], arch: str, num_layers: int) -> tuple[int | None, ...]:
-    window = raw.get("sliding_window")
-    if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM") and not raw.get("use_sliding_window", False):
-        window = None
-    layer_types = raw.get("layer_types")
-    if window is None:
-        return (None,) * num_layers
-    if layer_types is None:
-        if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM"):
-            first = int(raw.get("max_window_layers", num_layers))
-            return tuple(int(window) if i >= first else None for i in range(num_layers))
-        return (int(window),) * num_layers
-    return tuple(int(window) if t == "sliding_attention" else None for t in layer_types)
+def checkpoint_dtype(raw: dict[str, Any]) -> torch.dtype:
+    """The dtype the weights were saved in (``dtype``, or the older ``torch_dtype``)."""
+    return _DTYPES.get(str(raw.get("dtype") or raw.get("torch_dtype") or "float32"), torch.float32)
 
 
 def load_model_config(model_dir: str | Path) -> ModelConfig:
-    """Parse ``config.json`` (and ``generation_config.json`` for eos ids) of a model directory."""
+    """Parse ``config.json`` (its ``text_config`` when it nests one, as multimodal
+    checkpoints do) and ``generation_config.json`` for eos ids, whose list wins."""
+    # Imported here: the registry imports this module (ModelConfig) through the families.
+    from tokenmill.models.registry import SUPPORTED_ARCHITECTURES, config_parser
+
     model_dir = Path(model_dir)
     if not model_dir.is_dir():
         raise ModelLoadError(f"model directory {str(model_dir)!r} does not exist")
     config_path = model_dir / "config.json"
     if not config_path.is_file():
         raise ModelLoadError(f"{model_dir} has no config.json: is it a Hugging Face model directory?")
-    raw = _read_json(config_path)
-    archs = raw.get("architectures") or []
+    top = _read_json(config_path)
+    archs = top.get("architectures") or []
     arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
     if arch is None:
         raise ModelLoadError(
             f"architecture {archs or 'missing'} in {config_path} is not supported; "
             f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
         )
+    raw = top.get("text_config") or top
     try:
-        hidden = int(raw["hidden_size"])
-        num_heads = int(raw["num_attention_heads"])
-        num_layers = int(raw["num_hidden_layers"])
-        vocab = int(raw["vocab_size"])
-        intermediate = int(raw["intermediate_size"])
-    except KeyError as exc:
+        cfg = config_parser(arch)(raw, arch)
+    except KeyError as exc:  # parsers index the fields they require
         raise ModelLoadError(f"{config_path} lacks the field {exc.args[0]!r}") from exc
-    head_dim = raw.get("head_dim") or hidden // num_heads
-    dtype_name = str(raw.get("dtype") or raw.get("torch_dtype") or "float32")
-    theta, scaling = _rope(raw)
     eos = _as_id_list(raw.get("eos_token_id"))
     gen_path = model_dir / "generation_config.json"
     if gen_path.is_file():
         eos = _as_id_list(_read_json(gen_path).get("eos_token_id")) or eos
-    return ModelConfig(
-        architecture=arch,
-        vocab_size=vocab,
-        hidden_size=hidden,
-        intermediate_size=intermediate,
-        num_layers=num_layers,
-        num_heads=num_heads,
-        num_kv_heads=int(raw.get("num_key_value_heads") or num_heads),
-        head_dim=int(head_dim),
-        rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
-        rope_theta=theta,
-        rope_scaling=scaling,
-        max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
-        tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-        qkv_bias=arch == "Qwen2ForCausalLM" or bool(raw.get("attention_bias", False)),
-        o_bias=arch != "Qwen2ForCausalLM" and bool(raw.get("attention_bias", False)),
-        mlp_bias=bool(raw.get("mlp_bias", False)),
-        qk_norm=arch == "Qwen3ForCausalLM",
-        sliding_windows=_sliding_windows(raw, arch, num_layers),
-        checkpoint_dtype=_DTYPES.get(dtype_name, torch.float32),
-        eos_token_ids=tuple(eos),
-    )
+    return replace(cfg, eos_token_ids=tuple(eos))
 
 
 def resolve_dtype(name: str | torch.dtype, config: ModelConfig, device: torch.device) -> torch.dtype:
@@ -181,5 +143,3 @@ def resolve_dtype(name: str | torch.dtype, config: ModelConfig, device: torch.de
     if name not in _DTYPES:
         raise ValueError(f"dtype {name!r} is not one of auto, {', '.join(sorted(_DTYPES))}")
     return _DTYPES[name]
-
-

@@ -1,14 +1,16 @@
-"""The Llama family: Llama 2/3, Mistral, Qwen2 and Qwen3 share one decoder.
+"""The Llama family (Llama 2/3, Mistral): its decoder and its config mapping.
 
-They differ only in switches carried by ModelConfig: q/k/v bias (Qwen2),
-per-head RMSNorm on q and k before RoPE (Qwen3), sliding windows (Mistral),
-llama3 rope scaling, tied embeddings. q/k/v and gate/up are fused into one
-matmul each at load time.
+The decoder reads only switches carried by ModelConfig: q/k/v and output bias,
+per-head RMSNorm on q and k before RoPE, per-layer sliding windows, llama3 rope
+scaling, tied embeddings. q/k/v and gate/up are fused into one matmul each at
+load time. Other families with the same block layout (Qwen) reuse the decoder
+and ``decoder_config``, mapping their own config keys onto those switches.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Any
 
 import torch
 from torch import nn
@@ -17,9 +19,59 @@ from tokenmill.layers import ops
 from tokenmill.layers.attention import AttentionMetadata, PagedAttention
 from tokenmill.layers.norm import RMSNorm
 from tokenmill.layers.rotary import RotaryEmbedding
-from tokenmill.loader.hf_config import ModelConfig, ModelLoadError
+from tokenmill.loader.hf_config import ModelConfig, ModelLoadError, checkpoint_dtype, rope_parameters
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
+
+
+def sliding_windows(raw: dict[str, Any], window: int | None, first_sliding: int = 0) -> tuple[int | None, ...]:
+    """Each layer's window: by ``layer_types`` where the config lists them, else
+    ``window`` on every layer from ``first_sliding`` on; none when ``window`` is None."""
+    num_layers = int(raw["num_hidden_layers"])
+    if window is None:
+        return (None,) * num_layers
+    layer_types = raw.get("layer_types")
+    if layer_types is None:
+        return tuple(int(window) if i >= first_sliding else None for i in range(num_layers))
+    return tuple(int(window) if t == "sliding_attention" else None for t in layer_types)
+
+
+def decoder_config(raw: dict[str, Any], arch: str, *, qkv_bias: bool, o_bias: bool, qk_norm: bool,
+                   windows: tuple[int | None, ...]) -> ModelConfig:
+    """The fields every Llama-layout config names alike; the family passes the switches
+    its config spells its own way. A missing required field raises KeyError."""
+    hidden = int(raw["hidden_size"])
+    num_heads = int(raw["num_attention_heads"])
+    theta, scaling = rope_parameters(raw)
+    return ModelConfig(
+        architecture=arch,
+        vocab_size=int(raw["vocab_size"]),
+        hidden_size=hidden,
+        intermediate_size=int(raw["intermediate_size"]),
+        num_layers=int(raw["num_hidden_layers"]),
+        num_heads=num_heads,
+        num_kv_heads=int(raw.get("num_key_value_heads") or num_heads),
+        head_dim=int(raw.get("head_dim") or hidden // num_heads),
+        rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+        rope_theta=theta,
+        rope_scaling=scaling,
+        max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
+        tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+        qkv_bias=qkv_bias,
+        o_bias=o_bias,
+        mlp_bias=bool(raw.get("mlp_bias", False)),
+        qk_norm=qk_norm,
+        sliding_windows=windows,
+        checkpoint_dtype=checkpoint_dtype(raw),
+    )
+
+
+def parse_config(raw: dict[str, Any], arch: str) -> ModelConfig:
+    """LlamaForCausalLM and MistralForCausalLM: ``attention_bias`` on q/k/v and o alike;
+    Mistral's ``sliding_window`` applies to every layer."""
+    bias = bool(raw.get("attention_bias", False))
+    return decoder_config(raw, arch, qkv_bias=bias, o_bias=bias, qk_norm=False,
+                          windows=sliding_windows(raw, raw.get("sliding_window")))
 
 
 class DecoderAttention(nn.Module):

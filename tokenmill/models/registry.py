@@ -1,14 +1,47 @@
-"""Architecture name (config.json ``architectures``) → model class."""
+"""Architecture name (config.json ``architectures``) → its family's config parser and model class.
+
+The single list of supported architectures: the loader asks here which family
+maps a config, the runner which class to build.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
 from torch import nn
 
-from tokenmill.loader.hf_config import SUPPORTED_ARCHITECTURES, ModelConfig
-from tokenmill.models.llama import LlamaForCausalLM
+from tokenmill.loader.hf_config import ModelConfig
+from tokenmill.models import llama, qwen
 
-_REGISTRY: dict[str, type[nn.Module]] = {arch: LlamaForCausalLM for arch in SUPPORTED_ARCHITECTURES}
+ConfigParser = Callable[[dict[str, Any], str], ModelConfig]
+
+
+@dataclass(frozen=True)
+class Family:
+    """How a family reads its Hugging Face config, and the module it builds from the result."""
+
+    parse_config: ConfigParser
+    model_class: type[nn.Module]
+
+
+_LLAMA = Family(llama.parse_config, llama.LlamaForCausalLM)
+_QWEN = Family(qwen.parse_config, qwen.QwenForCausalLM)
+
+_REGISTRY: dict[str, Family] = {
+    "LlamaForCausalLM": _LLAMA,
+    "MistralForCausalLM": _LLAMA,
+    "Qwen2ForCausalLM": _QWEN,
+    "Qwen3ForCausalLM": _QWEN,
+}
+
+SUPPORTED_ARCHITECTURES: tuple[str, ...] = tuple(_REGISTRY)
+
+
+def config_parser(architecture: str) -> ConfigParser:
+    return _REGISTRY[architecture].parse_config
 
 
 def model_class(cfg: ModelConfig) -> type[nn.Module]:
-    return _REGISTRY[cfg.architecture]
+    return _REGISTRY[cfg.architecture].model_class
