@@ -12,6 +12,8 @@ then not compared. Per-token logprobs must agree within ``LOGPROB_TOL``.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -54,9 +56,13 @@ def assert_matches_reference(ours: list[int], ours_logprobs: list[dict[int, floa
 
 @pytest.mark.parametrize("arch", sorted(TINY_CONFIGS))
 def test_greedy_parity_with_transformers(arch: str, tmp_path) -> None:
-    model = make_model_dir(arch, tmp_path)
+    assert_engine_matches(make_model_dir(arch, tmp_path), tmp_path)
+
+
+def assert_engine_matches(model: torch.nn.Module, model_dir: Path) -> None:
+    """The engine on ``model_dir`` (batched, chunked, preempted, prefix-cached) against ``model``."""
     prompts = parity_prompts()
-    llm = LLM(str(tmp_path), device="cpu", dtype="float32", block_size=16, max_num_seqs=4,
+    llm = LLM(str(model_dir), device="cpu", dtype="float32", block_size=16, max_num_seqs=4,
               max_num_batched_tokens=48, num_kv_blocks=16)
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=0)
     outputs = llm.generate(prompts, params, use_tqdm=False)

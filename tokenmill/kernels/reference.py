@@ -58,10 +58,12 @@ def paged_attention(
     *,
     max_query_len: int | None = None,
     max_seq_len: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Causal attention of ``query`` ``[T, Hq, D]`` over the paged cache, in float32; returns ``[T, Hq, D]``.
     ``max_query_len`` and ``max_seq_len`` are launch hints for kernels; the reference reads the lengths
-    itself."""
+    itself. ``softcap`` bounds the scaled scores to ``(-softcap, softcap)`` by ``tanh(s / cap) * cap``
+    before the mask, as Gemma does."""
     out = torch.empty_like(query)
     num_q_heads = query.shape[1]
     num_kv_heads = k_cache.shape[2]
@@ -79,6 +81,8 @@ def paged_attention(
         v = v.repeat_interleave(group, dim=1).transpose(0, 1)
         q = query[q_lo:q_hi].float().transpose(0, 1)  # [Hq, Q, D]
         scores = torch.matmul(q, k.transpose(1, 2)) * scale  # [Hq, Q, S]
+        if softcap is not None:
+            scores = softcap_(scores, softcap)
         q_pos = torch.arange(seq_len - q_len, seq_len, device=query.device)[:, None]
         k_pos = torch.arange(seq_len, device=query.device)[None, :]
         allowed = k_pos <= q_pos
@@ -99,13 +103,30 @@ def rms_norm(
     """RMSNorm over the last dim, as transformers computes it (float32 statistics,
     cast back before the weight). With ``residual``: ``x + residual`` is normed and
     also returned as the new residual."""
+    return _rms_norm(x, weight, eps, residual, offset=False)
+
+
+def offset_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+                    residual: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Gemma's RMSNorm: the weight is an offset from one (``1 + w``, so zeros are the identity)
+    and multiplies in float32 before the cast back, unlike ``rms_norm``. ``residual`` as there."""
+    return _rms_norm(x, weight, eps, residual, offset=True)
+
+
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None,
+              offset: bool) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     if residual is not None:
         x = x + residual
         residual = x
     xf = x.float()
     normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    out = weight * normed.to(x.dtype)
+    out = (normed * (1.0 + weight.float())).to(x.dtype) if offset else weight * normed.to(x.dtype)
     return out if residual is None else (out, residual)
+
+
+def softcap_(x: torch.Tensor, cap: float) -> torch.Tensor:
+    """``tanh(x / cap) * cap`` in place (so a CUDA graph's static buffer keeps its storage); returns ``x``."""
+    return x.div_(cap).tanh_().mul_(cap)
 
 
 def rotary_cos_sin(inv_freq: torch.Tensor, max_positions: int, scaling: float = 1.0) -> torch.Tensor:
@@ -178,3 +199,9 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """``silu(gate) * up`` for ``x = [gate | up]`` along the last dim."""
     gate, up = x.chunk(2, dim=-1)
     return torch.nn.functional.silu(gate) * up
+
+
+def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """``gelu_tanh(gate) * up`` for ``x = [gate | up]`` (GeGLU with transformers' ``gelu_pytorch_tanh``)."""
+    gate, up = x.chunk(2, dim=-1)
+    return torch.nn.functional.gelu(gate, approximate="tanh") * up

@@ -30,16 +30,19 @@ class AttentionMetadata:
 
 class PagedAttention(nn.Module):
     """Rotates q and k (after Qwen3's per-head norms, when given), writes this step's K/V
-    into the cache (one fused pass), then attends over the whole context."""
+    into the cache (one fused pass), then attends over the whole context. ``scale``
+    defaults to ``head_dim ** -0.5``; ``softcap`` caps the scores (Gemma)."""
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int,
-                 sliding_window: int | None, rotary: RotaryEmbedding) -> None:
+                 sliding_window: int | None, rotary: RotaryEmbedding, scale: float | None = None,
+                 softcap: float | None = None) -> None:
         super().__init__()
         self.rotary = rotary
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
-        self.scale = head_dim ** -0.5
+        self.scale = head_dim ** -0.5 if scale is None else scale
+        self.softcap = softcap
         self.sliding_window = sliding_window
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -52,4 +55,5 @@ class PagedAttention(nn.Module):
             q_norm.eps if q_norm is not None else 1e-6)
         return ops.paged_attention(q, k_cache, v_cache, meta.query_start_loc, meta.seq_lens,
                                    meta.block_tables, self.scale, self.sliding_window,
-                                   max_query_len=meta.max_query_len, max_seq_len=meta.max_seq_len)
+                                   max_query_len=meta.max_query_len, max_seq_len=meta.max_seq_len,
+                                   softcap=self.softcap)

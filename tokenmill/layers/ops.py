@@ -39,10 +39,16 @@ def backend_for(tensor: torch.Tensor) -> ModuleType:
 def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor,
                     scale: float, sliding_window: int | None = None,
-                    max_query_len: int | None = None, max_seq_len: int | None = None) -> torch.Tensor:
+                    max_query_len: int | None = None, max_seq_len: int | None = None,
+                    softcap: float | None = None) -> torch.Tensor:
     """``max_query_len`` (known on the host) spares the kernel a device read, which also
     keeps the call capturable in a CUDA graph; ``max_seq_len`` (an upper bound of
-    ``seq_lens``) lets it split the KV range for the contexts it will really see."""
+    ``seq_lens``) lets it split the KV range for the contexts it will really see.
+    ``softcap`` (score capping) has no Triton kernel yet: only the reference takes it, and
+    models that need it refuse to build on CUDA."""
+    if softcap is not None:
+        return reference.paged_attention(query, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale,
+                                         sliding_window, softcap=softcap)
     return backend_for(query).paged_attention(query, k_cache, v_cache, query_start_loc, seq_lens, block_tables,
                                               scale, sliding_window, max_query_len=max_query_len,
                                               max_seq_len=max_seq_len)
@@ -51,6 +57,12 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
              residual: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     return backend_for(x).rms_norm(x, weight, eps, residual)
+
+
+def offset_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+                    residual: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Gemma's ``(1 + w)`` RMSNorm: the torch reference on every device until it has a kernel."""
+    return reference.offset_rms_norm(x, weight, eps, residual)
 
 
 def rotary_embedding_and_write_kv(positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor,
@@ -95,3 +107,8 @@ def linear_into_stream(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     return backend_for(x).silu_and_mul(x)
+
+
+def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """GeGLU: the torch reference on every device until it has a kernel."""
+    return reference.gelu_tanh_and_mul(x)

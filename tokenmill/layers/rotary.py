@@ -1,4 +1,4 @@
-"""Rotary position embeddings, with Llama 3's frequency scaling.
+"""Rotary position embeddings, with linear and Llama 3 frequency scaling.
 
 The cos/sin table is computed once at start-up for every position the engine
 can see, in float32 and with the same arithmetic as transformers, so that
@@ -17,12 +17,15 @@ from tokenmill.kernels.reference import rotary_cos_sin
 
 
 def inverse_frequencies(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> torch.Tensor:
-    """Per-pair rotation frequencies; ``scaling`` of type llama3 stretches the low frequencies."""
+    """Per-pair rotation frequencies; ``scaling`` of type linear divides them all by its factor
+    (position interpolation, Gemma 3's global layers), llama3 stretches the low ones."""
     exponents = torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float() / head_dim
     inv_freq = 1.0 / (theta ** exponents)
     if scaling is None:
         return inv_freq
     factor = float(scaling["factor"])
+    if scaling["rope_type"] == "linear":
+        return inv_freq / factor
     low = float(scaling.get("low_freq_factor", 1.0))
     high = float(scaling.get("high_freq_factor", 4.0))
     old_len = float(scaling["original_max_position_embeddings"])

@@ -9,7 +9,7 @@ and ``decoder_config``, mapping their own config keys onto those switches.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -75,16 +75,21 @@ def parse_config(raw: dict[str, Any], arch: str) -> ModelConfig:
 
 
 class DecoderAttention(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer: int, rotary: RotaryEmbedding) -> None:
+    def __init__(self, cfg: ModelConfig, layer: int, rotary: RotaryEmbedding,
+                 norm: Callable[[int, float], nn.Module] = RMSNorm, scale: float | None = None,
+                 softcap: float | None = None) -> None:
+        """``norm`` (the per-head q/k norm's class), ``scale`` and ``softcap``: where a family
+        (Gemma 3) departs from Llama's RMSNorm and ``head_dim ** -0.5``, uncapped."""
         super().__init__()
         self.q_size = cfg.num_heads * cfg.head_dim
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
         self.head_dim = cfg.head_dim
         self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias)
         self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=cfg.o_bias)
-        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
-        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
-        self.attn = PagedAttention(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.sliding_windows[layer], rotary)
+        self.q_norm = norm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = norm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.attn = PagedAttention(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.sliding_windows[layer], rotary,
+                                   scale, softcap)
 
     def forward(self, positions: torch.Tensor, qkv: torch.Tensor, residual: torch.Tensor, kv_cache: KVCache,
                 meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -13,7 +13,7 @@ from typing import Any
 from torch import nn
 
 from tokenmill.loader.hf_config import ModelConfig
-from tokenmill.models import llama, qwen
+from tokenmill.models import gemma3, llama, qwen
 
 ConfigParser = Callable[[dict[str, Any], str], ModelConfig]
 
@@ -28,12 +28,15 @@ class Family:
 
 _LLAMA = Family(llama.parse_config, llama.LlamaForCausalLM)
 _QWEN = Family(qwen.parse_config, qwen.QwenForCausalLM)
+_GEMMA3 = Family(gemma3.parse_config, gemma3.Gemma3ForCausalLM)
 
 _REGISTRY: dict[str, Family] = {
     "LlamaForCausalLM": _LLAMA,
     "MistralForCausalLM": _LLAMA,
     "Qwen2ForCausalLM": _QWEN,
     "Qwen3ForCausalLM": _QWEN,
+    "Gemma3ForCausalLM": _GEMMA3,
+    "Gemma3ForConditionalGeneration": _GEMMA3,
 }
 
 SUPPORTED_ARCHITECTURES: tuple[str, ...] = tuple(_REGISTRY)

@@ -1,0 +1,214 @@
+"""The Gemma 3 family (text): ``Gemma3ForCausalLM``, and the language model of
+``Gemma3ForConditionalGeneration`` (its vision tower is skipped).
+
+What differs from the Llama decoder: every RMSNorm scales by ``1 + w``; norms sit
+both before and after attention and the MLP; q and k are normed per head; the
+attention scale is ``query_pre_attn_scalar ** -0.5``; sliding and global layers
+interleave, each kind with its own RoPE table; scores and final logits may be
+softcapped (``tanh(x / cap) * cap``); the MLP is GeGLU; embeddings are scaled by
+``sqrt(hidden_size)`` in the model's dtype. q/k/v and gate/up are fused at load
+time under the Llama parameter names, so the Llama loader fills them.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, fields
+from typing import Any
+
+import torch
+from torch import nn
+
+from tokenmill.kernels.reference import softcap_
+from tokenmill.layers import ops
+from tokenmill.layers.attention import AttentionMetadata
+from tokenmill.layers.rotary import RotaryEmbedding
+from tokenmill.loader.hf_config import ModelConfig, ModelLoadError, rope_parameters
+from tokenmill.models.llama import (
+    DecoderAttention,
+    KVCache,
+    LlamaForCausalLM,
+    decoder_config,
+    sliding_windows,
+)
+
+logger = logging.getLogger(__name__)
+
+_DEFAULT_GLOBAL_THETA = 1_000_000.0
+_DEFAULT_LOCAL_THETA = 10_000.0
+# Checkpoint prefixes of Gemma3ForConditionalGeneration's language model (transformers 5, then 4).
+_LANGUAGE_MODEL_PREFIXES = {"model.language_model.": "model.", "language_model.model.": "model.",
+                            "language_model.lm_head.": "lm_head."}
+_VISION_PREFIXES = ("model.vision_tower.", "model.multi_modal_projector.", "vision_tower.", "multi_modal_projector.")
+
+
+@dataclass(frozen=True)
+class Gemma3Config(ModelConfig):
+    """ModelConfig plus what only Gemma 3 reads; ``rope_theta``/``rope_scaling`` are the global layers'."""
+
+    attn_scale: float = 1.0
+    attn_softcap: float | None = None
+    final_softcap: float | None = None
+    local_rope_theta: float = _DEFAULT_LOCAL_THETA
+    local_rope_scaling: dict[str, Any] | None = None
+
+
+def _layer_types(raw: dict[str, Any]) -> list[str]:
+    """``layer_types``, or the older ``sliding_window_pattern``: every pattern-th layer is global."""
+    if raw.get("layer_types") is not None:
+        return list(raw["layer_types"])
+    pattern = int(raw.get("sliding_window_pattern", 6))
+    return ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(int(raw["num_hidden_layers"]))]
+
+
+def parse_config(raw: dict[str, Any], arch: str) -> Gemma3Config:
+    """Gemma3ForCausalLM's config, or the ``text_config`` of Gemma3ForConditionalGeneration. RoPE comes
+    per layer type from transformers 5's ``rope_parameters``, or from the older ``rope_theta`` +
+    ``rope_scaling`` (global) and ``rope_local_base_freq`` (sliding)."""
+    if raw.get("use_bidirectional_attention"):
+        raise ModelLoadError("Gemma 3 with use_bidirectional_attention is not supported (not a causal LM)")
+    activation = raw.get("hidden_activation", "gelu_pytorch_tanh")
+    if activation != "gelu_pytorch_tanh":
+        raise ModelLoadError(f"Gemma 3 hidden_activation {activation!r} is not supported (gelu_pytorch_tanh)")
+    rope = raw.get("rope_parameters") or {}
+    full = dict(rope.get("full_attention") or raw.get("rope_scaling") or {})
+    full.setdefault("rope_theta", raw.get("rope_theta", _DEFAULT_GLOBAL_THETA))
+    local = dict(rope.get("sliding_attention") or {})
+    local.setdefault("rope_theta", raw.get("rope_local_base_freq", _DEFAULT_LOCAL_THETA))
+    local_theta, local_scaling = rope_parameters({"rope_parameters": local})
+    types = _layer_types(raw)
+    bias = bool(raw.get("attention_bias", False))
+    text = {**raw, "rope_parameters": full, "rope_scaling": None, "layer_types": types,
+            "tie_word_embeddings": raw.get("tie_word_embeddings", True)}
+    base = decoder_config(text, arch, qkv_bias=bias, o_bias=bias, qk_norm=True,
+                          windows=sliding_windows(text, raw.get("sliding_window")))
+    return Gemma3Config(
+        **{f.name: getattr(base, f.name) for f in fields(ModelConfig)},
+        attn_scale=float(raw.get("query_pre_attn_scalar", 256)) ** -0.5,
+        attn_softcap=_optional_float(raw.get("attn_logit_softcapping")),
+        final_softcap=_optional_float(raw.get("final_logit_softcapping")),
+        local_rope_theta=local_theta,
+        local_rope_scaling=local_scaling,
+    )
+
+
+def _optional_float(value: Any) -> float | None:
+    return None if value is None else float(value)
+
+
+class OffsetRMSNorm(nn.Module):
+    """Gemma's RMSNorm, ``norm(x) * (1 + w)``; ``w`` starts at zero (the identity)."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor,
+                residual: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """With ``residual``: returns ``(norm(x + residual), x + residual)``."""
+        return ops.offset_rms_norm(x, self.weight, self.eps, residual)
+
+
+class Gemma3Attention(DecoderAttention):
+    def __init__(self, cfg: Gemma3Config, layer: int, rotary: RotaryEmbedding) -> None:
+        super().__init__(cfg, layer, rotary, OffsetRMSNorm, cfg.attn_scale, cfg.attn_softcap)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, kv_cache: KVCache,
+                meta: AttentionMetadata) -> torch.Tensor:
+        """q and k are normed here, not in the RoPE pass, whose fused norm is Llama's ``w * norm(x)``."""
+        tokens = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = self.q_norm(q.reshape(tokens, -1, self.head_dim))
+        k = self.k_norm(k.reshape(tokens, -1, self.head_dim))
+        out = self.attn(positions, q, k, v.reshape(tokens, -1, self.head_dim), kv_cache, meta)
+        return self.o_proj(out.reshape(tokens, self.q_size))
+
+
+class GeGLUMLP(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(ops.gelu_tanh_and_mul(self.gate_up_proj(x)))
+
+
+class Gemma3DecoderLayer(nn.Module):
+    """Sandwich norms: each block's input and output are normed, then the output joins the stream."""
+
+    def __init__(self, cfg: Gemma3Config, layer: int, rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        self.self_attn = Gemma3Attention(cfg, layer, rotary)
+        self.mlp = GeGLUMLP(cfg)
+        self.input_layernorm = OffsetRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = OffsetRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.pre_feedforward_layernorm = OffsetRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_feedforward_layernorm = OffsetRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None,
+                kv_cache: KVCache, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        """The stream is ``x + residual`` (``x`` alone in the first layer); the adds are fused into the norms."""
+        normed, residual = (self.input_layernorm(x), x) if residual is None else self.input_layernorm(x, residual)
+        attn = self.post_attention_layernorm(self.self_attn(positions, normed, kv_cache, meta))
+        normed, residual = self.pre_feedforward_layernorm(attn, residual)
+        return self.post_feedforward_layernorm(self.mlp(normed)), residual
+
+
+class Gemma3Model(nn.Module):
+    def __init__(self, cfg: Gemma3Config, max_positions: int) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        # Held in the model's dtype: transformers rounds sqrt(hidden_size) to it before the multiply.
+        self.register_buffer("embed_scale", torch.tensor(cfg.hidden_size ** 0.5), persistent=False)
+        global_rotary = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling)
+        local_rotary = RotaryEmbedding(cfg.head_dim, max_positions, cfg.local_rope_theta, cfg.local_rope_scaling)
+        self.layers = nn.ModuleList(
+            Gemma3DecoderLayer(cfg, i, global_rotary if window is None else local_rotary)
+            for i, window in enumerate(cfg.sliding_windows))
+        self.norm = OffsetRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],
+                meta: AttentionMetadata) -> torch.Tensor:
+        x = self.embed_tokens(input_ids) * self.embed_scale
+        residual = None
+        for layer, kv_cache in zip(self.layers, kv_caches):
+            x, residual = layer(positions, x, residual, kv_cache, meta)
+        return self.norm(x, residual)[0]
+
+
+class Gemma3ForCausalLM(LlamaForCausalLM):
+    """Gemma 3's decoder under the Llama head, logits pruning and loader; adds final-logit softcapping
+    and the nested checkpoint names of Gemma3ForConditionalGeneration."""
+
+    def __init__(self, cfg: Gemma3Config, max_positions: int) -> None:
+        if cfg.attn_softcap is not None and torch.empty(0).is_cuda:
+            raise ValueError("Gemma 3 attention-logit softcapping (attn_logit_softcapping) is not supported on "
+                             "CUDA yet: the Triton attention kernel does not cap scores")
+        nn.Module.__init__(self)
+        self.config = cfg
+        self.model = Gemma3Model(cfg, max_positions)
+        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+
+    def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        logits = super().compute_logits(hidden, out)
+        cap = self.config.final_softcap
+        return logits if cap is None else softcap_(logits, cap)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        super().load_weights(_language_model_weights(weights))
+
+
+def _language_model_weights(weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+    """Gemma3ForConditionalGeneration's tensors renamed as Gemma3ForCausalLM's; vision ones dropped."""
+    skipped = 0
+    for name, tensor in weights:
+        if name.startswith(_VISION_PREFIXES):
+            skipped += 1
+            continue
+        prefix = next((p for p in _LANGUAGE_MODEL_PREFIXES if name.startswith(p)), None)
+        yield (name if prefix is None else _LANGUAGE_MODEL_PREFIXES[prefix] + name[len(prefix):]), tensor
+    if skipped:
+        logger.info("skipped %d vision tensors: only Gemma 3's language model is loaded", skipped)
