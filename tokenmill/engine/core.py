@@ -20,6 +20,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import msgspec
 import torch
 
 from tokenmill.default_model import DEFAULT_MODEL_DIR
@@ -147,10 +148,7 @@ class EngineCore:
 
     def ready_message(self) -> CoreReady:
         cfg = self.model_config
-        return CoreReady(max_model_len=self.max_model_len, vocab_size=cfg.vocab_size,
-                         eos_token_ids=list(cfg.eos_token_ids), num_kv_blocks=self.kv.pool.num_blocks,
-                         block_size=self.config.block_size, device=str(self.device),
-                         dtype=str(self.dtype).removeprefix("torch."))
+        return CoreReady(max_model_len=self.max_model_len, vocab_size=cfg.vocab_size)
 
     # --------------------------------------------------------------- requests
     def handle(self, message: CoreInput) -> None:
@@ -164,11 +162,7 @@ class EngineCore:
             self.abort_sequence(message.request_id, message.index)
 
     def add_request(self, request: AddRequest) -> None:
-        """Queue a request the front-end validated. A duplicate id is a front-end bug: the
-        request is answered with an error instead of touching the one that holds the id."""
-        if request.request_id in self.requests:
-            self._fail(request.request_id, f"request id {request.request_id!r} is already in use", [])
-            return
+        """Queue a request the front-end validated (and whose id it checked is free)."""
         params = request.params
         ids = request.prompt_token_ids
         seqs = [self._new_sequence(request.request_id, i, ids, params, request.arrival_time)
@@ -395,4 +389,4 @@ class EngineCore:
         stats.kv_blocks_in_use = kv.num_blocks_in_use
         stats.kv_blocks_cached = kv.pool.num_cached
         stats.prefix_cache_queries, stats.prefix_cache_hits = kv.query_tokens, kv.hit_tokens
-        return CoreStats(**{f: getattr(stats, f) for f in CoreStats.__struct_fields__})
+        return msgspec.structs.replace(stats)  # a copy: the in-process caller may keep it

@@ -14,7 +14,7 @@ import time
 from tokenmill.engine.config import EngineConfig
 from tokenmill.engine.core import EngineCore, model_dir_of
 from tokenmill.engine.input_processor import InputProcessor, ModelLimits, check_priority
-from tokenmill.engine.messages import AbortRequests, AddRequest
+from tokenmill.engine.messages import AddRequest
 from tokenmill.engine.output_processor import OutputProcessor
 from tokenmill.outputs import OutputKind, RequestOutput
 from tokenmill.sampling_params import SamplingParams
@@ -30,9 +30,6 @@ class LLMEngine:
         self.tokenizer = None if config.random_weights else load_tokenizer(model_dir_of(config))
         self.inputs = InputProcessor(self.tokenizer, ModelLimits(self.model_config.vocab_size, self.max_model_len))
         self.outputs = OutputProcessor(self.tokenizer)
-
-    def encode(self, prompt: str) -> list[int]:
-        return self.inputs.tokenize(prompt).token_ids
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
                     arrival_time: float | None = None, stream: bool = True,
@@ -70,7 +67,3 @@ class LLMEngine:
     def requests(self) -> dict:
         """Requests not yet finished, by id (the front-end's view)."""
         return self.outputs.requests
-
-    def abort_all(self) -> None:
-        self.core.handle(AbortRequests(list(self.outputs.requests)))
-        self.outputs.requests.clear()

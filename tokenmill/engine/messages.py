@@ -84,10 +84,6 @@ class CoreStats(msgspec.Struct, array_like=True, gc=False):
     num_steps: int = 0
     num_failed_steps: int = 0
 
-    @property
-    def num_requests(self) -> int:
-        return self.num_running + self.num_waiting
-
 
 class CoreOutputs(msgspec.Struct, array_like=True, gc=False):
     outputs: list[RequestDelta]
@@ -97,13 +93,8 @@ class CoreOutputs(msgspec.Struct, array_like=True, gc=False):
 class CoreReady(msgspec.Struct, tag=True, array_like=True):
     """The core process's first message: what the front-end must know of the engine it built."""
 
-    max_model_len: int
+    max_model_len: int  # after the KV pool is sized, which may lower it
     vocab_size: int
-    eos_token_ids: list[int]
-    num_kv_blocks: int
-    block_size: int
-    device: str
-    dtype: str
 
 
 class CoreFailed(msgspec.Struct, tag=True, array_like=True):
