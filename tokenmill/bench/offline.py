@@ -223,7 +223,7 @@ def bench_features(ceilings: Ceilings) -> list[dict]:
         result["utilisation"] = result["mean_decode_batch"] / 64
         mode = "static" if static else "continuous"
         if not static:
-            per_token = engine.model_config.kv_bytes_per_token(engine.core.dtype)
+            per_token = engine.model_config.kv_layout().bytes_per_token(engine.core.dtype)
             paged = result["peak_kv_blocks"] * engine.config.block_size * per_token
             contiguous = 64 * engine.max_model_len * per_token
             rows.append({"name": "features/paged_kv_memory", "paged_peak_bytes": paged,

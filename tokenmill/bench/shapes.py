@@ -66,7 +66,7 @@ def step_cost(cfg: ModelConfig, query_lens: list[int], context_lens: list[int], 
     context read once and the new K/V written; GEMMs over the step's tokens (LM head only
     on sampled rows) and attention over each query's causal context."""
     tokens = sum(query_lens)
-    kv_tok = cfg.kv_bytes_per_token(dtype)
+    kv_tok = cfg.kv_layout().bytes_per_token(dtype)
     bytes_ = weight_bytes_per_step(cfg, dtype.itemsize) + kv_tok * (sum(context_lens) + tokens)
     body = linear_params(cfg) - cfg.vocab_size * cfg.hidden_size
     flops = 2.0 * tokens * body + 2.0 * sampled_rows * cfg.vocab_size * cfg.hidden_size

@@ -126,7 +126,7 @@ class EngineCore:
         cfg, config = self.model_config, self.config
         if config.num_kv_blocks is not None:
             return config.num_kv_blocks
-        per_block = cfg.kv_bytes_per_token(self.dtype) * config.block_size
+        per_block = cfg.kv_layout().bytes_per_token(self.dtype) * config.block_size
         enough = config.max_num_seqs * -(-max_len // config.block_size)
         if self.device.type == "cuda":
             free, total = torch.cuda.mem_get_info(self.device)

@@ -16,6 +16,8 @@ from typing import Any
 
 import torch
 
+from tokenmill.loader.kv_layout import KVLayout
+
 _DTYPES = {
     "float32": torch.float32,
     "float": torch.float32,
@@ -54,9 +56,10 @@ class ModelConfig:
     checkpoint_dtype: torch.dtype
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
 
-    def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
-        """K and V of every layer for one token, in bytes of ``dtype``."""
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype.itemsize
+    def kv_layout(self) -> KVLayout:
+        """Each layer's cache: every layer owns one of ``num_kv_heads`` × ``head_dim``, with its
+        sliding window. Families whose layers differ further (Gemma 4) override this."""
+        return KVLayout.uniform(self.num_layers, self.num_kv_heads, self.head_dim, self.sliding_windows)
 
 
 def _read_json(path: Path) -> dict[str, Any]:

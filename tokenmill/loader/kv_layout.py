@@ -1,0 +1,79 @@
+"""Which KV cache each layer of a model reads, and how those caches group by shape.
+
+Layers differ: Gemma's sliding layers see only a window of recent tokens, Gemma 4's
+global layers have wider heads and fewer of them, and Gemma 4's last layers read
+the cache of an earlier layer instead of keeping their own. A KV group is the set
+of layers sharing one ``KVSpec`` (KV heads, head dim, window): the engine keeps one
+block pool and one block table per sequence for each group, so that a sliding
+group can free the blocks its window has passed while a full group keeps them all.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class KVSpec:
+    """The shape of one layer's cache: ``sliding_window`` None is a full-context layer."""
+
+    num_kv_heads: int
+    head_dim: int
+    sliding_window: int | None = None
+
+    def bytes_per_token(self, dtype: torch.dtype) -> int:
+        """K and V of one layer for one token."""
+        return 2 * self.num_kv_heads * self.head_dim * dtype.itemsize
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    """``layers[i]``: the spec of the cache layer ``i`` reads; ``source[i]``: the layer that owns
+    that cache (``i`` itself, or an earlier layer of the same spec whose KV it shares)."""
+
+    layers: tuple[KVSpec, ...]
+    source: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        if len(self.layers) != len(self.source):
+            raise ValueError("a KV layout needs one source per layer")
+        for i, src in enumerate(self.source):
+            if not (0 <= src <= i and self.source[src] == src and self.layers[src] == self.layers[i]):
+                raise ValueError(f"layer {i} cannot read the cache of layer {src}")
+
+    @classmethod
+    def uniform(cls, num_layers: int, num_kv_heads: int, head_dim: int,
+                sliding_windows: Sequence[int | None]) -> KVLayout:
+        """Every layer owns its cache, all of one head shape (windows may differ per layer)."""
+        return cls(tuple(KVSpec(num_kv_heads, head_dim, w) for w in sliding_windows), tuple(range(num_layers)))
+
+    @property
+    def groups(self) -> tuple[KVSpec, ...]:
+        """The distinct specs, in the order of the first layer of each."""
+        return tuple(dict.fromkeys(self.layers))
+
+    @property
+    def layer_group(self) -> tuple[int, ...]:
+        """The group of each layer."""
+        index = {spec: g for g, spec in enumerate(self.groups)}
+        return tuple(index[spec] for spec in self.layers)
+
+    def owners(self, group: int) -> list[int]:
+        """The layers of ``group`` that keep a cache of their own, in layer order."""
+        spec = self.groups[group]
+        return [i for i, s in enumerate(self.layers) if s == spec and self.source[i] == i]
+
+    def group_bytes_per_token(self, group: int, dtype: torch.dtype) -> int:
+        """K and V of every cache-owning layer of ``group``, for one token."""
+        return len(self.owners(group)) * self.groups[group].bytes_per_token(dtype)
+
+    def bytes_per_token(self, dtype: torch.dtype) -> int:
+        return sum(self.group_bytes_per_token(g, dtype) for g in range(len(self.groups)))
+
+    def full_length_bytes_per_token(self, dtype: torch.dtype) -> int:
+        """What one token would take if every layer kept its own full-length cache (the
+        baseline the savings of windows and sharing are measured against)."""
+        return sum(spec.bytes_per_token(dtype) for spec in self.layers)
