@@ -70,3 +70,19 @@ def test_a_sliding_only_model_holds_its_window_however_long_it_generates(tmp_pat
     assert len(outputs[-1].outputs[0].token_ids) == 300
     assert max(held) <= -(-(24 - 1 + 16) // 16) + 1
     assert engine.core.kv.num_blocks_in_use == 0
+
+
+def test_step_floor_counts_only_what_windows_let_layers_read(tmp_path) -> None:
+    """gemma3 (tiny): layers 0 and 2 slide over 24 tokens, layer 1 sees everything."""
+    from tokenmill.bench.shapes import StepCostModel
+    from tokenmill.engine.model_runner import build_model
+
+    make_model_dir("gemma3", tmp_path)
+    cfg = load_model_config(tmp_path)
+    cost = StepCostModel.of(build_model(cfg, None, torch.float32, torch.device("cpu"), 512), cfg)
+    per_layer = FULL.bytes_per_token(torch.float32)
+    bytes_, _ = cost.step([1], [400], 1, torch.float32)
+    assert bytes_ - cost.weight_bytes(4) == per_layer * (400 + 2 * 24 + 3)  # reads, then the new token's K/V
+    layout = cfg.kv_layout()
+    assert layout.bytes_held(400, torch.float32) == per_layer * (400 + 2 * 24)
+    assert layout.full_length_bytes_per_token(torch.float32) * 400 == per_layer * 1200
