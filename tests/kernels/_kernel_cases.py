@@ -16,11 +16,22 @@ import torch
 
 from tokenmill.kernels import reference
 
+try:
+    import triton
+    import triton.language as tl
+
+    from tokenmill.kernels.triton_attention import _tanh
+except ImportError:  # the checks need triton; importing this module does not
+    triton = None
+
 # Relative error ‖out − ref‖ / ‖ref‖ allowed per input dtype. bf16/fp16 attention
 # rounds P to the input dtype before the PV product; fp32 uses IEEE dots.
 ATTN_TOL = {torch.float32: 1e-4, torch.float16: 2e-3, torch.bfloat16: 1e-2}
 # Elementwise kernels replicate the reference's roundings: differences are a few ulps.
 ELEMWISE_TOL = {torch.float32: 1e-5, torch.float16: 1e-3, torch.bfloat16: 8e-3}
+# The attention kernel's float32 tanh (softcapping), against float64: absolute error anywhere
+# (it cancels to a few ulps of 1 near 0), relative error from |x| = 0.5 on.
+TANH_ABS_TOL, TANH_REL_TOL = 5e-7, 1e-6
 
 
 def fresh_generator(device: str) -> tuple[torch.Generator, int]:
@@ -53,6 +64,8 @@ def check_paged_attention(
     sliding_window: int | None = None,
     num_splits: int | None = None,
     pass_max_query_len: bool = True,
+    softcap: float | None = None,
+    scale: float | None = None,
 ) -> float:
     """``specs`` lists (query length, context length incl. the query) per sequence.
 
@@ -91,10 +104,10 @@ def check_paged_attention(
     # The query is a strided view into a fused qkv buffer, as the model produces it.
     qkv = _randn((num_tokens, (num_q_heads + 2 * num_kv_heads) * head_dim), dtype, device, gen)
     query = qkv[:, : num_q_heads * head_dim].view(num_tokens, num_q_heads, head_dim)
-    scale = head_dim**-0.5
+    scale = head_dim**-0.5 if scale is None else scale
 
     ref = reference.paged_attention(
-        query, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale, sliding_window
+        query, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale, sliding_window, softcap=softcap
     )
     out = torch.full_like(query, float("nan"))
     got = ops.paged_attention(
@@ -107,10 +120,12 @@ def check_paged_attention(
         scale,
         sliding_window,
         max_query_len=max(q for q, _ in specs) if pass_max_query_len else None,
+        softcap=softcap,
         num_splits=num_splits,
         out=out,
     )
-    where = f"seed={seed} specs={specs} Hq={num_q_heads} Hkv={num_kv_heads} D={head_dim} {dtype} window={sliding_window} splits={num_splits}"
+    where = (f"seed={seed} specs={specs} Hq={num_q_heads} Hkv={num_kv_heads} D={head_dim} {dtype} "
+             f"window={sliding_window} splits={num_splits} softcap={softcap} scale={scale}")
     assert got is out, where
     assert torch.isfinite(out).all(), f"unwritten or poisoned output rows: {where}"
     err = rel_err(out, ref)
@@ -127,16 +142,21 @@ def check_rms_norm(
     device: str,
     with_residual: bool,
     weight_dtype: torch.dtype | None = None,
+    offset: bool = False,
 ) -> None:
+    """``rms_norm``, or with ``offset`` Gemma's ``offset_rms_norm`` (weights then spread around 0,
+    some near -1, so ``1 + w`` is far from 1 and sometimes near 0)."""
     gen, seed = fresh_generator(device)
     x = _randn((num_tokens, hidden), dtype, device, gen)
-    weight = (1.0 + 0.1 * _randn((hidden,), torch.float32, device, gen)).to(weight_dtype or dtype)
+    spread = 0.5 if offset else 0.1
+    weight = ((0.0 if offset else 1.0) + spread * _randn((hidden,), torch.float32, device, gen)).to(weight_dtype or dtype)
     residual = _randn((num_tokens, hidden), dtype, device, gen) if with_residual else None
     x_before = x.clone()
     res_before = residual.clone() if residual is not None else None
-    ref = reference.rms_norm(x, weight, 1e-6, residual)
-    got = ops.rms_norm(x, weight, 1e-6, residual)
-    where = f"seed={seed} T={num_tokens} H={hidden} {dtype} weight={weight.dtype} residual={with_residual}"
+    name = "offset_rms_norm" if offset else "rms_norm"
+    ref = getattr(reference, name)(x, weight, 1e-6, residual)
+    got = getattr(ops, name)(x, weight, 1e-6, residual)
+    where = f"seed={seed} {name} T={num_tokens} H={hidden} {dtype} weight={weight.dtype} residual={with_residual}"
     assert torch.equal(x, x_before), f"input modified: {where}"
     if residual is not None:
         assert torch.equal(residual, res_before), f"residual modified: {where}"
@@ -209,13 +229,42 @@ def check_rope_write_kv(
         assert err < ELEMWISE_TOL[cache_dtype], f"cached k rel err {err:.2e}: {where}"
 
 
-def check_silu_and_mul(ops, *, num_tokens: int, d: int, dtype: torch.dtype, device: str) -> None:
+if triton is not None:
+    @triton.jit
+    def _tanh_probe_kernel(x_ptr, y_ptr, n, BLOCK: tl.constexpr):
+        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < n
+        tl.store(y_ptr + offs, _tanh(tl.load(x_ptr + offs, mask=mask, other=0.0)), mask=mask)
+
+
+def check_softcap_tanh(device: str) -> None:
+    """The softcap's tanh in float32 over ±[1e-30, 1e4] (log-spaced), a dense ±12 and 0, ±inf."""
+    mag = torch.logspace(-30, 4, 4001, dtype=torch.float64)
+    dense = torch.linspace(-12, 12, 9601, dtype=torch.float64)
+    x = torch.cat([mag, -mag, dense, torch.tensor([0.0, float("inf"), -float("inf")], dtype=torch.float64)])
+    x = x.float().to(device)
+    y = torch.full_like(x, float("nan"))
+    _tanh_probe_kernel[(triton.cdiv(x.numel(), 1024),)](x, y, x.numel(), BLOCK=1024)
+    ref = torch.tanh(x.double())
+    err = (y.double() - ref).abs()
+    assert torch.isfinite(y).all(), "tanh not finite"
+    assert err.max().item() < TANH_ABS_TOL, f"tanh abs err {err.max().item():.2e} at x={x[err.argmax()].item()}"
+    big = x.abs() >= 0.5
+    rel = (err[big] / ref[big].abs()).max().item()
+    assert rel < TANH_REL_TOL, f"tanh rel err {rel:.2e} for |x| >= 0.5"
+    assert (y * x >= 0).all(), "tanh has the wrong sign"
+
+
+def check_act_and_mul(ops, *, act: str, num_tokens: int, d: int, dtype: torch.dtype, device: str) -> None:
+    """``act`` names the op (``silu_and_mul`` or ``gelu_tanh_and_mul``). Gates are N(0, 3) with every
+    seventh N(0, 12), well into both tails (the activation ~0 on the left, ~x on the right)."""
     gen, seed = fresh_generator(device)
     x = _randn((num_tokens, 2 * d), dtype, device, gen) * 3
-    ref = reference.silu_and_mul(x)
+    x[:, :d:7] *= 4
+    ref = getattr(reference, act)(x)
     out = torch.full((num_tokens, d), float("nan"), dtype=dtype, device=device)
-    got = ops.silu_and_mul(x, out=out)
-    where = f"seed={seed} T={num_tokens} d={d} {dtype}"
+    got = getattr(ops, act)(x, out=out)
+    where = f"seed={seed} {act} T={num_tokens} d={d} {dtype}"
     assert got is out and torch.isfinite(out).all(), where
     err = rel_err(out, ref)
     assert err < ELEMWISE_TOL[dtype], f"rel err {err:.2e}: {where}"
@@ -271,12 +320,55 @@ def _interpret_attention(ops) -> None:
                           dtype=f16, device="cpu", block_size=8)
 
 
+def _interpret_attention_gemma(ops) -> None:
+    """Gemma's head dims (3: 256 everywhere; 4: 256 sliding, 512 global), GQA groups of 2 and 8,
+    score softcapping. A cap of 2 at scale 1 saturates most scores (|s| ~ sqrt(D) >> 2); a cap of
+    1.5 at the default scale (|s| ~ 1) bends most of them. Either way a kernel that caps 5% off fails."""
+    f16, f32 = torch.float16, torch.float32
+    common = {"device": "cpu", "block_size": 16}
+    check_softcap_tanh("cpu")
+    mixed = [(1, 37), (20, 53), (29, 29), (1, 1)]
+    decode = [(1, 70), (1, 5), (1, 33), (1, 16)]
+    # Prefill-sized queries fill BLOCK_M = 64 rows; decode packs the group into 16.
+    check_paged_attention(ops, mixed, num_q_heads=4, num_kv_heads=2, head_dim=256, dtype=f32,
+                          softcap=2.0, scale=1.0, **common)
+    check_paged_attention(ops, mixed, num_q_heads=4, num_kv_heads=2, head_dim=256, dtype=f16,
+                          sliding_window=13, softcap=1.5, **common)
+    check_paged_attention(ops, mixed, num_q_heads=8, num_kv_heads=1, head_dim=512, dtype=f16,
+                          softcap=2.0, scale=1.0, **common)
+    check_paged_attention(ops, mixed, num_q_heads=4, num_kv_heads=2, head_dim=512, dtype=f32,
+                          sliding_window=20, **common)
+    # Split-KV decode (the merge then takes D in chunks of 128), capped and windowed.
+    check_paged_attention(ops, decode, num_q_heads=16, num_kv_heads=2, head_dim=256, dtype=f16,
+                          num_splits=3, sliding_window=20, softcap=2.0, scale=1.0, **common)
+    check_paged_attention(ops, decode, num_q_heads=8, num_kv_heads=1, head_dim=512, dtype=f32,
+                          num_splits=4, softcap=1.5, pass_max_query_len=False, **common)
+    check_paged_attention(ops, decode, num_q_heads=4, num_kv_heads=2, head_dim=512, dtype=f16,
+                          softcap=2.0, scale=1.0, **common)
+    # Speculative verification with a cap.
+    check_paged_attention(ops, [(4, 40), (4, 9)], num_q_heads=16, num_kv_heads=2, head_dim=256, dtype=f16,
+                          softcap=2.0, scale=1.0, device="cpu", block_size=8)
+
+
 def _interpret_rms_norm(ops) -> None:
     for dtype in (torch.float16, torch.float32):
         for with_residual in (False, True):
             check_rms_norm(ops, num_tokens=7, hidden=96, dtype=dtype, device="cpu", with_residual=with_residual)
     check_rms_norm(ops, num_tokens=3, hidden=64, dtype=torch.float16, device="cpu", with_residual=True,
                    weight_dtype=torch.float32)
+
+
+def _interpret_offset_rms_norm(ops) -> None:
+    for dtype in (torch.float16, torch.float32):
+        for with_residual in (False, True):
+            check_rms_norm(ops, num_tokens=7, hidden=96, dtype=dtype, device="cpu", with_residual=with_residual,
+                           offset=True)
+    # A float32 weight leaves the output in the input's dtype (unlike rms_norm's promotion).
+    check_rms_norm(ops, num_tokens=3, hidden=64, dtype=torch.float16, device="cpu", with_residual=True,
+                   weight_dtype=torch.float32, offset=True)
+    # One head per row, as Gemma's per-head q/k norms run it.
+    check_rms_norm(ops, num_tokens=5, hidden=256, dtype=torch.float16, device="cpu", with_residual=False,
+                   offset=True)
 
 
 def _interpret_rope_write_kv(ops) -> None:
@@ -288,12 +380,22 @@ def _interpret_rope_write_kv(ops) -> None:
     for dtype in (torch.float16, torch.float32):
         check_rope_write_kv(ops, num_tokens=7, num_q_heads=4, num_kv_heads=2, head_dim=48, dtype=dtype,
                             device="cpu", qk_norm=True)
+    # Gemma's head dims: 256 with GQA 2, 512 with GQA 8; at 512 a pass holds 16 heads, so 40 q heads
+    # take three passes (the last one partial) and 20 KV heads two.
+    check_rope_write_kv(ops, num_tokens=5, num_q_heads=4, num_kv_heads=2, head_dim=256, dtype=torch.float16,
+                        device="cpu")
+    check_rope_write_kv(ops, num_tokens=4, num_q_heads=16, num_kv_heads=2, head_dim=512, dtype=torch.float32,
+                        device="cpu", qk_norm=True)
+    check_rope_write_kv(ops, num_tokens=6, num_q_heads=40, num_kv_heads=20, head_dim=512, dtype=torch.float16,
+                        device="cpu", qk_norm=True)
 
 
-def _interpret_silu_and_mul(ops) -> None:
-    for dtype in (torch.float16, torch.float32):
-        check_silu_and_mul(ops, num_tokens=5, d=300, dtype=dtype, device="cpu")
-    check_silu_and_mul(ops, num_tokens=2, d=1500, dtype=torch.float16, device="cpu")
+def _interpret_act_and_mul(act: str):
+    def cases(ops) -> None:
+        for dtype in (torch.float16, torch.float32):
+            check_act_and_mul(ops, act=act, num_tokens=5, d=300, dtype=dtype, device="cpu")
+        check_act_and_mul(ops, act=act, num_tokens=2, d=1500, dtype=torch.float16, device="cpu")
+    return cases
 
 
 def _interpret_gemv(ops) -> None:
@@ -307,9 +409,12 @@ def _interpret_gemv(ops) -> None:
 INTERPRET_CASES = {
     "gemv": _interpret_gemv,
     "paged_attention": _interpret_attention,
+    "paged_attention_gemma": _interpret_attention_gemma,
     "rms_norm": _interpret_rms_norm,
+    "offset_rms_norm": _interpret_offset_rms_norm,
     "rotary_embedding_and_write_kv": _interpret_rope_write_kv,
-    "silu_and_mul": _interpret_silu_and_mul,
+    "silu_and_mul": _interpret_act_and_mul("silu_and_mul"),
+    "gelu_tanh_and_mul": _interpret_act_and_mul("gelu_tanh_and_mul"),
 }
 
 if __name__ == "__main__":

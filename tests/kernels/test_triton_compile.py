@@ -29,6 +29,7 @@ from triton.runtime.jit import JITFunction  # noqa: E402
 from tokenmill.kernels import triton_ops  # noqa: E402
 
 HOPPER = GPUTarget("cuda", 90, 32)
+HOPPER_MAX_SHARED = 232448  # bytes of shared memory one block may take on sm_90 (227 KiB)
 LAUNCH_OPTIONS = {"num_warps", "num_stages", "num_ctas", "launch_pdl"}
 DTYPE_NAMES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32", torch.int32: "i32",
                torch.int64: "i64"}
@@ -81,7 +82,10 @@ class Launch:
         names = list(self.signature)
         src = ASTSource(fn=self.fn, signature=self.signature,
                         constexprs={(names.index(k),): v for k, v in self.constexprs.items()})
-        triton.compile(src, target=HOPPER, options=self.options)
+        kernel = triton.compile(src, target=HOPPER, options=self.options)
+        # What the driver would refuse at launch (OutOfResources), caught here instead.
+        if kernel.metadata.shared > HOPPER_MAX_SHARED:
+            raise RuntimeError(f"needs {kernel.metadata.shared} bytes of shared memory; sm_90 has {HOPPER_MAX_SHARED}")
 
 
 def _launches(monkeypatch: pytest.MonkeyPatch) -> list[Launch]:
@@ -107,16 +111,47 @@ def _launches(monkeypatch: pytest.MonkeyPatch) -> list[Launch]:
                                        num_splits=splits)
         triton_ops.paged_attention(rand(20, 8, 128), k_cache, v_cache, torch.tensor([0, 20], dtype=torch.int32),
                                    torch.tensor([50], dtype=torch.int32), tables, 0.1, max_query_len=20)
+        # Gemma: head dims 256 and 512, GQA groups of 2 and 8; decode (split and not, softcapped,
+        # sliding) and prefill-sized queries, which take other tiles. In float32 (tests only, and
+        # slow to compile: IEEE dots) just the prefill at 512, whose K/V tiles are cut to fit.
+        gemma = ((256, 4), (256, 16), (512, 16), (512, 4)) if dtype == torch.bfloat16 else ()
+        if dtype == torch.float32:
+            gk, gv = rand(4, 16, 2, 512), rand(4, 16, 2, 512)
+            triton_ops.paged_attention(rand(20, 4, 512), gk, gv, torch.tensor([0, 20], dtype=torch.int32),
+                                       torch.tensor([50], dtype=torch.int32), tables, 0.1, 32, max_query_len=20,
+                                       softcap=50.0)
+        for head_dim, num_q_heads in gemma:
+            gk, gv = rand(4, 16, 2, head_dim), rand(4, 16, 2, head_dim)
+            decode_variants = ((1, None, 50.0), (4, 32, 50.0)) if num_q_heads == 4 else ((2, None, None),)
+            for splits, window, cap in decode_variants:
+                triton_ops.paged_attention(rand(1, num_q_heads, head_dim), gk, gv,
+                                           torch.tensor([0, 1], dtype=torch.int32),
+                                           torch.tensor([40], dtype=torch.int32), tables, 0.1, window,
+                                           softcap=cap, num_splits=splits)
+            triton_ops.paged_attention(rand(20, num_q_heads, head_dim), gk, gv, torch.tensor([0, 20], dtype=torch.int32),
+                                       torch.tensor([50], dtype=torch.int32), tables, 0.1,
+                                       32 if num_q_heads == 4 else None, max_query_len=20,
+                                       softcap=50.0 if num_q_heads == 16 else None)
         x, weight = rand(3, 256), rand(256)
-        triton_ops.rms_norm(x, weight, 1e-6)
-        triton_ops.rms_norm(x, weight, 1e-6, rand(3, 256))
+        for norm in (triton_ops.rms_norm, triton_ops.offset_rms_norm):
+            norm(x, weight, 1e-6)
+            norm(x, weight, 1e-6, rand(3, 256))
         positions = torch.arange(3)
         cos_sin = torch.randn(64, 128, generator=gen)
         for qk_norm in (False, True):
             norms = (rand(128), rand(128)) if qk_norm else (None, None)
             triton_ops.rotary_embedding_and_write_kv(positions, rand(3, 8, 128), rand(3, 2, 128), rand(3, 2, 128),
                                                      cos_sin, k_cache, v_cache, torch.arange(3), *norms)
+        # Gemma's head dims; at 512, 40 q heads take several passes.
+        for num_q_heads, num_kv_heads, head_dim in ((16, 8, 256), (40, 4, 512)):
+            cs = torch.randn(64, head_dim, generator=gen)
+            gk = rand(4, 16, num_kv_heads, head_dim)
+            triton_ops.rotary_embedding_and_write_kv(positions, rand(3, num_q_heads, head_dim),
+                                                     rand(3, num_kv_heads, head_dim), rand(3, num_kv_heads, head_dim),
+                                                     cs, gk, gk.clone(), torch.arange(3), rand(head_dim),
+                                                     rand(head_dim))
         triton_ops.silu_and_mul(rand(3, 512))
+        triton_ops.gelu_tanh_and_mul(rand(3, 512))
         row, proj = rand(1, 4096), rand(64, 4096)
         triton_ops.linear_residual(row, proj, None, rand(1, 64))
         triton_ops.linear_residual(rand(1, 14336), rand(64, 14336), rand(64), rand(1, 64))
@@ -131,7 +166,12 @@ def test_every_kernel_compiles_for_hopper(monkeypatch: pytest.MonkeyPatch) -> No
     monkeypatch.undo()
     names = {launch.fn.__name__ for launch in launches}
     assert {"_paged_attention_kernel", "_merge_splits_kernel", "_rms_norm_kernel", "_rope_write_kv_kernel",
-            "_silu_and_mul_kernel", "_gemv_kernel"} <= names, names
+            "_act_and_mul_kernel", "_gemv_kernel"} <= names, names
+    variants = {(launch.fn.__name__, key, launch.constexprs.get(key)) for launch in launches for key in
+                ("SOFTCAP", "OFFSET", "GELU_TANH", "BLOCK_D")}
+    assert {("_paged_attention_kernel", "SOFTCAP", True), ("_paged_attention_kernel", "BLOCK_D", 512),
+            ("_rms_norm_kernel", "OFFSET", True), ("_act_and_mul_kernel", "GELU_TANH", True),
+            ("_rope_write_kv_kernel", "BLOCK_D", 512)} <= variants
     failures = []
     for launch in launches:
         try:

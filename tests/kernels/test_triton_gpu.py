@@ -2,7 +2,9 @@
 
 Fresh random inputs each run (seeds in failure messages). Tolerances, as relative
 error ‖out − ref‖/‖ref‖: attention 1e-2 bf16, 2e-3 fp16, 1e-4 fp32 (IEEE dots);
-the elementwise kernels 8e-3 bf16, 1e-3 fp16, 1e-5 fp32; V written to the cache exactly.
+the elementwise kernels (norms, RoPE, SiLU and GeGLU) 8e-3 bf16, 1e-3 fp16, 1e-5 fp32;
+V written to the cache exactly; the softcap's float32 tanh within 5e-7 absolute and
+1e-6 relative from |x| = 0.5.
 Outputs are poisoned with NaN before the call where the API takes ``out=``, and
 the KV cache is NaN outside the written context, so unwritten outputs and stray
 reads both fail.
@@ -90,9 +92,11 @@ def test_paged_attention_spec_verify(pass_max_query_len: bool) -> None:
     )
 
 
-def test_paged_attention_decode_cuda_graph() -> None:
+@pytest.mark.parametrize("hq,hkv,d,window,softcap", [(32, 8, 128, None, None), (16, 8, 256, 1024, 1.5),
+                                                     (16, 2, 512, None, 1.5)])
+def test_paged_attention_decode_cuda_graph(hq, hkv, d, window, softcap) -> None:
     """Capture a decode call once, then change lengths, block tables and queries in place and replay."""
-    batch, hq, hkv, d, bs, width = 8, 32, 8, 128, 16, 128
+    batch, bs, width = 8, 16, 128
     num_blocks = batch * width + 1
     k_cache = torch.randn(num_blocks, bs, hkv, d, device="cuda", dtype=torch.bfloat16)
     v_cache = torch.randn_like(k_cache)
@@ -103,7 +107,8 @@ def test_paged_attention_decode_cuda_graph() -> None:
     out = torch.empty_like(query)
 
     def step() -> None:
-        triton_ops.paged_attention(query, k_cache, v_cache, qsl, seq_lens, block_tables, d**-0.5, out=out)
+        triton_ops.paged_attention(query, k_cache, v_cache, qsl, seq_lens, block_tables, d**-0.5, window,
+                                   softcap=softcap, out=out)
 
     step()  # compile outside the capture
     torch.cuda.synchronize()
@@ -116,9 +121,61 @@ def test_paged_attention_decode_cuda_graph() -> None:
         query.copy_(torch.randn_like(query))
         out.fill_(float("nan"))
         graph.replay()
-        ref = reference.paged_attention(query, k_cache, v_cache, qsl, seq_lens, block_tables, d**-0.5)
+        ref = reference.paged_attention(query, k_cache, v_cache, qsl, seq_lens, block_tables, d**-0.5, window,
+                                        softcap=softcap)
         assert torch.isfinite(out).all()
         assert cases.rel_err(out, ref) < cases.ATTN_TOL[torch.bfloat16]
+
+
+# Gemma's attention shapes: head dim 256 (Gemma 3, Gemma 4's sliding layers) and 512 (Gemma 4's
+# global layers), GQA groups of 2 and 8.
+GEMMA_SHAPES = [(256, 16, 8), (256, 16, 2), (512, 16, 8), (512, 16, 2)]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("head_dim,num_q_heads,num_kv_heads", GEMMA_SHAPES)
+@pytest.mark.parametrize("batch,max_ctx,window,softcap", [(1, 4096, None, 1.5), (33, 1500, None, None),
+                                                          (33, 1500, 700, 1.5)])
+def test_paged_attention_gemma_decode(dtype, head_dim, num_q_heads, num_kv_heads, batch, max_ctx, window,
+                                      softcap) -> None:
+    cases.check_paged_attention(
+        triton_ops, _decode_specs(batch, max_ctx), num_q_heads=num_q_heads, num_kv_heads=num_kv_heads,
+        head_dim=head_dim, block_size=16, dtype=dtype, device="cuda", sliding_window=window, softcap=softcap,
+        pass_max_query_len=False,
+    )
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("head_dim,num_q_heads,num_kv_heads", GEMMA_SHAPES)
+@pytest.mark.parametrize("window,softcap", [(None, 1.5), (700, None), (700, 1.5)])
+def test_paged_attention_gemma_mixed_batch(dtype, head_dim, num_q_heads, num_kv_heads, window, softcap) -> None:
+    specs = [(512, 4096), (1, 1500), (300, 300), (5, 2000), (1, 17), (129, 1000)]
+    cases.check_paged_attention(
+        triton_ops, specs, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
+        block_size=16, dtype=dtype, device="cuda", sliding_window=window, softcap=softcap,
+    )
+
+
+@pytest.mark.parametrize("head_dim", [256, 512])
+@pytest.mark.parametrize("num_splits", [1, 5, 64])
+def test_paged_attention_gemma_forced_splits(head_dim: int, num_splits: int) -> None:
+    """A cap of 2 at scale 1 saturates most scores; the merge takes D in chunks of 128."""
+    cases.check_paged_attention(
+        triton_ops, _decode_specs(3, 3000), num_q_heads=16, num_kv_heads=2, head_dim=head_dim, block_size=16,
+        dtype=torch.bfloat16, device="cuda", num_splits=num_splits, softcap=2.0, scale=1.0,
+    )
+
+
+def test_paged_attention_gemma_spec_verify() -> None:
+    specs = [(4, _rng.randint(4, 3000)) for _ in range(16)]
+    cases.check_paged_attention(
+        triton_ops, specs, num_q_heads=16, num_kv_heads=8, head_dim=256, block_size=16,
+        dtype=torch.bfloat16, device="cuda", sliding_window=512, softcap=1.5,
+    )
+
+
+def test_softcap_tanh() -> None:
+    cases.check_softcap_tanh("cuda")
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -132,6 +189,19 @@ def test_rms_norm(dtype, num_tokens, hidden, with_residual) -> None:
 def test_rms_norm_fp32_weight_promotes() -> None:
     cases.check_rms_norm(triton_ops, num_tokens=33, hidden=2048, dtype=torch.bfloat16, device="cuda",
                          with_residual=True, weight_dtype=torch.float32)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("num_tokens,hidden", [(1, 2560), (129, 3840), (7, 5376), (300, 256)])
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_offset_rms_norm(dtype, num_tokens, hidden, with_residual) -> None:
+    cases.check_rms_norm(triton_ops, num_tokens=num_tokens, hidden=hidden, dtype=dtype, device="cuda",
+                         with_residual=with_residual, offset=True)
+
+
+def test_offset_rms_norm_fp32_weight_keeps_the_dtype() -> None:
+    cases.check_rms_norm(triton_ops, num_tokens=33, hidden=2560, dtype=torch.bfloat16, device="cuda",
+                         with_residual=True, weight_dtype=torch.float32, offset=True)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -149,6 +219,16 @@ def test_rotary_embedding_and_write_kv_with_qk_norm(dtype, num_tokens, num_q_hea
                               head_dim=128, dtype=dtype, device="cuda", qk_norm=True)
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("num_tokens,num_q_heads,num_kv_heads,head_dim", [(1, 16, 8, 256), (300, 8, 1, 256),
+                                                                          (1, 16, 2, 512), (77, 40, 4, 512)])
+@pytest.mark.parametrize("qk_norm", [False, True])
+def test_rotary_embedding_and_write_kv_gemma_head_dims(dtype, num_tokens, num_q_heads, num_kv_heads, head_dim,
+                                                        qk_norm) -> None:
+    cases.check_rope_write_kv(triton_ops, num_tokens=num_tokens, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads,
+                              head_dim=head_dim, dtype=dtype, device="cuda", qk_norm=qk_norm)
+
+
 def test_rotary_embedding_and_write_kv_casts_to_the_cache_dtype() -> None:
     cases.check_rope_write_kv(triton_ops, num_tokens=50, num_q_heads=8, num_kv_heads=2, head_dim=128,
                               dtype=torch.float32, cache_dtype=torch.bfloat16, device="cuda")
@@ -157,7 +237,14 @@ def test_rotary_embedding_and_write_kv_casts_to_the_cache_dtype() -> None:
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("num_tokens,d", [(1, 14336), (128, 14336), (33, 3072), (7, 300)])
 def test_silu_and_mul(dtype, num_tokens, d) -> None:
-    cases.check_silu_and_mul(triton_ops, num_tokens=num_tokens, d=d, dtype=dtype, device="cuda")
+    cases.check_act_and_mul(triton_ops, act="silu_and_mul", num_tokens=num_tokens, d=d, dtype=dtype, device="cuda")
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("num_tokens,d", [(1, 10240), (128, 15360), (33, 21504), (7, 300)])
+def test_gelu_tanh_and_mul(dtype, num_tokens, d) -> None:
+    cases.check_act_and_mul(triton_ops, act="gelu_tanh_and_mul", num_tokens=num_tokens, d=d, dtype=dtype,
+                            device="cuda")
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)

@@ -1,6 +1,9 @@
-"""Triton fused SiLU-and-multiply of a gate|up projection (see ``reference.silu_and_mul``)."""
+"""Triton fused gated activations of a gate|up projection: SiLU-and-multiply (see
+``reference.silu_and_mul``) and GeGLU with the tanh GELU (``reference.gelu_tanh_and_mul``)."""
 
 from __future__ import annotations
+
+import math
 
 import torch
 import triton
@@ -9,37 +12,64 @@ import triton.language as tl
 from tokenmill.kernels.triton_launch import pdl_launch_args, wait_for_previous_kernel
 
 _BLOCK = 1024
+# gelu_tanh(x) = 0.5 x (1 + tanh(u)), u = sqrt(2/pi) (x + 0.044715 x^3); since 1 + tanh(u) = 2 sigmoid(2u),
+# it is x / (1 + exp(-2u)), silu's form with 2u for x.
+_GELU_2_SQRT_2_OVER_PI = tl.constexpr(2.0 * math.sqrt(2.0 / math.pi))
+_GELU_KAPPA = tl.constexpr(0.044715)
 
 
 @triton.jit
-def _silu_and_mul_kernel(x_ptr, out_ptr, x_stride, out_stride, d, PDL: tl.constexpr, BLOCK: tl.constexpr):
+def gate_activation(g, GELU_TANH: tl.constexpr):
+    """``silu(g)``, or ``gelu_tanh(g)`` with ``GELU_TANH``, of float32 ``g``, in float32 (as torch
+    computes both for 16-bit inputs). The sigmoid form has no cancellation where 1 + tanh(u)
+    would cancel (g << 0), and exp(-2u) = inf there gives g / inf = -0, as torch's 0.5 g (1 + -1)
+    does."""
+    if GELU_TANH:
+        z = g * _GELU_2_SQRT_2_OVER_PI + (g * g * g) * (_GELU_2_SQRT_2_OVER_PI * _GELU_KAPPA)
+    else:
+        z = g
+    return g / (1.0 + tl.exp(-z))
+
+
+@triton.jit
+def _act_and_mul_kernel(x_ptr, out_ptr, x_stride, out_stride, d, GELU_TANH: tl.constexpr, PDL: tl.constexpr,
+                        BLOCK: tl.constexpr):
     wait_for_previous_kernel(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < d
     gate = tl.load(x_ptr + row * x_stride + cols, mask=mask, other=0.0)
     up = tl.load(x_ptr + row * x_stride + d + cols, mask=mask, other=0.0)
-    g = gate.to(tl.float32)
-    # Rounded to the input dtype between silu and the product, as the two torch ops do.
-    act = (g / (1.0 + tl.exp(-g))).to(gate.dtype)
+    # Rounded to the input dtype between the activation and the product, as the two torch ops do.
+    act = gate_activation(gate.to(tl.float32), GELU_TANH).to(gate.dtype)
     out = act.to(tl.float32) * up.to(tl.float32)
     tl.store(out_ptr + row * out_stride + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def silu_and_mul(x: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
-    """``silu(gate) * up`` for ``x = [gate | up]`` along the last dim; ``out`` may be preallocated."""
+def _act_and_mul(x: torch.Tensor, out: torch.Tensor | None, gelu_tanh: bool) -> torch.Tensor:
     d = x.shape[-1] // 2
     x2 = x.reshape(-1, 2 * d)
     if out is None:
         out = torch.empty((*x.shape[:-1], d), dtype=x.dtype, device=x.device)
     out2 = out.view(-1, d)
     if x2.stride(-1) != 1:
-        raise ValueError("silu_and_mul needs a contiguous last dimension")
+        raise ValueError("gated activations need a contiguous last dimension")
     rows = x2.shape[0]
     if rows and d:
         block = min(_BLOCK, triton.next_power_of_2(d))
-        _silu_and_mul_kernel[(rows, triton.cdiv(d, block))](
-            x2, out2, x2.stride(0), out2.stride(0), d, BLOCK=block, num_warps=4 if block >= 512 else 1,
-            **pdl_launch_args(x.device),
+        _act_and_mul_kernel[(rows, triton.cdiv(d, block))](
+            x2, out2, x2.stride(0), out2.stride(0), d, GELU_TANH=gelu_tanh, BLOCK=block,
+            num_warps=4 if block >= 512 else 1, **pdl_launch_args(x.device),
         )
     return out
+
+
+def silu_and_mul(x: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``silu(gate) * up`` for ``x = [gate | up]`` along the last dim; ``out`` may be preallocated."""
+    return _act_and_mul(x, out, gelu_tanh=False)
+
+
+def gelu_tanh_and_mul(x: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``gelu_tanh(gate) * up`` (GeGLU, transformers' ``gelu_pytorch_tanh``) for ``x = [gate | up]``;
+    ``out`` may be preallocated."""
+    return _act_and_mul(x, out, gelu_tanh=True)

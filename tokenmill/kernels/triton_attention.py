@@ -28,12 +28,27 @@ import triton.language as tl
 from tokenmill.kernels.triton_launch import pdl_launch_args, wait_for_previous_kernel
 
 _LOG2E = 1.4426950408889634
+_MINUS_2_LOG2E = tl.constexpr(-2.0 * _LOG2E)
 # Finite stand-in for -inf as the initial running max: exp2(m_old - m_new) stays
 # well-defined (never inf - inf) for rows whose first tiles are fully masked.
 _NEG_BIG = tl.constexpr(-1.0e30)
 _MAX_SPLITS = 64
 # Never fewer KV tokens per split than one K/V tile: a split then costs one tile's latency.
 _MIN_TOKENS_PER_SPLIT = 64
+# Shared memory for the pipelined K and V tiles (2 x stages x BLOCK_N x BLOCK_D elements): sm_90
+# gives a block 227 KiB, and the kernel needs some besides.
+_KV_SMEM_BUDGET = 192 * 1024
+
+
+@triton.jit
+def _tanh(x):
+    """tanh in float32 from exp2 alone (not every Triton has ``tl.tanh``): ``e = exp(-2|x|)`` lies in
+    (0, 1] for every x, so nothing overflows, and the sign is put back after. The absolute error is
+    a few float32 ulps of 1 near x = 0, where ``1 - e`` cancels: harmless in a score that is
+    multiplied by the cap next."""
+    e = tl.exp2(tl.abs(x) * _MINUS_2_LOG2E)
+    t = (1.0 - e) / (1.0 + e)
+    return tl.where(x < 0.0, -t, t)
 
 
 @triton.jit
@@ -47,7 +62,8 @@ def _paged_attention_kernel(
     query_start_loc_ptr,
     seq_lens_ptr,
     block_tables_ptr,
-    scale_log2,
+    qk_scale,
+    softcap_log2,
     window,
     q_stride_t,
     q_stride_h,
@@ -70,6 +86,7 @@ def _paged_attention_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
     USE_WINDOW: tl.constexpr,
+    SOFTCAP: tl.constexpr,
     WRITE_PARTIALS: tl.constexpr,
     IEEE_DOT: tl.constexpr,
     PDL: tl.constexpr,
@@ -131,7 +148,12 @@ def _paged_attention_kernel(
             qk = tl.dot(q, k, input_precision="ieee")
         else:
             qk = tl.dot(q, k)
-        qk = qk * scale_log2
+        if SOFTCAP:
+            # qk_scale is scale / cap: the cap applies to the natural-scale score, and only
+            # its result moves to the log2 domain (softcap_log2 = cap * log2(e)).
+            qk = _tanh(qk * qk_scale) * softcap_log2
+        else:
+            qk = qk * qk_scale  # scale * log2(e)
         allowed = n_valid[None, :] & (n[None, :] <= q_pos[:, None])
         if USE_WINDOW:
             allowed = allowed & ((q_pos[:, None] - n[None, :]) < window)
@@ -193,7 +215,7 @@ def _merge_splits_kernel(
     h = tl.program_id(1)
     splits = tl.arange(0, BLOCK_S)
     split_valid = splits < num_splits
-    dims = tl.arange(0, BLOCK_D)
+    dims = tl.program_id(2) * BLOCK_D + tl.arange(0, BLOCK_D)
     dim_valid = dims < head_dim
     part = (t * num_q_heads + h) * num_splits + splits
     m = tl.load(part_ml_ptr + part * 2, mask=split_valid, other=_NEG_BIG)
@@ -229,6 +251,43 @@ def _choose_num_splits(work_units: int, max_context: int, device: torch.device) 
     return max(1, min(target // work_units, by_length, _MAX_SPLITS))
 
 
+def _tile_config(block_d: int, group: int, max_query_len: int, elem_bytes: int) -> tuple[int, int, int, int]:
+    """``(BLOCK_M, BLOCK_N, num_warps, num_stages)`` for a head-dim tile ``block_d`` and K/V elements
+    of ``elem_bytes``.
+
+    Rows are (token, head) pairs; tl.dot needs at least 16 of them. Decode packs just
+    the group; longer queries take up to 64 rows so one K/V tile serves more tokens.
+    Measured on the H200 (Triton 3.6, bf16; benchmarks/study_attention_tiles.py, results in
+    benchmarks/results/h200-2026-11-30/attention-tiles): each decode and prefill choice below was the
+    fastest there, or within 3% of it.
+
+    - head dim <= 128: 64 keys a tile, 4 warps, 2 stages (unchanged from before Gemma).
+    - 256, decode: 64 keys, 4 warps, 2 stages (batch 64 at 2k context, group 2: 290 us,
+      3.7 TB/s; 32 keys took 366 us). Prefill (64 rows): 32 keys, 4 warps, 3 stages,
+      128-204 TFLOP/s against 89-106 for 8 warps and 2 stages; 64 keys at 4 warps spill.
+    - 512, decode: 32 keys, 4 warps, 2 stages, 3.3-4.0 TB/s at batch 64; 64 keys spill and
+      run at half that. Prefill: 32 keys, 8 warps (the [64, 512] float32 accumulator is 128
+      registers a thread at 4 warps), 3 stages: 104-132 TFLOP/s.
+    - 32 rows (a few query tokens times the group, e.g. speculative verification) take the
+      decode tiles: the fastest at 256, about 10% behind 64 keys and 8 warps at 512.
+
+    K/V tiles are pipelined through shared memory, ``num_stages`` deep; float32 (tests only)
+    keeps 2 stages and halves the K/V tile until it fits ``_KV_SMEM_BUDGET``.
+    """
+    block_m = max(16, triton.next_power_of_2(group), min(64, triton.next_power_of_2(max_query_len * group)))
+    if block_d <= 128:
+        block_n, num_warps, num_stages = 64, 4, 2
+    elif block_d <= 256:
+        block_n, num_warps, num_stages = (64, 4, 2) if block_m < 64 else (32, 4, 3)
+    else:
+        block_n, num_warps, num_stages = (32, 4, 2) if block_m < 64 else (32, 8, 3)
+    if elem_bytes > 2:
+        num_stages = min(num_stages, 2)
+    while 2 * num_stages * block_n * block_d * elem_bytes > _KV_SMEM_BUDGET and block_n > 16:
+        block_n //= 2
+    return block_m, block_n, num_warps, num_stages
+
+
 def paged_attention(
     query: torch.Tensor,
     k_cache: torch.Tensor,
@@ -241,6 +300,7 @@ def paged_attention(
     *,
     max_query_len: int | None = None,
     max_seq_len: int | None = None,
+    softcap: float | None = None,
     num_splits: int | None = None,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
@@ -254,6 +314,7 @@ def paged_attention(
       is not graph-capturable. Passing it makes every path graph-safe.
     - ``max_seq_len``: an upper bound of ``seq_lens`` known on the host (a CUDA graph's
       context bucket); the split count is chosen for it instead of the block-table width.
+    - ``softcap``: as the reference's, ``tanh(s / cap) * cap`` of each scaled score before the mask.
     - ``num_splits``: force the KV split count (tests); default chosen from shapes.
     - ``out``: preallocated output (may be a strided view, last dim contiguous).
     """
@@ -268,6 +329,8 @@ def paged_attention(
     for t in (query, k_cache, v_cache, out):
         if t.stride(-1) != 1:
             raise ValueError("paged_attention needs a contiguous last dimension")
+    if softcap is not None and not softcap > 0:
+        raise ValueError(f"softcap must be positive, got {softcap}")
     if max_query_len is None:
         if num_tokens == batch:
             max_query_len = 1
@@ -275,13 +338,9 @@ def paged_attention(
             max_query_len = int((query_start_loc[1:] - query_start_loc[:-1]).max().item())
 
     block_d = triton.next_power_of_2(head_dim)
-    # Rows are (token, head) pairs; tl.dot needs at least 16 of them. Decode packs just
-    # the group; longer queries take up to 64 rows so one K/V tile serves more tokens.
-    block_m = max(16, triton.next_power_of_2(group), min(64, triton.next_power_of_2(max_query_len * group)))
+    block_m, block_n, num_warps, num_stages = _tile_config(block_d, group, max_query_len, k_cache.element_size())
     block_q = block_m // group
     q_tiles = triton.cdiv(max_query_len, block_q)
-    block_n = 64 if block_d <= 128 else 32
-    num_warps = 8 if block_m * block_d >= 64 * 256 else 4
 
     max_context = block_tables.shape[1] * block_size if max_seq_len is None else max_seq_len
     if num_splits is None:
@@ -306,7 +365,8 @@ def paged_attention(
         query_start_loc,
         seq_lens,
         block_tables,
-        float(scale) * _LOG2E,
+        float(scale) / float(softcap) if softcap is not None else float(scale) * _LOG2E,
+        float(softcap) * _LOG2E if softcap is not None else 0.0,
         sliding_window if sliding_window is not None else 0,
         query.stride(0),
         query.stride(1),
@@ -329,14 +389,17 @@ def paged_attention(
         BLOCK_N=block_n,
         BLOCK_D=block_d,
         USE_WINDOW=sliding_window is not None,
+        SOFTCAP=softcap is not None,
         WRITE_PARTIALS=write_partials,
         IEEE_DOT=query.dtype == torch.float32,
         num_warps=num_warps,
-        num_stages=2,
+        num_stages=num_stages,
         **pdl,
     )
     if write_partials:
-        _merge_splits_kernel[(num_tokens, num_q_heads)](
+        # A program merges at most 128 dims: [splits, 128] float32 is the most it holds.
+        merge_d = min(block_d, 128)
+        _merge_splits_kernel[(num_tokens, num_q_heads, triton.cdiv(head_dim, merge_d))](
             part_acc,
             part_ml,
             out,
@@ -346,7 +409,7 @@ def paged_attention(
             num_splits,
             head_dim,
             BLOCK_S=triton.next_power_of_2(num_splits),
-            BLOCK_D=block_d,
+            BLOCK_D=merge_d,
             **pdl,
         )
     return out

@@ -1,4 +1,5 @@
-"""Triton RMSNorm with optional fused residual add (see ``reference.rms_norm``)."""
+"""Triton RMSNorm with optional fused residual add: Llama's ``w * norm(x)`` (``reference.rms_norm``)
+and Gemma's ``(1 + w) * norm(x)`` (``reference.offset_rms_norm``)."""
 
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ def _rms_norm_kernel(
     hidden,
     eps,
     HAS_RESIDUAL: tl.constexpr,
+    OFFSET: tl.constexpr,
     PDL: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
@@ -40,10 +42,14 @@ def _rms_norm_kernel(
         tl.store(residual_out_ptr + row * residual_out_stride + cols, x, mask=mask)
     xf = x.to(tl.float32)
     mean_sq = tl.sum(xf * xf, axis=0) / hidden
-    # Cast back to the input dtype *before* the weight, as transformers does.
-    normed = (xf * tl.rsqrt(mean_sq + eps)).to(x.dtype)
-    w = tl.load(weight_ptr + cols, mask=mask, other=0.0)
-    out = w.to(tl.float32) * normed.to(tl.float32)
+    normed = xf * tl.rsqrt(mean_sq + eps)
+    w = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    if OFFSET:
+        # Gemma: (1 + w) in float32 multiplies the float32 normed value; one rounding, at the store.
+        out = normed * (1.0 + w)
+    else:
+        # Cast back to the input dtype *before* the weight, as transformers' Llama does.
+        out = w * normed.to(x.dtype).to(tl.float32)
     tl.store(out_ptr + row * out_stride + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -58,10 +64,30 @@ def rms_norm(
     Output dtypes follow torch promotion exactly as the reference: the sum has
     ``promote(x, residual)``, the output ``promote(weight, that)``. Inputs are not modified.
     """
+    return _rms_norm(x, weight, eps, residual, offset=False)
+
+
+def offset_rms_norm(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    residual: torch.Tensor | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Gemma's RMSNorm, ``norm(x) * (1 + w)`` in float32; with ``residual`` returns ``(out, x + residual)``.
+
+    As the reference: the sum has ``promote(x, residual)`` and the output that same dtype, whatever
+    the weight's. Inputs are not modified.
+    """
+    return _rms_norm(x, weight, eps, residual, offset=True)
+
+
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None,
+              offset: bool) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     hidden = x.shape[-1]
     x2 = x.reshape(-1, hidden)
     sum_dtype = x.dtype if residual is None else torch.promote_types(x.dtype, residual.dtype)
-    out = torch.empty(x.shape, dtype=torch.promote_types(weight.dtype, sum_dtype), device=x.device)
+    out_dtype = sum_dtype if offset else torch.promote_types(weight.dtype, sum_dtype)
+    out = torch.empty(x.shape, dtype=out_dtype, device=x.device)
     out2 = out.view(-1, hidden)
     if residual is not None:
         r2 = residual.reshape(-1, hidden)
@@ -87,6 +113,7 @@ def rms_norm(
             hidden,
             float(eps),
             HAS_RESIDUAL=residual is not None,
+            OFFSET=offset,
             BLOCK=block,
             num_warps=max(1, min(16, block // 256)),
             **pdl_launch_args(x.device),

@@ -5,12 +5,12 @@ each function matches ``tokenmill.kernels.reference.<name>`` (extra arguments ar
 keyword-only and optional).
 """
 
-from tokenmill.kernels.triton_activation import silu_and_mul
+from tokenmill.kernels.triton_activation import gelu_tanh_and_mul, silu_and_mul
 from tokenmill.kernels.triton_attention import paged_attention
 from tokenmill.kernels.triton_gemv import MAX_ROWS as GEMV_MAX_ROWS
 from tokenmill.kernels.triton_gemv import linear_residual, norm_linear
-from tokenmill.kernels.triton_norm import rms_norm
+from tokenmill.kernels.triton_norm import offset_rms_norm, rms_norm
 from tokenmill.kernels.triton_rotary import rotary_embedding_and_write_kv
 
-__all__ = ["GEMV_MAX_ROWS", "linear_residual", "norm_linear", "paged_attention", "rms_norm",
-           "rotary_embedding_and_write_kv", "silu_and_mul"]
+__all__ = ["GEMV_MAX_ROWS", "gelu_tanh_and_mul", "linear_residual", "norm_linear", "offset_rms_norm",
+           "paged_attention", "rms_norm", "rotary_embedding_and_write_kv", "silu_and_mul"]

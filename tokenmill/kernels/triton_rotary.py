@@ -16,6 +16,11 @@ import triton.language as tl
 
 from tokenmill.kernels.triton_launch import pdl_launch_args, wait_for_previous_kernel
 
+# Elements of one rotated half ([heads, head_dim / 2]) a pass holds: 64 heads at head dim 128, 32 at
+# 256, 16 at 512 (Gemma 4's global layers); more heads take several passes. At this size and 8 warps
+# a bf16 pass with the q/k norm fits in registers on sm_90 (about 160 a thread, no spills).
+_MAX_TILE = 4096
+
 
 @triton.jit
 def _rotate(x_ptr, stride_h, num_heads, cos, sin, half, norm_ptr, eps,
@@ -69,13 +74,17 @@ def _rope_write_kv_kernel(
     cos = tl.load(cs_row + idx, mask=idx < half, other=0.0)
     sin = tl.load(cs_row + half + idx, mask=idx < half, other=0.0)
 
+    # Heads go BLOCK_HQ (BLOCK_HK) at a time, so the tile in registers is bounded whatever the
+    # head count and dim: one pass up to 64 heads of dim 128, 32 of 256, 16 of 512.
     q_row = q_ptr + t * q_stride_t
-    q1, q2 = _rotate(q_row, q_stride_h, num_q_heads, cos, sin, half, q_norm_ptr, eps, HAS_NORM, BLOCK_HQ,
-                     BLOCK_HALF)
     qh = tl.arange(0, BLOCK_HQ)[:, None]
-    qmask = (qh < num_q_heads) & (idx[None, :] < half)
-    tl.store(q_row + qh * q_stride_h + idx[None, :], q1, mask=qmask)
-    tl.store(q_row + qh * q_stride_h + half + idx[None, :], q2, mask=qmask)
+    for h0 in range(0, num_q_heads, BLOCK_HQ):
+        q_heads = q_row + h0 * q_stride_h
+        q1, q2 = _rotate(q_heads, q_stride_h, num_q_heads - h0, cos, sin, half, q_norm_ptr, eps, HAS_NORM,
+                         BLOCK_HQ, BLOCK_HALF)
+        qmask = (qh < num_q_heads - h0) & (idx[None, :] < half)
+        tl.store(q_heads + qh * q_stride_h + idx[None, :], q1, mask=qmask)
+        tl.store(q_heads + qh * q_stride_h + half + idx[None, :], q2, mask=qmask)
 
     # Padding tokens (slot < 0) get zero live heads: nothing is written to the cache.
     # (A scalar folded into the mask as a limit, not and-ed in as a bool: the
@@ -85,18 +94,23 @@ def _rope_write_kv_kernel(
     block = slot // block_size
     offset = slot % block_size
     kh = tl.arange(0, BLOCK_HK)[:, None]
-    k1, k2 = _rotate(k_ptr + t * k_stride_t, k_stride_h, num_kv_heads, cos, sin, half, k_norm_ptr, eps, HAS_NORM,
-                     BLOCK_HK, BLOCK_HALF)
-    kmask = (kh < live_heads) & (idx[None, :] < half)
-    k_dst = k_cache_ptr + block * kc_stride_block + offset * kc_stride_slot + kh * kc_stride_head + idx[None, :]
-    tl.store(k_dst, k1.to(k_cache_ptr.dtype.element_ty), mask=kmask)
-    tl.store(k_dst + half, k2.to(k_cache_ptr.dtype.element_ty), mask=kmask)
-
     dims = tl.arange(0, BLOCK_D)[None, :]
-    vmask = (kh < live_heads) & (dims < head_dim)
-    v = tl.load(v_ptr + t * v_stride_t + kh * v_stride_h + dims, mask=vmask)
-    v_dst = v_cache_ptr + block * vc_stride_block + offset * vc_stride_slot + kh * vc_stride_head + dims
-    tl.store(v_dst, v.to(v_cache_ptr.dtype.element_ty), mask=vmask)
+    k_row = k_ptr + t * k_stride_t
+    v_row = v_ptr + t * v_stride_t
+    k_slot = k_cache_ptr + block * kc_stride_block + offset * kc_stride_slot
+    v_slot = v_cache_ptr + block * vc_stride_block + offset * vc_stride_slot
+    for h0 in range(0, num_kv_heads, BLOCK_HK):
+        k1, k2 = _rotate(k_row + h0 * k_stride_h, k_stride_h, num_kv_heads - h0, cos, sin, half, k_norm_ptr, eps,
+                         HAS_NORM, BLOCK_HK, BLOCK_HALF)
+        kmask = (kh < live_heads - h0) & (idx[None, :] < half)
+        k_dst = k_slot + (h0 + kh) * kc_stride_head + idx[None, :]
+        tl.store(k_dst, k1.to(k_cache_ptr.dtype.element_ty), mask=kmask)
+        tl.store(k_dst + half, k2.to(k_cache_ptr.dtype.element_ty), mask=kmask)
+
+        vmask = (kh < live_heads - h0) & (dims < head_dim)
+        v = tl.load(v_row + (h0 + kh) * v_stride_h + dims, mask=vmask)
+        v_dst = v_slot + (h0 + kh) * vc_stride_head + dims
+        tl.store(v_dst, v.to(v_cache_ptr.dtype.element_ty), mask=vmask)
 
 
 def rotary_embedding_and_write_kv(
@@ -129,6 +143,11 @@ def rotary_embedding_and_write_kv(
             raise ValueError("rotary_embedding_and_write_kv needs a contiguous last dimension")
     if num_tokens:
         half = rot_dim // 2
+        block_half = triton.next_power_of_2(half)
+        # At most _MAX_TILE elements of each rotated half per pass over the heads.
+        max_heads = max(1, _MAX_TILE // block_half)
+        block_hq = min(triton.next_power_of_2(num_q_heads), max_heads)
+        block_hk = min(triton.next_power_of_2(num_kv_heads), max_heads)
         _rope_write_kv_kernel[(num_tokens,)](
             positions, query, key, value, cos_sin_cache, k_cache, v_cache, slot_mapping,
             q_norm_weight if q_norm_weight is not None else query, k_norm_weight if k_norm_weight is not None else key,
@@ -139,10 +158,11 @@ def rotary_embedding_and_write_kv(
             v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
             k_cache.shape[1], num_q_heads, num_kv_heads, half, head_dim,
             HAS_NORM=q_norm_weight is not None,
-            BLOCK_HQ=triton.next_power_of_2(num_q_heads),
-            BLOCK_HK=triton.next_power_of_2(num_kv_heads),
-            BLOCK_HALF=triton.next_power_of_2(half),
+            BLOCK_HQ=block_hq,
+            BLOCK_HK=block_hk,
+            BLOCK_HALF=block_half,
             BLOCK_D=triton.next_power_of_2(head_dim),
+            num_warps=4 if block_hq * block_half <= 2048 else 8,
             **pdl_launch_args(query.device),
         )
     return query

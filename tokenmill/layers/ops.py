@@ -44,14 +44,10 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     """``max_query_len`` (known on the host) spares the kernel a device read, which also
     keeps the call capturable in a CUDA graph; ``max_seq_len`` (an upper bound of
     ``seq_lens``) lets it split the KV range for the contexts it will really see.
-    ``softcap`` (score capping) has no Triton kernel yet: only the reference takes it, and
-    models that need it refuse to build on CUDA."""
-    if softcap is not None:
-        return reference.paged_attention(query, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale,
-                                         sliding_window, softcap=softcap)
+    ``softcap`` caps each scaled score at ``tanh(s / cap) * cap`` before the mask (Gemma)."""
     return backend_for(query).paged_attention(query, k_cache, v_cache, query_start_loc, seq_lens, block_tables,
                                               scale, sliding_window, max_query_len=max_query_len,
-                                              max_seq_len=max_seq_len)
+                                              max_seq_len=max_seq_len, softcap=softcap)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
@@ -61,8 +57,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
 
 def offset_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
                     residual: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """Gemma's ``(1 + w)`` RMSNorm: the torch reference on every device until it has a kernel."""
-    return reference.offset_rms_norm(x, weight, eps, residual)
+    """Gemma's ``(1 + w)`` RMSNorm, the weight applied in float32; ``residual`` as ``rms_norm``'s."""
+    return backend_for(x).offset_rms_norm(x, weight, eps, residual)
 
 
 def rotary_embedding_and_write_kv(positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor,
@@ -110,5 +106,5 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 
 
 def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
-    """GeGLU: the torch reference on every device until it has a kernel."""
-    return reference.gelu_tanh_and_mul(x)
+    """GeGLU: ``gelu_tanh(gate) * up`` for ``x = [gate | up]``."""
+    return backend_for(x).gelu_tanh_and_mul(x)

@@ -183,9 +183,6 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
     and the nested checkpoint names of Gemma3ForConditionalGeneration."""
 
     def __init__(self, cfg: Gemma3Config, max_positions: int) -> None:
-        if cfg.attn_softcap is not None and torch.empty(0).is_cuda:
-            raise ValueError("Gemma 3 attention-logit softcapping (attn_logit_softcapping) is not supported on "
-                             "CUDA yet: the Triton attention kernel does not cap scores")
         nn.Module.__init__(self)
         self.config = cfg
         self.model = Gemma3Model(cfg, max_positions)

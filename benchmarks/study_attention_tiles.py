@@ -1,0 +1,186 @@
+"""Paged attention tile study at Gemma's head dims (256, 512) on one GPU.
+
+For decode batches and prefill chunks at head dims 256 and 512 with GQA groups of 2 and 8
+(bf16, block 16), times each candidate ``(BLOCK_M, BLOCK_N, num_warps, num_stages)`` by
+replacing ``triton_attention._tile_config``, and records the registers and spills of the
+kernels it compiled. Decode is timed replayed from a CUDA graph (as the engine runs it),
+prefill with ``triton.testing.do_bench`` (L2 flushed). The split count is the wrapper's
+own choice. The chosen tiles, then the same with a softcap, are timed last as a check.
+
+    python benchmarks/study_attention_tiles.py decode|prefill [--out FILE] [--jobs N]
+
+``--jobs N`` compiles every variant first in N processes (Triton's disk cache keeps them),
+so the timed pass, one process, finds them built.
+
+One JSON object per line goes to ``--out`` as each point finishes (default
+``$OUT/attention-tiles-<part>.jsonl``), so a run cut short keeps what it measured.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+import triton
+import triton.testing
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from tokenmill.kernels import triton_attention, triton_ops  # noqa: E402
+
+BLOCK_SIZE = 16
+DTYPE = torch.bfloat16
+# (head_dim, q heads, KV heads): groups of 2 and 8.
+SHAPES = [(256, 16, 8), (256, 16, 2), (512, 16, 8), (512, 16, 2)]
+DECODE_POINTS = [(1, 8192), (16, 4096), (64, 2048)]  # (batch, context)
+PREFILL_POINTS = [[(2048, 2048)], [(512, 4096)] * 4]  # (query length, context) per sequence
+DECODE_TILES = [(16, n, w, s) for n in (16, 32, 64) for w in (4, 8) for s in (2, 3)]
+PREFILL_TILES = [(m, n, w, s) for m in (32, 64) for n in (16, 32, 64) for w in (4, 8) for s in (2, 3)]
+CHOSEN = triton_attention._tile_config
+
+
+class Batch:
+    def __init__(self, specs: list[tuple[int, int]], head_dim: int, hq: int, hkv: int) -> None:
+        blocks = [-(-ctx // BLOCK_SIZE) for _, ctx in specs]
+        width = max(blocks)
+        self.k = torch.randn(sum(blocks), BLOCK_SIZE, hkv, head_dim, device="cuda", dtype=DTYPE)
+        self.v = torch.randn_like(self.k)
+        perm = torch.randperm(sum(blocks), device="cuda").int()
+        self.tables = torch.zeros(len(specs), width, dtype=torch.int32, device="cuda")
+        used = 0
+        for b, nb in enumerate(blocks):
+            self.tables[b, :nb] = perm[used:used + nb]
+            used += nb
+        q_lens = torch.tensor([q for q, _ in specs], dtype=torch.int32, device="cuda")
+        self.qsl = torch.zeros(len(specs) + 1, dtype=torch.int32, device="cuda")
+        self.qsl[1:] = torch.cumsum(q_lens, 0)
+        self.seq_lens = torch.tensor([c for _, c in specs], dtype=torch.int32, device="cuda")
+        self.query = torch.randn(int(q_lens.sum()), hq, head_dim, device="cuda", dtype=DTYPE)
+        self.out = torch.empty_like(self.query)
+        self.max_q = max(q for q, _ in specs)
+        self.max_ctx = max(c for _, c in specs)
+        self.scale = head_dim**-0.5
+        self.kv_bytes = 2 * sum(c for _, c in specs) * hkv * head_dim * 2
+        self.flops = 4 * hq * head_dim * sum(q * (c - q) + q * (q + 1) // 2 for q, c in specs)
+
+    def run(self, softcap: float | None = None) -> torch.Tensor:
+        return triton_ops.paged_attention(self.query, self.k, self.v, self.qsl, self.seq_lens, self.tables,
+                                          self.scale, None, max_query_len=self.max_q, max_seq_len=self.max_ctx,
+                                          softcap=softcap, out=self.out)
+
+
+def _compiled() -> set:
+    found = set()
+    for fn in (triton_attention._paged_attention_kernel,):
+        for cache in fn.device_caches.values():
+            found.update(cache[0].values())
+    return found
+
+
+def measure(batch: Batch, tile: tuple | None, decode: bool, softcap: float | None = None) -> dict:
+    triton_attention._tile_config = CHOSEN if tile is None else (lambda bd, g, mq, eb: tile)
+    before = _compiled()
+    row: dict = {}
+    try:
+        batch.run(softcap)
+        torch.cuda.synchronize()
+        new = _compiled() - before
+        row["kernels"] = [{"regs": k.n_regs, "spills": k.n_spills} for k in new]
+        if decode:
+            ms = triton.testing.do_bench_cudagraph(lambda: batch.run(softcap), rep=40, return_mode="median")
+        else:
+            ms = triton.testing.do_bench(lambda: batch.run(softcap), warmup=5, rep=40, return_mode="median")
+        row["us"] = ms * 1e3
+        row["TBps"] = batch.kv_bytes / (ms * 1e-3) / 1e12
+        row["TFLOPs"] = batch.flops / (ms * 1e-3) / 1e12
+    except Exception as exc:  # noqa: BLE001 - a failing tile is a result too
+        row["error"] = str(exc)[-300:]
+    finally:
+        triton_attention._tile_config = CHOSEN
+    return row
+
+
+def _points(part: str) -> list[list[tuple[int, int]]]:
+    return [[(1, ctx)] * b for b, ctx in DECODE_POINTS] if part == "decode" else PREFILL_POINTS
+
+
+def compile_only(part: str, shapes: list, worker: int, jobs: int) -> None:
+    """Run each (shape, tile) of this worker's share once, untimed, so that it is compiled."""
+    tiles = DECODE_TILES if part == "decode" else PREFILL_TILES
+    work = [(shape, specs, tile) for shape in shapes for specs in _points(part) for tile in [*tiles, None]]
+    for i, ((head_dim, hq, hkv), specs, tile) in enumerate(work):
+        if i % jobs != worker:
+            continue
+        batch = Batch(specs, head_dim, hq, hkv)
+        for softcap in (None, 50.0) if tile is None else (None,):
+            triton_attention._tile_config = CHOSEN if tile is None else (lambda bd, g, mq, eb, t=tile: t)
+            try:
+                batch.run(softcap)
+                torch.cuda.synchronize()
+            except Exception:  # noqa: BLE001, S110 - the timed pass reports it
+                pass
+        del batch
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("part", choices=["decode", "prefill"])
+    parser.add_argument("--out", default=None)
+    parser.add_argument("--shapes", default=None, help="indices into SHAPES, comma-separated")
+    parser.add_argument("--jobs", type=int, default=1)
+    parser.add_argument("--chosen-only", action="store_true", help="time the wrapper's own tiles alone")
+    parser.add_argument("--worker", type=int, default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    shapes = SHAPES if args.shapes is None else [SHAPES[int(i)] for i in args.shapes.split(",")]
+    if args.worker is not None:
+        compile_only(args.part, shapes, args.worker, args.jobs)
+        return
+    t0 = time.time()
+    if args.jobs > 1 and not args.chosen_only:
+        extra = [] if args.shapes is None else ["--shapes", args.shapes]
+        procs = [subprocess.Popen([sys.executable, __file__, args.part, "--jobs", str(args.jobs), "--worker", str(w),
+                                   *extra]) for w in range(args.jobs)]
+        for proc in procs:
+            proc.wait()
+        print(f"[{time.time() - t0:5.0f}s] compiled in {args.jobs} processes", flush=True)
+    out = args.out or os.path.join(os.environ.get("OUT", "."), f"attention-tiles-{args.part}.jsonl")
+    decode = args.part == "decode"
+    tiles = [] if args.chosen_only else DECODE_TILES if decode else PREFILL_TILES
+    with open(out, "a") as f:
+        for head_dim, hq, hkv in shapes:
+            for specs in _points(args.part):
+                batch = Batch(specs, head_dim, hq, hkv)
+                point = {"part": args.part, "head_dim": head_dim, "group": hq // hkv, "seqs": len(specs),
+                         "q": specs[0][0], "ctx": specs[0][1]}
+                chosen = CHOSEN(triton.next_power_of_2(head_dim), hq // hkv, batch.max_q, 2)
+                results = []
+                for tile in [*tiles, None, "cap"]:
+                    if tile == "cap":
+                        row = measure(batch, None, decode, softcap=50.0)
+                        label = ("chosen+cap", *chosen)
+                    else:
+                        row = measure(batch, tile, decode)
+                        label = ("chosen", *chosen) if tile is None else tile
+                    row = {**point, "tile": label, **row}
+                    f.write(json.dumps(row) + "\n")
+                    f.flush()
+                    results.append(row)
+                best = min((r for r in results if "us" in r), key=lambda r: r["us"])
+                mine = next(r for r in results if r["tile"][0] == "chosen")
+                capped = next(r for r in results if r["tile"][0] == "chosen+cap")
+                print(f"[{time.time() - t0:5.0f}s] D={head_dim} G={hq // hkv} seqs={len(specs)} q={specs[0][0]} "
+                      f"ctx={specs[0][1]}: best {best['tile']} {best['us']:.1f}us ({best.get('kernels')}); "
+                      f"chosen {mine['tile'][1:]} {mine.get('us', float('nan')):.1f}us "
+                      f"({mine.get('kernels')}); +cap {capped.get('us', float('nan')):.1f}us", flush=True)
+                del batch
+                torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()
