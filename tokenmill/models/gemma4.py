@@ -103,7 +103,7 @@ def parse_config(raw: dict[str, Any], arch: str) -> Gemma4Config:
     base = decoder_config(text, arch, qkv_bias=bias, o_bias=bias, qk_norm=True,
                           windows=sliding_windows(text, window))
     per_layer_input_size = int(raw.get("hidden_size_per_layer_input", 256) or 0)
-    cfg = Gemma4Config(
+    return Gemma4Config(
         **{f.name: getattr(base, f.name) for f in fields(ModelConfig)},
         final_softcap=None if raw.get("final_logit_softcapping") is None else float(raw["final_logit_softcapping"]),
         local_rope_theta=local_theta,
@@ -116,11 +116,6 @@ def parse_config(raw: dict[str, Any], arch: str) -> Gemma4Config:
         per_layer_input_size=per_layer_input_size,
         per_layer_vocab_size=int(raw.get("vocab_size_per_layer_input", 262_144)) if per_layer_input_size else 0,
     )
-    try:
-        cfg.kv_layout()
-    except ValueError as exc:
-        raise ModelLoadError(f"Gemma 4 KV sharing between layers of different shapes: {exc}") from exc
-    return cfg
 
 
 def _refuse_unsupported(raw: dict[str, Any]) -> None:
