@@ -2,7 +2,8 @@
 # GPU tests, then benchmarks, in one device call; parts run in the order given:
 #   bash benchmarks/gpu_suite.sh tests kernels startup latency batch throughput features
 # (`tests` = kernel and engine GPU tests; `engine-tests` = engine only;
-#  `serve-qwen3-0.6b`, `serve-llama3-8b` = the server against the engine, benchmarks/serve_vs_engine.py.)
+#  `serve-qwen3-0.6b`, `serve-llama3-8b` = the server against the engine, benchmarks/serve_vs_engine.py;
+#  `models-<shape>[,<shape>]` = `tokenmill bench models` on those shapes, e.g. models-gemma3-4b.)
 # Results and logs go to $OUT (the device tool brings them back).
 set -o pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
@@ -23,6 +24,9 @@ for part in "$@"; do
       case $part in startup|features) extra="--no-peer" ;; throughput) extra="--peer-requests 16" ;; esac
       timeout 400 python3 benchmarks/run_engine_bench.py "$part" --out "$OUT/$part.json" $extra 2>&1 \
         | grep -v -e "it/s]" -e "^Loading" | tail -30 ;;
+    models-*)
+      timeout 590 python3 benchmarks/run_engine_bench.py models --shapes "${part#models-}" --peer-requests 16 \
+        --out "$OUT/$part.json" 2>&1 | grep -v -e "it/s]" -e "^Loading" | tail -30 ;;
     serve-qwen3-0.6b|serve-llama3-8b)
       timeout 560 python3 benchmarks/serve_vs_engine.py --shape "${part#serve-}" --out "$OUT/$part.json" 2>&1 \
         | grep -v -e "it/s]" -e "^Loading" | tail -40 ;;

@@ -27,11 +27,16 @@ STEMS = [[1, 2, 3, 4, 5, 6, 7, 8], [1, 2, 3, 4, 9, 9, 9, 9], [5, 5, 5, 5]]
 
 
 class EngineMachine(RuleBasedStateMachine):
+    """One full-attention KV group; the subclass below adds a sliding-window group."""
+
+    WINDOWS: tuple[int | None, ...] = (None,)
+
     def __init__(self) -> None:
         super().__init__()
-        self.kv = KVCacheManager(NUM_BLOCKS, BLOCK, enable_prefix_caching=True)
+        self.kv = KVCacheManager([NUM_BLOCKS] * len(self.WINDOWS), BLOCK, enable_prefix_caching=True,
+                                 windows=self.WINDOWS)
         self.scheduler = Scheduler(SchedulerConfig(max_num_seqs=3, max_num_batched_tokens=10), self.kv)
-        self.cache: dict[int, int] = {}  # slot -> token id written there
+        self.caches: list[dict[int, int]] = [{} for _ in self.WINDOWS]  # per group: slot -> token id written there
         self.live: list[Sequence] = []
         self.next_id = 0
 
@@ -48,8 +53,8 @@ class EngineMachine(RuleBasedStateMachine):
         batch = self.scheduler.schedule()
         for seq, n in zip(batch.seqs, batch.num_tokens):
             for pos in range(seq.num_computed_tokens, seq.num_computed_tokens + n):
-                slot = seq.block_table[pos // BLOCK] * BLOCK + pos % BLOCK
-                self.cache[slot] = seq.token_ids[pos]
+                for table, cache in zip(seq.block_tables, self.caches):
+                    cache[table[pos // BLOCK] * BLOCK + pos % BLOCK] = seq.token_ids[pos]
             seq.num_computed_tokens += n
             self.kv.commit_computed_blocks(seq)
             if seq.num_computed_tokens == seq.num_tokens:
@@ -73,40 +78,59 @@ class EngineMachine(RuleBasedStateMachine):
 
     @invariant()
     def ref_counts_match_block_tables(self) -> None:
-        pool = self.kv.pool
-        held: dict[int, int] = {}
-        for seq in self.live:
-            for block_id in seq.block_table:
-                held[block_id] = held.get(block_id, 0) + 1
-        for block in pool.blocks:
-            assert block.ref_count >= 0
-            assert block.ref_count == held.get(block.block_id, 0)
-        assert pool.num_free == sum(1 for b in pool.blocks if b.ref_count == 0)
-        assert all(not seq.block_table for seq in self.scheduler.waiting), "waiting sequences hold no blocks"
+        for g, (pool, null) in enumerate(zip(self.kv.pools, self.kv.null_blocks)):
+            held: dict[int, int] = {} if null is None else {null: 1}
+            for seq in self.live:
+                for block_id in seq.block_tables[g] if seq.block_tables else []:
+                    if block_id != null:
+                        held[block_id] = held.get(block_id, 0) + 1
+            for block in pool.blocks:
+                assert block.ref_count >= 0
+                assert block.ref_count == held.get(block.block_id, 0)
+            assert pool.num_free == sum(1 for b in pool.blocks if b.ref_count == 0)
+        assert all(not seq.block_tables for seq in self.scheduler.waiting), "waiting sequences hold no blocks"
 
     @invariant()
-    def computed_tokens_are_in_the_cache(self) -> None:
+    def visible_computed_tokens_are_in_the_cache(self) -> None:
+        """Every computed token a next query can still see (all of them, or its group's window)."""
         for seq in self.scheduler.running:
-            for pos in range(seq.num_computed_tokens):
-                slot = seq.block_table[pos // BLOCK] * BLOCK + pos % BLOCK
-                assert self.cache.get(slot) == seq.token_ids[pos]
+            for g, (table, cache, window) in enumerate(zip(seq.block_tables, self.caches, self.WINDOWS)):
+                first = 0 if window is None else max(0, seq.num_computed_tokens - window + 1) // BLOCK * BLOCK
+                for pos in range(first, seq.num_computed_tokens):
+                    assert table[pos // BLOCK] != self.kv.null_blocks[g]
+                    assert cache.get(table[pos // BLOCK] * BLOCK + pos % BLOCK) == seq.token_ids[pos]
+
+    @invariant()
+    def sliding_groups_hold_only_their_window(self) -> None:
+        for seq in self.scheduler.running:
+            for g, (table, window) in enumerate(zip(seq.block_tables, self.WINDOWS)):
+                if window is not None:
+                    held = sum(b != self.kv.null_blocks[g] for b in table)
+                    assert held <= -(-(window - 1 + 10) // BLOCK) + 1  # the window and one chunk
 
     @invariant()
     def cached_blocks_hold_their_tokens(self) -> None:
-        for block_hash, block_id in self.kv.pool._cached.items():
-            block = self.kv.pool.blocks[block_id]
-            assert block.hash == block_hash
-            written = [self.cache.get(block_id * BLOCK + i) for i in range(BLOCK)]
-            assert tuple(written) == block.token_ids
+        for pool, cache in zip(self.kv.pools, self.caches):
+            for block_hash, block_id in pool._cached.items():
+                block = pool.blocks[block_id]
+                assert block.hash == block_hash
+                written = [cache.get(block_id * BLOCK + i) for i in range(BLOCK)]
+                assert tuple(written) == block.token_ids
 
     def teardown(self) -> None:
         for seq in list(self.live):
             self._finish(seq)
-        assert self.kv.pool.num_free == NUM_BLOCKS, "blocks leaked"
+        assert self.kv.num_blocks_in_use == 0, "blocks leaked"
+
+
+class SlidingEngineMachine(EngineMachine):
+    WINDOWS = (None, 6)
 
 
 TestEngineMachine = EngineMachine.TestCase
 TestEngineMachine.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
+TestSlidingEngineMachine = SlidingEngineMachine.TestCase
+TestSlidingEngineMachine.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
 
 
 def test_hash_chains_over_the_parent() -> None:
@@ -160,7 +184,7 @@ def test_a_blocked_admission_counts_its_prefix_lookup_once() -> None:
     scheduler.add(waiter)
     for _ in range(3):
         scheduler.schedule()
-    assert waiter in scheduler.waiting and not waiter.block_table
+    assert waiter in scheduler.waiting and not waiter.block_tables
     assert (kv.query_tokens, kv.hit_tokens) == (16, 0)  # the first and the hog (8 tokens each), no hits
     scheduler.finish(hog)
     scheduler.schedule()

@@ -188,8 +188,8 @@ def test_unknown_model_directory_errors_are_clear(tmp_path) -> None:
 def test_random_weights_cpu_kv_sizing(model_dir) -> None:
     llm = LLM(str(model_dir), device="cpu", dtype="float32", max_num_seqs=2, cpu_kv_cache_gib=0.001)
     per_block = 2 * 2 * 16 * 2 * 32 * 4
-    assert llm.engine.core.kv.pool.num_blocks == min(int(0.001 * (1 << 30)) // per_block, 2 * 512 // 16)
-    assert torch.is_tensor(llm.engine.core.runner.kv_cache)
+    assert llm.engine.core.kv.pools[0].num_blocks == min(int(0.001 * (1 << 30)) // per_block, 2 * 512 // 16)
+    assert [t.shape[2] for t in llm.engine.core.runner.kv_tensors] == [llm.engine.core.kv.pools[0].num_blocks]
 
 
 def test_penalties_steer_away_from_seen_tokens(llm) -> None:
@@ -254,9 +254,9 @@ def test_warm_up_leaves_the_cache_and_results_alone(model_dir) -> None:
     llm = LLM(str(model_dir), device="cpu", dtype="float32", max_num_seqs=4, max_num_batched_tokens=100)
     prompt = [[3, 1, 4, 1, 5, 9, 2, 6] * 4]
     before = llm.generate(prompt, greedy(8), use_tqdm=False)[0].outputs[0].token_ids
-    cache = llm.engine.core.runner.kv_cache.clone()
+    caches = [t.clone() for t in llm.engine.core.runner.kv_tensors]
     llm.engine.core.runner.warm_up(100, llm.engine.max_model_len)
-    assert torch.equal(llm.engine.core.runner.kv_cache, cache)
+    assert all(torch.equal(t, c) for t, c in zip(llm.engine.core.runner.kv_tensors, caches))
     assert llm.generate(prompt, greedy(8), use_tqdm=False)[0].outputs[0].token_ids == before
 
 

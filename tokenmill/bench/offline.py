@@ -27,7 +27,7 @@ import torch
 
 from tokenmill.bench import hf_peer
 from tokenmill.bench.hardware import Ceilings, environment, measure_ceilings, time_cuda
-from tokenmill.bench.shapes import shape_dir, step_cost
+from tokenmill.bench.shapes import SHAPES, StepCostModel, shape_dir
 from tokenmill.engine.config import EngineConfig
 from tokenmill.engine.llm_engine import LLMEngine
 from tokenmill.sampling_params import SamplingParams
@@ -57,7 +57,7 @@ def release() -> None:
 def run_metered(engine: LLMEngine, ceilings: Ceilings) -> tuple[list[StepRecord], float, int]:
     """Step the engine until idle, recording each step's time and floor.
     Returns (steps, wall seconds, peak KV blocks in use)."""
-    cfg = engine.model_config
+    cost = StepCostModel.of(engine.core.runner.model, engine.model_config)
     schedule = engine.core.scheduler.schedule
     shapes: list[tuple[list[int], list[int], int]] = []
 
@@ -85,7 +85,7 @@ def run_metered(engine: LLMEngine, ceilings: Ceilings) -> tuple[list[StepRecord]
     records = []  # floors are computed after the run, so metering adds no host work to the steps
     for step_seconds, (query_lens, contexts, sampled) in zip(seconds, shapes):
         if query_lens:
-            bytes_, flops = step_cost(cfg, query_lens, contexts, sampled)
+            bytes_, flops = cost.step(query_lens, contexts, sampled)
             records.append(StepRecord(step_seconds, ceilings.floor(bytes_, flops), max(query_lens) == 1,
                                       len(query_lens), sum(query_lens)))
     return records, wall, peak
@@ -294,6 +294,50 @@ def _sampling_and_pruning_costs() -> list[dict]:
     ]
 
 
+def bench_models(ceilings: Ceilings, shapes: list[str], sizes: list[int], peer: bool, peer_requests: int,
+                 checkpoint: Callable[[list[dict]], None]) -> list[dict]:
+    """Per model: batch-1 decode at a short and a long context, a batch sweep and the standard
+    workload, each beside its floor (sliding layers read at most their window); the KV bytes per
+    token against a cache giving every layer its own full-length cache. Then the peers:
+    transformers' decode step, and its continuous batching on ``peer_requests`` of the workload
+    (last, as in ``bench_throughput``: it keeps its cache after it returns)."""
+    rows: list[dict] = []
+    workloads = []
+    for shape in shapes:
+        engine = make_engine(shape, max_num_seqs=256, max_num_batched_tokens=8192)
+        cfg, dtype = engine.model_config, engine.core.dtype
+        layout = cfg.kv_layout()
+        rng = random.Random(0)
+        full = layout.full_length_bytes_per_token(dtype)
+        rows.append({"name": f"models/{shape}/kv_bytes", "kv_blocks_per_group": [p.num_blocks for p in engine.core.kv.pools],
+                     **{f"ctx{n}": {"held": layout.bytes_held(n, dtype), "every_layer_full_length": full * n,
+                                    "saving": 1 - layout.bytes_held(n, dtype) / (full * n)}
+                        for n in (4096, 32768, 131072)}})
+        for ctx in (128, 4096):
+            result = decode_steps(engine, ceilings, [random_prompt(rng, ctx, cfg.vocab_size)], 64)
+            rows.append({"name": f"models/{shape}/latency/ctx{ctx}", "batch": 1, "context": ctx, **result})
+        prompt = random_prompt(rng, 128, cfg.vocab_size)
+        for size in sizes:
+            result = decode_steps(engine, ceilings, [prompt] * size, 64)
+            rows.append({"name": f"models/{shape}/batch/b{size}", "batch": size, "context": 128, **result})
+        workloads.append(standard_workload(vocab=cfg.vocab_size))
+        rows.append({"name": f"models/{shape}/throughput", **run_workload(engine, ceilings, workloads[-1])})
+        checkpoint(rows)
+        del engine
+        release()
+    if peer:
+        by_name = {row["name"]: row for row in rows}
+        for shape in shapes:
+            ms = hf_peer.decode_ms_per_step(shape, batch=1, context=128)
+            by_name[f"models/{shape}/latency/ctx128"]["peer_transformers_ms_per_step"] = ms
+            checkpoint(rows)
+        for shape, workload in zip(shapes, workloads):
+            subset = hf_peer.generate_batch(shape, workload[:peer_requests])
+            by_name[f"models/{shape}/throughput"]["peer_transformers_generate_batch"] = subset
+            checkpoint(rows)
+    return rows
+
+
 def bench_startup(shape: str = "llama3-8b") -> list[dict]:
     started = time.perf_counter()
     engine = make_engine(shape, max_num_seqs=256)
@@ -328,7 +372,8 @@ def print_table(rows: list[dict]) -> None:
         print(f"{row['name']:44s} {measured:>14s} {floor:>10s} {frac:>8s} {peer:>14s}")
 
 
-BENCHMARKS = ("latency", "batch", "throughput", "features", "startup", "all")
+BENCHMARKS = ("latency", "batch", "throughput", "features", "startup", "models", "all")
+MODEL_SHAPES = ["gemma3-4b", "gemma3-27b", "gemma4-e4b", "gemma4-31b"]
 
 
 def add_bench_args(parser: argparse.ArgumentParser) -> None:
@@ -336,6 +381,9 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-peer", action="store_true", help="skip transformers")
     parser.add_argument("--peer-requests", type=int, default=32,
                         help="requests of the standard workload given to transformers' generate_batch")
+    parser.add_argument("--shapes", default=",".join(MODEL_SHAPES),
+                        help="comma-separated shapes for the models benchmark (known: "
+                             f"{', '.join(SHAPES)})")
 
 
 def run_bench(args: argparse.Namespace) -> int:
@@ -363,6 +411,8 @@ def run_bench(args: argparse.Namespace) -> int:
         "throughput": lambda: bench_throughput(ceilings, ["qwen3-0.6b", "llama3-8b"], peer, args.peer_requests,
                                                checkpoint),
         "features": lambda: bench_features(ceilings),
+        "models": lambda: bench_models(ceilings, args.shapes.split(","), [1, 8, 32, 128], peer, args.peer_requests,
+                                       checkpoint),
     }
     for name, run in sections.items():
         if which in (name, "all"):

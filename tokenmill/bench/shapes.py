@@ -5,15 +5,23 @@ from __future__ import annotations
 
 import json
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from tokenmill.loader.hf_config import ModelConfig
+from tokenmill.loader.kv_layout import KVLayout
 
 _LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                 "original_max_position_embeddings": 8192, "rope_theta": 500000.0}
+
+_GEMMA3_ROPE = {"full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1_000_000.0},
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0}}
+_GEMMA4_ROPE = {"full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25,
+                                   "rope_theta": 1_000_000.0},
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0}}
 
 SHAPES: dict[str, dict[str, Any]] = {
     "llama3-8b": dict(architectures=["LlamaForCausalLM"], model_type="llama", hidden_size=4096, intermediate_size=14336,
@@ -35,6 +43,28 @@ SHAPES: dict[str, dict[str, Any]] = {
                        num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, vocab_size=32000,
                        max_position_embeddings=8192, rope_theta=10000.0, sliding_window=4096,
                        tie_word_embeddings=False),
+    "gemma3-4b": dict(architectures=["Gemma3ForCausalLM"], model_type="gemma3_text", hidden_size=2560,
+                      intermediate_size=10240, num_hidden_layers=34, num_attention_heads=8, num_key_value_heads=4,
+                      head_dim=256, query_pre_attn_scalar=256, sliding_window=1024, vocab_size=262208,
+                      max_position_embeddings=131072, rope_parameters=_GEMMA3_ROPE, tie_word_embeddings=True),
+    "gemma3-27b": dict(architectures=["Gemma3ForCausalLM"], model_type="gemma3_text", hidden_size=5376,
+                       intermediate_size=21504, num_hidden_layers=62, num_attention_heads=32, num_key_value_heads=16,
+                       head_dim=128, query_pre_attn_scalar=168, sliding_window=1024, vocab_size=262208,
+                       max_position_embeddings=131072, rope_parameters=_GEMMA3_ROPE, tie_word_embeddings=True),
+    "gemma4-e4b": dict(architectures=["Gemma4ForCausalLM"], model_type="gemma4_text", hidden_size=2560,
+                       intermediate_size=10240, num_hidden_layers=42, num_attention_heads=8, num_key_value_heads=2,
+                       head_dim=256, global_head_dim=512, sliding_window=512, vocab_size=262144,
+                       layer_types=(["sliding_attention"] * 5 + ["full_attention"]) * 7, num_kv_shared_layers=18,
+                       hidden_size_per_layer_input=256, vocab_size_per_layer_input=262144, attention_k_eq_v=False,
+                       use_double_wide_mlp=False, final_logit_softcapping=30.0, max_position_embeddings=131072,
+                       rope_parameters=_GEMMA4_ROPE, tie_word_embeddings=True),
+    "gemma4-31b": dict(architectures=["Gemma4ForCausalLM"], model_type="gemma4_text", hidden_size=5376,
+                       intermediate_size=21504, num_hidden_layers=60, num_attention_heads=32, num_key_value_heads=16,
+                       num_global_key_value_heads=4, head_dim=256, global_head_dim=512, sliding_window=1024,
+                       vocab_size=262144, layer_types=(["sliding_attention"] * 5 + ["full_attention"]) * 10,
+                       num_kv_shared_layers=0, hidden_size_per_layer_input=0, attention_k_eq_v=True,
+                       use_double_wide_mlp=False, final_logit_softcapping=30.0, max_position_embeddings=262144,
+                       rope_parameters=_GEMMA4_ROPE, tie_word_embeddings=True),
 }
 
 
@@ -47,31 +77,42 @@ def shape_dir(name: str) -> Path:
     return path
 
 
-def linear_params(cfg: ModelConfig) -> int:
-    """Parameters every token multiplies through: projections, MLP and the LM head."""
-    q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-    per_layer = cfg.hidden_size * (q + 2 * kv) + q * cfg.hidden_size + 3 * cfg.hidden_size * cfg.intermediate_size
-    return cfg.num_layers * per_layer + cfg.vocab_size * cfg.hidden_size
+@dataclass(frozen=True)
+class StepCostModel:
+    """What a step of one model must at least move and compute, counted from the built model:
+    ``body_params`` the decoder's projection weights (every ``nn.Linear`` but the LM head),
+    ``head_params`` the LM head's (the tied embedding where there is none)."""
 
+    body_params: int
+    head_params: int
+    num_heads: int
+    layout: KVLayout
 
-def weight_bytes_per_step(cfg: ModelConfig, elem: int = 2) -> int:
-    """Bytes a decode step must read once: every linear weight and the LM head (the
-    embedding table is only gathered row by row, norms are negligible)."""
-    return linear_params(cfg) * elem
+    @classmethod
+    def of(cls, model: torch.nn.Module, cfg: ModelConfig) -> StepCostModel:
+        lm_head = getattr(model, "lm_head", None)
+        body = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear) and m is not lm_head)
+        return cls(body, cfg.vocab_size * cfg.hidden_size, cfg.num_heads, cfg.kv_layout())
 
+    def weight_bytes(self, elem: int = 2) -> int:
+        """Bytes a decode step reads once: every projection and the LM head (the embedding
+        tables are gathered row by row, norms are negligible)."""
+        return (self.body_params + self.head_params) * elem
 
-def step_cost(cfg: ModelConfig, query_lens: list[int], context_lens: list[int], sampled_rows: int,
-              dtype: torch.dtype = torch.bfloat16) -> tuple[float, float]:
-    """(bytes, FLOPs) a step must at least move and compute: weights once, the KV of every
-    context read once and the new K/V written; GEMMs over the step's tokens (LM head only
-    on sampled rows) and attention over each query's causal context."""
-    tokens = sum(query_lens)
-    kv_tok = cfg.kv_layout().bytes_per_token(dtype)
-    bytes_ = weight_bytes_per_step(cfg, dtype.itemsize) + kv_tok * (sum(context_lens) + tokens)
-    body = linear_params(cfg) - cfg.vocab_size * cfg.hidden_size
-    flops = 2.0 * tokens * body + 2.0 * sampled_rows * cfg.vocab_size * cfg.hidden_size
-    attn = 0.0
-    for q, ctx in zip(query_lens, context_lens):
-        attn += q * (ctx - (q - 1) / 2)  # mean causal context of the query's tokens
-    flops += 4.0 * attn * cfg.num_heads * cfg.head_dim * cfg.num_layers
-    return bytes_, flops
+    def step(self, query_lens: list[int], context_lens: list[int], sampled_rows: int,
+             dtype: torch.dtype = torch.bfloat16) -> tuple[float, float]:
+        """(bytes, FLOPs) of a step: weights once; each layer reads the KV its window can see of
+        every context and each cache-owning layer writes the new K/V; GEMMs over the step's
+        tokens (the LM head only on sampled rows) and attention over each query's visible context."""
+        tokens = sum(query_lens)
+        kv_bytes, attn = 0.0, 0.0
+        for i, spec in enumerate(self.layout.layers):
+            window = spec.sliding_window
+            seen = sum(ctx if window is None else min(ctx, window) for ctx in context_lens)
+            kv_bytes += spec.bytes_per_token(dtype) * (seen + (tokens if self.layout.source[i] == i else 0))
+            for q, ctx in zip(query_lens, context_lens):
+                mean_context = ctx - (q - 1) / 2  # over the query's causal positions
+                attn += q * (mean_context if window is None else min(mean_context, window)) * spec.head_dim
+        flops = 2.0 * tokens * self.body_params + 2.0 * sampled_rows * self.head_params
+        flops += 4.0 * attn * self.num_heads
+        return self.weight_bytes(dtype.itemsize) + kv_bytes, flops

@@ -25,7 +25,7 @@ import torch
 
 from tokenmill.default_model import DEFAULT_MODEL_DIR
 from tokenmill.engine.config import EngineConfig
-from tokenmill.engine.kv_cache_manager import KVCacheManager
+from tokenmill.engine.kv_cache_manager import KVCacheManager, kv_block_counts
 from tokenmill.engine.messages import (
     AbortRequests,
     AbortSequence,
@@ -91,14 +91,16 @@ class EngineCore:
         model = build_model(cfg, None if config.random_weights else model_dir, self.dtype, self.device,
                             max_len, config.seed)
         load_seconds = time.monotonic() - started
+        layout = cfg.kv_layout()
         num_blocks = self._num_kv_blocks(max_len)
-        capacity = num_blocks * config.block_size
-        if capacity < max_len:
-            logger.warning("max_model_len lowered from %d to %d: the KV pool holds %d blocks of %d",
-                           max_len, capacity, num_blocks, config.block_size)
-            max_len = capacity
+        windows = [spec.sliding_window for spec in layout.groups]
+        self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching, windows)
+        longest = self.kv.longest_sequence(config.max_num_batched_tokens)
+        if longest < max_len:
+            logger.warning("max_model_len lowered from %d to %d: the KV pools hold %s blocks of %d",
+                           max_len, longest, num_blocks, config.block_size)
+            max_len = int(longest)
         self.max_model_len = max_len
-        self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(
             SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, config.static_batching,
                             config.scheduling_policy), self.kv)
@@ -116,19 +118,23 @@ class EngineCore:
         self.stats = CoreStats()
         self._in_flight: InFlightStep | None = None
         self._deltas: dict[str, RequestDelta] = {}  # news since the last step's outputs
-        logger.info("engine ready: %s on %s (%s), KV pool %d blocks of %d tokens (%d tokens), max_model_len %d",
-                    model_dir, self.device, str(self.dtype).removeprefix("torch."), num_blocks, config.block_size,
-                    capacity, max_len)
+        groups = "; ".join(
+            f"{len(layout.owners(g))} layers of {spec.num_kv_heads}x{spec.head_dim}"
+            f"{'' if spec.sliding_window is None else f' (window {spec.sliding_window})'}: {n} blocks"
+            for g, (spec, n) in enumerate(zip(layout.groups, num_blocks)))
+        logger.info("engine ready: %s on %s (%s), max_model_len %d, KV blocks of %d tokens: %s; %d bytes per token "
+                    "(%d if every layer kept its own full-length cache)", model_dir, self.device,
+                    str(self.dtype).removeprefix("torch."), max_len, config.block_size, groups,
+                    layout.bytes_per_token(self.dtype), layout.full_length_bytes_per_token(self.dtype))
         freeze_startup_objects()
 
     # ----------------------------------------------------------------- sizing
-    def _num_kv_blocks(self, max_len: int) -> int:
+    def _num_kv_blocks(self, max_len: int) -> list[int]:
+        """Each KV group's block count: ``num_kv_blocks`` if set, else what the memory left allows."""
         cfg, config = self.model_config, self.config
-        if config.num_kv_blocks is not None:
-            return config.num_kv_blocks
-        per_block = cfg.kv_layout().bytes_per_token(self.dtype) * config.block_size
-        enough = config.max_num_seqs * -(-max_len // config.block_size)
-        if self.device.type == "cuda":
+        layout = cfg.kv_layout()
+        budget = None
+        if config.num_kv_blocks is None and self.device.type == "cuda":
             free, total = torch.cuda.mem_get_info(self.device)
             used_elsewhere = total - free
             elem = torch.tensor([], dtype=self.dtype).element_size()
@@ -137,14 +143,17 @@ class EngineCore:
                                            + 3 * cfg.num_heads * cfg.head_dim)
             logits = config.max_num_seqs * cfg.vocab_size * 4 * 4
             budget = total * config.gpu_memory_utilization - used_elsewhere - activations - logits - (1 << 30)
-        else:
+        elif config.num_kv_blocks is None:
             budget = config.cpu_kv_cache_gib * (1 << 30)
-        blocks = min(int(budget // per_block), enough)
-        if blocks < 1:
-            where = "gpu_memory_utilization" if self.device.type == "cuda" else "cpu_kv_cache_gib"
-            raise ValueError(f"no memory is left for the KV cache (one block of {config.block_size} tokens takes "
-                             f"{per_block} bytes): raise {where}, or lower max_num_batched_tokens")
-        return blocks
+        counts = kv_block_counts(layout, self.dtype, config.block_size, budget, config.num_kv_blocks,
+                                 config.max_num_seqs, config.max_num_batched_tokens, max_len)
+        for spec, count in zip(layout.groups, counts):
+            if count < 1 + (spec.sliding_window is not None):
+                where = "gpu_memory_utilization" if self.device.type == "cuda" else "cpu_kv_cache_gib"
+                raise ValueError(f"no memory is left for the KV cache (one block of {config.block_size} tokens takes "
+                                 f"{layout.bytes_per_token(self.dtype) * config.block_size} bytes): raise {where}, "
+                                 "or lower max_num_batched_tokens")
+        return counts
 
     def ready_message(self) -> CoreReady:
         cfg = self.model_config
@@ -266,9 +275,9 @@ class EngineCore:
         request = self.requests.pop(seq.request_id)
         for s in request.seqs:
             self._end(s, "abort")
-        needed = self.kv.blocks_needed(seq.num_tokens)
-        self._fail(request.request_id, f"the request needs {needed} KV blocks but the pool holds "
-                   f"{self.kv.pool.num_blocks}: it can never run", request.seqs)
+        self._fail(request.request_id, f"the request's {seq.num_tokens} tokens need more KV blocks than the "
+                   f"pools hold ({[self.kv.usable_blocks(g) for g in range(self.kv.num_groups)]} blocks of "
+                   f"{self.kv.block_size}): it can never run", request.seqs)
 
     def _fail(self, request_id: str, message: str, seqs: list[Sequence]) -> None:
         self._deltas[request_id] = RequestDelta(
@@ -385,8 +394,8 @@ class EngineCore:
         running = {seq.request_id for seq in scheduler.running}
         waiting = {seq.request_id for seq in scheduler.waiting if seq.status is SequenceStatus.WAITING} - running
         stats.num_running, stats.num_waiting = len(running), len(waiting)
-        stats.kv_usage = kv.pool.usage()
+        stats.kv_usage = kv.usage()
         stats.kv_blocks_in_use = kv.num_blocks_in_use
-        stats.kv_blocks_cached = kv.pool.num_cached
+        stats.kv_blocks_cached = kv.num_cached
         stats.prefix_cache_queries, stats.prefix_cache_hits = kv.query_tokens, kv.hit_tokens
         return msgspec.structs.replace(stats)  # a copy: the in-process caller may keep it

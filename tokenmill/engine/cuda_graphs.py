@@ -41,8 +41,9 @@ def capture_sizes(max_num_seqs: int) -> list[int]:
 
 
 class DecodeGraphs:
-    def __init__(self, model: torch.nn.Module, kv_caches: list, max_num_seqs: int, max_blocks_per_seq: int,
-                 block_size: int, vocab_size: int, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(self, model: torch.nn.Module, kv_caches: list, num_kv_groups: int, max_num_seqs: int,
+                 max_blocks_per_seq: int, block_size: int, vocab_size: int, dtype: torch.dtype,
+                 device: torch.device) -> None:
         self.model = model
         self.kv_caches = kv_caches
         self.sizes = capture_sizes(max_num_seqs)
@@ -50,9 +51,9 @@ class DecodeGraphs:
         n = self.sizes[-1]
         self.input_ids = torch.zeros(n, dtype=torch.int64, device=device)
         self.positions = torch.zeros(n, dtype=torch.int64, device=device)
-        self.slot_mapping = torch.full((n,), -1, dtype=torch.int64, device=device)
+        self.slot_mapping = torch.full((num_kv_groups, n), -1, dtype=torch.int64, device=device)
         self.seq_lens = torch.ones(n, dtype=torch.int32, device=device)
-        self.block_tables = torch.zeros(n, max_blocks_per_seq, dtype=torch.int32, device=device)
+        self.block_tables = torch.zeros(num_kv_groups, n, max_blocks_per_seq, dtype=torch.int32, device=device)
         self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=device)
         self.logits = torch.zeros(n, vocab_size, dtype=dtype, device=device)
         self.greedy_ids = torch.zeros(n, dtype=torch.int64, device=device)
@@ -68,10 +69,10 @@ class DecodeGraphs:
 
     def _forward(self, size: int, context: int) -> None:
         meta = AttentionMetadata(
-            slot_mapping=self.slot_mapping[:size],
+            slot_mapping=tuple(self.slot_mapping[:, :size]),
             query_start_loc=self.query_start_loc[:size + 1],
             seq_lens=self.seq_lens[:size],
-            block_tables=self.block_tables[:size],
+            block_tables=tuple(self.block_tables[:, :size]),
             max_query_len=1,
             max_seq_len=context,
         )
@@ -116,13 +117,14 @@ class DecodeGraphs:
         logits and greedy token ids (views of static buffers: read before the next replay)."""
         batch = input_ids.shape[0]
         size = self.padded_size(batch)
-        width = meta.block_tables.shape[1]
+        width = meta.block_tables[0].shape[1]
         self.input_ids[:batch].copy_(input_ids)
         self.positions[:batch].copy_(positions)
-        self.slot_mapping[:batch].copy_(meta.slot_mapping)
-        self.slot_mapping[batch:size].fill_(-1)
+        for g, (slots, table) in enumerate(zip(meta.slot_mapping, meta.block_tables)):
+            self.slot_mapping[g, :batch].copy_(slots)
+            self.block_tables[g, :batch, :width].copy_(table)
+        self.slot_mapping[:, batch:size].fill_(-1)
         self.seq_lens[:batch].copy_(meta.seq_lens)
         self.seq_lens[batch:size].fill_(1)
-        self.block_tables[:batch, :width].copy_(meta.block_tables)
         self.graph_for(batch, meta.max_seq_len).replay()
         return self.logits[:batch], self.greedy_ids[:batch]

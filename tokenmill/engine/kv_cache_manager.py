@@ -1,43 +1,92 @@
-"""Block tables of the sequences, over one shared BlockPool, with prefix caching."""
+"""Block tables of the sequences, one per KV group, with prefix caching.
+
+Each KV group (layers of one cache shape, see ``loader/kv_layout.py``) has its own
+BlockPool and each sequence one block table per group; every group uses the same
+block size, so token ``p`` sits at table index ``p // block_size`` in all of them
+and one hash chain names a block in every group. A sliding-window group frees
+the blocks its window has passed (before each step the sequence is scheduled in,
+keeping every key the step's first query can still see) and puts its pool's
+reserved null block in their place: the attention kernels never read below the
+window, so the table keeps its positions without holding memory.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Sequence as Seq
+
+import torch
+
 from tokenmill.engine.block_pool import BlockPool
 from tokenmill.engine.sequence import Sequence
+from tokenmill.loader.kv_layout import KVLayout
 
 
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+    def __init__(self, num_blocks: int | Seq[int], block_size: int, enable_prefix_caching: bool = True,
+                 windows: Seq[int | None] = (None,)) -> None:
+        """``num_blocks`` (one count per group, or one int for a single group) and ``windows`` (each
+        group's sliding window, None for full attention): a sliding group's first block is its null block."""
+        counts = [num_blocks] if isinstance(num_blocks, int) else list(num_blocks)
+        if len(counts) != len(windows):
+            raise ValueError(f"{len(counts)} block counts for {len(windows)} KV groups")
+        for n, window in zip(counts, windows):
+            if n < 1 + (window is not None):
+                raise ValueError(f"a KV group needs at least {1 + (window is not None)} blocks, got {n}")
         self.block_size = block_size
-        self.pool = BlockPool(num_blocks, enable_prefix_caching)
+        self.windows = list(windows)
+        self.pools = [BlockPool(n, enable_prefix_caching) for n in counts]
+        # The null block of each sliding group (taken once, never freed); None for full groups.
+        self.null_blocks = [None if w is None else pool.allocate(1)[0] for pool, w in zip(self.pools, self.windows)]
+        self.enable_caching = enable_prefix_caching
         self.query_tokens = 0  # prompt tokens looked up in the prefix cache
         self.hit_tokens = 0  # of which were found
+
+    @property
+    def num_groups(self) -> int:
+        return len(self.pools)
 
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
+    def _first_visible_block(self, group: int, position: int) -> int:
+        """The first table index a query at ``position`` can see in ``group`` (0 for full attention)."""
+        window = self.windows[group]
+        return 0 if window is None else max(0, position - window + 1) // self.block_size
+
+    # ----------------------------------------------------------------- prefix
     def match_prefix(self, seq: Sequence) -> int:
-        """Give a new sequence the longest cached run of its full blocks; always leaves at
-        least its last token to compute, so the step that finishes it can sample."""
-        assert not seq.block_table and seq.num_computed_tokens == 0
+        """Give a new sequence the longest cached run of its full blocks that every group still holds
+        (a sliding group only the blocks the first uncached token can see); always leaves at least its
+        last token to compute, so the step that finishes it can sample."""
+        assert not seq.block_tables and seq.num_computed_tokens == 0
         usable = self._cacheable_blocks(seq)
         if usable == 0:
             return 0
-        for block_hash in seq.full_block_hashes(self.block_size)[:usable]:
-            block_id = self.pool.lookup(block_hash)
-            if block_id is None:
-                break
-            self.pool.take_cached(block_id)
-            seq.block_table.append(block_id)
-        cached = len(seq.block_table) * self.block_size
-        seq.num_computed_tokens = cached
-        seq.num_committed_blocks = len(seq.block_table)
-        return cached
+        hashes = seq.full_block_hashes(self.block_size)[:usable]
+        found = [[pool.lookup(h) for h in hashes] for pool in self.pools]
+        hit = next((n for n in range(usable, 0, -1) if self._is_hit(found, n)), 0)
+        if hit == 0:
+            return 0
+        seq.block_tables = [[] for _ in self.pools]
+        for g, (pool, table) in enumerate(zip(self.pools, seq.block_tables)):
+            first = self._first_visible_block(g, hit * self.block_size)
+            table.extend([self.null_blocks[g]] * first)
+            for block_id in found[g][first:hit]:
+                pool.take_cached(block_id)
+                table.append(block_id)
+        seq.num_computed_tokens = hit * self.block_size
+        seq.num_committed_blocks = hit
+        return seq.num_computed_tokens
+
+    def _is_hit(self, found: list[list[int | None]], num_blocks: int) -> bool:
+        """Whether every group holds what computing on from ``num_blocks`` cached blocks needs."""
+        return all(None not in found[g][self._first_visible_block(g, num_blocks * self.block_size):num_blocks]
+                   for g in range(self.num_groups))
 
     def _cacheable_blocks(self, seq: Sequence) -> int:
         """Full blocks a new sequence may take from the cache (never its last token; none when
         it wants prompt logprobs, which need every prompt position computed)."""
-        if not self.pool.enable_caching or seq.params.prompt_logprobs is not None:
+        if not self.enable_caching or seq.params.prompt_logprobs is not None:
             return 0
         return (seq.num_tokens - 1) // self.block_size
 
@@ -47,33 +96,108 @@ class KVCacheManager:
         self.query_tokens += self._cacheable_blocks(seq) * self.block_size
         self.hit_tokens += seq.num_computed_tokens
 
+    # ------------------------------------------------------------- allocation
     def allocate(self, seq: Sequence, num_new_tokens: int) -> bool:
-        """Grow the block table to hold ``num_new_tokens`` more; False if the pool is short."""
-        needed = self.blocks_needed(seq.num_computed_tokens + num_new_tokens) - len(seq.block_table)
-        if needed > self.pool.num_free:
+        """Grow the block tables to hold ``num_new_tokens`` more (after freeing what sliding windows
+        have passed); False, with nothing taken, if a pool is short."""
+        if not seq.block_tables:
+            seq.block_tables = [[] for _ in self.pools]
+        self._free_passed_blocks(seq)
+        end = self.blocks_needed(seq.num_computed_tokens + num_new_tokens)
+        needed = [end - len(table) for table in seq.block_tables]
+        if any(n > pool.num_free for n, pool in zip(needed, self.pools)):
             return False
-        if needed > 0:
-            seq.block_table.extend(self.pool.allocate(needed))
+        for n, pool, table in zip(needed, self.pools, seq.block_tables):
+            if n > 0:
+                table.extend(pool.allocate(n))
         return True
 
+    def _free_passed_blocks(self, seq: Sequence) -> None:
+        """Return the blocks no query from ``num_computed_tokens`` on can see (sliding groups)."""
+        for g, (pool, table) in enumerate(zip(self.pools, seq.block_tables)):
+            null = self.null_blocks[g]
+            if null is None:
+                continue
+            first = min(self._first_visible_block(g, seq.num_computed_tokens), len(table))
+            passed = [i for i in range(first) if table[i] != null]
+            pool.free([table[i] for i in passed])
+            for i in passed:
+                table[i] = null
+
     def commit_computed_blocks(self, seq: Sequence) -> None:
-        """Make the sequence's newly full and computed blocks findable by later requests."""
+        """Make the sequence's newly full and computed blocks findable by later requests (in every
+        group that still holds them)."""
         full = min(seq.num_computed_tokens, seq.num_tokens - seq.num_pending) // self.block_size
         if full <= seq.num_committed_blocks:
             return
         hashes = seq.full_block_hashes(self.block_size)
         for i in range(seq.num_committed_blocks, full):
             tokens = seq.token_ids[i * self.block_size:(i + 1) * self.block_size]
-            self.pool.commit(seq.block_table[i], hashes[i], tokens)
+            for pool, table, null in zip(self.pools, seq.block_tables, self.null_blocks):
+                if table[i] != null:
+                    pool.commit(table[i], hashes[i], tokens)
         seq.num_committed_blocks = full
 
     def free(self, seq: Sequence) -> None:
         """Return the sequence's blocks, tail first into the eviction queue."""
-        self.pool.free(list(reversed(seq.block_table)))
-        seq.block_table = []
+        for pool, table, null in zip(self.pools, seq.block_tables, self.null_blocks):
+            pool.free([b for b in reversed(table) if b != null])
+        seq.block_tables = []
         seq.num_committed_blocks = 0
         seq.num_computed_tokens = 0
 
+    def longest_sequence(self, max_chunk: int) -> int | float:
+        """The most tokens one sequence, prefilled in chunks of at most ``max_chunk``, can have in the
+        empty pools (unbounded when only sliding groups hold it, each its window and a chunk at a time)."""
+        longest: int | float = float("inf")
+        for g, window in enumerate(self.windows):
+            usable = self.usable_blocks(g)
+            if window is None or usable < self.blocks_needed(window - 1 + max_chunk) + 1:
+                longest = min(longest, usable * self.block_size)
+        return longest
+
+    # ------------------------------------------------------------------ stats
+    def usable_blocks(self, group: int) -> int:
+        """The group's blocks that sequences can hold (its null block excluded)."""
+        return self.pools[group].num_blocks - (self.null_blocks[group] is not None)
+
     @property
     def num_blocks_in_use(self) -> int:
-        return self.pool.num_blocks - self.pool.num_free
+        """Blocks held by sequences, over every group."""
+        return sum(self.usable_blocks(g) - pool.num_free for g, pool in enumerate(self.pools))
+
+    @property
+    def num_cached(self) -> int:
+        return sum(pool.num_cached for pool in self.pools)
+
+    def usage(self) -> float:
+        """The fullest group's share in use: the one that decides when requests must wait."""
+        return max((self.usable_blocks(g) - pool.num_free) / self.usable_blocks(g) for g, pool in enumerate(self.pools))
+
+
+def kv_block_counts(layout: KVLayout, dtype: torch.dtype, block_size: int, budget_bytes: int | None,
+                    num_blocks: int | None, max_num_seqs: int, max_num_batched_tokens: int, max_len: int) -> list[int]:
+    """Each KV group's block count, from a memory budget or a fixed count (``num_blocks``, the full
+    groups' count). A full group never needs more than every sequence at full length; a sliding
+    group never more than every sequence's window plus a step's chunk, and one null block. Memory is
+    split so every group holds the same tokens, except that a sliding group gets no more than it can
+    use and what it leaves goes to the full groups."""
+    groups = layout.groups
+    per_block = [layout.group_bytes_per_token(g, dtype) * block_size for g in range(len(groups))]
+    full_cap = max_num_seqs * -(-max_len // block_size)
+    caps = [full_cap if spec.sliding_window is None else
+            min(full_cap, max_num_seqs * (-(-(spec.sliding_window - 1) // block_size) + 2)
+                + -(-max_num_batched_tokens // block_size)) + 1
+            for spec in groups]
+    if num_blocks is not None:
+        return [min(num_blocks + (spec.sliding_window is not None), cap) for spec, cap in zip(groups, caps)]
+    assert budget_bytes is not None
+    equal = int(budget_bytes // sum(per_block))
+    counts = [min(equal, cap) if spec.sliding_window is not None else 0 for spec, cap in zip(groups, caps)]
+    full = [g for g, spec in enumerate(groups) if spec.sliding_window is None]
+    if full:
+        left = budget_bytes - sum(n * b for n, b in zip(counts, per_block))
+        per_full = min(int(left // sum(per_block[g] for g in full)), full_cap)
+        for g in full:
+            counts[g] = per_full
+    return counts

@@ -22,9 +22,10 @@ from tokenmill.engine.cuda_graphs import DecodeGraphs
 from tokenmill.engine.host_staging import HostStaging
 from tokenmill.engine.scheduler import ScheduledBatch
 from tokenmill.engine.sequence import PENDING, Sequence
-from tokenmill.layers.attention import AttentionMetadata
+from tokenmill.layers.attention import AttentionMetadata, KVCache
 from tokenmill.layers.sampler import Sampler, SamplingBatch, gather_logprobs
 from tokenmill.loader.hf_config import ModelConfig
+from tokenmill.loader.kv_layout import KVLayout
 from tokenmill.loader.weights import iter_checkpoint
 from tokenmill.models.registry import model_class
 from tokenmill.outputs import Logprobs
@@ -105,26 +106,38 @@ def build_model(cfg: ModelConfig, model_dir: Path | None, dtype: torch.dtype, de
     return model.eval()
 
 
+def allocate_kv_caches(layout: KVLayout, num_blocks: list[int], block_size: int, dtype: torch.dtype,
+                       device: torch.device) -> tuple[list[torch.Tensor], list[KVCache]]:
+    """One zeroed tensor per KV group, ``[owners, 2, blocks, block_size, kv_heads, head_dim]``, and each
+    layer's ``(k_cache, v_cache)``: views of its own slice, or of its source layer's when it shares KV."""
+    tensors: list[torch.Tensor] = []
+    own: dict[int, KVCache] = {}
+    for g, (spec, count) in enumerate(zip(layout.groups, num_blocks)):
+        owners = layout.owners(g)
+        cache = torch.zeros(len(owners), 2, count, block_size, spec.num_kv_heads, spec.head_dim, dtype=dtype,
+                            device=device)
+        tensors.append(cache)
+        own.update((layer, (cache[j, 0], cache[j, 1])) for j, layer in enumerate(owners))
+    return tensors, [own[src] for src in layout.source]
+
+
 class ModelRunner:
-    def __init__(self, cfg: ModelConfig, model: torch.nn.Module, num_blocks: int, block_size: int,
+    def __init__(self, cfg: ModelConfig, model: torch.nn.Module, num_blocks: list[int], block_size: int,
                  device: torch.device, dtype: torch.dtype, max_num_seqs: int = 256, max_model_len: int = 2048,
                  cuda_graphs: bool = True) -> None:
+        """``num_blocks``: the block count of each KV group (``cfg.kv_layout().groups``)."""
         self.cfg = cfg
         self.model = model
         self.block_size = block_size
         self.device = device
         self.dtype = dtype
-        self.num_blocks = num_blocks
-        cache = torch.zeros(cfg.num_layers, 2, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim,
-                            dtype=dtype, device=device)
-        self.kv_cache = cache
-        self.kv_caches = [(cache[i, 0], cache[i, 1]) for i in range(cfg.num_layers)]
+        self.kv_tensors, self.kv_caches = allocate_kv_caches(cfg.kv_layout(), num_blocks, block_size, dtype, device)
         self.sampler = Sampler()
         self.staging = HostStaging(device)
         self.graphs: DecodeGraphs | None = None
         if cuda_graphs and device.type == "cuda":
-            self.graphs = DecodeGraphs(model, self.kv_caches, max_num_seqs, -(-max_model_len // block_size),
-                                       block_size, cfg.vocab_size, dtype, device)
+            self.graphs = DecodeGraphs(model, self.kv_caches, len(num_blocks), max_num_seqs,
+                                       -(-max_model_len // block_size), block_size, cfg.vocab_size, dtype, device)
             self.graphs.capture()
 
     @torch.inference_mode()
@@ -141,11 +154,12 @@ class ModelRunner:
             shapes.add((16, max_model_len - 1))  # few query rows, long context: split KV ranges
         for query_len, context in sorted(shapes):
             total = query_len + 1
+            groups = len(self.kv_tensors)
             meta = AttentionMetadata(
-                slot_mapping=torch.full((total,), -1, dtype=torch.int64, device=dev),
+                slot_mapping=(torch.full((total,), -1, dtype=torch.int64, device=dev),) * groups,
                 query_start_loc=torch.tensor([0, query_len, total], dtype=torch.int32, device=dev),
                 seq_lens=torch.tensor([context, 1], dtype=torch.int32, device=dev),
-                block_tables=torch.zeros((2, -(-context // self.block_size)), dtype=torch.int32, device=dev),
+                block_tables=(torch.zeros((2, -(-context // self.block_size)), dtype=torch.int32, device=dev),) * groups,
                 max_query_len=query_len, max_seq_len=context)
             positions = torch.cat([torch.arange(context - query_len, context), torch.zeros(1, dtype=torch.int64)]).to(dev)
             hidden = self.model(torch.zeros(total, dtype=torch.int64, device=dev), positions, self.kv_caches, meta)
@@ -163,12 +177,13 @@ class ModelRunner:
         query_start = np.zeros(len(seqs) + 1, dtype=np.int32)
         np.cumsum(counts, out=query_start[1:])
         total = int(query_start[-1])
-        tables = np.zeros((len(seqs), max(len(s.block_table) for s in seqs)), dtype=np.int32)
+        # [groups, B, blocks]: every group's table of a sequence has the same length.
+        tables = np.zeros((len(self.kv_tensors), len(seqs), max(len(s.block_tables[0]) for s in seqs)), dtype=np.int32)
         for b, seq in enumerate(seqs):
-            tables[b, :len(seq.block_table)] = seq.block_table
+            tables[:, b, :len(seq.block_tables[0])] = seq.block_tables
         owner = np.repeat(np.arange(len(seqs)), counts)
         positions = np.arange(total) - np.repeat(query_start[:-1].astype(np.int64) - starts, counts)
-        slots = tables[owner, positions // bs].astype(np.int64) * bs + positions % bs
+        slots = tables[:, owner, positions // bs].astype(np.int64) * bs + positions % bs
         ids = np.fromiter(itertools.chain.from_iterable(
             s.token_ids[st:st + n] for s, st, n in zip(seqs, starts.tolist(), batch.num_tokens)),
             dtype=np.int64, count=total)
@@ -204,8 +219,8 @@ class ModelRunner:
             **{f"sampling.{name}": column for name, column in sampling.items()}})
         if len(pending_rows):
             t["input_ids"][t["pending_rows"]] = previous.token_ids[t["pending_sources"]]
-        meta = AttentionMetadata(slot_mapping=t["slot_mapping"], query_start_loc=t["query_start_loc"],
-                                 seq_lens=t["seq_lens"], block_tables=t["block_tables"],
+        meta = AttentionMetadata(slot_mapping=tuple(t["slot_mapping"]), query_start_loc=t["query_start_loc"],
+                                 seq_lens=t["seq_lens"], block_tables=tuple(t["block_tables"]),
                                  max_query_len=int(counts.max()), max_seq_len=int(seq_lens.max()))
         return StepInputs(t["input_ids"], t["positions"], meta, logits_rows, t["logits_rows"], sampled,
                           {name: t[f"sampling.{name}"] for name in sampling}, prompt_rows)

@@ -42,7 +42,7 @@ class Sequence:
     token_ids: list[int] = field(default_factory=list)
     status: SequenceStatus = SequenceStatus.WAITING
     num_computed_tokens: int = 0
-    block_table: list[int] = field(default_factory=list)
+    block_tables: list[list[int]] = field(default_factory=list)  # one per KV group; empty while it holds none
     block_hashes: list[BlockHash] = field(default_factory=list)
     num_committed_blocks: int = 0
     num_cached_tokens: int = 0

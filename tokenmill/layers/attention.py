@@ -15,15 +15,19 @@ from tokenmill.layers import ops
 from tokenmill.layers.norm import RMSNorm
 from tokenmill.layers.rotary import RotaryEmbedding
 
+KVCache = tuple[torch.Tensor, torch.Tensor]  # one layer's (k_cache, v_cache)
+
 
 @dataclass
 class AttentionMetadata:
-    """Where this step's tokens sit in the paged cache (see kernels/reference.py for layouts)."""
+    """Where this step's tokens sit in the paged cache (see kernels/reference.py for layouts).
+    Each KV group (loader/kv_layout.py) has its own blocks: one slot mapping and one block
+    table per group, indexed by a layer's ``kv_group``."""
 
-    slot_mapping: torch.Tensor  # [T] int64, -1 for padding
+    slot_mapping: tuple[torch.Tensor, ...]  # per group: [T] int64, -1 for padding
     query_start_loc: torch.Tensor  # [B+1] int32
     seq_lens: torch.Tensor  # [B] int32, context length including this step's tokens
-    block_tables: torch.Tensor  # [B, max_blocks] int32
+    block_tables: tuple[torch.Tensor, ...]  # per group: [B, max_blocks] int32
     max_query_len: int  # host-side; 1 for a pure decode step
     max_seq_len: int | None = None  # host-side upper bound of seq_lens; None: the block-table width
 
@@ -31,12 +35,14 @@ class AttentionMetadata:
 class PagedAttention(nn.Module):
     """Rotates q and k (after Qwen3's per-head norms, when given), writes this step's K/V
     into the cache (one fused pass), then attends over the whole context. ``scale``
-    defaults to ``head_dim ** -0.5``; ``softcap`` caps the scores (Gemma)."""
+    defaults to ``head_dim ** -0.5``; ``softcap`` caps the scores (Gemma); ``kv_group`` picks
+    the slot mapping and block table of the layer's KV group."""
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int,
                  sliding_window: int | None, rotary: RotaryEmbedding, scale: float | None = None,
-                 softcap: float | None = None) -> None:
+                 softcap: float | None = None, kv_group: int = 0) -> None:
         super().__init__()
+        self.kv_group = kv_group
         self.rotary = rotary
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
@@ -46,14 +52,14 @@ class PagedAttention(nn.Module):
         self.sliding_window = sliding_window
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata,
+                kv_cache: KVCache, meta: AttentionMetadata,
                 q_norm: RMSNorm | None = None, k_norm: RMSNorm | None = None) -> torch.Tensor:
         k_cache, v_cache = kv_cache
         q = ops.rotary_embedding_and_write_kv(
-            positions, q, k, v, self.rotary.cos_sin_cache, k_cache, v_cache, meta.slot_mapping,
+            positions, q, k, v, self.rotary.cos_sin_cache, k_cache, v_cache, meta.slot_mapping[self.kv_group],
             q_norm.weight if q_norm is not None else None, k_norm.weight if k_norm is not None else None,
             q_norm.eps if q_norm is not None else 1e-6)
         return ops.paged_attention(q, k_cache, v_cache, meta.query_start_loc, meta.seq_lens,
-                                   meta.block_tables, self.scale, self.sliding_window,
+                                   meta.block_tables[self.kv_group], self.scale, self.sliding_window,
                                    max_query_len=meta.max_query_len, max_seq_len=meta.max_seq_len,
                                    softcap=self.softcap)

@@ -73,6 +73,13 @@ class KVLayout:
     def bytes_per_token(self, dtype: torch.dtype) -> int:
         return sum(self.group_bytes_per_token(g, dtype) for g in range(len(self.groups)))
 
+    def bytes_held(self, context: int, dtype: torch.dtype) -> int:
+        """What one sequence of ``context`` tokens keeps: each cache-owning layer the tokens its
+        window can still see (block rounding aside)."""
+        return sum(spec.bytes_per_token(dtype) * (context if spec.sliding_window is None
+                                                  else min(context, spec.sliding_window))
+                   for i, spec in enumerate(self.layers) if self.source[i] == i)
+
     def full_length_bytes_per_token(self, dtype: torch.dtype) -> int:
         """What one token would take if every layer kept its own full-length cache (the
         baseline the savings of windows and sharing are measured against)."""

@@ -22,12 +22,11 @@ from torch import nn
 
 from tokenmill.kernels.reference import softcap_
 from tokenmill.layers import ops
-from tokenmill.layers.attention import AttentionMetadata
+from tokenmill.layers.attention import AttentionMetadata, KVCache
 from tokenmill.layers.rotary import RotaryEmbedding
 from tokenmill.loader.hf_config import ModelConfig, ModelLoadError, rope_parameters
 from tokenmill.models.llama import (
     DecoderAttention,
-    KVCache,
     LlamaForCausalLM,
     decoder_config,
     sliding_windows,

@@ -16,12 +16,10 @@ import torch
 from torch import nn
 
 from tokenmill.layers import ops
-from tokenmill.layers.attention import AttentionMetadata, PagedAttention
+from tokenmill.layers.attention import AttentionMetadata, KVCache, PagedAttention
 from tokenmill.layers.norm import RMSNorm
 from tokenmill.layers.rotary import RotaryEmbedding
 from tokenmill.loader.hf_config import ModelConfig, ModelLoadError, checkpoint_dtype, rope_parameters
-
-KVCache = tuple[torch.Tensor, torch.Tensor]
 
 
 def sliding_windows(raw: dict[str, Any], window: int | None, first_sliding: int = 0) -> tuple[int | None, ...]:
@@ -89,7 +87,7 @@ class DecoderAttention(nn.Module):
         self.q_norm = norm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = norm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.attn = PagedAttention(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.sliding_windows[layer], rotary,
-                                   scale, softcap)
+                                   scale, softcap, kv_group=cfg.kv_layout().layer_group[layer])
 
     def forward(self, positions: torch.Tensor, qkv: torch.Tensor, residual: torch.Tensor, kv_cache: KVCache,
                 meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor | None]:
