@@ -21,11 +21,10 @@ from transformers.modeling_rope_utils import _compute_proportional_rope_paramete
 
 from tokenmill.engine.model_runner import build_model
 from tokenmill.kernels import reference
-from tokenmill.layers.attention import AttentionMetadata
+from tokenmill.layers.attention import AttentionMetadata, KVCache
 from tokenmill.layers.rotary import inverse_frequencies
 from tokenmill.loader.hf_config import ModelLoadError, load_model_config
 from tokenmill.loader.kv_layout import KVSpec
-from tokenmill.models.llama import KVCache
 
 GEMMA4_CONFIGS = sorted(name for name in TINY_CONFIGS if name.startswith("gemma4"))
 LOGIT_ATOL = 1e-4
@@ -57,9 +56,11 @@ def paged_logits(model: torch.nn.Module, prompts: list[list[int]]) -> list[torch
         slots = torch.cat([tables[b, pos // BLOCK_SIZE].long() * BLOCK_SIZE + pos % BLOCK_SIZE
                            for b, pos in enumerate(torch.arange(lo, hi) for lo, hi in spans)])
         lens = torch.tensor([hi - lo for lo, hi in spans])
-        meta = AttentionMetadata(slot_mapping=slots, query_start_loc=torch.cat([torch.zeros(1), lens.cumsum(0)]).int(),
+        groups = len(model.config.kv_layout().groups)  # each its own caches: the same block ids serve all
+        meta = AttentionMetadata(slot_mapping=(slots,) * groups,
+                                 query_start_loc=torch.cat([torch.zeros(1), lens.cumsum(0)]).int(),
                                  seq_lens=torch.tensor([hi for _, hi in spans], dtype=torch.int32),
-                                 block_tables=tables, max_query_len=int(lens.max()))
+                                 block_tables=(tables,) * groups, max_query_len=int(lens.max()))
         ids = torch.cat([torch.tensor(p[lo:hi], dtype=torch.int64) for p, (lo, hi) in zip(prompts, spans)])
         logits = model.compute_logits(model(ids, positions, kv_caches, meta))
         for b, part in enumerate(logits.split(lens.tolist())):

@@ -55,15 +55,7 @@ def assert_matches_reference(ours: list[int], ours_logprobs: list[dict[int, floa
         assert abs(ours_logprobs[i][a] - ref_logprobs[i, a].item()) < LOGPROB_TOL
 
 
-# Layers of different cache shapes, and layers reading another's cache, need the engine to lay its
-# caches out from ModelConfig.kv_layout (per-layer shapes, shared sources); until it does, these
-# fail. Strict: once they pass, drop them from here. (tests/test_gemma4.py checks the model itself.)
-NEEDS_PER_LAYER_KV_CACHES = {"gemma4", "gemma4-kv-shared"}
-
-
-@pytest.mark.parametrize("arch", [
-    pytest.param(name, marks=pytest.mark.xfail(strict=True, reason="the engine allocates one KV shape for all layers"))
-    if name in NEEDS_PER_LAYER_KV_CACHES else name for name in sorted(TINY_CONFIGS)])
+@pytest.mark.parametrize("arch", sorted(TINY_CONFIGS))
 def test_greedy_parity_with_transformers(arch: str, tmp_path) -> None:
     assert_engine_matches(make_model_dir(arch, tmp_path), tmp_path)
 

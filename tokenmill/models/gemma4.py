@@ -29,12 +29,12 @@ import torch
 from torch import nn
 
 from tokenmill.layers import ops
-from tokenmill.layers.attention import AttentionMetadata, PagedAttention
+from tokenmill.layers.attention import AttentionMetadata, KVCache, PagedAttention
 from tokenmill.layers.rotary import RotaryEmbedding
 from tokenmill.loader.hf_config import ModelConfig, ModelLoadError, rope_parameters
 from tokenmill.loader.kv_layout import KVLayout, KVSpec
 from tokenmill.models.gemma3 import GeGLUMLP, Gemma3ForCausalLM, layer_types
-from tokenmill.models.llama import KVCache, decoder_config, sliding_windows
+from tokenmill.models.llama import decoder_config, sliding_windows
 
 SLIDING, FULL = "sliding_attention", "full_attention"
 # transformers' Gemma4TextConfig defaults, for keys a config.json leaves out.
@@ -202,8 +202,8 @@ class SharedKVAttention(PagedAttention):
                 meta: AttentionMetadata) -> torch.Tensor:
         k_cache, v_cache = kv_cache
         q = ops.rotary_embedding_query(positions, q, self.rotary.cos_sin_cache)
-        return ops.paged_attention(q, k_cache, v_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables,
-                                   self.scale, self.sliding_window, max_query_len=meta.max_query_len,
+        return ops.paged_attention(q, k_cache, v_cache, meta.query_start_loc, meta.seq_lens,
+                                   meta.block_tables[self.kv_group], self.scale, self.sliding_window, max_query_len=meta.max_query_len,
                                    max_seq_len=meta.max_seq_len, softcap=self.softcap)
 
 
@@ -222,7 +222,7 @@ class Gemma4Attention(nn.Module):
         self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=cfg.o_bias)
         attention = SharedKVAttention if self.shared else PagedAttention
         self.attn = attention(cfg.num_heads, cfg.layer_kv_heads[layer], self.head_dim, cfg.sliding_windows[layer],
-                              rotary, scale=1.0)
+                              rotary, scale=1.0, kv_group=cfg.kv_layout().layer_group[layer])
         if self.shared:
             self.q_proj = nn.Linear(cfg.hidden_size, self.q_size, bias=cfg.qkv_bias)
             return
