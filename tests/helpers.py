@@ -8,6 +8,10 @@ import torch
 from transformers import (
     Gemma3Config,
     Gemma3TextConfig,
+    Gemma4AudioConfig,
+    Gemma4Config,
+    Gemma4TextConfig,
+    Gemma4VisionConfig,
     LlamaConfig,
     MistralConfig,
     PreTrainedTokenizerFast,
@@ -42,6 +46,36 @@ def gemma3_multimodal() -> Gemma3Config:
                         initializer_range=COMMON["initializer_range"])
 
 
+# Gemma 4: sliding and global layers (window shorter than the prompts; proportional RoPE on the
+# global ones). "gemma4": global layers with wider heads and fewer KV heads than the sliding ones,
+# v = k there (attention_k_eq_v), per-layer inputs, final softcap, untied head. "gemma4-kv-shared":
+# the last 2 of 5 layers read the caches of layers 2 (sliding) and 1 (global, wider heads) and have
+# double-wide MLPs; separate v, per-layer inputs. "gemma4-multimodal": the language model of a
+# checkpoint with vision and audio towers to skip, use_bidirectional_attention "vision" (causal for
+# text), no per-layer inputs, all layers of one cache shape (so an engine of one KV shape runs it).
+# (transformers 5.24 cannot run KV sharing without per-layer inputs: its prefill slicing indexes them.)
+GEMMA4_TEXT = dict(**{**COMMON, "num_hidden_layers": 4}, head_dim=16, sliding_window=24,
+                   hidden_size_per_layer_input=8, vocab_size_per_layer_input=VOCAB,
+                   layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
+                   rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 1000.0},
+                                    "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.5,
+                                                       "rope_theta": 10000.0}})
+
+
+def gemma4_multimodal() -> Gemma4Config:
+    text = Gemma4TextConfig(**{**GEMMA4_TEXT, "num_hidden_layers": 3, "hidden_size_per_layer_input": 0,
+                               "pad_token_id": 0,  # Gemma4Model swaps multimodal placeholders for it, and needs one
+                               "layer_types": ["sliding_attention", "sliding_attention", "full_attention"]},
+                            global_head_dim=16, attention_k_eq_v=True, use_bidirectional_attention="vision")
+    vision = Gemma4VisionConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                                num_key_value_heads=2, head_dim=8, patch_size=4, position_embedding_size=16,
+                                pooling_kernel_size=2)
+    audio = Gemma4AudioConfig(hidden_size=16, num_hidden_layers=1, num_attention_heads=2, conv_kernel_size=3,
+                              subsampling_conv_channels=[4, 4], output_proj_dims=16)
+    return Gemma4Config(text_config=text.to_dict(), vision_config=vision.to_dict(), audio_config=audio.to_dict(),
+                        initializer_range=COMMON["initializer_range"])
+
+
 TINY_CONFIGS = {
     "llama3": lambda: LlamaConfig(**COMMON, head_dim=32, tie_word_embeddings=False, rope_theta=500000.0,
                                   rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
@@ -56,6 +90,14 @@ TINY_CONFIGS = {
         rope_parameters={"full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 100000.0},
                          "sliding_attention": {"rope_type": "default", "rope_theta": 1000.0}}),
     "gemma3-multimodal": gemma3_multimodal,
+    "gemma4": lambda: Gemma4TextConfig(**GEMMA4_TEXT, global_head_dim=32, num_global_key_value_heads=1,
+                                       attention_k_eq_v=True, final_logit_softcapping=5.0, tie_word_embeddings=False),
+    "gemma4-kv-shared": lambda: Gemma4TextConfig(
+        **{**GEMMA4_TEXT, "num_hidden_layers": 5,
+           "layer_types": ["sliding_attention", "full_attention", "sliding_attention", "sliding_attention",
+                           "full_attention"]},
+        global_head_dim=32, num_kv_shared_layers=2, use_double_wide_mlp=True),
+    "gemma4-multimodal": gemma4_multimodal,
 }
 
 
@@ -64,8 +106,18 @@ def make_model_dir(name: str, path: Path, seed: int = 0) -> torch.nn.Module:
     torch.manual_seed(seed)
     config = TINY_CONFIGS[name]()
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    if config.model_type.startswith("gemma4"):
+        vary_unit_weights(model)
     model.save_pretrained(path)
     return model
+
+
+def vary_unit_weights(model: torch.nn.Module) -> None:
+    """Gemma 4's norm weights and layer scalars start at one, where a norm read as ``1 + w`` or a
+    scalar left out goes unnoticed: draw them from [0.5, 1.5) instead."""
+    for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
+        if name.endswith(("norm.weight", "layer_scalar")):
+            tensor.data.uniform_(0.5, 1.5)
 
 
 def make_tokenizer(path: Path) -> PreTrainedTokenizerFast:

@@ -124,6 +124,15 @@ def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch
     return out if residual is None else (out, residual)
 
 
+def fp32_weight_rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """Gemma 4's RMSNorm: ``w * norm(x)`` with ``w`` applied in float32 before the cast back (Llama's
+    ``rms_norm`` casts first; Gemma 3's adds one to ``w``); ``weight`` None: no scale (its v norm).
+    The statistic is ``pow(mean + eps, -0.5)``, as transformers writes it, not ``rsqrt``."""
+    xf = x.float()
+    normed = xf * torch.pow(xf.pow(2).mean(-1, keepdim=True) + eps, -0.5)
+    return (normed if weight is None else normed * weight.float()).to(x.dtype)
+
+
 def softcap_(x: torch.Tensor, cap: float) -> torch.Tensor:
     """``tanh(x / cap) * cap`` in place (so a CUDA graph's static buffer keeps its storage); returns ``x``."""
     return x.div_(cap).tanh_().mul_(cap)
@@ -154,6 +163,12 @@ def rotary_embedding(
         return x * c + torch.cat([-x2, x1], dim=-1) * s
 
     return rotate(query), rotate(key)
+
+
+def rotary_embedding_query(positions: torch.Tensor, query: torch.Tensor, cos_sin_cache: torch.Tensor) -> torch.Tensor:
+    """RoPE on ``query`` alone, for layers that read another layer's cache (Gemma 4's KV-shared
+    layers) and so have no key to rotate or write; the key given to ``rotary_embedding`` has no heads."""
+    return rotary_embedding(positions, query, query[:, :0], cos_sin_cache)[0]
 
 
 def rotary_embedding_and_write_kv(

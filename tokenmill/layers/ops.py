@@ -61,6 +61,12 @@ def offset_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     return backend_for(x).offset_rms_norm(x, weight, eps, residual)
 
 
+def fp32_weight_rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """Gemma 4's RMSNorm (weight applied in float32; None: unscaled): the torch reference on every
+    device until it has a kernel."""
+    return reference.fp32_weight_rms_norm(x, weight, eps)
+
+
 def rotary_embedding_and_write_kv(positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor,
                                   value: torch.Tensor, cos_sin_cache: torch.Tensor, k_cache: torch.Tensor,
                                   v_cache: torch.Tensor, slot_mapping: torch.Tensor,
@@ -70,6 +76,12 @@ def rotary_embedding_and_write_kv(positions: torch.Tensor, query: torch.Tensor, 
     returns the rotated q."""
     return backend_for(query).rotary_embedding_and_write_kv(positions, query, key, value, cos_sin_cache, k_cache,
                                                             v_cache, slot_mapping, q_norm_weight, k_norm_weight, eps)
+
+
+def rotary_embedding_query(positions: torch.Tensor, query: torch.Tensor, cos_sin_cache: torch.Tensor) -> torch.Tensor:
+    """RoPE on q alone, nothing written (a layer reading another layer's KV): the torch reference on
+    every device until it has a kernel."""
+    return reference.rotary_embedding_query(positions, query, cos_sin_cache)
 
 
 def _fused_gemv(backend: ModuleType, x: torch.Tensor) -> bool:

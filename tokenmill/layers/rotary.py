@@ -1,4 +1,5 @@
-"""Rotary position embeddings, with linear and Llama 3 frequency scaling.
+"""Rotary position embeddings, with linear and Llama 3 frequency scaling, and Gemma 4's
+proportional (partial) RoPE.
 
 The cos/sin table is computed once at start-up for every position the engine
 can see, in float32 and with the same arithmetic as transformers, so that
@@ -18,7 +19,10 @@ from tokenmill.kernels.reference import rotary_cos_sin
 
 def inverse_frequencies(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> torch.Tensor:
     """Per-pair rotation frequencies; ``scaling`` of type linear divides them all by its factor
-    (position interpolation, Gemma 3's global layers), llama3 stretches the low ones."""
+    (position interpolation, Gemma 3's global layers), llama3 stretches the low ones, proportional
+    rotates only the leading pairs (Gemma 4's global layers)."""
+    if scaling is not None and scaling["rope_type"] == "proportional":
+        return proportional_inverse_frequencies(head_dim, theta, scaling)
     exponents = torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float() / head_dim
     inv_freq = 1.0 / (theta ** exponents)
     if scaling is None:
@@ -37,6 +41,19 @@ def inverse_frequencies(head_dim: int, theta: float, scaling: dict[str, Any] | N
     smoothed = (1 - smooth) * scaled / factor + smooth * scaled
     medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
     return torch.where(medium, smoothed, scaled)
+
+
+def proportional_inverse_frequencies(head_dim: int, theta: float, scaling: dict[str, Any]) -> torch.Tensor:
+    """Partial RoPE kept at full width, as transformers computes it: the first
+    ``partial_rotary_factor`` of the pairs get the frequencies a full-width head would give them
+    (exponents over ``head_dim``, not over the rotated width), the remaining pairs frequency zero, so
+    they pass unrotated (cos 1, sin 0); every frequency is then divided by ``factor``. Pairs are
+    rotate-half pairs ``(j, j + head_dim / 2)``, so the unrotated dims are the tail of each half."""
+    rotated_pairs = int(float(scaling.get("partial_rotary_factor", 1.0)) * head_dim // 2)
+    exponents = torch.arange(0, 2 * rotated_pairs, 2, dtype=torch.int64, device="cpu").float() / head_dim
+    unrotated = torch.zeros(head_dim // 2 - rotated_pairs, dtype=torch.float32, device="cpu")
+    inv_freq = torch.cat([1.0 / (theta ** exponents), unrotated])
+    return inv_freq / float(scaling.get("factor", 1.0))
 
 
 class RotaryEmbedding(nn.Module):

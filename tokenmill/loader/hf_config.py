@@ -91,8 +91,9 @@ def rope_parameters(raw: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
         scaling.pop("rope_theta", None)
         if kind == "default":
             return theta, None
-        if kind not in ("linear", "llama3"):
-            raise ModelLoadError(f"rope type {kind!r} is not supported (supported: default, linear, llama3)")
+        if kind not in ("linear", "llama3", "proportional"):
+            raise ModelLoadError(f"rope type {kind!r} is not supported "
+                                 "(supported: default, linear, llama3, proportional)")
         scaling["rope_type"] = kind
     return theta, scaling
 

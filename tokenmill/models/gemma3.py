@@ -53,11 +53,10 @@ class Gemma3Config(ModelConfig):
     local_rope_scaling: dict[str, Any] | None = None
 
 
-def _layer_types(raw: dict[str, Any]) -> list[str]:
-    """``layer_types``, or the older ``sliding_window_pattern``: every pattern-th layer is global."""
+def layer_types(raw: dict[str, Any], pattern: int) -> list[str]:
+    """``layer_types``, or else every ``pattern``-th layer global and the others sliding."""
     if raw.get("layer_types") is not None:
         return list(raw["layer_types"])
-    pattern = int(raw.get("sliding_window_pattern", 6))
     return ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(int(raw["num_hidden_layers"]))]
 
 
@@ -76,7 +75,7 @@ def parse_config(raw: dict[str, Any], arch: str) -> Gemma3Config:
     local = dict(rope.get("sliding_attention") or {})
     local.setdefault("rope_theta", raw.get("rope_local_base_freq", _DEFAULT_LOCAL_THETA))
     local_theta, local_scaling = rope_parameters({"rope_parameters": local})
-    types = _layer_types(raw)
+    types = layer_types(raw, int(raw.get("sliding_window_pattern", 6)))  # the older spelling of layer_types
     bias = bool(raw.get("attention_bias", False))
     text = {**raw, "rope_parameters": full, "rope_scaling": None, "layer_types": types,
             "tie_word_embeddings": raw.get("tie_word_embeddings", True)}
@@ -126,10 +125,10 @@ class Gemma3Attention(DecoderAttention):
 
 
 class GeGLUMLP(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False) -> None:
         super().__init__()
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+        self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=bias)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(ops.gelu_tanh_and_mul(self.gate_up_proj(x)))
@@ -141,7 +140,7 @@ class Gemma3DecoderLayer(nn.Module):
     def __init__(self, cfg: Gemma3Config, layer: int, rotary: RotaryEmbedding) -> None:
         super().__init__()
         self.self_attn = Gemma3Attention(cfg, layer, rotary)
-        self.mlp = GeGLUMLP(cfg)
+        self.mlp = GeGLUMLP(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias)
         self.input_layernorm = OffsetRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = OffsetRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.pre_feedforward_layernorm = OffsetRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -182,6 +181,9 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
     """Gemma 3's decoder under the Llama head, logits pruning and loader; adds final-logit softcapping
     and the nested checkpoint names of Gemma3ForConditionalGeneration."""
 
+    # The multimodal checkpoint's towers, skipped at load: what the log line calls them, their prefixes.
+    towers: tuple[str, tuple[str, ...]] = ("vision", _VISION_PREFIXES)
+
     def __init__(self, cfg: Gemma3Config, max_positions: int) -> None:
         nn.Module.__init__(self)
         self.config = cfg
@@ -194,17 +196,19 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
         return logits if cap is None else softcap_(logits, cap)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        super().load_weights(_language_model_weights(weights))
+        super().load_weights(language_model_weights(weights, *self.towers))
 
 
-def _language_model_weights(weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
-    """Gemma3ForConditionalGeneration's tensors renamed as Gemma3ForCausalLM's; vision ones dropped."""
+def language_model_weights(weights: Iterable[tuple[str, torch.Tensor]], towers: str,
+                           tower_prefixes: tuple[str, ...]) -> Iterator[tuple[str, torch.Tensor]]:
+    """A ...ForConditionalGeneration checkpoint's tensors renamed as its ...ForCausalLM's; the
+    towers' (``tower_prefixes``) dropped, with one log line naming them ``towers``."""
     skipped = 0
     for name, tensor in weights:
-        if name.startswith(_VISION_PREFIXES):
+        if name.startswith(tower_prefixes):
             skipped += 1
             continue
         prefix = next((p for p in _LANGUAGE_MODEL_PREFIXES if name.startswith(p)), None)
         yield (name if prefix is None else _LANGUAGE_MODEL_PREFIXES[prefix] + name[len(prefix):]), tensor
     if skipped:
-        logger.info("skipped %d vision tensors: only Gemma 3's language model is loaded", skipped)
+        logger.info("skipped %d %s tensors: only the language model is loaded", skipped, towers)

@@ -175,16 +175,22 @@ class LlamaForCausalLM(nn.Module):
             return torch.nn.functional.linear(hidden, weight)
         return torch.mm(hidden, weight.t(), out=out)
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy checkpoint tensors into the parameters, fusing q/k/v and gate/up;
-        raises if any parameter is left without a value."""
+    def fused_projections(self, layer: int) -> dict[str, tuple[str, int, int]]:
+        """Where decoder layer ``layer``'s checkpoint projections sit in its fused parameters:
+        ``name -> (fused name, first row, rows)``. The same for every layer here; families whose
+        layers differ in shape (Gemma 4) override this."""
         cfg = self.config
         q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-        fused = {
+        return {
             "q_proj": ("qkv_proj", 0, q), "k_proj": ("qkv_proj", q, kv), "v_proj": ("qkv_proj", q + kv, kv),
             "gate_proj": ("gate_up_proj", 0, cfg.intermediate_size),
             "up_proj": ("gate_up_proj", cfg.intermediate_size, cfg.intermediate_size),
         }
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy checkpoint tensors into the parameters, fusing q/k/v and gate/up;
+        raises if any parameter is left without a value."""
+        cfg = self.config
         params = dict(self.named_parameters())
         filled: dict[str, int] = {}
         for name, tensor in weights:
@@ -194,8 +200,9 @@ class LlamaForCausalLM(nn.Module):
                 continue
             parts = name.split(".")
             target, start, size = name, 0, None
-            if len(parts) >= 2 and parts[-2] in fused:
-                fused_name, start, size = fused[parts[-2]]
+            slot = self.fused_projections(int(parts[2])).get(parts[-2]) if parts[1:2] == ["layers"] else None
+            if slot is not None:
+                fused_name, start, size = slot
                 target = ".".join(parts[:-2] + [fused_name, parts[-1]])
             param = params.get(target)
             if param is None:

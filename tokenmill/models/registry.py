@@ -13,7 +13,7 @@ from typing import Any
 from torch import nn
 
 from tokenmill.loader.hf_config import ModelConfig
-from tokenmill.models import gemma3, llama, qwen
+from tokenmill.models import gemma3, gemma4, llama, qwen
 
 ConfigParser = Callable[[dict[str, Any], str], ModelConfig]
 
@@ -29,6 +29,7 @@ class Family:
 _LLAMA = Family(llama.parse_config, llama.LlamaForCausalLM)
 _QWEN = Family(qwen.parse_config, qwen.QwenForCausalLM)
 _GEMMA3 = Family(gemma3.parse_config, gemma3.Gemma3ForCausalLM)
+_GEMMA4 = Family(gemma4.parse_config, gemma4.Gemma4ForCausalLM)
 
 _REGISTRY: dict[str, Family] = {
     "LlamaForCausalLM": _LLAMA,
@@ -37,6 +38,8 @@ _REGISTRY: dict[str, Family] = {
     "Qwen3ForCausalLM": _QWEN,
     "Gemma3ForCausalLM": _GEMMA3,
     "Gemma3ForConditionalGeneration": _GEMMA3,
+    "Gemma4ForCausalLM": _GEMMA4,
+    "Gemma4ForConditionalGeneration": _GEMMA4,
 }
 
 SUPPORTED_ARCHITECTURES: tuple[str, ...] = tuple(_REGISTRY)

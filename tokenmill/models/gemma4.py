@@ -1,0 +1,366 @@
+"""The Gemma 4 family (text, dense): ``Gemma4ForCausalLM``, and the language model of
+``Gemma4ForConditionalGeneration`` (its vision and audio towers are skipped).
+
+What differs from Gemma 3 (whose GeGLU, scaled embeddings, sandwich norms and final softcap it keeps):
+
+- Norms scale by ``w`` (not ``1 + w``), applied in float32 before the cast back; v is RMS-normed
+  too, without a weight. The attention scale is 1.0: the q/k norms set the score scale.
+- Sliding and global layers differ in shape: global layers have ``global_head_dim``-wide heads,
+  may have their own KV head count, and with ``attention_k_eq_v`` no v projection (v is the raw
+  k, before its norm and RoPE). Their RoPE is proportional: only the leading pairs rotate.
+- KV sharing: the last ``num_kv_shared_layers`` layers own no cache and no k/v projection; each
+  reads the cache of the last earlier non-shared layer of its type, and with
+  ``use_double_wide_mlp`` its MLP is twice as wide.
+- Per-layer inputs (PLE): a second, packed embedding of the token, plus a projection of the main
+  embedding, gives every layer a small vector that gates a residual branch after its MLP.
+- Each layer's output, residual stream included, is multiplied by its ``layer_scalar``.
+
+The MoE variant (``enable_moe_block``) is refused for now.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, fields
+from typing import Any
+
+import torch
+from torch import nn
+
+from tokenmill.layers import ops
+from tokenmill.layers.attention import AttentionMetadata, KVCache, PagedAttention
+from tokenmill.layers.rotary import RotaryEmbedding
+from tokenmill.loader.hf_config import ModelConfig, ModelLoadError, rope_parameters
+from tokenmill.loader.kv_layout import KVLayout, KVSpec
+from tokenmill.models.gemma3 import GeGLUMLP, Gemma3ForCausalLM, layer_types
+from tokenmill.models.llama import decoder_config, sliding_windows
+
+SLIDING, FULL = "sliding_attention", "full_attention"
+# transformers' Gemma4TextConfig defaults, for keys a config.json leaves out.
+_DEFAULT_ROPE = {SLIDING: {"rope_type": "default", "rope_theta": 10_000.0},
+                 FULL: {"rope_type": "proportional", "partial_rotary_factor": 0.25, "rope_theta": 1_000_000.0}}
+_DEFAULT_GLOBAL_HEAD_DIM = 512
+_LAYER_TYPE_PATTERN = 6  # without layer_types: every 6th layer global
+_PER_LAYER_INPUT_SCALE = 2.0 ** -0.5  # the PLE sum of two parts, rescaled
+_TOWER_PREFIXES = ("model.vision_tower.", "model.embed_vision.", "model.audio_tower.", "model.embed_audio.")
+# A decoder layer's k/v tensors (under either checkpoint prefix), which a KV-shared layer does not use.
+_LAYER_KV_TENSOR = re.compile(r"model\.(?:language_model\.)?layers\.(\d+)\.self_attn\.[kv]_(?:proj|norm)\.")
+
+
+@dataclass(frozen=True)
+class Gemma4Config(ModelConfig):
+    """ModelConfig plus what only Gemma 4 reads. ``num_kv_heads``/``head_dim`` are the first layer's
+    and ``rope_*`` the global layers' (``local_rope_*`` the sliding ones'), as in Gemma3Config; each
+    layer's head shape is in the per-layer tuples."""
+
+    final_softcap: float | None = None
+    local_rope_theta: float = 10_000.0
+    local_rope_scaling: dict[str, Any] | None = None
+    layer_head_dims: tuple[int, ...] = ()
+    layer_kv_heads: tuple[int, ...] = ()
+    kv_sources: tuple[int, ...] = ()  # the layer whose cache each layer reads (itself unless KV-shared)
+    attention_k_eq_v: bool = False  # on the global layers: v is k's projection
+    double_wide_mlp: bool = False  # on the KV-shared layers
+    per_layer_input_size: int = 0  # PLE width per layer; 0: no per-layer inputs
+    per_layer_vocab_size: int = 0
+
+    def kv_layout(self) -> KVLayout:
+        specs = tuple(KVSpec(heads, dim, window) for heads, dim, window
+                      in zip(self.layer_kv_heads, self.layer_head_dims, self.sliding_windows))
+        return KVLayout(specs, self.kv_sources)
+
+    def is_global(self, layer: int) -> bool:
+        return self.sliding_windows[layer] is None
+
+    def is_kv_shared(self, layer: int) -> bool:
+        return self.kv_sources[layer] != layer
+
+    def k_eq_v(self, layer: int) -> bool:
+        return self.attention_k_eq_v and self.is_global(layer)
+
+    def layer_intermediate_size(self, layer: int) -> int:
+        return self.intermediate_size * (2 if self.double_wide_mlp and self.is_kv_shared(layer) else 1)
+
+
+def parse_config(raw: dict[str, Any], arch: str) -> Gemma4Config:
+    """Gemma4ForCausalLM's config, or the ``text_config`` of Gemma4ForConditionalGeneration."""
+    _refuse_unsupported(raw)
+    types = _layer_types(raw)
+    window = raw.get("sliding_window", 512)
+    if window is None:
+        raise ModelLoadError("Gemma 4 needs a sliding_window for its sliding layers")
+    head_dims, kv_heads = _layer_head_shapes(raw, types)
+    rope = raw.get("rope_parameters") or _DEFAULT_ROPE
+    if any(rope.get(t) is None for t in set(types)):
+        raise ModelLoadError(f"Gemma 4 rope_parameters must give each layer type its own entry, got {rope}")
+    local_theta, local_scaling = rope_parameters({"rope_parameters": rope[SLIDING]})
+    bias = bool(raw.get("attention_bias", False))
+    text = {**raw, "rope_parameters": rope[FULL], "rope_scaling": None, "layer_types": types,
+            "head_dim": head_dims[0], "num_key_value_heads": kv_heads[0],
+            "max_position_embeddings": raw.get("max_position_embeddings", 131_072),
+            "tie_word_embeddings": raw.get("tie_word_embeddings", True)}
+    base = decoder_config(text, arch, qkv_bias=bias, o_bias=bias, qk_norm=True,
+                          windows=sliding_windows(text, window))
+    per_layer_input_size = int(raw.get("hidden_size_per_layer_input", 256) or 0)
+    return Gemma4Config(
+        **{f.name: getattr(base, f.name) for f in fields(ModelConfig)},
+        final_softcap=None if raw.get("final_logit_softcapping") is None else float(raw["final_logit_softcapping"]),
+        local_rope_theta=local_theta,
+        local_rope_scaling=local_scaling,
+        layer_head_dims=head_dims,
+        layer_kv_heads=kv_heads,
+        kv_sources=_kv_sources(types, int(raw.get("num_kv_shared_layers", 0) or 0)),
+        attention_k_eq_v=bool(raw.get("attention_k_eq_v", False)),
+        double_wide_mlp=bool(raw.get("use_double_wide_mlp", False)),
+        per_layer_input_size=per_layer_input_size,
+        per_layer_vocab_size=int(raw.get("vocab_size_per_layer_input", 262_144)) if per_layer_input_size else 0,
+    )
+
+
+def _refuse_unsupported(raw: dict[str, Any]) -> None:
+    """MoE has no implementation yet; ``use_bidirectional_attention: all`` is not a causal LM. Its
+    ``vision`` value only lets image tokens see each other, so a text-only model stays causal."""
+    if raw.get("enable_moe_block"):
+        raise ModelLoadError("Gemma 4 MoE (enable_moe_block) is not supported yet: only the dense models are")
+    if raw.get("use_bidirectional_attention") not in (None, False, "vision"):
+        raise ModelLoadError(f"Gemma 4 with use_bidirectional_attention={raw['use_bidirectional_attention']!r} "
+                             "is not supported (not a causal LM)")
+    activation = raw.get("hidden_activation", "gelu_pytorch_tanh")
+    if activation != "gelu_pytorch_tanh":
+        raise ModelLoadError(f"Gemma 4 hidden_activation {activation!r} is not supported (gelu_pytorch_tanh)")
+
+
+def _layer_types(raw: dict[str, Any]) -> list[str]:
+    """As transformers reads them: the last layer is always global, whatever the list says."""
+    types = layer_types(raw, _LAYER_TYPE_PATTERN)
+    unknown = set(types) - {SLIDING, FULL}
+    if unknown:
+        raise ModelLoadError(f"Gemma 4 layer types {sorted(unknown)} are not supported ({SLIDING}, {FULL})")
+    return types[:-1] + [FULL]
+
+
+def _layer_head_shapes(raw: dict[str, Any], types: list[str]) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """Each layer's (head dim, KV heads). transformers writes them as ``per_layer_config`` overrides
+    keyed by layer index; older config.json files (and the released checkpoints) as
+    ``global_head_dim`` and ``num_global_key_value_heads`` for the global layers, the latter
+    only heeded with ``attention_k_eq_v``. Layers of one type must agree, as they share a RoPE table."""
+    head_dim = int(raw.get("head_dim", 256))
+    kv_heads = int(raw.get("num_key_value_heads") or raw["num_attention_heads"])
+    overrides = _per_layer_overrides(raw, types)
+    dims = tuple(int(overrides[i].get("head_dim", head_dim)) for i in range(len(types)))
+    heads = tuple(int(overrides[i].get("num_key_value_heads", kv_heads)) for i in range(len(types)))
+    for kind in set(types):
+        shapes = {(dims[i], heads[i]) for i, t in enumerate(types) if t == kind}
+        if len(shapes) > 1:
+            raise ModelLoadError(f"Gemma 4 {kind} layers of different shapes {sorted(shapes)} are not supported")
+    return dims, heads
+
+
+def _per_layer_overrides(raw: dict[str, Any], types: list[str]) -> list[dict[str, Any]]:
+    if "per_layer_config" in raw:
+        given = {int(i): dict(o or {}) for i, o in (raw["per_layer_config"] or {}).items()}
+        unknown = {key for o in given.values() for key in o} - {"head_dim", "num_key_value_heads"}
+        if unknown:
+            raise ModelLoadError(f"Gemma 4 per_layer_config keys {sorted(unknown)} are not supported")
+        return [given.get(i, {}) for i in range(len(types))]
+    full: dict[str, Any] = {"head_dim": raw.get("global_head_dim") or _DEFAULT_GLOBAL_HEAD_DIM}
+    if raw.get("attention_k_eq_v") and raw.get("num_global_key_value_heads") is not None:
+        full["num_key_value_heads"] = raw["num_global_key_value_heads"]
+    return [full if t == FULL else {} for t in types]
+
+
+def _kv_sources(types: list[str], num_shared: int) -> tuple[int, ...]:
+    """The last ``num_shared`` layers read the cache of the last earlier non-shared layer of their type."""
+    first_shared = len(types) - num_shared
+    if num_shared and first_shared <= 0:
+        raise ModelLoadError(f"Gemma 4 with all {len(types)} layers KV-shared has no layer to own a cache")
+    owner = {t: i for i, t in enumerate(types[:first_shared])}
+    missing = set(types[first_shared:]) - set(owner)
+    if missing:
+        raise ModelLoadError(f"Gemma 4 KV-shared {sorted(missing)} layers have no earlier layer of that type")
+    return tuple(i if i < first_shared else owner[t] for i, t in enumerate(types))
+
+
+class Gemma4RMSNorm(nn.Module):
+    """``w * norm(x)``, ``w`` starting at one; ``scale=False``: no weight (the v norm)."""
+
+    def __init__(self, dim: int, eps: float, scale: bool = True) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim)) if scale else None
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return ops.fp32_weight_rms_norm(x, self.weight, self.eps)
+
+
+class SharedKVAttention(PagedAttention):
+    """Attention of a KV-shared layer over the cache it is given (its source layer's): only q is
+    rotated, and nothing is written."""
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, kv_cache: KVCache,
+                meta: AttentionMetadata) -> torch.Tensor:
+        k_cache, v_cache = kv_cache
+        q = ops.rotary_embedding_query(positions, q, self.rotary.cos_sin_cache)
+        return ops.paged_attention(q, k_cache, v_cache, meta.query_start_loc, meta.seq_lens,
+                                   meta.block_tables[self.kv_group], self.scale, self.sliding_window, max_query_len=meta.max_query_len,
+                                   max_seq_len=meta.max_seq_len, softcap=self.softcap)
+
+
+class Gemma4Attention(nn.Module):
+    """One fused projection per layer: ``q | k | v``, ``q | k`` where v is k (``attention_k_eq_v``
+    on a global layer), or ``q`` alone on a KV-shared layer, which keeps it as ``q_proj``."""
+
+    def __init__(self, cfg: Gemma4Config, layer: int, rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        self.head_dim = cfg.layer_head_dims[layer]
+        self.q_size = cfg.num_heads * self.head_dim
+        self.kv_size = cfg.layer_kv_heads[layer] * self.head_dim
+        self.shared = cfg.is_kv_shared(layer)
+        self.k_eq_v = cfg.k_eq_v(layer)
+        self.q_norm = Gemma4RMSNorm(self.head_dim, cfg.rms_norm_eps)
+        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=cfg.o_bias)
+        attention = SharedKVAttention if self.shared else PagedAttention
+        self.attn = attention(cfg.num_heads, cfg.layer_kv_heads[layer], self.head_dim, cfg.sliding_windows[layer],
+                              rotary, scale=1.0, kv_group=cfg.kv_layout().layer_group[layer])
+        if self.shared:
+            self.q_proj = nn.Linear(cfg.hidden_size, self.q_size, bias=cfg.qkv_bias)
+            return
+        num_kv = 1 if self.k_eq_v else 2
+        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + num_kv * self.kv_size, bias=cfg.qkv_bias)
+        self.k_norm = Gemma4RMSNorm(self.head_dim, cfg.rms_norm_eps)
+        self.v_norm = Gemma4RMSNorm(self.head_dim, cfg.rms_norm_eps, scale=False)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, kv_cache: KVCache,
+                meta: AttentionMetadata) -> torch.Tensor:
+        tokens = x.shape[0]
+        if self.shared:
+            q = self.q_norm(self.q_proj(x).reshape(tokens, -1, self.head_dim))
+            out = self.attn(positions, q, kv_cache, meta)
+        else:
+            q, k, v = self._qkv(x)
+            out = self.attn(positions, q, k, v, kv_cache, meta)
+        return self.o_proj(out.reshape(tokens, self.q_size))
+
+    def _qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Normed per head; RoPE is left to the attention (with the cache write)."""
+        tokens = x.shape[0]
+        sizes = [self.q_size, self.kv_size] + ([] if self.k_eq_v else [self.kv_size])
+        q, k, *v = self.qkv_proj(x).split(sizes, dim=-1)
+        k = k.reshape(tokens, -1, self.head_dim)
+        v_raw = k if self.k_eq_v else v[0].reshape(tokens, -1, self.head_dim)
+        return self.q_norm(q.reshape(tokens, -1, self.head_dim)), self.k_norm(k), self.v_norm(v_raw)
+
+
+class Gemma4DecoderLayer(nn.Module):
+    """Gemma 3's sandwich-normed attention and MLP, then the per-layer-input branch, then the
+    whole stream times ``layer_scalar``."""
+
+    def __init__(self, cfg: Gemma4Config, layer: int, rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        hidden, eps = cfg.hidden_size, cfg.rms_norm_eps
+        self.self_attn = Gemma4Attention(cfg, layer, rotary)
+        self.mlp = GeGLUMLP(hidden, cfg.layer_intermediate_size(layer))
+        self.input_layernorm = Gemma4RMSNorm(hidden, eps)
+        self.post_attention_layernorm = Gemma4RMSNorm(hidden, eps)
+        self.pre_feedforward_layernorm = Gemma4RMSNorm(hidden, eps)
+        self.post_feedforward_layernorm = Gemma4RMSNorm(hidden, eps)
+        self.layer_scalar = nn.Parameter(torch.ones(1))
+        if cfg.per_layer_input_size:
+            self.per_layer_input_gate = nn.Linear(hidden, cfg.per_layer_input_size, bias=False)
+            self.per_layer_projection = nn.Linear(cfg.per_layer_input_size, hidden, bias=False)
+            self.post_per_layer_input_norm = Gemma4RMSNorm(hidden, eps)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, per_layer_input: torch.Tensor | None,
+                kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
+        x = x + self.post_attention_layernorm(self.self_attn(positions, self.input_layernorm(x), kv_cache, meta))
+        x = x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
+        if per_layer_input is not None:
+            gate = torch.nn.functional.gelu(self.per_layer_input_gate(x), approximate="tanh")
+            x = x + self.post_per_layer_input_norm(self.per_layer_projection(gate * per_layer_input))
+        return x * self.layer_scalar
+
+
+class Gemma4Model(nn.Module):
+    def __init__(self, cfg: Gemma4Config, max_positions: int) -> None:
+        super().__init__()
+        self.config = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        # Held in the model's dtype: transformers rounds sqrt(hidden_size) to it before the multiply.
+        self.register_buffer("embed_scale", torch.tensor(cfg.hidden_size ** 0.5), persistent=False)
+        rotary = self._rotary_by_type(cfg, max_positions)
+        self.layers = nn.ModuleList(Gemma4DecoderLayer(cfg, i, rotary[cfg.is_global(i)])
+                                    for i in range(cfg.num_layers))
+        self.norm = Gemma4RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        if cfg.per_layer_input_size:
+            packed = cfg.num_layers * cfg.per_layer_input_size
+            self.embed_tokens_per_layer = nn.Embedding(cfg.per_layer_vocab_size, packed)
+            self.register_buffer("per_layer_embed_scale", torch.tensor(cfg.per_layer_input_size ** 0.5),
+                                 persistent=False)
+            self.per_layer_model_projection = nn.Linear(cfg.hidden_size, packed, bias=False)
+            self.per_layer_projection_norm = Gemma4RMSNorm(cfg.per_layer_input_size, cfg.rms_norm_eps)
+
+    @staticmethod
+    def _rotary_by_type(cfg: Gemma4Config, max_positions: int) -> dict[bool, RotaryEmbedding]:
+        """One table per layer type (keyed by ``is_global``), at that type's head dim."""
+        tables = {}
+        for is_global in {cfg.is_global(i) for i in range(cfg.num_layers)}:
+            dim = next(cfg.layer_head_dims[i] for i in range(cfg.num_layers) if cfg.is_global(i) == is_global)
+            theta, scaling = ((cfg.rope_theta, cfg.rope_scaling) if is_global
+                              else (cfg.local_rope_theta, cfg.local_rope_scaling))
+            tables[is_global] = RotaryEmbedding(dim, max_positions, theta, scaling)
+        return tables
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],
+                meta: AttentionMetadata) -> torch.Tensor:
+        x = self.embed_tokens(input_ids) * self.embed_scale
+        per_layer = self._per_layer_inputs(input_ids, x) if self.config.per_layer_input_size else None
+        for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches)):
+            x = layer(positions, x, None if per_layer is None else per_layer[:, i], kv_cache, meta)
+        return self.norm(x)
+
+    def _per_layer_inputs(self, input_ids: torch.Tensor, embeds: torch.Tensor) -> torch.Tensor:
+        """``[tokens, layers, width]``: the token's own per-layer embedding (scaled by sqrt(width))
+        plus a normed projection of its scaled main embedding (scaled by 1/sqrt(hidden)), the sum
+        divided by sqrt(2)."""
+        shape = (input_ids.shape[0], self.config.num_layers, self.config.per_layer_input_size)
+        identity = (self.embed_tokens_per_layer(input_ids) * self.per_layer_embed_scale).reshape(shape)
+        context = self.per_layer_model_projection(embeds) * (self.config.hidden_size ** -0.5)
+        context = self.per_layer_projection_norm(context.reshape(shape))
+        return (context + identity) * _PER_LAYER_INPUT_SCALE
+
+
+class Gemma4ForCausalLM(Gemma3ForCausalLM):
+    """Gemma 4's decoder under Gemma 3's head (final softcap) and loader (nested checkpoint names);
+    the fused projections differ per layer, and KV-shared layers' k/v tensors, which some
+    checkpoints carry though nothing reads them, are dropped."""
+
+    towers = ("vision and audio", _TOWER_PREFIXES)
+
+    def __init__(self, cfg: Gemma4Config, max_positions: int) -> None:
+        nn.Module.__init__(self)
+        self.config = cfg
+        self.model = Gemma4Model(cfg, max_positions)
+        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+
+    def fused_projections(self, layer: int) -> dict[str, tuple[str, int, int]]:
+        cfg = self.config
+        width = cfg.layer_intermediate_size(layer)
+        slots = {"gate_proj": ("gate_up_proj", 0, width), "up_proj": ("gate_up_proj", width, width)}
+        if cfg.is_kv_shared(layer):
+            return slots
+        q, kv = cfg.num_heads * cfg.layer_head_dims[layer], cfg.layer_kv_heads[layer] * cfg.layer_head_dims[layer]
+        slots |= {"q_proj": ("qkv_proj", 0, q), "k_proj": ("qkv_proj", q, kv)}
+        if not cfg.k_eq_v(layer):
+            slots["v_proj"] = ("qkv_proj", q + kv, kv)
+        return slots
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        super().load_weights(self._without_shared_kv(weights))
+
+    def _without_shared_kv(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+        for name, tensor in weights:
+            match = _LAYER_KV_TENSOR.match(name)
+            if match is None or not self.config.is_kv_shared(int(match.group(1))):
+                yield name, tensor
+
