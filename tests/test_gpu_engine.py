@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from helpers import TINY_CONFIGS, make_model_dir
-from test_parity import MAX_TOKENS, assert_matches_reference, parity_prompts, reference_generate
+from test_parity import MAX_TOKENS, assert_matches_reference, parity_prompts, preempting_pool, reference_generate
 from tokenmill import LLM, SamplingParams
 
 pytestmark = [pytest.mark.gpu,
@@ -29,7 +29,7 @@ def test_cuda_parity_with_transformers(arch: str, tmp_path) -> None:
     model = make_model_dir(arch, tmp_path).cuda()
     prompts = parity_prompts()
     llm = LLM(str(tmp_path), device="cuda", dtype="float32", max_num_seqs=4, max_num_batched_tokens=48,
-              num_kv_blocks=16)
+              num_kv_blocks=preempting_pool(tmp_path))
     outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
     assert llm.engine.core.scheduler.num_preemptions > 0
     for prompt, out in zip(prompts, outputs):
@@ -37,7 +37,7 @@ def test_cuda_parity_with_transformers(arch: str, tmp_path) -> None:
         assert_matches_reference(out.outputs[0].token_ids, out.outputs[0].logprobs, ref.copy(), ref_logits.cpu())
 
 
-@pytest.mark.parametrize("arch", ["llama3", "mistral-window", "qwen3"])
+@pytest.mark.parametrize("arch", ["llama3", "mistral-window", "qwen3", "gemma3", "gemma4", "gemma4-kv-shared"])
 def test_cuda_matches_the_cpu_path(arch: str, tmp_path) -> None:
     make_model_dir(arch, tmp_path)
     prompts = parity_prompts()

@@ -60,13 +60,18 @@ def test_greedy_parity_with_transformers(arch: str, tmp_path) -> None:
     assert_engine_matches(make_model_dir(arch, tmp_path), tmp_path)
 
 
+def preempting_pool(model_dir: Path) -> int:
+    """KV blocks that make the parity prompts preempt (4 at a time, chunks of 48, blocks of 16): a
+    model whose every layer slides frees the blocks its window passed, so it needs a smaller pool."""
+    groups = load_model_config(model_dir).kv_layout().groups
+    return 12 if all(spec.sliding_window is not None for spec in groups) else 16
+
+
 def assert_engine_matches(model: torch.nn.Module, model_dir: Path) -> None:
     """The engine on ``model_dir`` (batched, chunked, preempted, prefix-cached) against ``model``."""
     prompts = parity_prompts()
-    # A model whose every layer slides frees the blocks its window passed: a smaller pool preempts it.
-    sliding_only = all(spec.sliding_window is not None for spec in load_model_config(model_dir).kv_layout().groups)
     llm = LLM(str(model_dir), device="cpu", dtype="float32", block_size=16, max_num_seqs=4,
-              max_num_batched_tokens=48, num_kv_blocks=12 if sliding_only else 16)
+              max_num_batched_tokens=48, num_kv_blocks=preempting_pool(model_dir))
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=0)
     outputs = llm.generate(prompts, params, use_tqdm=False)
     assert llm.engine.core.scheduler.num_preemptions > 0, "the pool was meant to force preemption"

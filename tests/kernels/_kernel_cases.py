@@ -183,11 +183,12 @@ def check_rope_write_kv(
     device: str,
     cache_dtype: torch.dtype | None = None,
     max_positions: int = 4096,
-    qk_norm: bool = False,
+    qk_norm: bool | str = False,
 ) -> None:
     """q/k/v are strided views into one fused qkv buffer; q is rotated in place; unique random
     slots, a quarter of them padding (-1), take the rotated k and v; nothing else changes.
-    ``qk_norm``: per-head RMSNorm of q and k first (Qwen3), with random weights."""
+    ``qk_norm``: per-head RMSNorm of q and k first (Qwen3), with random weights; ``"offset"``:
+    Gemma's ``(1 + w)`` one."""
     gen, seed = fresh_generator(device)
     cache_dtype = cache_dtype or dtype
     inv_freq = 1.0 / (500000.0 ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device=device) / head_dim))
@@ -206,8 +207,11 @@ def check_rope_write_kv(
     k_ref, v_ref = k_cache.clone(), v_cache.clone()
     norms = {}
     if qk_norm:
-        norms = {name: (1.0 + 0.2 * _randn((head_dim,), torch.float32, device, gen)).to(dtype)
+        # Gemma's offset weights spread around 0 (1 + w far from 1), Qwen3's around 1.
+        center, spread = (0.0, 0.5) if qk_norm == "offset" else (1.0, 0.2)
+        norms = {name: (center + spread * _randn((head_dim,), torch.float32, device, gen)).to(dtype)
                  for name in ("q_norm_weight", "k_norm_weight")}
+        norms["offset_norm"] = qk_norm == "offset"
     ref_q = reference.rotary_embedding_and_write_kv(positions, q.clone(), k.clone(), v.clone(), cos_sin, k_ref,
                                                     v_ref, slot_mapping, eps=1e-6, **norms)
     kv_before = qkv[:, q_size:].clone()
@@ -270,13 +274,15 @@ def check_act_and_mul(ops, *, act: str, num_tokens: int, d: int, dtype: torch.dt
     assert err < ELEMWISE_TOL[dtype], f"rel err {err:.2e}: {where}"
 
 
-GEMV_KINDS = ("residual", "norm", "norm_gated")
+# "offset": Gemma's (1 + w) norm in front; "geglu": the gate through tanh-GELU instead of SiLU.
+GEMV_KINDS = ("residual", "norm", "norm_gated", "offset_norm", "offset_norm_geglu")
 
 
 def check_gemv(ops, *, kind: str, n: int, k: int, dtype: torch.dtype, device: str, bias: bool) -> None:
     """One-row fused GEMV: ``linear_residual`` (kind "residual") or ``norm_linear`` (plain or gated)."""
     gen, seed = fresh_generator(device)
-    rows = 2 * n if kind == "norm_gated" else n
+    gated = kind in ("norm_gated", "offset_norm_geglu")
+    rows = 2 * n if gated else n
     x = _randn((1, k), dtype, device, gen) * 2
     weight = _randn((rows, k), dtype, device, gen) * k**-0.5
     b = _randn((rows,), dtype, device, gen) if bias else None
@@ -285,10 +291,12 @@ def check_gemv(ops, *, kind: str, n: int, k: int, dtype: torch.dtype, device: st
         ref = reference.linear_residual(x, weight, b, residual)
         got = ops.linear_residual(x, weight, b, residual)
     else:
-        norm_weight = (1 + 0.2 * _randn((k,), torch.float32, device, gen)).to(dtype)
-        gated = kind == "norm_gated"
-        ref = reference.norm_linear(x, norm_weight, 1e-6, weight, b, gated)
-        got = ops.norm_linear(x, norm_weight, 1e-6, weight, b, gated)
+        offset = kind.startswith("offset")
+        norm_weight = ((0.0 if offset else 1.0) + (0.5 if offset else 0.2) * _randn((k,), torch.float32, device,
+                                                                                     gen)).to(dtype)
+        options = {"offset": offset, "activation": "gelu_tanh" if kind.endswith("geglu") else "silu"}
+        ref = reference.norm_linear(x, norm_weight, 1e-6, weight, b, gated, **options)
+        got = ops.norm_linear(x, norm_weight, 1e-6, weight, b, gated, **options)
     where = f"seed={seed} {kind} n={n} k={k} bias={bias} {dtype}"
     assert got.shape == ref.shape and got.dtype == ref.dtype, where
     err = rel_err(got, ref)
@@ -371,6 +379,24 @@ def _interpret_offset_rms_norm(ops) -> None:
                    offset=True)
 
 
+def check_add_offset_rms_norm(ops, *, num_tokens: int, hidden: int, dtype: torch.dtype, device: str) -> None:
+    """``residual + offset_rms_norm(x)``, Gemma's post-norm joining the stream."""
+    gen, seed = fresh_generator(device)
+    x, residual = (_randn((num_tokens, hidden), dtype, device, gen) for _ in range(2))
+    weight = (0.5 * _randn((hidden,), torch.float32, device, gen)).to(dtype)
+    ref = reference.add_offset_rms_norm(x, weight, 1e-6, residual)
+    got = ops.add_offset_rms_norm(x, weight, 1e-6, residual)
+    where = f"seed={seed} add_offset_rms_norm T={num_tokens} H={hidden} {dtype}"
+    assert got.dtype == ref.dtype and got.shape == ref.shape, where
+    err = rel_err(got, ref)
+    assert err < ELEMWISE_TOL[dtype], f"rel err {err:.2e}: {where}"
+
+
+def _interpret_add_offset_rms_norm(ops) -> None:
+    for dtype in (torch.float16, torch.float32):
+        check_add_offset_rms_norm(ops, num_tokens=7, hidden=96, dtype=dtype, device="cpu")
+
+
 def _interpret_rope_write_kv(ops) -> None:
     for dtype in (torch.float16, torch.float32):
         check_rope_write_kv(ops, num_tokens=6, num_q_heads=4, num_kv_heads=2, head_dim=80, dtype=dtype,
@@ -388,6 +414,9 @@ def _interpret_rope_write_kv(ops) -> None:
                         device="cpu", qk_norm=True)
     check_rope_write_kv(ops, num_tokens=6, num_q_heads=40, num_kv_heads=20, head_dim=512, dtype=torch.float16,
                         device="cpu", qk_norm=True)
+    for dtype in (torch.float16, torch.float32):
+        check_rope_write_kv(ops, num_tokens=5, num_q_heads=4, num_kv_heads=2, head_dim=256, dtype=dtype,
+                            device="cpu", qk_norm="offset")
 
 
 def _interpret_act_and_mul(act: str):
@@ -412,6 +441,7 @@ INTERPRET_CASES = {
     "paged_attention_gemma": _interpret_attention_gemma,
     "rms_norm": _interpret_rms_norm,
     "offset_rms_norm": _interpret_offset_rms_norm,
+    "add_offset_rms_norm": _interpret_add_offset_rms_norm,
     "rotary_embedding_and_write_kv": _interpret_rope_write_kv,
     "silu_and_mul": _interpret_act_and_mul("silu_and_mul"),
     "gelu_tanh_and_mul": _interpret_act_and_mul("gelu_tanh_and_mul"),

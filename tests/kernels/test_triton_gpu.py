@@ -199,6 +199,12 @@ def test_offset_rms_norm(dtype, num_tokens, hidden, with_residual) -> None:
                          with_residual=with_residual, offset=True)
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("num_tokens,hidden", [(1, 2560), (129, 5376)])
+def test_add_offset_rms_norm(dtype, num_tokens, hidden) -> None:
+    cases.check_add_offset_rms_norm(triton_ops, num_tokens=num_tokens, hidden=hidden, dtype=dtype, device="cuda")
+
+
 def test_offset_rms_norm_fp32_weight_keeps_the_dtype() -> None:
     cases.check_rms_norm(triton_ops, num_tokens=33, hidden=2560, dtype=torch.bfloat16, device="cuda",
                          with_residual=True, weight_dtype=torch.float32, offset=True)
@@ -222,7 +228,7 @@ def test_rotary_embedding_and_write_kv_with_qk_norm(dtype, num_tokens, num_q_hea
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("num_tokens,num_q_heads,num_kv_heads,head_dim", [(1, 16, 8, 256), (300, 8, 1, 256),
                                                                           (1, 16, 2, 512), (77, 40, 4, 512)])
-@pytest.mark.parametrize("qk_norm", [False, True])
+@pytest.mark.parametrize("qk_norm", [False, True, "offset"])
 def test_rotary_embedding_and_write_kv_gemma_head_dims(dtype, num_tokens, num_q_heads, num_kv_heads, head_dim,
                                                         qk_norm) -> None:
     cases.check_rope_write_kv(triton_ops, num_tokens=num_tokens, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads,

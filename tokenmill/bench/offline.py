@@ -300,7 +300,7 @@ def bench_models(ceilings: Ceilings, shapes: list[str], sizes: list[int], peer: 
     workload, each beside its floor (sliding layers read at most their window); the KV bytes per
     token against a cache giving every layer its own full-length cache. Then the peers:
     transformers' decode step, and its continuous batching on ``peer_requests`` of the workload
-    (last, as in ``bench_throughput``: it keeps its cache after it returns)."""
+    (none when 0; last, as in ``bench_throughput``: it keeps its cache after it returns)."""
     rows: list[dict] = []
     workloads = []
     for shape in shapes:
@@ -332,6 +332,8 @@ def bench_models(ceilings: Ceilings, shapes: list[str], sizes: list[int], peer: 
             by_name[f"models/{shape}/latency/ctx128"]["peer_transformers_ms_per_step"] = ms
             checkpoint(rows)
         for shape, workload in zip(shapes, workloads):
+            if peer_requests < 1:
+                break
             subset = hf_peer.generate_batch(shape, workload[:peer_requests])
             by_name[f"models/{shape}/throughput"]["peer_transformers_generate_batch"] = subset
             checkpoint(rows)

@@ -183,15 +183,17 @@ def rotary_embedding_and_write_kv(
     q_norm_weight: torch.Tensor | None = None,
     k_norm_weight: torch.Tensor | None = None,
     eps: float = 1e-6,
+    offset_norm: bool = False,
 ) -> torch.Tensor:
     """RoPE on query and key (each head RMS-normed first when norm weights are given, as
-    Qwen3 does), then the rotated key and ``value`` into the paged caches; returns the
-    rotated query."""
+    Qwen3 does; Gemma's ``(1 + w)`` norm with ``offset_norm``), then the rotated key and
+    ``value`` into the paged caches; returns the rotated query."""
     if (q_norm_weight is None) != (k_norm_weight is None):
         raise ValueError("give both q and k norm weights, or neither")
     if q_norm_weight is not None:
-        query = rms_norm(query, q_norm_weight, eps)
-        key = rms_norm(key, k_norm_weight, eps)
+        norm = offset_rms_norm if offset_norm else rms_norm
+        query = norm(query, q_norm_weight, eps)
+        key = norm(key, k_norm_weight, eps)
     query, key = rotary_embedding(positions, query, key, cos_sin_cache)
     write_kv_cache(key, value, k_cache, v_cache, slot_mapping)
     return query
@@ -204,10 +206,18 @@ def linear_residual(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
 
 
 def norm_linear(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight: torch.Tensor,
-                bias: torch.Tensor | None, gated: bool = False) -> torch.Tensor:
-    """``rms_norm(x) @ weight.T (+ bias)``, then ``silu_and_mul`` with ``gated``."""
-    out = torch.nn.functional.linear(rms_norm(x, norm_weight, eps), weight, bias)
-    return silu_and_mul(out) if gated else out
+                bias: torch.Tensor | None, gated: bool = False, offset: bool = False,
+                activation: str = "silu") -> torch.Tensor:
+    """``rms_norm(x) @ weight.T (+ bias)`` (``offset_rms_norm`` with ``offset``), then with ``gated``
+    the gate half's ``activation`` (``silu`` or ``gelu_tanh``) times the up half."""
+    normed = (offset_rms_norm if offset else rms_norm)(x, norm_weight, eps)
+    out = torch.nn.functional.linear(normed, weight, bias)
+    return GATED_ACTIVATIONS[activation](out) if gated else out
+
+
+def add_offset_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor) -> torch.Tensor:
+    """``residual + offset_rms_norm(x)``: a Gemma block's output, normed, joining the stream."""
+    return residual + offset_rms_norm(x, weight, eps)
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
@@ -220,3 +230,6 @@ def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
     """``gelu_tanh(gate) * up`` for ``x = [gate | up]`` (GeGLU with transformers' ``gelu_pytorch_tanh``)."""
     gate, up = x.chunk(2, dim=-1)
     return torch.nn.functional.gelu(gate, approximate="tanh") * up
+
+
+GATED_ACTIVATIONS = {"silu": silu_and_mul, "gelu_tanh": gelu_tanh_and_mul}

@@ -9,7 +9,7 @@ cost a few microseconds each however few bytes they move. Here each program
 owns ``BLOCK_N`` output features and walks K with the next weight tile already
 in flight, and does the neighbours' work on the way: in front, the RMSNorm of
 the input row (every program recomputes its statistics from L2, 8 KB); behind,
-the residual add, or SiLU of gate row ``n`` times up row ``N + n``. Launched
+the residual add, or SiLU (GeGLU: tanh-GELU) of gate row ``n`` times up row ``N + n``. Launched
 with PDL, a program loads its first weight tile before it waits for the
 previous kernel, so the weight stream starts under that kernel's tail.
 
@@ -24,6 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
+from tokenmill.kernels.triton_activation import gate_activation
 from tokenmill.kernels.triton_launch import pdl_launch_args, wait_for_previous_kernel
 
 # Rows (tokens) the fused GEMV takes; more go to cuBLAS (at 2-8 rows this kernel lost to it:
@@ -36,7 +37,8 @@ BLOCK_N, NORM_BLOCK_N, GATED_BLOCK_N, BLOCK_K, NUM_WARPS = 8, 16, 4, 1024, 4
 
 @triton.jit
 def _gemv_kernel(x_ptr, norm_w_ptr, w_ptr, bias_ptr, res_ptr, out_ptr, N, K, stride_w, eps,
-                 NORM: tl.constexpr, GATED: tl.constexpr, ADD_RES: tl.constexpr, HAS_BIAS: tl.constexpr,
+                 NORM: tl.constexpr, OFFSET: tl.constexpr, GATED: tl.constexpr, GELU: tl.constexpr,
+                 ADD_RES: tl.constexpr, HAS_BIAS: tl.constexpr,
                  PDL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_POW2: tl.constexpr):
     ns = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = ns < N
@@ -64,9 +66,12 @@ def _gemv_kernel(x_ptr, norm_w_ptr, w_ptr, bias_ptr, res_ptr, out_ptr, N, K, str
         w_next = tl.load(w_rows + nxt[None, :], mask=nxt_mask, other=0.0, eviction_policy="evict_first")
         x = tl.load(x_ptr + ks, mask=ks < K, other=0.0)
         if NORM:
-            normed = (x.to(tl.float32) * rstd).to(x.dtype)
-            nw = tl.load(norm_w_ptr + ks, mask=ks < K, other=0.0)
-            x = (nw.to(tl.float32) * normed.to(tl.float32)).to(x.dtype)
+            nw = tl.load(norm_w_ptr + ks, mask=ks < K, other=0.0).to(tl.float32)
+            if OFFSET:  # Gemma: (1 + w) multiplies the float32 normed row, one rounding
+                x = (x.to(tl.float32) * rstd * (1.0 + nw)).to(x.dtype)
+            else:
+                normed = (x.to(tl.float32) * rstd).to(x.dtype)
+                x = (nw * normed.to(tl.float32)).to(x.dtype)
         xf = x.to(tl.float32)[None, :]
         acc += tl.sum(xf * w.to(tl.float32), axis=1)
         w = w_next
@@ -82,7 +87,7 @@ def _gemv_kernel(x_ptr, norm_w_ptr, w_ptr, bias_ptr, res_ptr, out_ptr, N, K, str
             acc_u += tl.load(bias_ptr + N + ns, mask=n_ok, other=0.0).to(tl.float32)
     if GATED:
         g = acc.to(out_ty).to(tl.float32)
-        act = (g / (1.0 + tl.exp(-g))).to(out_ty).to(tl.float32)
+        act = gate_activation(g, GELU).to(out_ty).to(tl.float32)
         acc = act * acc_u.to(out_ty).to(tl.float32)
     if ADD_RES:
         r = tl.load(res_ptr + ns, mask=n_ok, other=0.0)
@@ -92,7 +97,7 @@ def _gemv_kernel(x_ptr, norm_w_ptr, w_ptr, bias_ptr, res_ptr, out_ptr, N, K, str
 
 def _gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, *,
           norm_weight: torch.Tensor | None = None, eps: float = 0.0, gated: bool = False,
-          residual: torch.Tensor | None = None) -> torch.Tensor:
+          residual: torch.Tensor | None = None, offset: bool = False, activation: str = "silu") -> torch.Tensor:
     m, k = x.shape
     n = weight.shape[0] // 2 if gated else weight.shape[0]
     if m > MAX_ROWS:
@@ -113,7 +118,8 @@ def _gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, *,
     _gemv_kernel[(triton.cdiv(n, block_n),)](
         x, norm_weight if norm_weight is not None else x, weight, bias if bias is not None else weight,
         residual if residual is not None else out, out, n, k, weight.stride(0), float(eps),
-        NORM=norm_weight is not None, GATED=gated, ADD_RES=residual is not None, HAS_BIAS=bias is not None,
+        NORM=norm_weight is not None, OFFSET=offset, GATED=gated, GELU=activation == "gelu_tanh",
+        ADD_RES=residual is not None, HAS_BIAS=bias is not None,
         BLOCK_N=block_n, BLOCK_K=BLOCK_K, K_POW2=triton.next_power_of_2(k), num_warps=NUM_WARPS,
         **pdl_launch_args(x.device),
     )
@@ -127,6 +133,9 @@ def linear_residual(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
 
 
 def norm_linear(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight: torch.Tensor,
-                bias: torch.Tensor | None, gated: bool = False) -> torch.Tensor:
-    """``rms_norm(x) @ weight.T (+ bias)`` for one row, then SiLU-and-multiply with ``gated``."""
-    return _gemv(x, weight, bias, norm_weight=norm_weight, eps=eps, gated=gated)
+                bias: torch.Tensor | None, gated: bool = False, offset: bool = False,
+                activation: str = "silu") -> torch.Tensor:
+    """``rms_norm(x) @ weight.T (+ bias)`` for one row (Gemma's ``(1 + w)`` norm with ``offset``),
+    then the gate's ``activation`` (silu or gelu_tanh) times the up half with ``gated``."""
+    return _gemv(x, weight, bias, norm_weight=norm_weight, eps=eps, gated=gated, offset=offset,
+                 activation=activation)

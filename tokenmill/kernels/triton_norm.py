@@ -1,5 +1,6 @@
 """Triton RMSNorm with optional fused residual add: Llama's ``w * norm(x)`` (``reference.rms_norm``)
-and Gemma's ``(1 + w) * norm(x)`` (``reference.offset_rms_norm``)."""
+and Gemma's ``(1 + w) * norm(x)`` (``reference.offset_rms_norm``); the add before the norm
+(``x + residual`` normed) or, for Gemma's post-norms, after it (``reference.add_offset_rms_norm``)."""
 
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ def _rms_norm_kernel(
     hidden,
     eps,
     HAS_RESIDUAL: tl.constexpr,
+    ADD_AFTER: tl.constexpr,
     OFFSET: tl.constexpr,
     PDL: tl.constexpr,
     BLOCK: tl.constexpr,
@@ -34,7 +36,7 @@ def _rms_norm_kernel(
     cols = tl.arange(0, BLOCK)
     mask = cols < hidden
     x = tl.load(x_ptr + row * x_stride + cols, mask=mask, other=0.0)
-    if HAS_RESIDUAL:
+    if HAS_RESIDUAL and not ADD_AFTER:
         r = tl.load(residual_ptr + row * residual_stride + cols, mask=mask, other=0.0)
         # The sum is rounded to the residual's dtype, as the reference's `x + residual` is,
         # and that rounded value is what gets normed.
@@ -50,6 +52,10 @@ def _rms_norm_kernel(
     else:
         # Cast back to the input dtype *before* the weight, as transformers' Llama does.
         out = w * normed.to(x.dtype).to(tl.float32)
+    if ADD_AFTER:
+        # residual + norm(x): the normed value rounded first, then the sum, as the two torch ops round.
+        r = tl.load(residual_ptr + row * residual_stride + cols, mask=mask, other=0.0)
+        out = out.to(x.dtype).to(tl.float32) + r.to(tl.float32)
     tl.store(out_ptr + row * out_stride + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -81,6 +87,29 @@ def offset_rms_norm(
     return _rms_norm(x, weight, eps, residual, offset=True)
 
 
+def add_offset_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor) -> torch.Tensor:
+    """``residual + offset_rms_norm(x)`` in one pass (a Gemma block's output joining the stream)."""
+    hidden = x.shape[-1]
+    x2, r2 = x.reshape(-1, hidden), residual.reshape(-1, hidden)
+    if x.shape != residual.shape or x2.stride(-1) != 1 or r2.stride(-1) != 1 or weight.stride(-1) != 1:
+        raise ValueError("add_offset_rms_norm needs x and residual of one shape, contiguous last dimensions")
+    out = torch.empty(x.shape, dtype=torch.promote_types(x.dtype, residual.dtype), device=x.device)
+    out2 = out.view(-1, hidden)
+    if x2.shape[0]:
+        _launch(x2, r2, weight, out2, out2, eps, has_residual=True, add_after=True, offset=True)
+    return out
+
+
+def _launch(x2: torch.Tensor, r2: torch.Tensor, weight: torch.Tensor, out2: torch.Tensor, nr2: torch.Tensor,
+            eps: float, *, has_residual: bool, add_after: bool, offset: bool) -> None:
+    block = triton.next_power_of_2(x2.shape[-1])
+    _rms_norm_kernel[(x2.shape[0],)](
+        x2, r2, weight, out2, nr2, x2.stride(0), r2.stride(0), out2.stride(0), nr2.stride(0), x2.shape[-1],
+        float(eps), HAS_RESIDUAL=has_residual, ADD_AFTER=add_after, OFFSET=offset, BLOCK=block,
+        num_warps=max(1, min(16, block // 256)), **pdl_launch_args(x2.device),
+    )
+
+
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None,
               offset: bool) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     hidden = x.shape[-1]
@@ -97,25 +126,6 @@ def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch
         r2 = nr2 = x2  # unused by the kernel when HAS_RESIDUAL is off
     if x2.stride(-1) != 1 or r2.stride(-1) != 1 or weight.stride(-1) != 1:
         raise ValueError("rms_norm needs a contiguous last dimension")
-    rows = x2.shape[0]
-    if rows:
-        block = triton.next_power_of_2(hidden)
-        _rms_norm_kernel[(rows,)](
-            x2,
-            r2,
-            weight,
-            out2,
-            nr2,
-            x2.stride(0),
-            r2.stride(0),
-            out2.stride(0),
-            nr2.stride(0),
-            hidden,
-            float(eps),
-            HAS_RESIDUAL=residual is not None,
-            OFFSET=offset,
-            BLOCK=block,
-            num_warps=max(1, min(16, block // 256)),
-            **pdl_launch_args(x.device),
-        )
+    if x2.shape[0]:
+        _launch(x2, r2, weight, out2, nr2, eps, has_residual=residual is not None, add_after=False, offset=offset)
     return out if residual is None else (out, new_residual)

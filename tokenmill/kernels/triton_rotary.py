@@ -24,9 +24,9 @@ _MAX_TILE = 4096
 
 @triton.jit
 def _rotate(x_ptr, stride_h, num_heads, cos, sin, half, norm_ptr, eps,
-            HAS_NORM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr):
+            HAS_NORM: tl.constexpr, NORM_OFFSET: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr):
     """Both rotated halves of ``num_heads`` heads, in x's dtype; each head RMS-normed first
-    (with weight ``norm_ptr``) when ``HAS_NORM``."""
+    (with weight ``norm_ptr``; Gemma's ``(1 + w)`` with ``NORM_OFFSET``) when ``HAS_NORM``."""
     heads = tl.arange(0, BLOCK_H)[:, None]
     idx = tl.arange(0, BLOCK_HALF)[None, :]
     mask = (heads < num_heads) & (idx < half)
@@ -42,8 +42,12 @@ def _rotate(x_ptr, stride_h, num_heads, cos, sin, half, norm_ptr, eps,
         inv = tl.rsqrt((tl.sum(a * a, axis=1) + tl.sum(b * b, axis=1)) / (2 * half) + eps)[:, None]
         w1 = tl.load(norm_ptr + idx, mask=idx < half, other=0.0).to(tl.float32)
         w2 = tl.load(norm_ptr + half + idx, mask=idx < half, other=0.0).to(tl.float32)
-        x1 = (w1 * (a * inv).to(dt).to(tl.float32)).to(dt)
-        x2 = (w2 * (b * inv).to(dt).to(tl.float32)).to(dt)
+        if NORM_OFFSET:  # (1 + w) times the float32 normed value, one rounding
+            x1 = (a * inv * (1.0 + w1)).to(dt)
+            x2 = (b * inv * (1.0 + w2)).to(dt)
+        else:
+            x1 = (w1 * (a * inv).to(dt).to(tl.float32)).to(dt)
+            x2 = (w2 * (b * inv).to(dt).to(tl.float32)).to(dt)
     # The reference casts cos/sin to x's dtype and rounds each product and the sum to
     # it; doing the same keeps 16-bit results equal to the reference's, not just close.
     c = cos.to(dt).to(tl.float32)[None, :]
@@ -62,7 +66,7 @@ def _rope_write_kv_kernel(
     q_stride_t, q_stride_h, k_stride_t, k_stride_h, v_stride_t, v_stride_h, cos_sin_stride,
     kc_stride_block, kc_stride_slot, kc_stride_head, vc_stride_block, vc_stride_slot, vc_stride_head,
     block_size, num_q_heads, num_kv_heads, half, head_dim,
-    HAS_NORM: tl.constexpr, PDL: tl.constexpr,
+    HAS_NORM: tl.constexpr, NORM_OFFSET: tl.constexpr, PDL: tl.constexpr,
     BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     wait_for_previous_kernel(PDL)
@@ -81,7 +85,7 @@ def _rope_write_kv_kernel(
     for h0 in range(0, num_q_heads, BLOCK_HQ):
         q_heads = q_row + h0 * q_stride_h
         q1, q2 = _rotate(q_heads, q_stride_h, num_q_heads - h0, cos, sin, half, q_norm_ptr, eps, HAS_NORM,
-                         BLOCK_HQ, BLOCK_HALF)
+                         NORM_OFFSET, BLOCK_HQ, BLOCK_HALF)
         qmask = (qh < num_q_heads - h0) & (idx[None, :] < half)
         tl.store(q_heads + qh * q_stride_h + idx[None, :], q1, mask=qmask)
         tl.store(q_heads + qh * q_stride_h + half + idx[None, :], q2, mask=qmask)
@@ -101,7 +105,7 @@ def _rope_write_kv_kernel(
     v_slot = v_cache_ptr + block * vc_stride_block + offset * vc_stride_slot
     for h0 in range(0, num_kv_heads, BLOCK_HK):
         k1, k2 = _rotate(k_row + h0 * k_stride_h, k_stride_h, num_kv_heads - h0, cos, sin, half, k_norm_ptr, eps,
-                         HAS_NORM, BLOCK_HK, BLOCK_HALF)
+                         HAS_NORM, NORM_OFFSET, BLOCK_HK, BLOCK_HALF)
         kmask = (kh < live_heads - h0) & (idx[None, :] < half)
         k_dst = k_slot + (h0 + kh) * kc_stride_head + idx[None, :]
         tl.store(k_dst, k1.to(k_cache_ptr.dtype.element_ty), mask=kmask)
@@ -125,10 +129,12 @@ def rotary_embedding_and_write_kv(
     q_norm_weight: torch.Tensor | None = None,
     k_norm_weight: torch.Tensor | None = None,
     eps: float = 1e-6,
+    offset_norm: bool = False,
 ) -> torch.Tensor:
     """Neox RoPE on ``query`` ``[T, Hq, D]`` (IN PLACE, returned) and ``key`` ``[T, Hkv, D]``; the rotated
     key and ``value`` go to the paged caches at ``slot_mapping`` (< 0: padding). ``key`` itself is left
-    as it was. With norm weights (``[D]`` each, both or neither) q and k heads are RMS-normed first.
+    as it was. With norm weights (``[D]`` each, both or neither) q and k heads are RMS-normed first
+    (Gemma's ``(1 + w)`` norm with ``offset_norm``).
     Inputs may be strided views of a fused qkv buffer (last dim contiguous); no host reads, so
     CUDA-graph safe."""
     if (q_norm_weight is None) != (k_norm_weight is None):
@@ -158,6 +164,7 @@ def rotary_embedding_and_write_kv(
             v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
             k_cache.shape[1], num_q_heads, num_kv_heads, half, head_dim,
             HAS_NORM=q_norm_weight is not None,
+            NORM_OFFSET=offset_norm,
             BLOCK_HQ=block_hq,
             BLOCK_HK=block_hk,
             BLOCK_HALF=block_half,

@@ -1,4 +1,6 @@
-"""RMSNorm, optionally fused with the residual add that precedes it."""
+"""RMSNorm, optionally fused with the residual add that precedes it: Llama's ``w * norm(x)``
+and Gemma's ``(1 + w) * norm(x)``. ``offset`` tells fused kernels (RoPE's q/k norm, the
+decode GEMV) which of the two a module is."""
 
 from __future__ import annotations
 
@@ -9,6 +11,8 @@ from tokenmill.layers import ops
 
 
 class RMSNorm(nn.Module):
+    offset = False
+
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
@@ -19,3 +23,23 @@ class RMSNorm(nn.Module):
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """With ``residual``: returns ``(norm(x + residual), x + residual)``, one pass over memory."""
         return ops.rms_norm(x, self.weight, self.eps, residual)
+
+
+class OffsetRMSNorm(nn.Module):
+    """Gemma's RMSNorm, ``norm(x) * (1 + w)`` in float32; ``w`` starts at zero (the identity)."""
+
+    offset = True
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor,
+                residual: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """With ``residual``: returns ``(norm(x + residual), x + residual)``."""
+        return ops.offset_rms_norm(x, self.weight, self.eps, residual)
+
+    def add_to(self, x: torch.Tensor, stream: torch.Tensor) -> torch.Tensor:
+        """``stream + norm(x)``: a block's output normed into the residual stream, in one pass."""
+        return ops.add_offset_rms_norm(x, self.weight, self.eps, stream)

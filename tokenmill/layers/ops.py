@@ -71,11 +71,12 @@ def rotary_embedding_and_write_kv(positions: torch.Tensor, query: torch.Tensor, 
                                   value: torch.Tensor, cos_sin_cache: torch.Tensor, k_cache: torch.Tensor,
                                   v_cache: torch.Tensor, slot_mapping: torch.Tensor,
                                   q_norm_weight: torch.Tensor | None = None, k_norm_weight: torch.Tensor | None = None,
-                                  eps: float = 1e-6) -> torch.Tensor:
-    """(q/k RMSNorm, then) RoPE on q and k, with k and v written to the cache in the same pass;
-    returns the rotated q."""
+                                  eps: float = 1e-6, offset_norm: bool = False) -> torch.Tensor:
+    """(q/k RMSNorm, Gemma's ``(1 + w)`` one with ``offset_norm``, then) RoPE on q and k, with k and v
+    written to the cache in the same pass; returns the rotated q."""
     return backend_for(query).rotary_embedding_and_write_kv(positions, query, key, value, cos_sin_cache, k_cache,
-                                                            v_cache, slot_mapping, q_norm_weight, k_norm_weight, eps)
+                                                            v_cache, slot_mapping, q_norm_weight, k_norm_weight, eps,
+                                                            offset_norm=offset_norm)
 
 
 def rotary_embedding_query(positions: torch.Tensor, query: torch.Tensor, cos_sin_cache: torch.Tensor) -> torch.Tensor:
@@ -89,17 +90,24 @@ def _fused_gemv(backend: ModuleType, x: torch.Tensor) -> bool:
 
 
 def norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
-                weight: torch.Tensor, bias: torch.Tensor | None,
-                gated: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """RMSNorm of the residual stream ``x + residual`` (just ``x`` when ``residual`` is None), projected,
-    then SiLU-and-multiply with ``gated``; returns ``(projection, stream)``. One kernel for one-token
-    decode on the GPU, where the stream arrives whole (see ``linear_into_stream``)."""
+                weight: torch.Tensor, bias: torch.Tensor | None, gated: bool = False, offset: bool = False,
+                activation: str = "silu") -> tuple[torch.Tensor, torch.Tensor]:
+    """RMSNorm of the residual stream ``x + residual`` (just ``x`` when ``residual`` is None; Gemma's
+    ``(1 + w)`` norm with ``offset``), projected, then with ``gated`` the gate half's ``activation``
+    (``silu`` or ``gelu_tanh``) times the up half; returns ``(projection, stream)``. One kernel for
+    one-token decode on the GPU, where the stream arrives whole (see ``linear_into_stream``)."""
     backend = backend_for(x)
     if residual is None and _fused_gemv(backend, x) and norm_weight.dtype == x.dtype:
-        return backend.norm_linear(x, norm_weight, eps, weight, bias, gated), x
-    normed, stream = (rms_norm(x, norm_weight, eps), x) if residual is None else rms_norm(x, norm_weight, eps, residual)
+        return backend.norm_linear(x, norm_weight, eps, weight, bias, gated, offset=offset, activation=activation), x
+    norm = offset_rms_norm if offset else rms_norm
+    normed, stream = (norm(x, norm_weight, eps), x) if residual is None else norm(x, norm_weight, eps, residual)
     out = torch.nn.functional.linear(normed, weight, bias)
-    return (silu_and_mul(out) if gated else out), stream
+    return (_GATED[activation](out) if gated else out), stream
+
+
+def add_offset_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor) -> torch.Tensor:
+    """``residual + offset_rms_norm(x)``: a Gemma block's normed output joining the stream, in one pass."""
+    return backend_for(x).add_offset_rms_norm(x, weight, eps, residual)
 
 
 def linear_into_stream(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
@@ -120,3 +128,6 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
     """GeGLU: ``gelu_tanh(gate) * up`` for ``x = [gate | up]``."""
     return backend_for(x).gelu_tanh_and_mul(x)
+
+
+_GATED = {"silu": silu_and_mul, "gelu_tanh": gelu_tanh_and_mul}

@@ -23,12 +23,14 @@ from torch import nn
 from tokenmill.kernels.reference import softcap_
 from tokenmill.layers import ops
 from tokenmill.layers.attention import AttentionMetadata, KVCache
+from tokenmill.layers.norm import OffsetRMSNorm
 from tokenmill.layers.rotary import RotaryEmbedding
 from tokenmill.loader.hf_config import ModelConfig, ModelLoadError, rope_parameters
 from tokenmill.models.llama import (
     DecoderAttention,
     LlamaForCausalLM,
     decoder_config,
+    norm_linear,
     sliding_windows,
 )
 
@@ -95,32 +97,18 @@ def _optional_float(value: Any) -> float | None:
     return None if value is None else float(value)
 
 
-class OffsetRMSNorm(nn.Module):
-    """Gemma's RMSNorm, ``norm(x) * (1 + w)``; ``w`` starts at zero (the identity)."""
-
-    def __init__(self, dim: int, eps: float) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.zeros(dim))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor,
-                residual: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """With ``residual``: returns ``(norm(x + residual), x + residual)``."""
-        return ops.offset_rms_norm(x, self.weight, self.eps, residual)
-
-
 class Gemma3Attention(DecoderAttention):
     def __init__(self, cfg: Gemma3Config, layer: int, rotary: RotaryEmbedding) -> None:
         super().__init__(cfg, layer, rotary, OffsetRMSNorm, cfg.attn_scale, cfg.attn_softcap)
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor, kv_cache: KVCache,
+    def forward(self, positions: torch.Tensor, qkv: torch.Tensor, kv_cache: KVCache,
                 meta: AttentionMetadata) -> torch.Tensor:
-        """q and k are normed here, not in the RoPE pass, whose fused norm is Llama's ``w * norm(x)``."""
-        tokens = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = self.q_norm(q.reshape(tokens, -1, self.head_dim))
-        k = self.k_norm(k.reshape(tokens, -1, self.head_dim))
-        out = self.attn(positions, q, k, v.reshape(tokens, -1, self.head_dim), kv_cache, meta)
+        """``qkv``: ``qkv_proj`` of the normed input (fused with the norm by the layer); the q/k norms
+        run in the RoPE pass. Returns the output projection, to be normed before it joins the stream."""
+        tokens = qkv.shape[0]
+        q, k, v = (t.reshape(tokens, -1, self.head_dim)
+                   for t in qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1))
+        out = self.attn(positions, q, k, v, kv_cache, meta, self.q_norm, self.k_norm)
         return self.o_proj(out.reshape(tokens, self.q_size))
 
 
@@ -146,13 +134,15 @@ class Gemma3DecoderLayer(nn.Module):
         self.pre_feedforward_layernorm = OffsetRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_feedforward_layernorm = OffsetRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None,
-                kv_cache: KVCache, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
-        """The stream is ``x + residual`` (``x`` alone in the first layer); the adds are fused into the norms."""
-        normed, residual = (self.input_layernorm(x), x) if residual is None else self.input_layernorm(x, residual)
-        attn = self.post_attention_layernorm(self.self_attn(positions, normed, kv_cache, meta))
-        normed, residual = self.pre_feedforward_layernorm(attn, residual)
-        return self.post_feedforward_layernorm(self.mlp(normed)), residual
+    def forward(self, positions: torch.Tensor, stream: torch.Tensor, kv_cache: KVCache,
+                meta: AttentionMetadata) -> torch.Tensor:
+        """The residual stream in, the stream out, whole: each block's normed input is projected in one
+        kernel (one-token decode on the GPU), its normed output added to the stream in one pass."""
+        qkv, _ = norm_linear(self.input_layernorm, stream, None, self.self_attn.qkv_proj)
+        stream = self.post_attention_layernorm.add_to(self.self_attn(positions, qkv, kv_cache, meta), stream)
+        activation, _ = norm_linear(self.pre_feedforward_layernorm, stream, None, self.mlp.gate_up_proj, gated=True,
+                                    activation="gelu_tanh")
+        return self.post_feedforward_layernorm.add_to(self.mlp.down_proj(activation), stream)
 
 
 class Gemma3Model(nn.Module):
@@ -170,11 +160,10 @@ class Gemma3Model(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],
                 meta: AttentionMetadata) -> torch.Tensor:
-        x = self.embed_tokens(input_ids) * self.embed_scale
-        residual = None
+        stream = self.embed_tokens(input_ids) * self.embed_scale
         for layer, kv_cache in zip(self.layers, kv_caches):
-            x, residual = layer(positions, x, residual, kv_cache, meta)
-        return self.norm(x, residual)[0]
+            stream = layer(positions, stream, kv_cache, meta)
+        return self.norm(stream)
 
 
 class Gemma3ForCausalLM(LlamaForCausalLM):

@@ -17,7 +17,7 @@ from torch import nn
 
 from tokenmill.layers import ops
 from tokenmill.layers.attention import AttentionMetadata, KVCache, PagedAttention
-from tokenmill.layers.norm import RMSNorm
+from tokenmill.layers.norm import OffsetRMSNorm, RMSNorm
 from tokenmill.layers.rotary import RotaryEmbedding
 from tokenmill.loader.hf_config import ModelConfig, ModelLoadError, checkpoint_dtype, rope_parameters
 
@@ -115,9 +115,11 @@ class GatedMLP(nn.Module):
         return ops.linear_into_stream(activation, self.down_proj.weight, self.down_proj.bias, residual)
 
 
-def norm_linear(norm: RMSNorm, x: torch.Tensor, residual: torch.Tensor | None, linear: nn.Linear,
-                gated: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    return ops.norm_linear(x, residual, norm.weight, norm.eps, linear.weight, linear.bias, gated)
+def norm_linear(norm: RMSNorm | OffsetRMSNorm, x: torch.Tensor, residual: torch.Tensor | None, linear: nn.Linear,
+                gated: bool = False, activation: str = "silu") -> tuple[torch.Tensor, torch.Tensor]:
+    """``linear`` of ``norm``'s output (``ops.norm_linear``: one kernel for one-token decode on the GPU)."""
+    return ops.norm_linear(x, residual, norm.weight, norm.eps, linear.weight, linear.bias, gated,
+                           offset=norm.offset, activation=activation)
 
 
 class DecoderLayer(nn.Module):
