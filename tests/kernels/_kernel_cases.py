@@ -133,6 +133,14 @@ def check_paged_attention(
     return err
 
 
+def norm_weight(shape: tuple[int, ...], weighting: str, dtype: torch.dtype, device: str,
+                gen: torch.Generator) -> torch.Tensor:
+    """Random norm weights: around 1 (Llama's, Gemma 4's), or around 0 with some near -1 for Gemma 3's
+    ``1 + w``, so the weight is far from the identity and sometimes near 0."""
+    center, spread = (0.0, 0.5) if weighting == "offset" else (1.0, 0.2)
+    return (center + spread * _randn(shape, torch.float32, device, gen)).to(dtype)
+
+
 def check_rms_norm(
     ops,
     *,
@@ -187,8 +195,8 @@ def check_rope_write_kv(
 ) -> None:
     """q/k/v are strided views into one fused qkv buffer; q is rotated in place; unique random
     slots, a quarter of them padding (-1), take the rotated k and v; nothing else changes.
-    ``qk_norm``: per-head RMSNorm of q and k first (Qwen3), with random weights; ``"offset"``:
-    Gemma's ``(1 + w)`` one."""
+    ``qk_norm``: per-head RMSNorm of q and k first (Qwen3), with random weights; a weighting name
+    (``"offset"``, ``"fp32"``): Gemma 3's or Gemma 4's."""
     gen, seed = fresh_generator(device)
     cache_dtype = cache_dtype or dtype
     inv_freq = 1.0 / (500000.0 ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device=device) / head_dim))
@@ -207,11 +215,10 @@ def check_rope_write_kv(
     k_ref, v_ref = k_cache.clone(), v_cache.clone()
     norms = {}
     if qk_norm:
-        # Gemma's offset weights spread around 0 (1 + w far from 1), Qwen3's around 1.
-        center, spread = (0.0, 0.5) if qk_norm == "offset" else (1.0, 0.2)
-        norms = {name: (center + spread * _randn((head_dim,), torch.float32, device, gen)).to(dtype)
+        weighting = "llama" if qk_norm is True else qk_norm
+        norms = {name: norm_weight((head_dim,), weighting, dtype, device, gen)
                  for name in ("q_norm_weight", "k_norm_weight")}
-        norms["offset_norm"] = qk_norm == "offset"
+        norms["norm_weighting"] = weighting
     ref_q = reference.rotary_embedding_and_write_kv(positions, q.clone(), k.clone(), v.clone(), cos_sin, k_ref,
                                                     v_ref, slot_mapping, eps=1e-6, **norms)
     kv_before = qkv[:, q_size:].clone()
@@ -274,14 +281,14 @@ def check_act_and_mul(ops, *, act: str, num_tokens: int, d: int, dtype: torch.dt
     assert err < ELEMWISE_TOL[dtype], f"rel err {err:.2e}: {where}"
 
 
-# "offset": Gemma's (1 + w) norm in front; "geglu": the gate through tanh-GELU instead of SiLU.
-GEMV_KINDS = ("residual", "norm", "norm_gated", "offset_norm", "offset_norm_geglu")
+# "offset"/"fp32": Gemma 3's / Gemma 4's norm in front; "geglu": the gate through tanh-GELU, not SiLU.
+GEMV_KINDS = ("residual", "norm", "norm_gated", "offset_norm", "offset_norm_geglu", "fp32_norm_geglu")
 
 
 def check_gemv(ops, *, kind: str, n: int, k: int, dtype: torch.dtype, device: str, bias: bool) -> None:
     """One-row fused GEMV: ``linear_residual`` (kind "residual") or ``norm_linear`` (plain or gated)."""
     gen, seed = fresh_generator(device)
-    gated = kind in ("norm_gated", "offset_norm_geglu")
+    gated = kind.endswith(("gated", "geglu"))
     rows = 2 * n if gated else n
     x = _randn((1, k), dtype, device, gen) * 2
     weight = _randn((rows, k), dtype, device, gen) * k**-0.5
@@ -291,12 +298,11 @@ def check_gemv(ops, *, kind: str, n: int, k: int, dtype: torch.dtype, device: st
         ref = reference.linear_residual(x, weight, b, residual)
         got = ops.linear_residual(x, weight, b, residual)
     else:
-        offset = kind.startswith("offset")
-        norm_weight = ((0.0 if offset else 1.0) + (0.5 if offset else 0.2) * _randn((k,), torch.float32, device,
-                                                                                     gen)).to(dtype)
-        options = {"offset": offset, "activation": "gelu_tanh" if kind.endswith("geglu") else "silu"}
-        ref = reference.norm_linear(x, norm_weight, 1e-6, weight, b, gated, **options)
-        got = ops.norm_linear(x, norm_weight, 1e-6, weight, b, gated, **options)
+        weighting = kind.split("_")[0] if kind.startswith(("offset", "fp32")) else "llama"
+        norm_w = norm_weight((k,), weighting, dtype, device, gen)
+        options = {"weighting": weighting, "activation": "gelu_tanh" if kind.endswith("geglu") else "silu"}
+        ref = reference.norm_linear(x, norm_w, 1e-6, weight, b, gated, **options)
+        got = ops.norm_linear(x, norm_w, 1e-6, weight, b, gated, **options)
     where = f"seed={seed} {kind} n={n} k={k} bias={bias} {dtype}"
     assert got.shape == ref.shape and got.dtype == ref.dtype, where
     err = rel_err(got, ref)
@@ -379,22 +385,57 @@ def _interpret_offset_rms_norm(ops) -> None:
                    offset=True)
 
 
-def check_add_offset_rms_norm(ops, *, num_tokens: int, hidden: int, dtype: torch.dtype, device: str) -> None:
-    """``residual + offset_rms_norm(x)``, Gemma's post-norm joining the stream."""
+def check_add_rms_norm(ops, *, num_tokens: int, hidden: int, dtype: torch.dtype, device: str,
+                       weighting: str) -> None:
+    """``residual + norm(x)``, Gemma's post-norm joining the stream (``offset`` or ``fp32`` weighting)."""
     gen, seed = fresh_generator(device)
     x, residual = (_randn((num_tokens, hidden), dtype, device, gen) for _ in range(2))
-    weight = (0.5 * _randn((hidden,), torch.float32, device, gen)).to(dtype)
-    ref = reference.add_offset_rms_norm(x, weight, 1e-6, residual)
-    got = ops.add_offset_rms_norm(x, weight, 1e-6, residual)
-    where = f"seed={seed} add_offset_rms_norm T={num_tokens} H={hidden} {dtype}"
+    weight = norm_weight((hidden,), weighting, dtype, device, gen)
+    ref = reference.add_rms_norm(x, weight, 1e-6, residual, weighting)
+    got = ops.add_rms_norm(x, weight, 1e-6, residual, weighting)
+    where = f"seed={seed} add_rms_norm {weighting} T={num_tokens} H={hidden} {dtype}"
     assert got.dtype == ref.dtype and got.shape == ref.shape, where
     err = rel_err(got, ref)
     assert err < ELEMWISE_TOL[dtype], f"rel err {err:.2e}: {where}"
 
 
-def _interpret_add_offset_rms_norm(ops) -> None:
+def check_fp32_weight_rms_norm(ops, *, shape: tuple[int, ...], dtype: torch.dtype, device: str,
+                               weighted: bool) -> None:
+    """Gemma 4's norm, with its weight or none (its v norm), over the last dim of ``shape``."""
+    gen, seed = fresh_generator(device)
+    x = _randn(shape, dtype, device, gen) * 3
+    weight = norm_weight(shape[-1:], "fp32", dtype, device, gen) if weighted else None
+    ref = reference.fp32_weight_rms_norm(x, weight, 1e-6)
+    got = ops.fp32_weight_rms_norm(x, weight, 1e-6)
+    where = f"seed={seed} fp32_weight_rms_norm {shape} {dtype} weighted={weighted}"
+    assert got.dtype == ref.dtype and got.shape == ref.shape, where
+    err = rel_err(got, ref)
+    assert err < ELEMWISE_TOL[dtype], f"rel err {err:.2e}: {where}"
+
+
+def check_rotary_query(ops, *, num_tokens: int, num_heads: int, head_dim: int, dtype: torch.dtype,
+                       device: str) -> None:
+    """RoPE on q alone, after Gemma 4's q norm (a KV-shared layer): in place, nothing else touched."""
+    gen, seed = fresh_generator(device)
+    positions = torch.randint(0, 64, (num_tokens,), generator=gen, device=device)
+    cos_sin = torch.randn(64, head_dim, generator=gen, device=device)
+    q = _randn((num_tokens, num_heads, head_dim), dtype, device, gen)
+    weight = norm_weight((head_dim,), "fp32", dtype, device, gen)
+    ref = reference.rotary_embedding_query(positions, q.clone(), cos_sin, weight, 1e-6, "fp32")
+    got = ops.rotary_embedding_query(positions, q, cos_sin, weight, 1e-6, "fp32")
+    where = f"seed={seed} rotary_embedding_query T={num_tokens} H={num_heads} D={head_dim} {dtype}"
+    assert got.shape == ref.shape, where
+    err = rel_err(got, ref)
+    assert err < ELEMWISE_TOL[dtype], f"rel err {err:.2e}: {where}"
+
+
+def _interpret_gemma4_norms(ops) -> None:
     for dtype in (torch.float16, torch.float32):
-        check_add_offset_rms_norm(ops, num_tokens=7, hidden=96, dtype=dtype, device="cpu")
+        for weighting in ("offset", "fp32"):
+            check_add_rms_norm(ops, num_tokens=7, hidden=96, dtype=dtype, device="cpu", weighting=weighting)
+        for weighted in (True, False):
+            check_fp32_weight_rms_norm(ops, shape=(5, 3, 64), dtype=dtype, device="cpu", weighted=weighted)
+        check_rotary_query(ops, num_tokens=4, num_heads=3, head_dim=64, dtype=dtype, device="cpu")
 
 
 def _interpret_rope_write_kv(ops) -> None:
@@ -415,8 +456,9 @@ def _interpret_rope_write_kv(ops) -> None:
     check_rope_write_kv(ops, num_tokens=6, num_q_heads=40, num_kv_heads=20, head_dim=512, dtype=torch.float16,
                         device="cpu", qk_norm=True)
     for dtype in (torch.float16, torch.float32):
-        check_rope_write_kv(ops, num_tokens=5, num_q_heads=4, num_kv_heads=2, head_dim=256, dtype=dtype,
-                            device="cpu", qk_norm="offset")
+        for weighting in ("offset", "fp32"):
+            check_rope_write_kv(ops, num_tokens=5, num_q_heads=4, num_kv_heads=2, head_dim=256, dtype=dtype,
+                                device="cpu", qk_norm=weighting)
 
 
 def _interpret_act_and_mul(act: str):
@@ -441,7 +483,7 @@ INTERPRET_CASES = {
     "paged_attention_gemma": _interpret_attention_gemma,
     "rms_norm": _interpret_rms_norm,
     "offset_rms_norm": _interpret_offset_rms_norm,
-    "add_offset_rms_norm": _interpret_add_offset_rms_norm,
+    "gemma_norms": _interpret_gemma4_norms,
     "rotary_embedding_and_write_kv": _interpret_rope_write_kv,
     "silu_and_mul": _interpret_act_and_mul("silu_and_mul"),
     "gelu_tanh_and_mul": _interpret_act_and_mul("gelu_tanh_and_mul"),

@@ -136,7 +136,10 @@ def _launches(monkeypatch: pytest.MonkeyPatch) -> list[Launch]:
         for norm in (triton_ops.rms_norm, triton_ops.offset_rms_norm):
             norm(x, weight, 1e-6)
             norm(x, weight, 1e-6, rand(3, 256))
-        triton_ops.add_offset_rms_norm(x, weight, 1e-6, rand(3, 256))
+        for weighting in ("offset", "fp32"):
+            triton_ops.add_rms_norm(x, weight, 1e-6, rand(3, 256), weighting)
+        for w in (weight, None):
+            triton_ops.fp32_weight_rms_norm(rand(3, 2, 256), w, 1e-6)
         positions = torch.arange(3)
         cos_sin = torch.randn(64, 128, generator=gen)
         for qk_norm in (False, True):
@@ -150,7 +153,9 @@ def _launches(monkeypatch: pytest.MonkeyPatch) -> list[Launch]:
             triton_ops.rotary_embedding_and_write_kv(positions, rand(3, num_q_heads, head_dim),
                                                      rand(3, num_kv_heads, head_dim), rand(3, num_kv_heads, head_dim),
                                                      cs, gk, gk.clone(), torch.arange(3), rand(head_dim),
-                                                     rand(head_dim), offset_norm=head_dim == 256)
+                                                     rand(head_dim), norm_weighting="offset" if head_dim == 256 else "fp32")
+            triton_ops.rotary_embedding_query(positions, rand(3, num_q_heads, head_dim), cs, rand(head_dim), 1e-6,
+                                              "fp32")
         triton_ops.silu_and_mul(rand(3, 512))
         triton_ops.gelu_tanh_and_mul(rand(3, 512))
         row, proj = rand(1, 4096), rand(64, 4096)
@@ -158,8 +163,10 @@ def _launches(monkeypatch: pytest.MonkeyPatch) -> list[Launch]:
         triton_ops.linear_residual(rand(1, 14336), rand(64, 14336), rand(64), rand(1, 64))
         triton_ops.norm_linear(row, rand(4096), 1e-6, proj, rand(64))
         triton_ops.norm_linear(row, rand(4096), 1e-6, proj, None, gated=True)
-        triton_ops.norm_linear(row, rand(4096), 1e-6, proj, None, offset=True)
-        triton_ops.norm_linear(row, rand(4096), 1e-6, proj, None, gated=True, offset=True, activation="gelu_tanh")
+        for weighting in ("offset", "fp32"):
+            triton_ops.norm_linear(row, rand(4096), 1e-6, proj, None, weighting=weighting)
+            triton_ops.norm_linear(row, rand(4096), 1e-6, proj, None, gated=True, weighting=weighting,
+                                   activation="gelu_tanh")
     launches = list(seen.values())
     return launches + [p for p in (launch.with_pdl() for launch in launches) if p is not None]
 
@@ -171,12 +178,13 @@ def test_every_kernel_compiles_for_hopper(monkeypatch: pytest.MonkeyPatch) -> No
     assert {"_paged_attention_kernel", "_merge_splits_kernel", "_rms_norm_kernel", "_rope_write_kv_kernel",
             "_act_and_mul_kernel", "_gemv_kernel"} <= names, names
     variants = {(launch.fn.__name__, key, launch.constexprs.get(key)) for launch in launches for key in
-                ("SOFTCAP", "OFFSET", "GELU_TANH", "BLOCK_D", "ADD_AFTER", "NORM_OFFSET", "GELU")}
+                ("SOFTCAP", "WEIGHTING", "GELU_TANH", "BLOCK_D", "ADD_AFTER", "GELU")}
     assert {("_paged_attention_kernel", "SOFTCAP", True), ("_paged_attention_kernel", "BLOCK_D", 512),
-            ("_rms_norm_kernel", "OFFSET", True), ("_rms_norm_kernel", "ADD_AFTER", True),
-            ("_act_and_mul_kernel", "GELU_TANH", True), ("_rope_write_kv_kernel", "BLOCK_D", 512),
-            ("_rope_write_kv_kernel", "NORM_OFFSET", True), ("_gemv_kernel", "OFFSET", True),
-            ("_gemv_kernel", "GELU", True)} <= variants
+            ("_rms_norm_kernel", "ADD_AFTER", True), ("_act_and_mul_kernel", "GELU_TANH", True),
+            ("_rope_write_kv_kernel", "BLOCK_D", 512), ("_gemv_kernel", "GELU", True)} <= variants
+    for kernel, weightings in (("_rms_norm_kernel", {0, 1, 2, 3}), ("_rope_write_kv_kernel", {0, 1, 2}),
+                               ("_gemv_kernel", {0, 1, 2})):
+        assert {(kernel, "WEIGHTING", w) for w in weightings} <= variants, kernel
     failures = []
     for launch in launches:
         try:

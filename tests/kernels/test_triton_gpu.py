@@ -201,8 +201,24 @@ def test_offset_rms_norm(dtype, num_tokens, hidden, with_residual) -> None:
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("num_tokens,hidden", [(1, 2560), (129, 5376)])
-def test_add_offset_rms_norm(dtype, num_tokens, hidden) -> None:
-    cases.check_add_offset_rms_norm(triton_ops, num_tokens=num_tokens, hidden=hidden, dtype=dtype, device="cuda")
+@pytest.mark.parametrize("weighting", ["offset", "fp32"])
+def test_add_rms_norm(dtype, num_tokens, hidden, weighting) -> None:
+    cases.check_add_rms_norm(triton_ops, num_tokens=num_tokens, hidden=hidden, dtype=dtype, device="cuda",
+                             weighting=weighting)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", [(1, 2560), (7, 8, 256), (300, 2, 512)])
+@pytest.mark.parametrize("weighted", [True, False])
+def test_fp32_weight_rms_norm(dtype, shape, weighted) -> None:
+    cases.check_fp32_weight_rms_norm(triton_ops, shape=shape, dtype=dtype, device="cuda", weighted=weighted)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("num_tokens,num_heads,head_dim", [(1, 8, 256), (77, 32, 512)])
+def test_rotary_embedding_query(dtype, num_tokens, num_heads, head_dim) -> None:
+    cases.check_rotary_query(triton_ops, num_tokens=num_tokens, num_heads=num_heads, head_dim=head_dim, dtype=dtype,
+                             device="cuda")
 
 
 def test_offset_rms_norm_fp32_weight_keeps_the_dtype() -> None:
@@ -228,7 +244,7 @@ def test_rotary_embedding_and_write_kv_with_qk_norm(dtype, num_tokens, num_q_hea
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("num_tokens,num_q_heads,num_kv_heads,head_dim", [(1, 16, 8, 256), (300, 8, 1, 256),
                                                                           (1, 16, 2, 512), (77, 40, 4, 512)])
-@pytest.mark.parametrize("qk_norm", [False, True, "offset"])
+@pytest.mark.parametrize("qk_norm", [False, True, "offset", "fp32"])
 def test_rotary_embedding_and_write_kv_gemma_head_dims(dtype, num_tokens, num_q_heads, num_kv_heads, head_dim,
                                                         qk_norm) -> None:
     cases.check_rope_write_kv(triton_ops, num_tokens=num_tokens, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads,

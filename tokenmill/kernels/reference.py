@@ -165,9 +165,14 @@ def rotary_embedding(
     return rotate(query), rotate(key)
 
 
-def rotary_embedding_query(positions: torch.Tensor, query: torch.Tensor, cos_sin_cache: torch.Tensor) -> torch.Tensor:
-    """RoPE on ``query`` alone, for layers that read another layer's cache (Gemma 4's KV-shared
-    layers) and so have no key to rotate or write; the key given to ``rotary_embedding`` has no heads."""
+def rotary_embedding_query(positions: torch.Tensor, query: torch.Tensor, cos_sin_cache: torch.Tensor,
+                           q_norm_weight: torch.Tensor | None = None, eps: float = 1e-6,
+                           norm_weighting: str = "llama") -> torch.Tensor:
+    """(Each head normed first, as in ``rotary_embedding_and_write_kv``, then) RoPE on ``query`` alone,
+    for layers that read another layer's cache (Gemma 4's KV-shared layers) and so have no key to
+    rotate or write; the key given to ``rotary_embedding`` has no heads."""
+    if q_norm_weight is not None:
+        query = NORMS[norm_weighting](query, q_norm_weight, eps)
     return rotary_embedding(positions, query, query[:, :0], cos_sin_cache)[0]
 
 
@@ -183,15 +188,15 @@ def rotary_embedding_and_write_kv(
     q_norm_weight: torch.Tensor | None = None,
     k_norm_weight: torch.Tensor | None = None,
     eps: float = 1e-6,
-    offset_norm: bool = False,
+    norm_weighting: str = "llama",
 ) -> torch.Tensor:
-    """RoPE on query and key (each head RMS-normed first when norm weights are given, as
-    Qwen3 does; Gemma's ``(1 + w)`` norm with ``offset_norm``), then the rotated key and
-    ``value`` into the paged caches; returns the rotated query."""
+    """RoPE on query and key (each head RMS-normed first when norm weights are given, as Qwen3
+    and Gemma do, the weights applied as ``norm_weighting`` says: see ``NORMS``), then the rotated
+    key and ``value`` into the paged caches; returns the rotated query."""
     if (q_norm_weight is None) != (k_norm_weight is None):
         raise ValueError("give both q and k norm weights, or neither")
     if q_norm_weight is not None:
-        norm = offset_rms_norm if offset_norm else rms_norm
+        norm = NORMS[norm_weighting]
         query = norm(query, q_norm_weight, eps)
         key = norm(key, k_norm_weight, eps)
     query, key = rotary_embedding(positions, query, key, cos_sin_cache)
@@ -206,18 +211,19 @@ def linear_residual(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
 
 
 def norm_linear(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight: torch.Tensor,
-                bias: torch.Tensor | None, gated: bool = False, offset: bool = False,
+                bias: torch.Tensor | None, gated: bool = False, weighting: str = "llama",
                 activation: str = "silu") -> torch.Tensor:
-    """``rms_norm(x) @ weight.T (+ bias)`` (``offset_rms_norm`` with ``offset``), then with ``gated``
-    the gate half's ``activation`` (``silu`` or ``gelu_tanh``) times the up half."""
-    normed = (offset_rms_norm if offset else rms_norm)(x, norm_weight, eps)
-    out = torch.nn.functional.linear(normed, weight, bias)
+    """``norm(x) @ weight.T (+ bias)`` (the norm ``NORMS[weighting]``), then with ``gated`` the gate
+    half's ``activation`` (``silu`` or ``gelu_tanh``) times the up half."""
+    out = torch.nn.functional.linear(NORMS[weighting](x, norm_weight, eps), weight, bias)
     return GATED_ACTIVATIONS[activation](out) if gated else out
 
 
-def add_offset_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor) -> torch.Tensor:
-    """``residual + offset_rms_norm(x)``: a Gemma block's output, normed, joining the stream."""
-    return residual + offset_rms_norm(x, weight, eps)
+def add_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor,
+                 weighting: str) -> torch.Tensor:
+    """``residual + norm(x)`` (the norm ``NORMS[weighting]``): a Gemma block's output, normed,
+    joining the stream."""
+    return residual + NORMS[weighting](x, weight, eps)
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
@@ -233,3 +239,6 @@ def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
 
 
 GATED_ACTIVATIONS = {"silu": silu_and_mul, "gelu_tanh": gelu_tanh_and_mul}
+# How a family's RMSNorm applies its weight, by the name its norm modules give (``weighting``):
+# Llama's ``w * norm(x)`` rounded first, Gemma 3's ``(1 + w)`` and Gemma 4's ``w`` in float32.
+NORMS = {"llama": rms_norm, "offset": offset_rms_norm, "fp32": fp32_weight_rms_norm}

@@ -26,6 +26,7 @@ import triton.language as tl
 
 from tokenmill.kernels.triton_activation import gate_activation
 from tokenmill.kernels.triton_launch import pdl_launch_args, wait_for_previous_kernel
+from tokenmill.kernels.triton_norm import WEIGHTINGS, weigh
 
 # Rows (tokens) the fused GEMV takes; more go to cuBLAS (at 2-8 rows this kernel lost to it:
 # benchmarks/results/h200-2026-11-29-stop8/study-gemv-90d5c8a.json).
@@ -37,7 +38,7 @@ BLOCK_N, NORM_BLOCK_N, GATED_BLOCK_N, BLOCK_K, NUM_WARPS = 8, 16, 4, 1024, 4
 
 @triton.jit
 def _gemv_kernel(x_ptr, norm_w_ptr, w_ptr, bias_ptr, res_ptr, out_ptr, N, K, stride_w, eps,
-                 NORM: tl.constexpr, OFFSET: tl.constexpr, GATED: tl.constexpr, GELU: tl.constexpr,
+                 NORM: tl.constexpr, WEIGHTING: tl.constexpr, GATED: tl.constexpr, GELU: tl.constexpr,
                  ADD_RES: tl.constexpr, HAS_BIAS: tl.constexpr,
                  PDL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_POW2: tl.constexpr):
     ns = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -66,12 +67,13 @@ def _gemv_kernel(x_ptr, norm_w_ptr, w_ptr, bias_ptr, res_ptr, out_ptr, N, K, str
         w_next = tl.load(w_rows + nxt[None, :], mask=nxt_mask, other=0.0, eviction_policy="evict_first")
         x = tl.load(x_ptr + ks, mask=ks < K, other=0.0)
         if NORM:
-            nw = tl.load(norm_w_ptr + ks, mask=ks < K, other=0.0).to(tl.float32)
-            if OFFSET:  # Gemma: (1 + w) multiplies the float32 normed row, one rounding
-                x = (x.to(tl.float32) * rstd * (1.0 + nw)).to(x.dtype)
-            else:
+            if WEIGHTING == 0:  # Llama: the normed row rounded, then the weighted one
+                nw = tl.load(norm_w_ptr + ks, mask=ks < K, other=0.0).to(tl.float32)
                 normed = (x.to(tl.float32) * rstd).to(x.dtype)
                 x = (nw * normed.to(tl.float32)).to(x.dtype)
+            else:  # Gemma: the weight meets the float32 normed row, one rounding
+                nw = tl.load(norm_w_ptr + ks, mask=(ks < K) & (WEIGHTING != 3), other=0.0).to(tl.float32)
+                x = weigh(x.to(tl.float32) * rstd, nw, WEIGHTING).to(x.dtype)
         xf = x.to(tl.float32)[None, :]
         acc += tl.sum(xf * w.to(tl.float32), axis=1)
         w = w_next
@@ -97,7 +99,7 @@ def _gemv_kernel(x_ptr, norm_w_ptr, w_ptr, bias_ptr, res_ptr, out_ptr, N, K, str
 
 def _gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, *,
           norm_weight: torch.Tensor | None = None, eps: float = 0.0, gated: bool = False,
-          residual: torch.Tensor | None = None, offset: bool = False, activation: str = "silu") -> torch.Tensor:
+          residual: torch.Tensor | None = None, weighting: str = "llama", activation: str = "silu") -> torch.Tensor:
     m, k = x.shape
     n = weight.shape[0] // 2 if gated else weight.shape[0]
     if m > MAX_ROWS:
@@ -118,7 +120,7 @@ def _gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, *,
     _gemv_kernel[(triton.cdiv(n, block_n),)](
         x, norm_weight if norm_weight is not None else x, weight, bias if bias is not None else weight,
         residual if residual is not None else out, out, n, k, weight.stride(0), float(eps),
-        NORM=norm_weight is not None, OFFSET=offset, GATED=gated, GELU=activation == "gelu_tanh",
+        NORM=norm_weight is not None, WEIGHTING=WEIGHTINGS[weighting], GATED=gated, GELU=activation == "gelu_tanh",
         ADD_RES=residual is not None, HAS_BIAS=bias is not None,
         BLOCK_N=block_n, BLOCK_K=BLOCK_K, K_POW2=triton.next_power_of_2(k), num_warps=NUM_WARPS,
         **pdl_launch_args(x.device),
@@ -133,9 +135,10 @@ def linear_residual(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
 
 
 def norm_linear(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight: torch.Tensor,
-                bias: torch.Tensor | None, gated: bool = False, offset: bool = False,
+                bias: torch.Tensor | None, gated: bool = False, weighting: str = "llama",
                 activation: str = "silu") -> torch.Tensor:
-    """``rms_norm(x) @ weight.T (+ bias)`` for one row (Gemma's ``(1 + w)`` norm with ``offset``),
-    then the gate's ``activation`` (silu or gelu_tanh) times the up half with ``gated``."""
-    return _gemv(x, weight, bias, norm_weight=norm_weight, eps=eps, gated=gated, offset=offset,
+    """``rms_norm(x) @ weight.T (+ bias)`` for one row (the norm's weight applied as ``weighting``
+    says: see ``reference.NORMS``), then the gate's ``activation`` (silu or gelu_tanh) times the up
+    half with ``gated``."""
+    return _gemv(x, weight, bias, norm_weight=norm_weight, eps=eps, gated=gated, weighting=weighting,
                  activation=activation)

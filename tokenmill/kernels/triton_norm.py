@@ -1,6 +1,6 @@
-"""Triton RMSNorm with optional fused residual add: Llama's ``w * norm(x)`` (``reference.rms_norm``)
-and Gemma's ``(1 + w) * norm(x)`` (``reference.offset_rms_norm``); the add before the norm
-(``x + residual`` normed) or, for Gemma's post-norms, after it (``reference.add_offset_rms_norm``)."""
+"""Triton RMSNorm, with its weight applied the way each family does (``WEIGHTINGS``) and an
+optional fused residual add: before the norm (``x + residual`` normed, ``reference.rms_norm``'s
+``residual``) or, for Gemma's post-norms, after it (``reference.add_rms_norm``)."""
 
 from __future__ import annotations
 
@@ -9,6 +9,27 @@ import triton
 import triton.language as tl
 
 from tokenmill.kernels.triton_launch import pdl_launch_args, wait_for_previous_kernel
+
+# The kernels' WEIGHTING constexpr: how a norm's weight meets the float32 normed value.
+LLAMA, OFFSET, FP32, UNWEIGHTED = 0, 1, 2, 3
+# ``reference.NORMS`` names (the norm modules' ``weighting``) → the constexpr; no weight is UNWEIGHTED.
+WEIGHTINGS = {"llama": LLAMA, "offset": OFFSET, "fp32": FP32}
+
+
+def weighting_of(name: str, weight: torch.Tensor | None) -> int:
+    return UNWEIGHTED if weight is None else WEIGHTINGS[name]
+
+
+@triton.jit
+def weigh(normed, w, WEIGHTING: tl.constexpr):
+    """The float32 value a Gemma norm rounds once: ``normed`` times ``1 + w`` (Gemma 3), times ``w``
+    (Gemma 4), or alone (Gemma 4's v norm). Llama's weighting rounds twice; its callers do it."""
+    if WEIGHTING == 1:
+        return normed * (1.0 + w)
+    elif WEIGHTING == 2:
+        return normed * w
+    else:
+        return normed
 
 
 @triton.jit
@@ -26,7 +47,7 @@ def _rms_norm_kernel(
     eps,
     HAS_RESIDUAL: tl.constexpr,
     ADD_AFTER: tl.constexpr,
-    OFFSET: tl.constexpr,
+    WEIGHTING: tl.constexpr,
     PDL: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
@@ -45,13 +66,14 @@ def _rms_norm_kernel(
     xf = x.to(tl.float32)
     mean_sq = tl.sum(xf * xf, axis=0) / hidden
     normed = xf * tl.rsqrt(mean_sq + eps)
-    w = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    if OFFSET:
-        # Gemma: (1 + w) in float32 multiplies the float32 normed value; one rounding, at the store.
-        out = normed * (1.0 + w)
-    else:
+    if WEIGHTING == 0:
         # Cast back to the input dtype *before* the weight, as transformers' Llama does.
+        w = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
         out = w * normed.to(x.dtype).to(tl.float32)
+    elif WEIGHTING == 3:
+        out = normed
+    else:
+        out = weigh(normed, tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32), WEIGHTING)
     if ADD_AFTER:
         # residual + norm(x): the normed value rounded first, then the sum, as the two torch ops round.
         r = tl.load(residual_ptr + row * residual_stride + cols, mask=mask, other=0.0)
@@ -70,7 +92,7 @@ def rms_norm(
     Output dtypes follow torch promotion exactly as the reference: the sum has
     ``promote(x, residual)``, the output ``promote(weight, that)``. Inputs are not modified.
     """
-    return _rms_norm(x, weight, eps, residual, offset=False)
+    return _rms_norm(x, weight, eps, residual, LLAMA)
 
 
 def offset_rms_norm(
@@ -84,38 +106,47 @@ def offset_rms_norm(
     As the reference: the sum has ``promote(x, residual)`` and the output that same dtype, whatever
     the weight's. Inputs are not modified.
     """
-    return _rms_norm(x, weight, eps, residual, offset=True)
+    return _rms_norm(x, weight, eps, residual, OFFSET)
 
 
-def add_offset_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor) -> torch.Tensor:
-    """``residual + offset_rms_norm(x)`` in one pass (a Gemma block's output joining the stream)."""
+def fp32_weight_rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """Gemma 4's RMSNorm, ``norm(x) * w`` in float32 (``weight`` None: ``norm(x)``), in x's dtype."""
+    return _rms_norm(x, weight, eps, None, weighting_of("fp32", weight))
+
+
+def add_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor,
+                 weighting: str) -> torch.Tensor:
+    """``residual + norm(x)`` in one pass, for Gemma's ``offset`` or ``fp32`` weighting (a block's
+    normed output joining the stream)."""
     hidden = x.shape[-1]
     x2, r2 = x.reshape(-1, hidden), residual.reshape(-1, hidden)
     if x.shape != residual.shape or x2.stride(-1) != 1 or r2.stride(-1) != 1 or weight.stride(-1) != 1:
-        raise ValueError("add_offset_rms_norm needs x and residual of one shape, contiguous last dimensions")
+        raise ValueError("add_rms_norm needs x and residual of one shape, contiguous last dimensions")
+    if weighting == "llama":
+        raise ValueError("add_rms_norm is Gemma's post-norm: offset or fp32 weighting")
     out = torch.empty(x.shape, dtype=torch.promote_types(x.dtype, residual.dtype), device=x.device)
     out2 = out.view(-1, hidden)
     if x2.shape[0]:
-        _launch(x2, r2, weight, out2, out2, eps, has_residual=True, add_after=True, offset=True)
+        _launch(x2, r2, weight, out2, out2, eps, has_residual=True, add_after=True, weighting=WEIGHTINGS[weighting])
     return out
 
 
-def _launch(x2: torch.Tensor, r2: torch.Tensor, weight: torch.Tensor, out2: torch.Tensor, nr2: torch.Tensor,
-            eps: float, *, has_residual: bool, add_after: bool, offset: bool) -> None:
+def _launch(x2: torch.Tensor, r2: torch.Tensor, weight: torch.Tensor | None, out2: torch.Tensor, nr2: torch.Tensor,
+            eps: float, *, has_residual: bool, add_after: bool, weighting: int) -> None:
     block = triton.next_power_of_2(x2.shape[-1])
     _rms_norm_kernel[(x2.shape[0],)](
-        x2, r2, weight, out2, nr2, x2.stride(0), r2.stride(0), out2.stride(0), nr2.stride(0), x2.shape[-1],
-        float(eps), HAS_RESIDUAL=has_residual, ADD_AFTER=add_after, OFFSET=offset, BLOCK=block,
-        num_warps=max(1, min(16, block // 256)), **pdl_launch_args(x2.device),
+        x2, r2, weight if weight is not None else x2, out2, nr2, x2.stride(0), r2.stride(0), out2.stride(0),
+        nr2.stride(0), x2.shape[-1], float(eps), HAS_RESIDUAL=has_residual, ADD_AFTER=add_after,
+        WEIGHTING=weighting, BLOCK=block, num_warps=max(1, min(16, block // 256)), **pdl_launch_args(x2.device),
     )
 
 
-def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None,
-              offset: bool) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float, residual: torch.Tensor | None,
+              weighting: int) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     hidden = x.shape[-1]
     x2 = x.reshape(-1, hidden)
     sum_dtype = x.dtype if residual is None else torch.promote_types(x.dtype, residual.dtype)
-    out_dtype = sum_dtype if offset else torch.promote_types(weight.dtype, sum_dtype)
+    out_dtype = torch.promote_types(weight.dtype, sum_dtype) if weighting == LLAMA else sum_dtype
     out = torch.empty(x.shape, dtype=out_dtype, device=x.device)
     out2 = out.view(-1, hidden)
     if residual is not None:
@@ -124,8 +155,9 @@ def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch
         nr2 = new_residual.view(-1, hidden)
     else:
         r2 = nr2 = x2  # unused by the kernel when HAS_RESIDUAL is off
-    if x2.stride(-1) != 1 or r2.stride(-1) != 1 or weight.stride(-1) != 1:
+    if x2.stride(-1) != 1 or r2.stride(-1) != 1 or (weight is not None and weight.stride(-1) != 1):
         raise ValueError("rms_norm needs a contiguous last dimension")
     if x2.shape[0]:
-        _launch(x2, r2, weight, out2, nr2, eps, has_residual=residual is not None, add_after=False, offset=offset)
+        _launch(x2, r2, weight, out2, nr2, eps, has_residual=residual is not None, add_after=False,
+                weighting=weighting)
     return out if residual is None else (out, new_residual)

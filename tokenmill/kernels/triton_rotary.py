@@ -15,6 +15,7 @@ import triton
 import triton.language as tl
 
 from tokenmill.kernels.triton_launch import pdl_launch_args, wait_for_previous_kernel
+from tokenmill.kernels.triton_norm import WEIGHTINGS, weigh
 
 # Elements of one rotated half ([heads, head_dim / 2]) a pass holds: 64 heads at head dim 128, 32 at
 # 256, 16 at 512 (Gemma 4's global layers); more heads take several passes. At this size and 8 warps
@@ -24,9 +25,9 @@ _MAX_TILE = 4096
 
 @triton.jit
 def _rotate(x_ptr, stride_h, num_heads, cos, sin, half, norm_ptr, eps,
-            HAS_NORM: tl.constexpr, NORM_OFFSET: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr):
+            HAS_NORM: tl.constexpr, WEIGHTING: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr):
     """Both rotated halves of ``num_heads`` heads, in x's dtype; each head RMS-normed first
-    (with weight ``norm_ptr``; Gemma's ``(1 + w)`` with ``NORM_OFFSET``) when ``HAS_NORM``."""
+    (with weight ``norm_ptr``, applied as ``WEIGHTING`` says, see triton_norm) when ``HAS_NORM``."""
     heads = tl.arange(0, BLOCK_H)[:, None]
     idx = tl.arange(0, BLOCK_HALF)[None, :]
     mask = (heads < num_heads) & (idx < half)
@@ -42,12 +43,12 @@ def _rotate(x_ptr, stride_h, num_heads, cos, sin, half, norm_ptr, eps,
         inv = tl.rsqrt((tl.sum(a * a, axis=1) + tl.sum(b * b, axis=1)) / (2 * half) + eps)[:, None]
         w1 = tl.load(norm_ptr + idx, mask=idx < half, other=0.0).to(tl.float32)
         w2 = tl.load(norm_ptr + half + idx, mask=idx < half, other=0.0).to(tl.float32)
-        if NORM_OFFSET:  # (1 + w) times the float32 normed value, one rounding
-            x1 = (a * inv * (1.0 + w1)).to(dt)
-            x2 = (b * inv * (1.0 + w2)).to(dt)
-        else:
+        if WEIGHTING == 0:
             x1 = (w1 * (a * inv).to(dt).to(tl.float32)).to(dt)
             x2 = (w2 * (b * inv).to(dt).to(tl.float32)).to(dt)
+        else:  # Gemma: the weight meets the float32 normed value, one rounding
+            x1 = weigh(a * inv, w1, WEIGHTING).to(dt)
+            x2 = weigh(b * inv, w2, WEIGHTING).to(dt)
     # The reference casts cos/sin to x's dtype and rounds each product and the sum to
     # it; doing the same keeps 16-bit results equal to the reference's, not just close.
     c = cos.to(dt).to(tl.float32)[None, :]
@@ -66,7 +67,7 @@ def _rope_write_kv_kernel(
     q_stride_t, q_stride_h, k_stride_t, k_stride_h, v_stride_t, v_stride_h, cos_sin_stride,
     kc_stride_block, kc_stride_slot, kc_stride_head, vc_stride_block, vc_stride_slot, vc_stride_head,
     block_size, num_q_heads, num_kv_heads, half, head_dim,
-    HAS_NORM: tl.constexpr, NORM_OFFSET: tl.constexpr, PDL: tl.constexpr,
+    HAS_NORM: tl.constexpr, WEIGHTING: tl.constexpr, PDL: tl.constexpr,
     BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     wait_for_previous_kernel(PDL)
@@ -85,7 +86,7 @@ def _rope_write_kv_kernel(
     for h0 in range(0, num_q_heads, BLOCK_HQ):
         q_heads = q_row + h0 * q_stride_h
         q1, q2 = _rotate(q_heads, q_stride_h, num_q_heads - h0, cos, sin, half, q_norm_ptr, eps, HAS_NORM,
-                         NORM_OFFSET, BLOCK_HQ, BLOCK_HALF)
+                         WEIGHTING, BLOCK_HQ, BLOCK_HALF)
         qmask = (qh < num_q_heads - h0) & (idx[None, :] < half)
         tl.store(q_heads + qh * q_stride_h + idx[None, :], q1, mask=qmask)
         tl.store(q_heads + qh * q_stride_h + half + idx[None, :], q2, mask=qmask)
@@ -105,7 +106,7 @@ def _rope_write_kv_kernel(
     v_slot = v_cache_ptr + block * vc_stride_block + offset * vc_stride_slot
     for h0 in range(0, num_kv_heads, BLOCK_HK):
         k1, k2 = _rotate(k_row + h0 * k_stride_h, k_stride_h, num_kv_heads - h0, cos, sin, half, k_norm_ptr, eps,
-                         HAS_NORM, NORM_OFFSET, BLOCK_HK, BLOCK_HALF)
+                         HAS_NORM, WEIGHTING, BLOCK_HK, BLOCK_HALF)
         kmask = (kh < live_heads - h0) & (idx[None, :] < half)
         k_dst = k_slot + (h0 + kh) * kc_stride_head + idx[None, :]
         tl.store(k_dst, k1.to(k_cache_ptr.dtype.element_ty), mask=kmask)
@@ -129,12 +130,12 @@ def rotary_embedding_and_write_kv(
     q_norm_weight: torch.Tensor | None = None,
     k_norm_weight: torch.Tensor | None = None,
     eps: float = 1e-6,
-    offset_norm: bool = False,
+    norm_weighting: str = "llama",
 ) -> torch.Tensor:
     """Neox RoPE on ``query`` ``[T, Hq, D]`` (IN PLACE, returned) and ``key`` ``[T, Hkv, D]``; the rotated
     key and ``value`` go to the paged caches at ``slot_mapping`` (< 0: padding). ``key`` itself is left
     as it was. With norm weights (``[D]`` each, both or neither) q and k heads are RMS-normed first
-    (Gemma's ``(1 + w)`` norm with ``offset_norm``).
+    (their weights applied as ``norm_weighting`` says: see ``reference.NORMS``).
     Inputs may be strided views of a fused qkv buffer (last dim contiguous); no host reads, so
     CUDA-graph safe."""
     if (q_norm_weight is None) != (k_norm_weight is None):
@@ -153,7 +154,7 @@ def rotary_embedding_and_write_kv(
         # At most _MAX_TILE elements of each rotated half per pass over the heads.
         max_heads = max(1, _MAX_TILE // block_half)
         block_hq = min(triton.next_power_of_2(num_q_heads), max_heads)
-        block_hk = min(triton.next_power_of_2(num_kv_heads), max_heads)
+        block_hk = min(triton.next_power_of_2(max(num_kv_heads, 1)), max_heads)  # no KV heads: q alone
         _rope_write_kv_kernel[(num_tokens,)](
             positions, query, key, value, cos_sin_cache, k_cache, v_cache, slot_mapping,
             q_norm_weight if q_norm_weight is not None else query, k_norm_weight if k_norm_weight is not None else key,
@@ -164,7 +165,7 @@ def rotary_embedding_and_write_kv(
             v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
             k_cache.shape[1], num_q_heads, num_kv_heads, half, head_dim,
             HAS_NORM=q_norm_weight is not None,
-            NORM_OFFSET=offset_norm,
+            WEIGHTING=WEIGHTINGS[norm_weighting],
             BLOCK_HQ=block_hq,
             BLOCK_HK=block_hk,
             BLOCK_HALF=block_half,
@@ -173,3 +174,14 @@ def rotary_embedding_and_write_kv(
             **pdl_launch_args(query.device),
         )
     return query
+
+
+def rotary_embedding_query(positions: torch.Tensor, query: torch.Tensor, cos_sin_cache: torch.Tensor,
+                           q_norm_weight: torch.Tensor | None = None, eps: float = 1e-6,
+                           norm_weighting: str = "llama") -> torch.Tensor:
+    """(The q norm, then) RoPE on ``query`` alone, IN PLACE, nothing written: the same kernel with no
+    KV heads, for a layer reading another layer's cache (Gemma 4's KV-shared layers)."""
+    no_heads = query[:, :0]
+    unused_cache = query.unsqueeze(1)  # [T, 1, Hq, D]: a cache-shaped view that no KV head writes
+    return rotary_embedding_and_write_kv(positions, query, no_heads, no_heads, cos_sin_cache, unused_cache,
+                                         unused_cache, positions, q_norm_weight, q_norm_weight, eps, norm_weighting)

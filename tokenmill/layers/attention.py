@@ -12,7 +12,6 @@ import torch
 from torch import nn
 
 from tokenmill.layers import ops
-from tokenmill.layers.norm import OffsetRMSNorm, RMSNorm
 from tokenmill.layers.rotary import RotaryEmbedding
 
 KVCache = tuple[torch.Tensor, torch.Tensor]  # one layer's (k_cache, v_cache)
@@ -33,7 +32,8 @@ class AttentionMetadata:
 
 
 class PagedAttention(nn.Module):
-    """Rotates q and k (after Qwen3's or Gemma's per-head norms, when given), writes this step's K/V
+    """Rotates q and k (after Qwen3's or Gemma's per-head norms, when given: norm modules with
+    ``weight``, ``eps`` and ``weighting``, see layers/norm.py), writes this step's K/V
     into the cache (one fused pass), then attends over the whole context. ``scale``
     defaults to ``head_dim ** -0.5``; ``softcap`` caps the scores (Gemma); ``kv_group`` picks
     the slot mapping and block table of the layer's KV group."""
@@ -53,13 +53,13 @@ class PagedAttention(nn.Module):
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 kv_cache: KVCache, meta: AttentionMetadata,
-                q_norm: RMSNorm | OffsetRMSNorm | None = None,
-                k_norm: RMSNorm | OffsetRMSNorm | None = None) -> torch.Tensor:
+                q_norm: nn.Module | None = None, k_norm: nn.Module | None = None) -> torch.Tensor:
         k_cache, v_cache = kv_cache
         q = ops.rotary_embedding_and_write_kv(
             positions, q, k, v, self.rotary.cos_sin_cache, k_cache, v_cache, meta.slot_mapping[self.kv_group],
             q_norm.weight if q_norm is not None else None, k_norm.weight if k_norm is not None else None,
-            q_norm.eps if q_norm is not None else 1e-6, offset_norm=q_norm is not None and q_norm.offset)
+            q_norm.eps if q_norm is not None else 1e-6,
+            norm_weighting=q_norm.weighting if q_norm is not None else "llama")
         return ops.paged_attention(q, k_cache, v_cache, meta.query_start_loc, meta.seq_lens,
                                    meta.block_tables[self.kv_group], self.scale, self.sliding_window,
                                    max_query_len=meta.max_query_len, max_seq_len=meta.max_seq_len,

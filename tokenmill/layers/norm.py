@@ -1,6 +1,6 @@
 """RMSNorm, optionally fused with the residual add that precedes it: Llama's ``w * norm(x)``
-and Gemma's ``(1 + w) * norm(x)``. ``offset`` tells fused kernels (RoPE's q/k norm, the
-decode GEMV) which of the two a module is."""
+and Gemma 3's ``(1 + w) * norm(x)``. ``weighting`` tells fused kernels (RoPE's q/k norm, the
+decode GEMV) how a module applies its weight (``reference.NORMS``)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from tokenmill.layers import ops
 
 
 class RMSNorm(nn.Module):
-    offset = False
+    weighting = "llama"
 
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
@@ -28,7 +28,7 @@ class RMSNorm(nn.Module):
 class OffsetRMSNorm(nn.Module):
     """Gemma's RMSNorm, ``norm(x) * (1 + w)`` in float32; ``w`` starts at zero (the identity)."""
 
-    offset = True
+    weighting = "offset"
 
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
@@ -42,4 +42,4 @@ class OffsetRMSNorm(nn.Module):
 
     def add_to(self, x: torch.Tensor, stream: torch.Tensor) -> torch.Tensor:
         """``stream + norm(x)``: a block's output normed into the residual stream, in one pass."""
-        return ops.add_offset_rms_norm(x, self.weight, self.eps, stream)
+        return ops.add_rms_norm(x, self.weight, self.eps, stream, self.weighting)

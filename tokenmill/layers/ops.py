@@ -62,27 +62,29 @@ def offset_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
 
 
 def fp32_weight_rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
-    """Gemma 4's RMSNorm (weight applied in float32; None: unscaled): the torch reference on every
-    device until it has a kernel."""
-    return reference.fp32_weight_rms_norm(x, weight, eps)
+    """Gemma 4's RMSNorm (weight applied in float32; None: unscaled)."""
+    return backend_for(x).fp32_weight_rms_norm(x, weight, eps)
 
 
 def rotary_embedding_and_write_kv(positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor,
                                   value: torch.Tensor, cos_sin_cache: torch.Tensor, k_cache: torch.Tensor,
                                   v_cache: torch.Tensor, slot_mapping: torch.Tensor,
                                   q_norm_weight: torch.Tensor | None = None, k_norm_weight: torch.Tensor | None = None,
-                                  eps: float = 1e-6, offset_norm: bool = False) -> torch.Tensor:
-    """(q/k RMSNorm, Gemma's ``(1 + w)`` one with ``offset_norm``, then) RoPE on q and k, with k and v
-    written to the cache in the same pass; returns the rotated q."""
+                                  eps: float = 1e-6, norm_weighting: str = "llama") -> torch.Tensor:
+    """(q/k RMSNorm, weighted as ``norm_weighting`` says, then) RoPE on q and k, with k and v written to
+    the cache in the same pass; returns the rotated q."""
     return backend_for(query).rotary_embedding_and_write_kv(positions, query, key, value, cos_sin_cache, k_cache,
                                                             v_cache, slot_mapping, q_norm_weight, k_norm_weight, eps,
-                                                            offset_norm=offset_norm)
+                                                            norm_weighting=norm_weighting)
 
 
-def rotary_embedding_query(positions: torch.Tensor, query: torch.Tensor, cos_sin_cache: torch.Tensor) -> torch.Tensor:
-    """RoPE on q alone, nothing written (a layer reading another layer's KV): the torch reference on
-    every device until it has a kernel."""
-    return reference.rotary_embedding_query(positions, query, cos_sin_cache)
+def rotary_embedding_query(positions: torch.Tensor, query: torch.Tensor, cos_sin_cache: torch.Tensor,
+                           q_norm_weight: torch.Tensor | None = None, eps: float = 1e-6,
+                           norm_weighting: str = "llama") -> torch.Tensor:
+    """(The q norm, then) RoPE on q alone, nothing written (a layer reading another layer's KV);
+    returns the rotated q."""
+    return backend_for(query).rotary_embedding_query(positions, query, cos_sin_cache, q_norm_weight, eps,
+                                                     norm_weighting)
 
 
 def _fused_gemv(backend: ModuleType, x: torch.Tensor) -> bool:
@@ -90,24 +92,32 @@ def _fused_gemv(backend: ModuleType, x: torch.Tensor) -> bool:
 
 
 def norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
-                weight: torch.Tensor, bias: torch.Tensor | None, gated: bool = False, offset: bool = False,
+                weight: torch.Tensor, bias: torch.Tensor | None, gated: bool = False, weighting: str = "llama",
                 activation: str = "silu") -> tuple[torch.Tensor, torch.Tensor]:
-    """RMSNorm of the residual stream ``x + residual`` (just ``x`` when ``residual`` is None; Gemma's
-    ``(1 + w)`` norm with ``offset``), projected, then with ``gated`` the gate half's ``activation``
-    (``silu`` or ``gelu_tanh``) times the up half; returns ``(projection, stream)``. One kernel for
-    one-token decode on the GPU, where the stream arrives whole (see ``linear_into_stream``)."""
+    """RMSNorm of the residual stream ``x + residual`` (just ``x`` when ``residual`` is None; its weight
+    applied as ``weighting`` says, see ``reference.NORMS``), projected, then with ``gated`` the gate
+    half's ``activation`` (``silu`` or ``gelu_tanh``) times the up half; returns ``(projection,
+    stream)``. One kernel for one-token decode on the GPU, where the stream arrives whole (see
+    ``linear_into_stream``)."""
     backend = backend_for(x)
     if residual is None and _fused_gemv(backend, x) and norm_weight.dtype == x.dtype:
-        return backend.norm_linear(x, norm_weight, eps, weight, bias, gated, offset=offset, activation=activation), x
-    norm = offset_rms_norm if offset else rms_norm
-    normed, stream = (norm(x, norm_weight, eps), x) if residual is None else norm(x, norm_weight, eps, residual)
+        return backend.norm_linear(x, norm_weight, eps, weight, bias, gated, weighting=weighting,
+                                   activation=activation), x
+    if residual is None:
+        normed, stream = _NORMS[weighting](x, norm_weight, eps), x
+    elif weighting == "fp32":
+        raise ValueError("Gemma 4's norm takes no residual: its layers carry the stream whole")
+    else:
+        normed, stream = _NORMS[weighting](x, norm_weight, eps, residual)
     out = torch.nn.functional.linear(normed, weight, bias)
     return (_GATED[activation](out) if gated else out), stream
 
 
-def add_offset_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor) -> torch.Tensor:
-    """``residual + offset_rms_norm(x)``: a Gemma block's normed output joining the stream, in one pass."""
-    return backend_for(x).add_offset_rms_norm(x, weight, eps, residual)
+def add_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor,
+                 weighting: str) -> torch.Tensor:
+    """``residual + norm(x)``: a Gemma block's normed output joining the stream, in one pass
+    (``weighting`` ``offset`` or ``fp32``, see ``reference.NORMS``)."""
+    return backend_for(x).add_rms_norm(x, weight, eps, residual, weighting)
 
 
 def linear_into_stream(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
@@ -131,3 +141,4 @@ def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
 
 
 _GATED = {"silu": silu_and_mul, "gelu_tanh": gelu_tanh_and_mul}
+_NORMS = {"llama": rms_norm, "offset": offset_rms_norm, "fp32": fp32_weight_rms_norm}

@@ -34,7 +34,7 @@ from tokenmill.layers.rotary import RotaryEmbedding
 from tokenmill.loader.hf_config import ModelConfig, ModelLoadError, rope_parameters
 from tokenmill.loader.kv_layout import KVLayout, KVSpec
 from tokenmill.models.gemma3 import GeGLUMLP, Gemma3ForCausalLM, layer_types
-from tokenmill.models.llama import decoder_config, sliding_windows
+from tokenmill.models.llama import decoder_config, norm_linear, sliding_windows
 
 SLIDING, FULL = "sliding_attention", "full_attention"
 # transformers' Gemma4TextConfig defaults, for keys a config.json leaves out.
@@ -183,7 +183,9 @@ def _kv_sources(types: list[str], num_shared: int) -> tuple[int, ...]:
 
 
 class Gemma4RMSNorm(nn.Module):
-    """``w * norm(x)``, ``w`` starting at one; ``scale=False``: no weight (the v norm)."""
+    """``w * norm(x)`` in float32, ``w`` starting at one; ``scale=False``: no weight (the v norm)."""
+
+    weighting = "fp32"
 
     def __init__(self, dim: int, eps: float, scale: bool = True) -> None:
         super().__init__()
@@ -193,15 +195,20 @@ class Gemma4RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return ops.fp32_weight_rms_norm(x, self.weight, self.eps)
 
+    def add_to(self, x: torch.Tensor, stream: torch.Tensor) -> torch.Tensor:
+        """``stream + norm(x)``: a block's output normed into the residual stream, in one pass."""
+        return ops.add_rms_norm(x, self.weight, self.eps, stream, self.weighting)
+
 
 class SharedKVAttention(PagedAttention):
     """Attention of a KV-shared layer over the cache it is given (its source layer's): only q is
-    rotated, and nothing is written."""
+    normed and rotated (one pass), and nothing is written."""
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, kv_cache: KVCache,
-                meta: AttentionMetadata) -> torch.Tensor:
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata,
+                q_norm: Gemma4RMSNorm) -> torch.Tensor:
         k_cache, v_cache = kv_cache
-        q = ops.rotary_embedding_query(positions, q, self.rotary.cos_sin_cache)
+        q = ops.rotary_embedding_query(positions, q, self.rotary.cos_sin_cache, q_norm.weight, q_norm.eps,
+                                       q_norm.weighting)
         return ops.paged_attention(q, k_cache, v_cache, meta.query_start_loc, meta.seq_lens,
                                    meta.block_tables[self.kv_group], self.scale, self.sliding_window, max_query_len=meta.max_query_len,
                                    max_seq_len=meta.max_seq_len, softcap=self.softcap)
@@ -231,25 +238,24 @@ class Gemma4Attention(nn.Module):
         self.k_norm = Gemma4RMSNorm(self.head_dim, cfg.rms_norm_eps)
         self.v_norm = Gemma4RMSNorm(self.head_dim, cfg.rms_norm_eps, scale=False)
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor, kv_cache: KVCache,
-                meta: AttentionMetadata) -> torch.Tensor:
-        tokens = x.shape[0]
-        if self.shared:
-            q = self.q_norm(self.q_proj(x).reshape(tokens, -1, self.head_dim))
-            out = self.attn(positions, q, kv_cache, meta)
-        else:
-            q, k, v = self._qkv(x)
-            out = self.attn(positions, q, k, v, kv_cache, meta)
-        return self.o_proj(out.reshape(tokens, self.q_size))
+    @property
+    def in_proj(self) -> nn.Linear:
+        """The layer's one input projection: ``q_proj`` on a KV-shared layer, else ``qkv_proj``."""
+        return self.q_proj if self.shared else self.qkv_proj
 
-    def _qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Normed per head; RoPE is left to the attention (with the cache write)."""
-        tokens = x.shape[0]
-        sizes = [self.q_size, self.kv_size] + ([] if self.k_eq_v else [self.kv_size])
-        q, k, *v = self.qkv_proj(x).split(sizes, dim=-1)
-        k = k.reshape(tokens, -1, self.head_dim)
-        v_raw = k if self.k_eq_v else v[0].reshape(tokens, -1, self.head_dim)
-        return self.q_norm(q.reshape(tokens, -1, self.head_dim)), self.k_norm(k), self.v_norm(v_raw)
+    def forward(self, positions: torch.Tensor, projected: torch.Tensor, kv_cache: KVCache,
+                meta: AttentionMetadata) -> torch.Tensor:
+        """``projected``: ``in_proj`` of the normed input (fused with the norm by the layer). The q/k
+        norms run in the RoPE pass; v (the raw k where k = v) is normed here."""
+        tokens = projected.shape[0]
+        if self.shared:
+            out = self.attn(positions, projected.reshape(tokens, -1, self.head_dim), kv_cache, meta, self.q_norm)
+        else:
+            sizes = [self.q_size, self.kv_size] + ([] if self.k_eq_v else [self.kv_size])
+            q, k, *v = (t.reshape(tokens, -1, self.head_dim) for t in projected.split(sizes, dim=-1))
+            v = self.v_norm(k if self.k_eq_v else v[0])
+            out = self.attn(positions, q, k, v, kv_cache, meta, self.q_norm, self.k_norm)
+        return self.o_proj(out.reshape(tokens, self.q_size))
 
 
 class Gemma4DecoderLayer(nn.Module):
@@ -273,11 +279,16 @@ class Gemma4DecoderLayer(nn.Module):
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, per_layer_input: torch.Tensor | None,
                 kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
-        x = x + self.post_attention_layernorm(self.self_attn(positions, self.input_layernorm(x), kv_cache, meta))
-        x = x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
+        """The stream in, the stream out, whole: each block's normed input projected in one kernel
+        (one-token decode on the GPU), its normed output added to the stream in one pass."""
+        projected, _ = norm_linear(self.input_layernorm, x, None, self.self_attn.in_proj)
+        x = self.post_attention_layernorm.add_to(self.self_attn(positions, projected, kv_cache, meta), x)
+        activation, _ = norm_linear(self.pre_feedforward_layernorm, x, None, self.mlp.gate_up_proj, gated=True,
+                                    activation="gelu_tanh")
+        x = self.post_feedforward_layernorm.add_to(self.mlp.down_proj(activation), x)
         if per_layer_input is not None:
             gate = torch.nn.functional.gelu(self.per_layer_input_gate(x), approximate="tanh")
-            x = x + self.post_per_layer_input_norm(self.per_layer_projection(gate * per_layer_input))
+            x = self.post_per_layer_input_norm.add_to(self.per_layer_projection(gate * per_layer_input), x)
         return x * self.layer_scalar
 
 

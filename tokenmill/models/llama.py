@@ -119,7 +119,7 @@ def norm_linear(norm: RMSNorm | OffsetRMSNorm, x: torch.Tensor, residual: torch.
                 gated: bool = False, activation: str = "silu") -> tuple[torch.Tensor, torch.Tensor]:
     """``linear`` of ``norm``'s output (``ops.norm_linear``: one kernel for one-token decode on the GPU)."""
     return ops.norm_linear(x, residual, norm.weight, norm.eps, linear.weight, linear.bias, gated,
-                           offset=norm.offset, activation=activation)
+                           weighting=norm.weighting, activation=activation)
 
 
 class DecoderLayer(nn.Module):
