@@ -1,16 +1,18 @@
 """The fused single-row GEMV (tokenmill/kernels/triton_gemv.py) against the unfused ops it replaces,
-on each Llama-3-8B projection shape: RMSNorm + qkv, RMSNorm + gate|up + SiLU-and-multiply, o and
-down + the residual add.
+on each projection shape of a model: RMSNorm + qkv, RMSNorm + gate|up + SiLU (GeGLU for Gemma), o and
+down + the residual add (Llama), or o and down alone (Gemma, whose blocks are normed before they join
+the stream: there the question is the GEMV against cuBLAS on a plain projection, asked with a
+zero residual).
 
-Each runs inside a CUDA graph over 32 distinct weight sets (one per layer, so nothing is served
-from L2), timed with CUDA events, median of replays; the floor is the weight bytes over the copy
-bandwidth measured in the same call.
+Each runs inside a CUDA graph over enough distinct weight sets that nothing is served from L2
+(one per layer for Llama-3-8B's 32), timed with CUDA events, median of replays; the floor is the
+weight bytes over the copy bandwidth measured in the same call.
 
 The first version of this study (commit 90d5c8a, results in benchmarks/results/) also tried 2-8
 rows, where the kernel lost to cuBLAS; and without programmatic dependent launch the fused qkv and
 gate|up lost too.
 
-    python benchmarks/study_gemv.py --out study.json
+    python benchmarks/study_gemv.py [--models llama3-8b,gemma3-4b,...] --out study.json
 """
 
 from __future__ import annotations
@@ -28,10 +30,26 @@ from tokenmill.bench.hardware import environment, measure_ceilings
 from tokenmill.kernels import triton_ops
 from tokenmill.kernels.triton_gemv import linear_residual, norm_linear
 
-HIDDEN, QKV, INTER, LAYERS = 4096, 6144, 14336, 32
-EPS = 1e-5
-SHAPES = {"qkv": (QKV, HIDDEN), "o": (HIDDEN, HIDDEN), "gate_up": (2 * INTER, HIDDEN), "down": (HIDDEN, INTER)}
+EPS = 1e-6
 DT = torch.bfloat16
+L2_BYTES = 400 << 20  # weights cycled per graph: well past the H200's 50 MB L2
+# Per model: (projection, N, K, kind); kinds: "norm" (norm + projection), "gated" (norm + gate|up +
+# activation), "residual" (projection + residual add), "plain" (projection alone).
+MODELS: dict[str, tuple[str, str, list[tuple[str, int, int, str]]]] = {
+    # name: (norm weighting, gate activation, projections)
+    "llama3-8b": ("llama", "silu", [("qkv", 6144, 4096, "norm"), ("gate_up", 28672, 4096, "gated"),
+                                    ("o", 4096, 4096, "residual"), ("down", 4096, 14336, "residual")]),
+    "gemma3-4b": ("offset", "gelu_tanh", [("qkv", 4096, 2560, "norm"), ("gate_up", 20480, 2560, "gated"),
+                                          ("o", 2560, 2048, "plain"), ("down", 2560, 10240, "plain")]),
+    "gemma3-27b": ("offset", "gelu_tanh", [("qkv", 8192, 5376, "norm"), ("gate_up", 43008, 5376, "gated"),
+                                           ("o", 5376, 4096, "plain"), ("down", 5376, 21504, "plain")]),
+    "gemma4-e4b": ("fp32", "gelu_tanh", [("qkv_sliding", 3072, 2560, "norm"), ("qkv_global", 6144, 2560, "norm"),
+                                         ("gate_up", 20480, 2560, "gated"), ("o_sliding", 2560, 2048, "plain"),
+                                         ("down", 2560, 10240, "plain")]),
+    "gemma4-31b": ("fp32", "gelu_tanh", [("qkv_sliding", 16384, 5376, "norm"),
+                                         ("qkv_global", 18432, 5376, "norm"), ("gate_up", 43008, 5376, "gated"),
+                                         ("o_sliding", 5376, 8192, "plain"), ("down", 5376, 21504, "plain")]),
+}
 
 
 def time_graph(fn: Callable[[], object], replays: int = 20) -> float:
@@ -59,39 +77,49 @@ def time_graph(fn: Callable[[], object], replays: int = 20) -> float:
 
 
 def weights(n: int, k: int) -> list[torch.Tensor]:
-    return [torch.randn(n, k, device="cuda", dtype=DT) / k**0.5 for _ in range(LAYERS)]
+    copies = max(4, -(-L2_BYTES // (n * k * DT.itemsize)))
+    return [torch.randn(n, k, device="cuda", dtype=DT) / k**0.5 for _ in range(copies)]
 
 
-def per_op(bandwidth: float) -> list[dict]:
-    """Each projection at one row with its neighbours, unfused (Triton norm and SiLU kernels, cuBLAS,
-    torch add) against the fused GEMV."""
+def per_op(model: str, bandwidth: float) -> list[dict]:
+    """Each projection of ``model`` at one row with its neighbours, unfused (Triton norm and
+    activation kernels, cuBLAS, torch add) against the fused GEMV."""
+    weighting, activation, projections = MODELS[model]
+    norm = {"llama": triton_ops.rms_norm, "offset": triton_ops.offset_rms_norm,
+            "fp32": triton_ops.fp32_weight_rms_norm}[weighting]
+    act = {"silu": triton_ops.silu_and_mul, "gelu_tanh": triton_ops.gelu_tanh_and_mul}[activation]
     rows = []
-    for name, (n, k) in SHAPES.items():
+    for name, n, k, kind in projections:
         ws = weights(n, k)
         floor_us = n * k * 2 / bandwidth * 1e6
         x = torch.randn(1, k, device="cuda", dtype=DT)
-        res = torch.randn(1, n, device="cuda", dtype=DT)
-        norm_w = (1 + 0.1 * torch.randn(k, device="cuda")).to(DT)
-        gated = name == "gate_up"
+        out_n = n // 2 if kind == "gated" else n
+        res = torch.randn(1, out_n, device="cuda", dtype=DT) if kind == "residual" else torch.zeros(1, out_n,
+                                                                                                     device="cuda", dtype=DT)
+        norm_w = ((0.0 if weighting == "offset" else 1.0) + 0.1 * torch.randn(k, device="cuda")).to(DT)
 
-        def unfused(w: torch.Tensor, name=name, x=x, res=res, norm_w=norm_w, gated=gated) -> torch.Tensor:
-            if name in ("o", "down"):
+        def unfused(w: torch.Tensor, kind=kind, x=x, res=res, norm_w=norm_w) -> torch.Tensor:
+            if kind == "residual":
                 return F.linear(x, w) + res
-            out = F.linear(triton_ops.rms_norm(x, norm_w, EPS), w)
-            return triton_ops.silu_and_mul(out) if gated else out
+            if kind == "plain":
+                return F.linear(x, w)
+            out = F.linear(norm(x, norm_w, EPS), w)
+            return act(out) if kind == "gated" else out
 
-        def fused(w: torch.Tensor, name=name, x=x, res=res, norm_w=norm_w, gated=gated) -> torch.Tensor:
-            if name in ("o", "down"):
-                return linear_residual(x, w, None, res)
-            return norm_linear(x, norm_w, EPS, w, None, gated)
+        def fused(w: torch.Tensor, kind=kind, x=x, res=res, norm_w=norm_w) -> torch.Tensor:
+            if kind in ("residual", "plain"):
+                return linear_residual(x, w, None, res)  # plain: a zero residual
+            return norm_linear(x, norm_w, EPS, w, None, kind == "gated", weighting=weighting, activation=activation)
 
-        unfused_us = time_graph(lambda ws=ws, f=unfused: [f(w) for w in ws]) * 1e3 / LAYERS
-        fused_us = time_graph(lambda ws=ws, f=fused: [f(w) for w in ws]) * 1e3 / LAYERS
+        unfused_us = time_graph(lambda ws=ws, f=unfused: [f(w) for w in ws]) * 1e3 / len(ws)
+        fused_us = time_graph(lambda ws=ws, f=fused: [f(w) for w in ws]) * 1e3 / len(ws)
         ref = unfused(ws[0]).float()
         err = ((fused(ws[0]).float() - ref).norm() / ref.norm()).item()
-        rows.append({"name": f"gemv/{name}/m1", "n": n, "k": k, "floor_us": floor_us, "unfused_us": unfused_us,
-                     "fused_us": fused_us, "rel_err": err})
-        print(f"{name:<8} floor {floor_us:7.2f} us   unfused {unfused_us:7.2f}   fused GEMV {fused_us:7.2f}")
+        rows.append({"name": f"gemv/{model}/{name}/m1", "n": n, "k": k, "kind": kind, "floor_us": floor_us,
+                     "unfused_us": unfused_us, "fused_us": fused_us, "fraction_of_floor": floor_us / fused_us,
+                     "unfused_fraction_of_floor": floor_us / unfused_us, "rel_err": err})
+        print(f"{model:<11} {name:<12} floor {floor_us:7.2f} us   unfused {unfused_us:7.2f}   "
+              f"fused GEMV {fused_us:7.2f}")
         del ws
         torch.cuda.empty_cache()
     return rows
@@ -99,11 +127,13 @@ def per_op(bandwidth: float) -> list[dict]:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
+    parser.add_argument("--models", default=",".join(MODELS), help=f"comma-separated, of {', '.join(MODELS)}")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     ceilings = measure_ceilings()
     print(f"copy bandwidth {ceilings.bandwidth / 1e12:.2f} TB/s")
-    result = {"environment": environment(ceilings, " ".join(sys.argv)), "ops": per_op(ceilings.bandwidth)}
+    ops = [row for model in args.models.split(",") for row in per_op(model, ceilings.bandwidth)]
+    result = {"environment": environment(ceilings, " ".join(sys.argv)), "ops": ops}
     if args.out:
         with open(args.out, "w") as f:
             json.dump(result, f, indent=1)
