@@ -35,7 +35,7 @@ CHUNKS = (7, 16, 1, 3)  # query tokens per step, in turn: prefill chunks and dec
 def paged_caches(model: torch.nn.Module, num_blocks: int) -> list[KVCache]:
     """One ``(k, v)`` pair per cache-owning layer in its own shape; each layer gets its source's."""
     layout = model.config.kv_layout()
-    owned = {i: tuple(torch.zeros(num_blocks, BLOCK_SIZE, spec.num_kv_heads, spec.head_dim) for _ in range(2))
+    owned = {i: KVCache(*(torch.zeros(num_blocks, BLOCK_SIZE, spec.num_kv_heads, spec.head_dim) for _ in range(2)))
              for i, spec in enumerate(layout.layers) if layout.source[i] == i}
     return [owned[src] for src in layout.source]
 

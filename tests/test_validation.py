@@ -101,7 +101,8 @@ def test_sampling_edges_that_are_allowed() -> None:
     ("device", "gpu"), ("device", "cuda:"), ("device", "cuda:x"), ("device", "cuda1"), ("device", 0),
     ("model", ""), ("model", 5), ("model", b"/bytes/path"), ("enable_prefix_caching", "no"),
     ("enforce_eager", 1), ("async_scheduling", None), ("static_batching", 0), ("random_weights", "true"),
-    ("scheduling_policy", "lifo"), ("scheduling_policy", None),
+    ("scheduling_policy", "lifo"), ("scheduling_policy", None), ("kv_cache_dtype", "fp16"),
+    ("kv_cache_dtype", "FP8"), ("kv_cache_dtype", None), ("kv_cache_dtype", 8),
 ])
 def test_bad_engine_value_is_a_value_error_naming_the_field(field: str, value: object) -> None:
     _raises_naming(EngineConfig, field, **{field: value})
@@ -114,6 +115,7 @@ def test_engine_values_are_stored_in_normal_form(tmp_path: Path) -> None:
     assert type(config.max_model_len) is int and config.gpu_memory_utilization == 1.0
     assert type(config.cpu_kv_cache_gib) is float
     assert EngineConfig(dtype="float").dtype == "float32"
+    assert EngineConfig(kv_cache_dtype="fp8").kv_cache_dtype == "fp8_e4m3"
     assert EngineConfig() == EngineConfig(model=None, dtype="auto", device="auto")
 
 
@@ -172,6 +174,7 @@ ENGINE_VALID = {
     "enable_prefix_caching": st.booleans(), "static_batching": st.booleans(), "enforce_eager": st.booleans(),
     "async_scheduling": st.booleans(), "random_weights": st.booleans(),
     "scheduling_policy": st.sampled_from(["fcfs", "priority"]),
+    "kv_cache_dtype": st.sampled_from(["auto", "fp8", "fp8_e4m3", "fp8_e5m2", "int8"]),
 }
 
 
@@ -242,6 +245,7 @@ def _check_engine_invariants(c: EngineConfig) -> None:
     assert _is_float(c.gpu_memory_utilization, 0, 1, lo_open=True)
     assert _is_float(c.cpu_kv_cache_gib, 0, lo_open=True)
     assert c.scheduling_policy in ("fcfs", "priority")
+    assert c.kv_cache_dtype in ("auto", "fp8_e4m3", "fp8_e5m2", "int8")
     assert all(type(v) is bool for v in (c.enable_prefix_caching, c.static_batching, c.enforce_eager,
                                          c.async_scheduling, c.random_weights))
 

@@ -41,6 +41,7 @@ from tokenmill.engine.model_runner import InFlightStep, ModelRunner, build_model
 from tokenmill.engine.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
 from tokenmill.engine.sequence import PENDING, Sequence, SequenceStatus
 from tokenmill.loader.hf_config import ModelConfig, load_model_config, resolve_dtype
+from tokenmill.loader.kv_layout import resolve_kv_cache_dtype
 from tokenmill.outputs import Logprobs
 from tokenmill.sampling_params import SamplingParams
 
@@ -85,6 +86,7 @@ class EngineCore:
         cfg = self.model_config
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, cfg, self.device)
+        self.kv_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, self.dtype, self.device)
         torch.manual_seed(config.seed)
         max_len = config.max_model_len or cfg.max_position_embeddings
         started = time.monotonic()
@@ -107,7 +109,7 @@ class EngineCore:
         started = time.monotonic()
         self.runner = ModelRunner(cfg, model, num_blocks, config.block_size, self.device, self.dtype,
                                   max_num_seqs=config.max_num_seqs, max_model_len=max_len,
-                                  cuda_graphs=not config.enforce_eager)
+                                  cuda_graphs=not config.enforce_eager, kv_cache_dtype=self.kv_dtype)
         self.startup_seconds = {"load": load_seconds, "kv_cache_and_graphs": time.monotonic() - started}
         if self.device.type == "cuda":  # nothing is compiled on the CPU path
             started = time.monotonic()
@@ -122,10 +124,10 @@ class EngineCore:
             f"{len(layout.owners(g))} layers of {spec.num_kv_heads}x{spec.head_dim}"
             f"{'' if spec.sliding_window is None else f' (window {spec.sliding_window})'}: {n} blocks"
             for g, (spec, n) in enumerate(zip(layout.groups, num_blocks)))
-        logger.info("engine ready: %s on %s (%s), max_model_len %d, KV blocks of %d tokens: %s; %d bytes per token "
-                    "(%d if every layer kept its own full-length cache)", model_dir, self.device,
-                    str(self.dtype).removeprefix("torch."), max_len, config.block_size, groups,
-                    layout.bytes_per_token(self.dtype), layout.full_length_bytes_per_token(self.dtype))
+        logger.info("engine ready: %s on %s (%s), max_model_len %d, KV cache %s in blocks of %d tokens: %s; %d bytes "
+                    "per token (%d if every layer kept its own full-length cache)", model_dir, self.device,
+                    str(self.dtype).removeprefix("torch."), max_len, config.kv_cache_dtype, config.block_size, groups,
+                    layout.bytes_per_token(self.kv_dtype), layout.full_length_bytes_per_token(self.kv_dtype))
         freeze_startup_objects()
 
     # ----------------------------------------------------------------- sizing
@@ -145,13 +147,13 @@ class EngineCore:
             budget = total * config.gpu_memory_utilization - used_elsewhere - activations - logits - (1 << 30)
         elif config.num_kv_blocks is None:
             budget = config.cpu_kv_cache_gib * (1 << 30)
-        counts = kv_block_counts(layout, self.dtype, config.block_size, budget, config.num_kv_blocks,
+        counts = kv_block_counts(layout, self.kv_dtype, config.block_size, budget, config.num_kv_blocks,
                                  config.max_num_seqs, config.max_num_batched_tokens, max_len)
         for spec, count in zip(layout.groups, counts):
             if count < 1 + (spec.sliding_window is not None):
                 where = "gpu_memory_utilization" if self.device.type == "cuda" else "cpu_kv_cache_gib"
                 raise ValueError(f"no memory is left for the KV cache (one block of {config.block_size} tokens takes "
-                                 f"{layout.bytes_per_token(self.dtype) * config.block_size} bytes): raise {where}, "
+                                 f"{layout.bytes_per_token(self.kv_dtype) * config.block_size} bytes): raise {where}, "
                                  "or lower max_num_batched_tokens")
         return counts
 

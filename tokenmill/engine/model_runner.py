@@ -25,7 +25,7 @@ from tokenmill.engine.sequence import PENDING, Sequence
 from tokenmill.layers.attention import AttentionMetadata, KVCache
 from tokenmill.layers.sampler import Sampler, SamplingBatch, gather_logprobs
 from tokenmill.loader.hf_config import ModelConfig
-from tokenmill.loader.kv_layout import KVLayout
+from tokenmill.loader.kv_layout import KV_SCALE_DTYPE, KVLayout, is_quantized
 from tokenmill.loader.weights import iter_checkpoint
 from tokenmill.models.registry import model_class
 from tokenmill.outputs import Logprobs
@@ -108,30 +108,37 @@ def build_model(cfg: ModelConfig, model_dir: Path | None, dtype: torch.dtype, de
 
 def allocate_kv_caches(layout: KVLayout, num_blocks: list[int], block_size: int, dtype: torch.dtype,
                        device: torch.device) -> tuple[list[torch.Tensor], list[KVCache]]:
-    """One zeroed tensor per KV group, ``[owners, 2, blocks, block_size, kv_heads, head_dim]``, and each
-    layer's ``(k_cache, v_cache)``: views of its own slice, or of its source layer's when it shares KV."""
+    """One zeroed tensor per KV group, ``[owners, 2, blocks, block_size, kv_heads, head_dim]`` in ``dtype``
+    (with, where it is quantized, one of scales ``[owners, 2, blocks, block_size, kv_heads]``), and each
+    layer's ``KVCache``: views of its own slice, or of its source layer's when it shares KV. Returns the
+    tensors (caches, then scales) and the layers' caches."""
     tensors: list[torch.Tensor] = []
     own: dict[int, KVCache] = {}
     for g, (spec, count) in enumerate(zip(layout.groups, num_blocks)):
         owners = layout.owners(g)
-        cache = torch.zeros(len(owners), 2, count, block_size, spec.num_kv_heads, spec.head_dim, dtype=dtype,
-                            device=device)
-        tensors.append(cache)
-        own.update((layer, (cache[j, 0], cache[j, 1])) for j, layer in enumerate(owners))
+        shape = (len(owners), 2, count, block_size, spec.num_kv_heads)
+        cache = torch.zeros(*shape, spec.head_dim, dtype=dtype, device=device)
+        scales = torch.zeros(shape, dtype=KV_SCALE_DTYPE, device=device) if is_quantized(dtype) else None
+        tensors += [cache] if scales is None else [cache, scales]
+        for j, layer in enumerate(owners):
+            own[layer] = KVCache(cache[j, 0], cache[j, 1], *((scales[j, 0], scales[j, 1]) if scales is not None else ()))
     return tensors, [own[src] for src in layout.source]
 
 
 class ModelRunner:
     def __init__(self, cfg: ModelConfig, model: torch.nn.Module, num_blocks: list[int], block_size: int,
                  device: torch.device, dtype: torch.dtype, max_num_seqs: int = 256, max_model_len: int = 2048,
-                 cuda_graphs: bool = True) -> None:
-        """``num_blocks``: the block count of each KV group (``cfg.kv_layout().groups``)."""
+                 cuda_graphs: bool = True, kv_cache_dtype: torch.dtype | None = None) -> None:
+        """``num_blocks``: the block count of each KV group (``cfg.kv_layout().groups``);
+        ``kv_cache_dtype``: what K and V are stored in (None: ``dtype``)."""
         self.cfg = cfg
         self.model = model
         self.block_size = block_size
         self.device = device
         self.dtype = dtype
-        self.kv_tensors, self.kv_caches = allocate_kv_caches(cfg.kv_layout(), num_blocks, block_size, dtype, device)
+        self.num_kv_groups = len(num_blocks)
+        self.kv_tensors, self.kv_caches = allocate_kv_caches(cfg.kv_layout(), num_blocks, block_size,
+                                                             kv_cache_dtype or dtype, device)
         self.sampler = Sampler()
         self.staging = HostStaging(device)
         self.graphs: DecodeGraphs | None = None
@@ -154,7 +161,7 @@ class ModelRunner:
             shapes.add((16, max_model_len - 1))  # few query rows, long context: split KV ranges
         for query_len, context in sorted(shapes):
             total = query_len + 1
-            groups = len(self.kv_tensors)
+            groups = self.num_kv_groups
             meta = AttentionMetadata(
                 slot_mapping=(torch.full((total,), -1, dtype=torch.int64, device=dev),) * groups,
                 query_start_loc=torch.tensor([0, query_len, total], dtype=torch.int32, device=dev),
@@ -178,7 +185,7 @@ class ModelRunner:
         np.cumsum(counts, out=query_start[1:])
         total = int(query_start[-1])
         # [groups, B, blocks]: every group's table of a sequence has the same length.
-        tables = np.zeros((len(self.kv_tensors), len(seqs), max(len(s.block_tables[0]) for s in seqs)), dtype=np.int32)
+        tables = np.zeros((self.num_kv_groups, len(seqs), max(len(s.block_tables[0]) for s in seqs)), dtype=np.int32)
         for b, seq in enumerate(seqs):
             tables[:, b, :len(seq.block_tables[0])] = seq.block_tables
         owner = np.repeat(np.arange(len(seqs)), counts)

@@ -21,29 +21,57 @@ from __future__ import annotations
 import torch
 
 
+def quantize_kv(x: torch.Tensor, cache_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x`` ``[T, H, D]`` in ``cache_dtype`` (int8 or a float8) with one scale per token and head
+    (``[T, H]``, bfloat16), so that ``q * scale`` dequantizes it. The scale is the head's largest
+    magnitude over the dtype's largest value, rounded up to bfloat16 before ``x`` is divided by it:
+    the stored scale is exactly the one used, and nothing overflows. int8 rounds to the nearest
+    integer; float8 rounds as the cast does."""
+    qmax = float(torch.iinfo(cache_dtype).max if cache_dtype == torch.int8 else torch.finfo(cache_dtype).max)
+    amax = x.float().abs().amax(dim=-1)
+    scale = (amax / qmax * (1 + 2**-7)).to(torch.bfloat16)  # bf16 rounds within 2**-9: never below amax / qmax
+    safe = torch.where(scale > 0, scale.float(), torch.ones_like(amax))  # an all-zero head stays zero
+    scaled = (x.float() / safe[..., None]).clamp(-qmax, qmax)
+    q = scaled.round().to(torch.int8) if cache_dtype == torch.int8 else scaled.to(cache_dtype)
+    return q, scale
+
+
 def write_kv_cache(
     key: torch.Tensor,
     value: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> None:
-    """Scatter ``key``/``value`` ``[T, Hkv, D]`` into the paged caches; slots < 0 are padding."""
+    """Scatter ``key``/``value`` ``[T, Hkv, D]`` into the paged caches; slots < 0 are padding. A
+    quantized cache (int8, float8) takes ``quantize_kv``'s values, and their scales into ``k_scale``/
+    ``v_scale`` ``[num_blocks, block_size, Hkv]`` at the same slots."""
     num_blocks, block_size = k_cache.shape[:2]
     valid = slot_mapping >= 0
     slots = slot_mapping[valid].long()
-    k_flat = k_cache.view(num_blocks * block_size, *k_cache.shape[2:])
-    v_flat = v_cache.view(num_blocks * block_size, *v_cache.shape[2:])
-    k_flat[slots] = key[valid].to(k_cache.dtype)
-    v_flat[slots] = value[valid].to(v_cache.dtype)
+    for x, cache, scales in ((key, k_cache, k_scale), (value, v_cache, v_scale)):
+        flat = cache.view(num_blocks * block_size, *cache.shape[2:])
+        if scales is None:
+            flat[slots] = x[valid].to(cache.dtype)
+            continue
+        q, scale = quantize_kv(x[valid], cache.dtype)
+        flat.view(torch.uint8)[slots] = q.view(torch.uint8)  # CPU float8 tensors take no index_put
+        scales.view(num_blocks * block_size, -1)[slots] = scale
 
 
-def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
-    """The first ``length`` tokens of one sequence's cache, ``[length, Hkv, D]``."""
+def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, length: int,
+              scales: torch.Tensor | None = None) -> torch.Tensor:
+    """The first ``length`` tokens of one sequence's cache, ``[length, Hkv, D]``; dequantized to
+    float32 with ``scales`` (a quantized cache's)."""
     block_size = cache.shape[1]
     num_blocks = (length + block_size - 1) // block_size
-    blocks = cache[block_table[:num_blocks].long()]
-    return blocks.reshape(-1, *cache.shape[2:])[:length]
+    ids = block_table[:num_blocks].long()
+    tokens = cache[ids].reshape(-1, *cache.shape[2:])[:length]
+    if scales is None:
+        return tokens
+    return tokens.float() * scales[ids].reshape(-1, cache.shape[2])[:length, :, None].float()
 
 
 def paged_attention(
@@ -59,11 +87,13 @@ def paged_attention(
     max_query_len: int | None = None,
     max_seq_len: int | None = None,
     softcap: float | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of ``query`` ``[T, Hq, D]`` over the paged cache, in float32; returns ``[T, Hq, D]``.
     ``max_query_len`` and ``max_seq_len`` are launch hints for kernels; the reference reads the lengths
     itself. ``softcap`` bounds the scaled scores to ``(-softcap, softcap)`` by ``tanh(s / cap) * cap``
-    before the mask, as Gemma does."""
+    before the mask, as Gemma does. A quantized cache is read through its scales (``gather_kv``)."""
     out = torch.empty_like(query)
     num_q_heads = query.shape[1]
     num_kv_heads = k_cache.shape[2]
@@ -75,8 +105,8 @@ def paged_attention(
         q_len = q_hi - q_lo
         if q_len == 0:
             continue
-        k = gather_kv(k_cache, block_tables[b], seq_len).float()
-        v = gather_kv(v_cache, block_tables[b], seq_len).float()
+        k = gather_kv(k_cache, block_tables[b], seq_len, k_scale).float()
+        v = gather_kv(v_cache, block_tables[b], seq_len, v_scale).float()
         k = k.repeat_interleave(group, dim=1).transpose(0, 1)  # [Hq, S, D]
         v = v.repeat_interleave(group, dim=1).transpose(0, 1)
         q = query[q_lo:q_hi].float().transpose(0, 1)  # [Hq, Q, D]
@@ -189,10 +219,13 @@ def rotary_embedding_and_write_kv(
     k_norm_weight: torch.Tensor | None = None,
     eps: float = 1e-6,
     norm_weighting: str = "llama",
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """RoPE on query and key (each head RMS-normed first when norm weights are given, as Qwen3
     and Gemma do, the weights applied as ``norm_weighting`` says: see ``NORMS``), then the rotated
-    key and ``value`` into the paged caches; returns the rotated query."""
+    key and ``value`` into the paged caches (quantized, with ``k_scale``/``v_scale``, as
+    ``write_kv_cache`` does); returns the rotated query."""
     if (q_norm_weight is None) != (k_norm_weight is None):
         raise ValueError("give both q and k norm weights, or neither")
     if q_norm_weight is not None:
@@ -200,7 +233,7 @@ def rotary_embedding_and_write_kv(
         query = norm(query, q_norm_weight, eps)
         key = norm(key, k_norm_weight, eps)
     query, key = rotary_embedding(positions, query, key, cos_sin_cache)
-    write_kv_cache(key, value, k_cache, v_cache, slot_mapping)
+    write_kv_cache(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale)
     return query
 
 

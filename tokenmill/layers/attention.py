@@ -14,7 +14,15 @@ from torch import nn
 from tokenmill.layers import ops
 from tokenmill.layers.rotary import RotaryEmbedding
 
-KVCache = tuple[torch.Tensor, torch.Tensor]  # one layer's (k_cache, v_cache)
+@dataclass(frozen=True)
+class KVCache:
+    """One layer's cache ``[num_blocks, block_size, kv_heads, head_dim]`` for K and for V, and where
+    it is quantized (int8, float8) their scales ``[num_blocks, block_size, kv_heads]``."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+    k_scale: torch.Tensor | None = None
+    v_scale: torch.Tensor | None = None
 
 
 @dataclass
@@ -54,13 +62,17 @@ class PagedAttention(nn.Module):
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 kv_cache: KVCache, meta: AttentionMetadata,
                 q_norm: nn.Module | None = None, k_norm: nn.Module | None = None) -> torch.Tensor:
-        k_cache, v_cache = kv_cache
         q = ops.rotary_embedding_and_write_kv(
-            positions, q, k, v, self.rotary.cos_sin_cache, k_cache, v_cache, meta.slot_mapping[self.kv_group],
+            positions, q, k, v, self.rotary.cos_sin_cache, kv_cache.k, kv_cache.v, meta.slot_mapping[self.kv_group],
             q_norm.weight if q_norm is not None else None, k_norm.weight if k_norm is not None else None,
             q_norm.eps if q_norm is not None else 1e-6,
-            norm_weighting=q_norm.weighting if q_norm is not None else "llama")
-        return ops.paged_attention(q, k_cache, v_cache, meta.query_start_loc, meta.seq_lens,
+            norm_weighting=q_norm.weighting if q_norm is not None else "llama",
+            k_scale=kv_cache.k_scale, v_scale=kv_cache.v_scale)
+        return self.attend(q, kv_cache, meta)
+
+    def attend(self, q: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
+        """Attention of the rotated ``q`` over the layer's cache (written before)."""
+        return ops.paged_attention(q, kv_cache.k, kv_cache.v, meta.query_start_loc, meta.seq_lens,
                                    meta.block_tables[self.kv_group], self.scale, self.sliding_window,
                                    max_query_len=meta.max_query_len, max_seq_len=meta.max_seq_len,
-                                   softcap=self.softcap)
+                                   softcap=self.softcap, k_scale=kv_cache.k_scale, v_scale=kv_cache.v_scale)

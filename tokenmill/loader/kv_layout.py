@@ -16,6 +16,16 @@ from dataclasses import dataclass
 import torch
 
 
+# ``kv_cache_dtype`` names (vLLM's) → the dtype K and V are stored in; ``auto`` is the model's dtype.
+QUANTIZED_KV_DTYPES = {"int8": torch.int8, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
+# A quantized cache keeps one scale per token and KV head, for K and for V, in this dtype.
+KV_SCALE_DTYPE = torch.bfloat16
+
+
+def is_quantized(dtype: torch.dtype) -> bool:
+    return dtype in QUANTIZED_KV_DTYPES.values()
+
+
 @dataclass(frozen=True)
 class KVSpec:
     """The shape of one layer's cache: ``sliding_window`` None is a full-context layer."""
@@ -25,8 +35,9 @@ class KVSpec:
     sliding_window: int | None = None
 
     def bytes_per_token(self, dtype: torch.dtype) -> int:
-        """K and V of one layer for one token."""
-        return 2 * self.num_kv_heads * self.head_dim * dtype.itemsize
+        """K and V of one layer for one token stored in ``dtype``, with their scales where it is quantized."""
+        scale = KV_SCALE_DTYPE.itemsize if is_quantized(dtype) else 0
+        return 2 * self.num_kv_heads * (self.head_dim * dtype.itemsize + scale)
 
 
 @dataclass(frozen=True)
@@ -84,3 +95,15 @@ class KVLayout:
         """What one token would take if every layer kept its own full-length cache (the
         baseline the savings of windows and sharing are measured against)."""
         return sum(spec.bytes_per_token(dtype) for spec in self.layers)
+
+
+def resolve_kv_cache_dtype(name: str, model_dtype: torch.dtype, device: torch.device) -> torch.dtype:
+    """What K and V are stored in for ``kv_cache_dtype`` ``name`` (already one of ``auto`` and
+    ``QUANTIZED_KV_DTYPES``' keys). A quantized cache is read by the torch reference path only, so
+    CUDA refuses it at start-up rather than run it slowly."""
+    if name == "auto":
+        return model_dtype
+    if device.type == "cuda":
+        raise ValueError(f"kv_cache_dtype {name!r} is not supported on CUDA yet (its Triton kernels do not read a "
+                         "quantized cache): use kv_cache_dtype='auto', or run on the CPU")
+    return QUANTIZED_KV_DTYPES[name]

@@ -206,12 +206,9 @@ class SharedKVAttention(PagedAttention):
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata,
                 q_norm: Gemma4RMSNorm) -> torch.Tensor:
-        k_cache, v_cache = kv_cache
         q = ops.rotary_embedding_query(positions, q, self.rotary.cos_sin_cache, q_norm.weight, q_norm.eps,
                                        q_norm.weighting)
-        return ops.paged_attention(q, k_cache, v_cache, meta.query_start_loc, meta.seq_lens,
-                                   meta.block_tables[self.kv_group], self.scale, self.sliding_window, max_query_len=meta.max_query_len,
-                                   max_seq_len=meta.max_seq_len, softcap=self.softcap)
+        return self.attend(q, kv_cache, meta)
 
 
 class Gemma4Attention(nn.Module):

@@ -1,0 +1,107 @@
+"""The quantized KV cache (``kv_cache_dtype`` int8, fp8 = fp8_e4m3, fp8_e5m2) on the CPU path: the
+quantizer's error bounds, the engine against its full-precision self on tiny configs of every
+family, the same tokens under prefix caching, chunking and preemption, and the memory it saves.
+
+Scales are per token and KV head (bfloat16), so a value's error is bounded by its head's largest
+magnitude: half a step of 1/127 of it for int8; for the floats their relative rounding (3 and 2
+mantissa bits) or, near zero, their smallest step.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from helpers import make_model_dir
+from test_parity import parity_prompts
+from tokenmill import LLM, SamplingParams
+from tokenmill.kernels import reference
+from tokenmill.loader.kv_layout import KVSpec
+
+KV_DTYPES = {"int8": torch.int8, "fp8": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
+# Largest error of a dequantized value, as a share of its head's largest magnitude.
+QUANT_TOL = {torch.int8: 0.5 / 127 * 1.02, torch.float8_e4m3fn: 2**-4, torch.float8_e5m2: 2**-3}
+# Largest logprob difference from the full-precision engine on the tiny configs. Their weights are
+# drawn with std 0.15, so logits are large and attention sharp, which magnifies the cache's error:
+# measured maxima were 0.23 (int8), 0.57 (fp8) and 0.44 (fp8_e5m2) over these configs and prompts.
+# Greedy tokens must agree wherever the full-precision top two are further apart than twice this.
+# (Accuracy on a trained model is measured as perplexity: docs/PERFORMANCE.md.)
+LOGPROB_TOL = {"int8": 0.3, "fp8": 0.7, "fp8_e5m2": 0.7}
+ARCHS = ["llama3", "mistral-window", "qwen3", "gemma3", "gemma4", "gemma4-kv-shared"]
+
+
+@settings(max_examples=60, deadline=None)
+@given(magnitude=st.sampled_from([1e-3, 1.0, 3e3]), seed=st.integers(0, 2**16), dtype=st.sampled_from(list(QUANT_TOL)))
+def test_dequantized_values_are_within_their_heads_step(magnitude: float, seed: int, dtype: torch.dtype) -> None:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(6, 4, 64, generator=g) * magnitude * torch.rand(6, 4, 1, generator=g)
+    x[0, 0] = 0.0  # an all-zero head
+    q, scale = reference.quantize_kv(x, dtype)
+    assert q.dtype == dtype and scale.dtype == torch.bfloat16 and scale.shape == x.shape[:2]
+    deq = q.float() * scale.float()[..., None]
+    amax = x.abs().amax(-1, keepdim=True)
+    assert torch.isfinite(deq).all()
+    assert (deq - x).abs().le(QUANT_TOL[dtype] * amax + 1e-30).all()
+    assert torch.equal(deq[0, 0], torch.zeros(64))
+
+
+def test_quantized_bytes_per_token_are_about_half_of_bf16() -> None:
+    for head_dim in (64, 128, 256):
+        spec = KVSpec(8, head_dim)
+        full = spec.bytes_per_token(torch.bfloat16)
+        for dtype in KV_DTYPES.values():
+            assert spec.bytes_per_token(dtype) / full <= 0.53
+
+
+def _generate(model_dir, kv_cache_dtype: str, prompts, params, **options):
+    llm = LLM(str(model_dir), device="cpu", dtype="float32", block_size=16, kv_cache_dtype=kv_cache_dtype, **options)
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    assert llm.engine.core.kv.num_blocks_in_use == 0
+    return llm, [o.outputs[0] for o in outs]
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_quantized_engine_stays_near_full_precision(arch: str, tmp_path) -> None:
+    make_model_dir(arch, tmp_path)
+    prompts = parity_prompts()[:6]
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=2)
+    _, full = _generate(tmp_path, "auto", prompts, params)
+    for name, tol in LOGPROB_TOL.items():
+        _, ours = _generate(tmp_path, name, prompts, params)
+        for ref, got in zip(full, ours):
+            for i, (a, b) in enumerate(zip(ref.token_ids, got.token_ids)):
+                if a != b:
+                    top = sorted(ref.logprobs[i].values(), reverse=True)
+                    assert top[0] - top[1] < 2 * tol, f"{arch} {name} token {i}: {a} vs {b} is no near-tie"
+                    break
+                assert abs(got.logprobs[i][a] - ref.logprobs[i][a]) < tol, f"{arch} {name} token {i}"
+
+
+@pytest.mark.parametrize("kv_cache_dtype", list(KV_DTYPES))
+def test_same_tokens_under_caching_chunking_and_preemption(kv_cache_dtype: str, tmp_path) -> None:
+    make_model_dir("gemma3", tmp_path)
+    prompts = parity_prompts()
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    expected = [_generate(tmp_path, kv_cache_dtype, [p], params, max_num_seqs=1)[1][0].token_ids for p in prompts]
+    variants = {"batched": {}, "no-prefix-cache": {"enable_prefix_caching": False},
+                "chunk-16": {"max_num_batched_tokens": 16},
+                "preempting": {"max_num_seqs": 4, "max_num_batched_tokens": 48, "num_kv_blocks": 16}}
+    for name, options in variants.items():
+        llm, outs = _generate(tmp_path, kv_cache_dtype, prompts, params, **options)
+        assert [o.token_ids for o in outs] == expected, name
+        if name == "preempting":
+            assert llm.engine.core.scheduler.num_preemptions > 0
+
+
+def test_the_same_memory_holds_more_tokens(tmp_path) -> None:
+    make_model_dir("llama3", tmp_path)
+    blocks = {}
+    for name in ("auto", "int8"):
+        llm = LLM(str(tmp_path), device="cpu", dtype="float32", max_num_seqs=64, cpu_kv_cache_gib=0.002,
+                  kv_cache_dtype=name)
+        blocks[name] = llm.engine.core.kv.pools[0].num_blocks
+        assert llm.engine.core.runner.kv_tensors[0].dtype == (torch.float32 if name == "auto" else torch.int8)
+    per_head = {"auto": 32 * 4, "int8": 32 + 2}  # head_dim 32: float32 values, or int8 values and a bf16 scale
+    assert blocks["int8"] == pytest.approx(blocks["auto"] * per_head["auto"] / per_head["int8"], rel=0.01)
