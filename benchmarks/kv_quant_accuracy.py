@@ -1,0 +1,95 @@
+"""What a quantized KV cache costs in accuracy, on the embedded model and its held-out files.
+
+The embedded model's validation files (``corpus_files.txt``, split ``val``) are read from this
+Python's standard library, joined as in training (each document after an ``<|endoftext|>``) and
+cut into the first ``--tokens`` tokens. Perplexity: every window of ``--window`` tokens (the
+training context) is one prompt scored by the engine's prompt logprobs, each ``kv_cache_dtype``
+against ``auto``. Greedy agreement: ``--prompts`` windows' first 64 tokens continued greedily for
+64 tokens; the share of positions whose token equals ``auto``'s.
+
+    python benchmarks/kv_quant_accuracy.py [--device cpu] [--out FILE]
+
+(On another Python version the standard library's files differ a little from the ones the model
+was trained on; every dtype is scored on the same tokens, so the comparison holds.)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import sysconfig
+import time
+from pathlib import Path
+
+import numpy as np
+
+from tokenmill import LLM, SamplingParams
+from tokenmill.bench.hardware import environment
+from tokenmill.default_model import DEFAULT_MODEL_DIR
+from tokenmill.tokenizer import load_tokenizer
+
+KV_DTYPES = ("auto", "int8", "fp8", "fp8_e5m2")
+EOS = "<|endoftext|>"
+
+
+def validation_tokens(limit: int) -> list[int]:
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    files = [line.split("\t", 1)[1].rstrip("\n") for line in (DEFAULT_MODEL_DIR / "corpus_files.txt").open()
+             if line.startswith("val\t")]
+    tokenizer = load_tokenizer(DEFAULT_MODEL_DIR)
+    eos = tokenizer.convert_tokens_to_ids(EOS)
+    ids = [eos]
+    for name in files:
+        text = (stdlib / name).read_text(encoding="utf-8").replace("\r\n", "\n").replace("\r", "\n")
+        ids += tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"] + [eos]
+        if len(ids) >= limit:
+            break
+    return ids[:limit]
+
+
+def perplexity(llm: LLM, windows: list[list[int]]) -> float:
+    params = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=0)
+    nll, count = 0.0, 0
+    for out in llm.generate(windows, params, use_tqdm=False):
+        for position, logprobs in enumerate(out.prompt_logprobs[1:], start=1):
+            nll -= logprobs[out.prompt_token_ids[position]]
+            count += 1
+    return math.exp(nll / count)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--tokens", type=int, default=48_000)
+    parser.add_argument("--window", type=int, default=512)
+    parser.add_argument("--prompts", type=int, default=64)
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    ids = validation_tokens(args.tokens)
+    windows = [ids[i:i + args.window] for i in range(0, len(ids) - 1, args.window)]
+    prompts = [w[:64] for w in windows[:args.prompts]]
+    greedy = SamplingParams(max_tokens=64, temperature=0, ignore_eos=True)
+    rows, base_tokens, base_ppl = [], None, None
+    for name in KV_DTYPES:
+        started = time.perf_counter()
+        llm = LLM(device=args.device, kv_cache_dtype=name, max_model_len=args.window + 64)
+        ppl = perplexity(llm, windows)
+        tokens = np.array([o.outputs[0].token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)])
+        base_tokens = tokens if base_tokens is None else base_tokens
+        base_ppl = ppl if base_ppl is None else base_ppl
+        row = {"name": f"kv_quant_accuracy/{name}", "kv_cache_dtype": name, "perplexity": ppl,
+               "perplexity_change": ppl / base_ppl - 1, "greedy_tokens_unchanged": float((tokens == base_tokens).mean()),
+               "scored_tokens": sum(len(w) - 1 for w in windows), "seconds": time.perf_counter() - started}
+        rows.append(row)
+        print(f"{name:9s} perplexity {ppl:.4f} ({row['perplexity_change']:+.3%})   greedy tokens unchanged "
+              f"{row['greedy_tokens_unchanged']:.1%}", flush=True)
+    if args.out:
+        env = {**environment(None, " ".join(sys.argv)), "device": args.device}
+        Path(args.out).write_text(json.dumps({"environment": env, "rows": rows}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
