@@ -32,7 +32,7 @@ HOPPER = GPUTarget("cuda", 90, 32)
 HOPPER_MAX_SHARED = 232448  # bytes of shared memory one block may take on sm_90 (227 KiB)
 LAUNCH_OPTIONS = {"num_warps", "num_stages", "num_ctas", "launch_pdl"}
 DTYPE_NAMES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32", torch.int32: "i32",
-               torch.int64: "i64"}
+               torch.int64: "i64", torch.int8: "i8", torch.float8_e4m3fn: "fp8e4nv", torch.float8_e5m2: "fp8e5"}
 
 
 def _type_of(value: Any) -> str:
@@ -156,6 +156,16 @@ def _launches(monkeypatch: pytest.MonkeyPatch) -> list[Launch]:
                                                      rand(head_dim), norm_weighting="offset" if head_dim == 256 else "fp32")
             triton_ops.rotary_embedding_query(positions, rand(3, num_q_heads, head_dim), cs, rand(head_dim), 1e-6,
                                               "fp32")
+        quantized = (torch.int8, torch.float8_e4m3fn, torch.float8_e5m2) if dtype == torch.bfloat16 else ()
+        for cache_dtype in quantized:  # a quantized cache, under bf16 queries
+            qk, qv = (torch.zeros(4, 16, 2, 128, dtype=cache_dtype) for _ in range(2))
+            ks, vs = (torch.zeros(4, 16, 2, dtype=torch.bfloat16) for _ in range(2))
+            triton_ops.rotary_embedding_and_write_kv(positions, rand(3, 8, 128), rand(3, 2, 128), rand(3, 2, 128),
+                                                     cos_sin, qk, qv, torch.arange(3), k_scale=ks, v_scale=vs)
+            for query_len in (1, 20):
+                triton_ops.paged_attention(rand(query_len, 8, 128), qk, qv, torch.tensor([0, query_len], dtype=torch.int32),
+                                           torch.tensor([40], dtype=torch.int32), torch.zeros(1, 4, dtype=torch.int32),
+                                           0.1, max_query_len=query_len, k_scale=ks, v_scale=vs)
         triton_ops.silu_and_mul(rand(3, 512))
         triton_ops.gelu_tanh_and_mul(rand(3, 512))
         row, proj = rand(1, 4096), rand(64, 4096)
@@ -182,6 +192,9 @@ def test_every_kernel_compiles_for_hopper(monkeypatch: pytest.MonkeyPatch) -> No
     assert {("_paged_attention_kernel", "SOFTCAP", True), ("_paged_attention_kernel", "BLOCK_D", 512),
             ("_rms_norm_kernel", "ADD_AFTER", True), ("_act_and_mul_kernel", "GELU_TANH", True),
             ("_rope_write_kv_kernel", "BLOCK_D", 512), ("_gemv_kernel", "GELU", True)} <= variants
+    assert {("_paged_attention_kernel", "KV_SCALED", True), ("_rope_write_kv_kernel", "QUANTIZED", True)} <= {
+        (launch.fn.__name__, key, launch.constexprs.get(key)) for launch in launches
+        for key in ("KV_SCALED", "QUANTIZED")}
     for kernel, weightings in (("_rms_norm_kernel", {0, 1, 2, 3}), ("_rope_write_kv_kernel", {0, 1, 2}),
                                ("_gemv_kernel", {0, 1, 2})):
         assert {(kernel, "WEIGHTING", w) for w in weightings} <= variants, kernel

@@ -251,6 +251,27 @@ def test_rotary_embedding_and_write_kv_gemma_head_dims(dtype, num_tokens, num_q_
                               head_dim=head_dim, dtype=dtype, device="cuda", qk_norm=qk_norm)
 
 
+QUANTIZED_KV = [torch.int8, torch.float8_e4m3fn, torch.float8_e5m2]
+
+
+@pytest.mark.parametrize("cache_dtype", QUANTIZED_KV, ids=str)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("num_tokens,num_kv_heads,head_dim", [(1, 8, 128), (77, 2, 256), (33, 4, 512)])
+def test_quantized_kv_write(cache_dtype, dtype, num_tokens, num_kv_heads, head_dim) -> None:
+    cases.check_quantized_kv_write(triton_ops, num_tokens=num_tokens, num_kv_heads=num_kv_heads, head_dim=head_dim,
+                                   dtype=dtype, cache_dtype=cache_dtype, device="cuda")
+
+
+@pytest.mark.parametrize("cache_dtype", QUANTIZED_KV, ids=str)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("specs,window,splits", [([(1, 4000)] * 4, None, None), ([(1, 900), (37, 600)], 256, None),
+                                                 ([(1, 3000)], None, 7)])
+def test_quantized_attention(cache_dtype, dtype, specs, window, splits) -> None:
+    cases.check_quantized_attention(triton_ops, specs=specs, num_q_heads=32, num_kv_heads=8, head_dim=128,
+                                    dtype=dtype, cache_dtype=cache_dtype, device="cuda", sliding_window=window,
+                                    num_splits=splits)
+
+
 def test_rotary_embedding_and_write_kv_casts_to_the_cache_dtype() -> None:
     cases.check_rope_write_kv(triton_ops, num_tokens=50, num_q_heads=8, num_kv_heads=2, head_dim=128,
                               dtype=torch.float32, cache_dtype=torch.bfloat16, device="cuda")

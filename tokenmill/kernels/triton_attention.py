@@ -75,11 +75,20 @@ def _paged_attention_kernel(
     vc_stride_block,
     vc_stride_slot,
     vc_stride_head,
+    k_scale_ptr,
+    v_scale_ptr,
+    ks_stride_block,
+    ks_stride_slot,
+    ks_stride_head,
+    vs_stride_block,
+    vs_stride_slot,
+    vs_stride_head,
     bt_stride,
     num_q_heads,
     head_dim,
     block_size,
     num_splits,
+    KV_SCALED: tl.constexpr,
     GROUP: tl.constexpr,
     BLOCK_Q: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -148,6 +157,12 @@ def _paged_attention_kernel(
             qk = tl.dot(q, k, input_precision="ieee")
         else:
             qk = tl.dot(q, k)
+        if KV_SCALED:
+            # A quantized cache: each key's scale multiplies its scores (q . (s k) = s (q . k)); the
+            # one-byte values convert exactly to q's dtype.
+            ks = tl.load(k_scale_ptr + block * ks_stride_block + slot * ks_stride_slot + kv_head * ks_stride_head,
+                         mask=n_valid, other=0.0).to(tl.float32)
+            qk = qk * ks[None, :]
         if SOFTCAP:
             # qk_scale is scale / cap: the cap applies to the natural-scale score, and only
             # its result moves to the log2 domain (softcap_log2 = cap * log2(e)).
@@ -169,10 +184,15 @@ def _paged_attention_kernel(
             mask=n_valid[:, None] & dim_valid[None, :],
             other=0.0,
         ).to(q.dtype)
+        pw = p
+        if KV_SCALED:  # each value's scale weighs its probability (the sum l_i keeps the unweighted p)
+            vs = tl.load(v_scale_ptr + block * vs_stride_block + slot * vs_stride_slot + kv_head * vs_stride_head,
+                         mask=n_valid, other=0.0).to(tl.float32)
+            pw = p * vs[None, :]
         if IEEE_DOT:
-            pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
+            pv = tl.dot(pw.to(v.dtype), v, input_precision="ieee")
         else:
-            pv = tl.dot(p.to(v.dtype), v)
+            pv = tl.dot(pw.to(v.dtype), v)
         acc = acc * alpha[:, None] + pv
         m_i = m_new
 
@@ -301,6 +321,8 @@ def paged_attention(
     max_query_len: int | None = None,
     max_seq_len: int | None = None,
     softcap: float | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
     num_splits: int | None = None,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
@@ -315,6 +337,8 @@ def paged_attention(
     - ``max_seq_len``: an upper bound of ``seq_lens`` known on the host (a CUDA graph's
       context bucket); the split count is chosen for it instead of the block-table width.
     - ``softcap``: as the reference's, ``tanh(s / cap) * cap`` of each scaled score before the mask.
+    - ``k_scale``/``v_scale``: a quantized cache's scales ``[num_blocks, block_size, Hkv]``, as the
+      reference's: each key's scale multiplies its scores, each value's its probability.
     - ``num_splits``: force the KV split count (tests); default chosen from shapes.
     - ``out``: preallocated output (may be a strided view, last dim contiguous).
     """
@@ -331,6 +355,8 @@ def paged_attention(
             raise ValueError("paged_attention needs a contiguous last dimension")
     if softcap is not None and not softcap > 0:
         raise ValueError(f"softcap must be positive, got {softcap}")
+    if (k_scale is None) != (v_scale is None):
+        raise ValueError("give both k and v scales (a quantized cache), or neither")
     if max_query_len is None:
         if num_tokens == batch:
             max_query_len = 1
@@ -378,11 +404,16 @@ def paged_attention(
         v_cache.stride(0),
         v_cache.stride(1),
         v_cache.stride(2),
+        k_scale if k_scale is not None else out,  # unused by the kernel when KV_SCALED is off
+        v_scale if v_scale is not None else out,
+        *(k_scale.stride() if k_scale is not None else (0, 0, 0)),
+        *(v_scale.stride() if v_scale is not None else (0, 0, 0)),
         block_tables.stride(0),
         num_q_heads,
         head_dim,
         block_size,
         num_splits,
+        KV_SCALED=k_scale is not None,
         GROUP=group,
         BLOCK_Q=block_q,
         BLOCK_M=block_m,

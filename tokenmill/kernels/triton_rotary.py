@@ -61,13 +61,36 @@ def _rotate(x_ptr, stride_h, num_heads, cos, sin, half, norm_ptr, eps,
 
 
 @triton.jit
+def _kv_scale(amax, QMAX: tl.constexpr):
+    """A head's scale, as ``reference.quantize_kv`` takes it: its largest magnitude over the dtype's,
+    with a margin so that bfloat16 rounding never takes it below; returned rounded to bfloat16 (in
+    float32), 1 for an all-zero head."""
+    scale = (amax / QMAX * (1.0 + 0.0078125)).to(tl.bfloat16).to(tl.float32)
+    return tl.where(scale > 0.0, scale, 1.0)
+
+
+@triton.jit
+def _quantize(x, scale, QMAX: tl.constexpr, dtype: tl.constexpr):
+    """``x`` (float32) over its head's ``scale``, clamped to the dtype's range, in ``dtype``: int8 rounds
+    to the nearest integer (ties away from zero, where torch rounds them to even: a rare half step),
+    float8 as the cast does."""
+    y = tl.minimum(tl.maximum(x / scale, -QMAX), QMAX)
+    if dtype == tl.int8:
+        y = tl.where(y >= 0.0, tl.floor(y + 0.5), -tl.floor(-y + 0.5))
+    return y.to(dtype)
+
+
+@triton.jit
 def _rope_write_kv_kernel(
     positions_ptr, q_ptr, k_ptr, v_ptr, cos_sin_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_ptr,
     q_norm_ptr, k_norm_ptr, eps,
     q_stride_t, q_stride_h, k_stride_t, k_stride_h, v_stride_t, v_stride_h, cos_sin_stride,
     kc_stride_block, kc_stride_slot, kc_stride_head, vc_stride_block, vc_stride_slot, vc_stride_head,
+    k_scale_ptr, v_scale_ptr, ks_stride_block, ks_stride_slot, ks_stride_head,
+    vs_stride_block, vs_stride_slot, vs_stride_head,
     block_size, num_q_heads, num_kv_heads, half, head_dim,
-    HAS_NORM: tl.constexpr, WEIGHTING: tl.constexpr, PDL: tl.constexpr,
+    HAS_NORM: tl.constexpr, WEIGHTING: tl.constexpr, QUANTIZED: tl.constexpr, QMAX: tl.constexpr,
+    PDL: tl.constexpr,
     BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     wait_for_previous_kernel(PDL)
@@ -109,13 +132,27 @@ def _rope_write_kv_kernel(
                          HAS_NORM, WEIGHTING, BLOCK_HK, BLOCK_HALF)
         kmask = (kh < live_heads - h0) & (idx[None, :] < half)
         k_dst = k_slot + (h0 + kh) * kc_stride_head + idx[None, :]
-        tl.store(k_dst, k1.to(k_cache_ptr.dtype.element_ty), mask=kmask)
-        tl.store(k_dst + half, k2.to(k_cache_ptr.dtype.element_ty), mask=kmask)
-
         vmask = (kh < live_heads - h0) & (dims < head_dim)
         v = tl.load(v_row + (h0 + kh) * v_stride_h + dims, mask=vmask)
         v_dst = v_slot + (h0 + kh) * vc_stride_head + dims
-        tl.store(v_dst, v.to(v_cache_ptr.dtype.element_ty), mask=vmask)
+        if QUANTIZED:
+            # One scale per token and head, for K and for V, stored beside the one-byte values.
+            heads = h0 + tl.arange(0, BLOCK_HK)
+            live = heads < live_heads
+            k1f, k2f, vf = k1.to(tl.float32), k2.to(tl.float32), v.to(tl.float32)
+            k_s = _kv_scale(tl.maximum(tl.max(tl.abs(k1f), axis=1), tl.max(tl.abs(k2f), axis=1)), QMAX)
+            v_s = _kv_scale(tl.max(tl.abs(vf), axis=1), QMAX)
+            tl.store(k_scale_ptr + block * ks_stride_block + offset * ks_stride_slot + heads * ks_stride_head,
+                     k_s.to(k_scale_ptr.dtype.element_ty), mask=live)
+            tl.store(v_scale_ptr + block * vs_stride_block + offset * vs_stride_slot + heads * vs_stride_head,
+                     v_s.to(v_scale_ptr.dtype.element_ty), mask=live)
+            tl.store(k_dst, _quantize(k1f, k_s[:, None], QMAX, k_cache_ptr.dtype.element_ty), mask=kmask)
+            tl.store(k_dst + half, _quantize(k2f, k_s[:, None], QMAX, k_cache_ptr.dtype.element_ty), mask=kmask)
+            tl.store(v_dst, _quantize(vf, v_s[:, None], QMAX, v_cache_ptr.dtype.element_ty), mask=vmask)
+        else:
+            tl.store(k_dst, k1.to(k_cache_ptr.dtype.element_ty), mask=kmask)
+            tl.store(k_dst + half, k2.to(k_cache_ptr.dtype.element_ty), mask=kmask)
+            tl.store(v_dst, v.to(v_cache_ptr.dtype.element_ty), mask=vmask)
 
 
 def rotary_embedding_and_write_kv(
@@ -131,15 +168,22 @@ def rotary_embedding_and_write_kv(
     k_norm_weight: torch.Tensor | None = None,
     eps: float = 1e-6,
     norm_weighting: str = "llama",
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Neox RoPE on ``query`` ``[T, Hq, D]`` (IN PLACE, returned) and ``key`` ``[T, Hkv, D]``; the rotated
     key and ``value`` go to the paged caches at ``slot_mapping`` (< 0: padding). ``key`` itself is left
     as it was. With norm weights (``[D]`` each, both or neither) q and k heads are RMS-normed first
-    (their weights applied as ``norm_weighting`` says: see ``reference.NORMS``).
+    (their weights applied as ``norm_weighting`` says: see ``reference.NORMS``). A quantized cache
+    (int8, float8) takes the values over their per-token, per-head scales, written to ``k_scale``/
+    ``v_scale`` ``[num_blocks, block_size, Hkv]`` (``reference.quantize_kv``).
     Inputs may be strided views of a fused qkv buffer (last dim contiguous); no host reads, so
     CUDA-graph safe."""
     if (q_norm_weight is None) != (k_norm_weight is None):
         raise ValueError("give both q and k norm weights, or neither")
+    quantized = k_cache.dtype in (torch.int8, torch.float8_e4m3fn, torch.float8_e5m2)
+    if quantized != (k_scale is not None) or (k_scale is None) != (v_scale is None):
+        raise ValueError("a quantized cache (int8, float8) takes k and v scales, and only it does")
     num_tokens, num_q_heads, head_dim = query.shape
     num_kv_heads = key.shape[1]
     rot_dim = cos_sin_cache.shape[-1]
@@ -163,9 +207,13 @@ def rotary_embedding_and_write_kv(
             cos_sin_cache.stride(0),
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
             v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+            k_scale if quantized else query, v_scale if quantized else query,  # unused when not QUANTIZED
+            *(k_scale.stride() if quantized else (0, 0, 0)), *(v_scale.stride() if quantized else (0, 0, 0)),
             k_cache.shape[1], num_q_heads, num_kv_heads, half, head_dim,
             HAS_NORM=q_norm_weight is not None,
             WEIGHTING=WEIGHTINGS[norm_weighting],
+            QUANTIZED=quantized,
+            QMAX=_qmax(k_cache.dtype) if quantized else 0.0,
             BLOCK_HQ=block_hq,
             BLOCK_HK=block_hk,
             BLOCK_HALF=block_half,
@@ -174,6 +222,10 @@ def rotary_embedding_and_write_kv(
             **pdl_launch_args(query.device),
         )
     return query
+
+
+def _qmax(dtype: torch.dtype) -> float:
+    return float(torch.iinfo(dtype).max if dtype == torch.int8 else torch.finfo(dtype).max)
 
 
 def rotary_embedding_query(positions: torch.Tensor, query: torch.Tensor, cos_sin_cache: torch.Tensor,

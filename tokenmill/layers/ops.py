@@ -46,14 +46,11 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     keeps the call capturable in a CUDA graph; ``max_seq_len`` (an upper bound of
     ``seq_lens``) lets it split the KV range for the contexts it will really see.
     ``softcap`` caps each scaled score at ``tanh(s / cap) * cap`` before the mask (Gemma).
-    ``k_scale``/``v_scale``: a quantized cache's scales (the torch reference reads it; the engine
-    refuses a quantized cache on CUDA until the Triton kernels read one)."""
-    if k_scale is not None:
-        return reference.paged_attention(query, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale,
-                                         sliding_window, softcap=softcap, k_scale=k_scale, v_scale=v_scale)
+    ``k_scale``/``v_scale``: a quantized cache's scales."""
     return backend_for(query).paged_attention(query, k_cache, v_cache, query_start_loc, seq_lens, block_tables,
                                               scale, sliding_window, max_query_len=max_query_len,
-                                              max_seq_len=max_seq_len, softcap=softcap)
+                                              max_seq_len=max_seq_len, softcap=softcap, k_scale=k_scale,
+                                              v_scale=v_scale)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
@@ -80,15 +77,12 @@ def rotary_embedding_and_write_kv(positions: torch.Tensor, query: torch.Tensor, 
                                   k_scale: torch.Tensor | None = None,
                                   v_scale: torch.Tensor | None = None) -> torch.Tensor:
     """(q/k RMSNorm, weighted as ``norm_weighting`` says, then) RoPE on q and k, with k and v written to
-    the cache in the same pass (quantized, into a cache with ``k_scale``/``v_scale``: the torch
-    reference, as ``paged_attention``); returns the rotated q."""
-    if k_scale is not None:
-        return reference.rotary_embedding_and_write_kv(positions, query, key, value, cos_sin_cache, k_cache, v_cache,
-                                                       slot_mapping, q_norm_weight, k_norm_weight, eps,
-                                                       norm_weighting, k_scale, v_scale)
+    the cache in the same pass (quantized, into a cache with ``k_scale``/``v_scale``); returns the
+    rotated q."""
     return backend_for(query).rotary_embedding_and_write_kv(positions, query, key, value, cos_sin_cache, k_cache,
                                                             v_cache, slot_mapping, q_norm_weight, k_norm_weight, eps,
-                                                            norm_weighting=norm_weighting)
+                                                            norm_weighting=norm_weighting, k_scale=k_scale,
+                                                            v_scale=v_scale)
 
 
 def rotary_embedding_query(positions: torch.Tensor, query: torch.Tensor, cos_sin_cache: torch.Tensor,

@@ -99,11 +99,10 @@ class KVLayout:
 
 def resolve_kv_cache_dtype(name: str, model_dtype: torch.dtype, device: torch.device) -> torch.dtype:
     """What K and V are stored in for ``kv_cache_dtype`` ``name`` (already one of ``auto`` and
-    ``QUANTIZED_KV_DTYPES``' keys). A quantized cache is read by the torch reference path only, so
-    CUDA refuses it at start-up rather than run it slowly."""
+    ``QUANTIZED_KV_DTYPES``' keys). CUDA refuses a quantized cache at start-up for now."""
     if name == "auto":
         return model_dtype
     if device.type == "cuda":
-        raise ValueError(f"kv_cache_dtype {name!r} is not supported on CUDA yet (its Triton kernels do not read a "
-                         "quantized cache): use kv_cache_dtype='auto', or run on the CPU")
+        raise ValueError(f"kv_cache_dtype {name!r} is not supported on CUDA yet: use kv_cache_dtype='auto', "
+                         "or run on the CPU")
     return QUANTIZED_KV_DTYPES[name]
