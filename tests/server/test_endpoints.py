@@ -191,6 +191,13 @@ def test_vllm_metric_names_and_request_ids_are_off_by_default(http: httpx.Client
     assert "x-request-id" not in response.headers
 
 
+def test_metrics_state_the_kv_cache_dtype_and_capacity(http: httpx.Client) -> None:
+    samples = _samples(http.get("/metrics").text)
+    assert samples["tokenmill:kv_cache_info", frozenset({("kv_cache_dtype", "auto")})] == 1
+    # num_kv_blocks=512 of 16 tokens (tests/server/conftest.py), one full-attention group.
+    assert samples["tokenmill:kv_cache_capacity_tokens", frozenset()] == 512 * 16
+
+
 def test_serve_flags_parse() -> None:
     flags = ["--enable-prompt-tokens-details", "--enable-force-include-usage", "--return-tokens-as-token-ids"]
     args = cli.parse_args(["serve", *flags, "--vllm-compatible-metrics", "--enable-request-id-headers"])

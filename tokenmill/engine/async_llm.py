@@ -125,6 +125,8 @@ class AsyncLLM:
         ready = self.client.ready
         self.max_model_len = ready.max_model_len
         self.vocab_size = ready.vocab_size
+        self.kv_cache_dtype = ready.kv_cache_dtype
+        self.kv_capacity_tokens = ready.kv_capacity_tokens
         self.tokenizer = None if config.random_weights else load_tokenizer(model_dir_of(config))
         self.inputs = InputProcessor(self.tokenizer, ModelLimits(ready.vocab_size, ready.max_model_len))
         self.outputs = OutputProcessor(self.tokenizer)

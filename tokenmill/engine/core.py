@@ -159,7 +159,8 @@ class EngineCore:
 
     def ready_message(self) -> CoreReady:
         cfg = self.model_config
-        return CoreReady(max_model_len=self.max_model_len, vocab_size=cfg.vocab_size)
+        return CoreReady(max_model_len=self.max_model_len, vocab_size=cfg.vocab_size,
+                         kv_cache_dtype=self.config.kv_cache_dtype, kv_capacity_tokens=self.kv.capacity_tokens)
 
     # --------------------------------------------------------------- requests
     def handle(self, message: CoreInput) -> None:

@@ -162,6 +162,13 @@ class KVCacheManager:
         return self.pools[group].num_blocks - (self.null_blocks[group] is not None)
 
     @property
+    def capacity_tokens(self) -> int:
+        """Tokens the pools hold over all sequences: the full-attention groups' (the smallest), or where
+        every layer slides, the sliding groups' (whose blocks are freed as windows pass)."""
+        full = [g for g, w in enumerate(self.windows) if w is None] or range(self.num_groups)
+        return min(self.usable_blocks(g) for g in full) * self.block_size
+
+    @property
     def num_blocks_in_use(self) -> int:
         """Blocks held by sequences, over every group."""
         return sum(self.usable_blocks(g) - pool.num_free for g, pool in enumerate(self.pools))

@@ -95,6 +95,8 @@ class CoreReady(msgspec.Struct, tag=True, array_like=True):
 
     max_model_len: int  # after the KV pool is sized, which may lower it
     vocab_size: int
+    kv_cache_dtype: str  # as configured: auto, fp8_e4m3, fp8_e5m2 or int8
+    kv_capacity_tokens: int  # tokens the KV pools hold (see KVCacheManager.capacity_tokens)
 
 
 class CoreFailed(msgspec.Struct, tag=True, array_like=True):

@@ -45,6 +45,12 @@ class _EngineCollector(Collector):
         ]
         for name, doc, value in gauges:
             yield GaugeMetricFamily(f"tokenmill:{name}", doc, value=value)
+        yield GaugeMetricFamily("tokenmill:kv_cache_capacity_tokens", "Tokens the KV cache holds over all requests.",
+                                value=self.engine.kv_capacity_tokens)
+        info = GaugeMetricFamily("tokenmill:kv_cache_info", "The KV cache's configuration, in its labels (value 1).",
+                                 labels=["kv_cache_dtype"])
+        info.add_metric([self.engine.kv_cache_dtype], 1)
+        yield info
         counters = [
             ("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", s.prefix_cache_queries),
             ("prefix_cache_hits", "Prompt tokens found in the prefix cache.", s.prefix_cache_hits),
