@@ -30,6 +30,8 @@ from tokenmill.bench.hardware import Ceilings, environment, measure_ceilings, ti
 from tokenmill.bench.shapes import SHAPES, StepCostModel, shape_dir
 from tokenmill.engine.config import EngineConfig
 from tokenmill.engine.llm_engine import LLMEngine
+from tokenmill.loader.hf_config import load_model_config
+from tokenmill.loader.kv_layout import QUANTIZED_KV_DTYPES
 from tokenmill.sampling_params import SamplingParams
 
 
@@ -85,7 +87,7 @@ def run_metered(engine: LLMEngine, ceilings: Ceilings) -> tuple[list[StepRecord]
     records = []  # floors are computed after the run, so metering adds no host work to the steps
     for step_seconds, (query_lens, contexts, sampled) in zip(seconds, shapes):
         if query_lens:
-            bytes_, flops = cost.step(query_lens, contexts, sampled)
+            bytes_, flops = cost.step(query_lens, contexts, sampled, kv_dtype=engine.core.kv_dtype)
             records.append(StepRecord(step_seconds, ceilings.floor(bytes_, flops), max(query_lens) == 1,
                                       len(query_lens), sum(query_lens)))
     return records, wall, peak
@@ -340,6 +342,39 @@ def bench_models(ceilings: Ceilings, shapes: list[str], sizes: list[int], peer: 
     return rows
 
 
+def bench_kv_cache_dtypes(ceilings: Ceilings, shape: str = "llama3-8b", dtypes: tuple[str, ...] = ("auto", "fp8", "int8"),
+                          kv_budget_gib: float = 8.0) -> list[dict]:
+    """Each ``kv_cache_dtype`` on ``shape``: decode at batch 64 over 8k-token contexts (bound by
+    reading the KV cache) and at batch 1 over 128 tokens, each beside its floor; then a KV-bound
+    workload (256 requests of 1024 prompt + 512 output tokens) in the same KV memory for every
+    dtype (``kv_budget_gib``), where a smaller cache holds more requests at once."""
+    rows: list[dict] = []
+    for name in dtypes:
+        engine = make_engine(shape, max_num_seqs=64, max_model_len=8192 + 64, max_num_batched_tokens=8192,
+                             kv_cache_dtype=name)
+        vocab, rng = engine.model_config.vocab_size, random.Random(4)
+        long = decode_steps(engine, ceilings, [random_prompt(rng, 8192, vocab) for _ in range(64)], 32)
+        rows.append({"name": f"kv_cache/{shape}/{name}/b64_ctx8192", "kv_cache_dtype": name, **long})
+        short = decode_steps(engine, ceilings, [random_prompt(rng, 128, vocab)], 64)
+        rows.append({"name": f"kv_cache/{shape}/{name}/b1_ctx128", "kv_cache_dtype": name, **short})
+        del engine
+        release()
+    for name in dtypes:
+        kv_dtype = QUANTIZED_KV_DTYPES.get(EngineConfig(kv_cache_dtype=name).kv_cache_dtype, torch.bfloat16)
+        per_block = load_model_config(shape_dir(shape)).kv_layout().bytes_per_token(kv_dtype) * 16
+        blocks = int(kv_budget_gib * (1 << 30) // per_block)
+        engine = make_engine(shape, max_num_seqs=256, max_model_len=2048, max_num_batched_tokens=8192,
+                             kv_cache_dtype=name, num_kv_blocks=blocks, block_size=16)
+        rng = random.Random(5)
+        workload = [(random_prompt(rng, 1024, engine.model_config.vocab_size), 512) for _ in range(256)]
+        result = run_workload(engine, ceilings, workload)
+        rows.append({"name": f"kv_cache/{shape}/{name}/kv_bound_workload", "kv_cache_dtype": name,
+                     "kv_budget_gib": kv_budget_gib, "kv_blocks": blocks, **result})
+        del engine
+        release()
+    return rows
+
+
 def bench_startup(shape: str = "llama3-8b") -> list[dict]:
     started = time.perf_counter()
     engine = make_engine(shape, max_num_seqs=256)
@@ -374,7 +409,7 @@ def print_table(rows: list[dict]) -> None:
         print(f"{row['name']:44s} {measured:>14s} {floor:>10s} {frac:>8s} {peer:>14s}")
 
 
-BENCHMARKS = ("latency", "batch", "throughput", "features", "startup", "models", "all")
+BENCHMARKS = ("latency", "batch", "throughput", "features", "startup", "models", "kvcache", "all")
 MODEL_SHAPES = ["gemma3-4b", "gemma3-27b", "gemma4-e4b", "gemma4-31b"]
 
 
@@ -413,6 +448,7 @@ def run_bench(args: argparse.Namespace) -> int:
         "throughput": lambda: bench_throughput(ceilings, ["qwen3-0.6b", "llama3-8b"], peer, args.peer_requests,
                                                checkpoint),
         "features": lambda: bench_features(ceilings),
+        "kvcache": lambda: bench_kv_cache_dtypes(ceilings),
         "models": lambda: bench_models(ceilings, args.shapes.split(","), [1, 8, 32, 128], peer, args.peer_requests,
                                        checkpoint),
     }

@@ -100,16 +100,18 @@ class StepCostModel:
         return (self.body_params + self.head_params) * elem
 
     def step(self, query_lens: list[int], context_lens: list[int], sampled_rows: int,
-             dtype: torch.dtype = torch.bfloat16) -> tuple[float, float]:
-        """(bytes, FLOPs) of a step: weights once; each layer reads the KV its window can see of
-        every context and each cache-owning layer writes the new K/V; GEMMs over the step's
-        tokens (the LM head only on sampled rows) and attention over each query's visible context."""
+             dtype: torch.dtype = torch.bfloat16, kv_dtype: torch.dtype | None = None) -> tuple[float, float]:
+        """(bytes, FLOPs) of a step: weights once (in ``dtype``); each layer reads the KV its window can
+        see of every context and each cache-owning layer writes the new K/V (in ``kv_dtype``, with its
+        scales where quantized; None: ``dtype``); GEMMs over the step's tokens (the LM head only on
+        sampled rows) and attention over each query's visible context."""
+        kv_dtype = kv_dtype or dtype
         tokens = sum(query_lens)
         kv_bytes, attn = 0.0, 0.0
         for i, spec in enumerate(self.layout.layers):
             window = spec.sliding_window
             seen = sum(ctx if window is None else min(ctx, window) for ctx in context_lens)
-            kv_bytes += spec.bytes_per_token(dtype) * (seen + (tokens if self.layout.source[i] == i else 0))
+            kv_bytes += spec.bytes_per_token(kv_dtype) * (seen + (tokens if self.layout.source[i] == i else 0))
             for q, ctx in zip(query_lens, context_lens):
                 mean_context = ctx - (q - 1) / 2  # over the query's causal positions
                 attn += q * (mean_context if window is None else min(mean_context, window)) * spec.head_dim
