@@ -12,6 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 from hypothesis import given, settings
+from safetensors.torch import load_file, save_file
 from hypothesis import strategies as st
 
 from helpers import make_model_dir
@@ -105,3 +106,36 @@ def test_the_same_memory_holds_more_tokens(tmp_path) -> None:
         assert llm.engine.core.runner.kv_tensors[0].dtype == (torch.float32 if name == "auto" else torch.int8)
     per_head = {"auto": 32 * 4, "int8": 32 + 2}  # head_dim 32: float32 values, or int8 values and a bf16 scale
     assert blocks["int8"] == pytest.approx(blocks["auto"] * per_head["auto"] / per_head["int8"], rel=0.01)
+
+
+def _with_kv_scales(model_dir, scales: dict[str, float]) -> None:
+    """Add per-tensor ``k_scale``/``v_scale`` of every layer to the checkpoint, as calibrated float8
+    checkpoints carry them."""
+    path = next(model_dir.glob("*.safetensors"))
+    tensors = load_file(path)
+    layers = {name.split(".")[2] for name in tensors if name.startswith("model.layers.")}
+    for layer in layers:
+        for which, value in scales.items():
+            tensors[f"model.layers.{layer}.self_attn.{which}"] = torch.tensor(value)
+    save_file(tensors, path, metadata={"format": "pt"})
+
+
+def test_a_checkpoints_kv_scales_set_every_tokens_scale(tmp_path) -> None:
+    make_model_dir("llama3", tmp_path)
+    _with_kv_scales(tmp_path, {"k_scale": 0.01, "v_scale": 0.002})
+    llm = LLM(str(tmp_path), device="cpu", dtype="float32", kv_cache_dtype="int8", enable_prefix_caching=False)
+    llm.generate([[5, 6, 7, 8] * 5], SamplingParams(max_tokens=4, temperature=0), use_tqdm=False)
+    scales = llm.engine.core.runner.kv_tensors[1]  # [layers, 2, blocks, block_size, kv_heads]
+    written = scales[0, 0] != 0
+    for which, value in ((0, 0.01), (1, 0.002)):
+        expected = torch.tensor(value * 448 / 127 * (1 + 2**-7)).to(torch.bfloat16)
+        assert torch.equal(scales[:, which][:, written].unique(), expected.reshape(1))
+    auto = LLM(str(tmp_path), device="cpu", dtype="float32")  # unused without a quantized cache
+    assert auto.generate([[5, 6]], SamplingParams(max_tokens=2), use_tqdm=False)[0].outputs[0].token_ids
+
+
+def test_a_checkpoint_with_k_scale_but_no_v_scale_is_refused(tmp_path) -> None:
+    make_model_dir("llama3", tmp_path)
+    _with_kv_scales(tmp_path, {"k_scale": 0.01})
+    with pytest.raises(ValueError, match="k_scale or v_scale"):
+        LLM(str(tmp_path), device="cpu", dtype="float32", kv_cache_dtype="int8")

@@ -251,9 +251,10 @@ def _quantized_cache(num_blocks: int, block_size: int, num_kv_heads: int, head_d
 
 
 def check_quantized_kv_write(ops, *, num_tokens: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
-                             cache_dtype: torch.dtype, device: str) -> None:
+                             cache_dtype: torch.dtype, device: str, static: bool = False) -> None:
     """RoPE + the KV write into a quantized cache (int8, float8): the same scales as the reference's,
-    and values that dequantize to the reference's within a step (rounding ties may fall either way)."""
+    and values that dequantize to the reference's within a step (rounding ties may fall either way).
+    ``static``: a checkpoint's largest magnitudes of K and V (below some values, which are clipped)."""
     gen, seed = fresh_generator(device)
     num_blocks, block_size = 8, 16
     cos_sin = reference.rotary_cos_sin(1.0 / (10000.0 ** (torch.arange(0, head_dim, 2, device=device) / head_dim)), 64)
@@ -265,11 +266,12 @@ def check_quantized_kv_write(ops, *, num_tokens: int, num_kv_heads: int, head_di
     v = _randn((num_tokens, num_kv_heads, head_dim), dtype, device, gen)
     ref = _quantized_cache(num_blocks, block_size, num_kv_heads, head_dim, cache_dtype, device)
     got = _quantized_cache(num_blocks, block_size, num_kv_heads, head_dim, cache_dtype, device)
+    kv_amax = torch.tensor([6.0, 1.5], device=device) if static else None
     reference.rotary_embedding_and_write_kv(positions, q.clone(), k, v, cos_sin, ref[0], ref[1], slot_mapping,
-                                            k_scale=ref[2], v_scale=ref[3])
+                                            k_scale=ref[2], v_scale=ref[3], kv_amax=kv_amax)
     ops.rotary_embedding_and_write_kv(positions, q, k, v, cos_sin, got[0], got[1], slot_mapping,
-                                      k_scale=got[2], v_scale=got[3])
-    where = f"seed={seed} T={num_tokens} Hkv={num_kv_heads} D={head_dim} {dtype}->{cache_dtype}"
+                                      k_scale=got[2], v_scale=got[3], kv_amax=kv_amax)
+    where = f"seed={seed} T={num_tokens} Hkv={num_kv_heads} D={head_dim} {dtype}->{cache_dtype} static={static}"
     for name, (values, scales), (ref_values, ref_scales) in (("k", got[::2], ref[::2]), ("v", got[1::2], ref[1::2])):
         assert torch.allclose(scales.float(), ref_scales.float(), rtol=2**-7, atol=0), f"{name} scales: {where}"
         deq, ref_deq = (x.float() * s.float()[..., None] for x, s in ((values, scales), (ref_values, ref_scales)))
@@ -315,8 +317,9 @@ def _interpret_quantized_kv(ops) -> None:
     """int8 only: the interpreter's float8 conversions are not the GPU's (a value of 128 came back
     as 64), so float8 caches are checked on the GPU (test_triton_gpu.py)."""
     for dtype in (torch.float16, torch.float32):
-        check_quantized_kv_write(ops, num_tokens=9, num_kv_heads=3, head_dim=64, dtype=dtype, cache_dtype=torch.int8,
-                                 device="cpu")
+        for static in (False, True):
+            check_quantized_kv_write(ops, num_tokens=9, num_kv_heads=3, head_dim=64, dtype=dtype,
+                                     cache_dtype=torch.int8, device="cpu", static=static)
         check_quantized_attention(ops, specs=[(1, 40), (5, 33), (1, 7)], num_q_heads=4, num_kv_heads=2, head_dim=64,
                                   dtype=dtype, cache_dtype=torch.int8, device="cpu")
     check_quantized_attention(ops, specs=[(1, 90)], num_q_heads=4, num_kv_heads=2, head_dim=64, dtype=torch.float32,

@@ -160,8 +160,10 @@ def _launches(monkeypatch: pytest.MonkeyPatch) -> list[Launch]:
         for cache_dtype in quantized:  # a quantized cache, under bf16 queries
             qk, qv = (torch.zeros(4, 16, 2, 128, dtype=cache_dtype) for _ in range(2))
             ks, vs = (torch.zeros(4, 16, 2, dtype=torch.bfloat16) for _ in range(2))
-            triton_ops.rotary_embedding_and_write_kv(positions, rand(3, 8, 128), rand(3, 2, 128), rand(3, 2, 128),
-                                                     cos_sin, qk, qv, torch.arange(3), k_scale=ks, v_scale=vs)
+            for kv_amax in (None, torch.ones(2)):  # each token's own magnitudes, or a checkpoint's
+                triton_ops.rotary_embedding_and_write_kv(positions, rand(3, 8, 128), rand(3, 2, 128), rand(3, 2, 128),
+                                                         cos_sin, qk, qv, torch.arange(3), k_scale=ks, v_scale=vs,
+                                                         kv_amax=kv_amax)
             for query_len in (1, 20):
                 triton_ops.paged_attention(rand(query_len, 8, 128), qk, qv, torch.tensor([0, query_len], dtype=torch.int32),
                                            torch.tensor([40], dtype=torch.int32), torch.zeros(1, 4, dtype=torch.int32),
@@ -192,9 +194,10 @@ def test_every_kernel_compiles_for_hopper(monkeypatch: pytest.MonkeyPatch) -> No
     assert {("_paged_attention_kernel", "SOFTCAP", True), ("_paged_attention_kernel", "BLOCK_D", 512),
             ("_rms_norm_kernel", "ADD_AFTER", True), ("_act_and_mul_kernel", "GELU_TANH", True),
             ("_rope_write_kv_kernel", "BLOCK_D", 512), ("_gemv_kernel", "GELU", True)} <= variants
-    assert {("_paged_attention_kernel", "KV_SCALED", True), ("_rope_write_kv_kernel", "QUANTIZED", True)} <= {
+    assert {("_paged_attention_kernel", "KV_SCALED", True), ("_rope_write_kv_kernel", "QUANTIZED", True),
+            ("_rope_write_kv_kernel", "STATIC_AMAX", True)} <= {
         (launch.fn.__name__, key, launch.constexprs.get(key)) for launch in launches
-        for key in ("KV_SCALED", "QUANTIZED")}
+        for key in ("KV_SCALED", "QUANTIZED", "STATIC_AMAX")}
     for kernel, weightings in (("_rms_norm_kernel", {0, 1, 2, 3}), ("_rope_write_kv_kernel", {0, 1, 2}),
                                ("_gemv_kernel", {0, 1, 2})):
         assert {(kernel, "WEIGHTING", w) for w in weightings} <= variants, kernel

@@ -257,9 +257,10 @@ QUANTIZED_KV = [torch.int8, torch.float8_e4m3fn, torch.float8_e5m2]
 @pytest.mark.parametrize("cache_dtype", QUANTIZED_KV, ids=str)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("num_tokens,num_kv_heads,head_dim", [(1, 8, 128), (77, 2, 256), (33, 4, 512)])
-def test_quantized_kv_write(cache_dtype, dtype, num_tokens, num_kv_heads, head_dim) -> None:
+@pytest.mark.parametrize("static", [False, True])
+def test_quantized_kv_write(cache_dtype, dtype, num_tokens, num_kv_heads, head_dim, static) -> None:
     cases.check_quantized_kv_write(triton_ops, num_tokens=num_tokens, num_kv_heads=num_kv_heads, head_dim=head_dim,
-                                   dtype=dtype, cache_dtype=cache_dtype, device="cuda")
+                                   dtype=dtype, cache_dtype=cache_dtype, device="cuda", static=static)
 
 
 @pytest.mark.parametrize("cache_dtype", QUANTIZED_KV, ids=str)

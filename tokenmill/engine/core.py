@@ -41,7 +41,7 @@ from tokenmill.engine.model_runner import InFlightStep, ModelRunner, build_model
 from tokenmill.engine.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
 from tokenmill.engine.sequence import PENDING, Sequence, SequenceStatus
 from tokenmill.loader.hf_config import ModelConfig, load_model_config, resolve_dtype
-from tokenmill.loader.kv_layout import resolve_kv_cache_dtype
+from tokenmill.loader.kv_layout import is_quantized, resolve_kv_cache_dtype
 from tokenmill.outputs import Logprobs
 from tokenmill.sampling_params import SamplingParams
 
@@ -93,6 +93,9 @@ class EngineCore:
         model = build_model(cfg, None if config.random_weights else model_dir, self.dtype, self.device,
                             max_len, config.seed)
         load_seconds = time.monotonic() - started
+        if any(getattr(m, "kv_amax", None) is not None for m in model.modules()):
+            logger.info("the checkpoint's k_scale/v_scale %s", "set the KV cache's scales" if is_quantized(self.kv_dtype)
+                        else "are unused: kv_cache_dtype is auto")
         layout = cfg.kv_layout()
         num_blocks = self._num_kv_blocks(max_len)
         windows = [spec.sliding_window for spec in layout.groups]

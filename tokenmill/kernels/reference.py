@@ -21,14 +21,16 @@ from __future__ import annotations
 import torch
 
 
-def quantize_kv(x: torch.Tensor, cache_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_kv(x: torch.Tensor, cache_dtype: torch.dtype,
+                static_amax: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``x`` ``[T, H, D]`` in ``cache_dtype`` (int8 or a float8) with one scale per token and head
     (``[T, H]``, bfloat16), so that ``q * scale`` dequantizes it. The scale is the head's largest
-    magnitude over the dtype's largest value, rounded up to bfloat16 before ``x`` is divided by it:
-    the stored scale is exactly the one used, and nothing overflows. int8 rounds to the nearest
-    integer; float8 rounds as the cast does."""
+    magnitude (or ``static_amax``, a checkpoint's calibrated one for the whole tensor, beyond which
+    values are clipped) over the dtype's largest value, rounded up to bfloat16 before ``x`` is
+    divided by it: the stored scale is exactly the one used, and nothing overflows. int8 rounds to
+    the nearest integer; float8 rounds as the cast does."""
     qmax = float(torch.iinfo(cache_dtype).max if cache_dtype == torch.int8 else torch.finfo(cache_dtype).max)
-    amax = x.float().abs().amax(dim=-1)
+    amax = x.float().abs().amax(dim=-1) if static_amax is None else static_amax.float().expand(x.shape[:-1])
     scale = (amax / qmax * (1 + 2**-7)).to(torch.bfloat16)  # bf16 rounds within 2**-9: never below amax / qmax
     safe = torch.where(scale > 0, scale.float(), torch.ones_like(amax))  # an all-zero head stays zero
     scaled = (x.float() / safe[..., None]).clamp(-qmax, qmax)
@@ -44,19 +46,21 @@ def write_kv_cache(
     slot_mapping: torch.Tensor,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    kv_amax: torch.Tensor | None = None,
 ) -> None:
     """Scatter ``key``/``value`` ``[T, Hkv, D]`` into the paged caches; slots < 0 are padding. A
     quantized cache (int8, float8) takes ``quantize_kv``'s values, and their scales into ``k_scale``/
-    ``v_scale`` ``[num_blocks, block_size, Hkv]`` at the same slots."""
+    ``v_scale`` ``[num_blocks, block_size, Hkv]`` at the same slots; ``kv_amax`` ``[2]``: a checkpoint's
+    static largest magnitudes of K and V, used instead of each head's own."""
     num_blocks, block_size = k_cache.shape[:2]
     valid = slot_mapping >= 0
     slots = slot_mapping[valid].long()
-    for x, cache, scales in ((key, k_cache, k_scale), (value, v_cache, v_scale)):
+    for i, (x, cache, scales) in enumerate(((key, k_cache, k_scale), (value, v_cache, v_scale))):
         flat = cache.view(num_blocks * block_size, *cache.shape[2:])
         if scales is None:
             flat[slots] = x[valid].to(cache.dtype)
             continue
-        q, scale = quantize_kv(x[valid], cache.dtype)
+        q, scale = quantize_kv(x[valid], cache.dtype, None if kv_amax is None else kv_amax[i])
         flat.view(torch.uint8)[slots] = q.view(torch.uint8)  # CPU float8 tensors take no index_put
         scales.view(num_blocks * block_size, -1)[slots] = scale
 
@@ -221,11 +225,12 @@ def rotary_embedding_and_write_kv(
     norm_weighting: str = "llama",
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    kv_amax: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """RoPE on query and key (each head RMS-normed first when norm weights are given, as Qwen3
     and Gemma do, the weights applied as ``norm_weighting`` says: see ``NORMS``), then the rotated
-    key and ``value`` into the paged caches (quantized, with ``k_scale``/``v_scale``, as
-    ``write_kv_cache`` does); returns the rotated query."""
+    key and ``value`` into the paged caches (quantized, with ``k_scale``/``v_scale`` and maybe a
+    checkpoint's ``kv_amax``, as ``write_kv_cache`` does); returns the rotated query."""
     if (q_norm_weight is None) != (k_norm_weight is None):
         raise ValueError("give both q and k norm weights, or neither")
     if q_norm_weight is not None:
@@ -233,7 +238,7 @@ def rotary_embedding_and_write_kv(
         query = norm(query, q_norm_weight, eps)
         key = norm(key, k_norm_weight, eps)
     query, key = rotary_embedding(positions, query, key, cos_sin_cache)
-    write_kv_cache(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale)
+    write_kv_cache(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale, kv_amax)
     return query
 
 

@@ -87,9 +87,10 @@ def _rope_write_kv_kernel(
     q_stride_t, q_stride_h, k_stride_t, k_stride_h, v_stride_t, v_stride_h, cos_sin_stride,
     kc_stride_block, kc_stride_slot, kc_stride_head, vc_stride_block, vc_stride_slot, vc_stride_head,
     k_scale_ptr, v_scale_ptr, ks_stride_block, ks_stride_slot, ks_stride_head,
-    vs_stride_block, vs_stride_slot, vs_stride_head,
+    vs_stride_block, vs_stride_slot, vs_stride_head, kv_amax_ptr,
     block_size, num_q_heads, num_kv_heads, half, head_dim,
     HAS_NORM: tl.constexpr, WEIGHTING: tl.constexpr, QUANTIZED: tl.constexpr, QMAX: tl.constexpr,
+    STATIC_AMAX: tl.constexpr,
     PDL: tl.constexpr,
     BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
@@ -140,8 +141,13 @@ def _rope_write_kv_kernel(
             heads = h0 + tl.arange(0, BLOCK_HK)
             live = heads < live_heads
             k1f, k2f, vf = k1.to(tl.float32), k2.to(tl.float32), v.to(tl.float32)
-            k_s = _kv_scale(tl.maximum(tl.max(tl.abs(k1f), axis=1), tl.max(tl.abs(k2f), axis=1)), QMAX)
-            v_s = _kv_scale(tl.max(tl.abs(vf), axis=1), QMAX)
+            k_amax = tl.maximum(tl.max(tl.abs(k1f), axis=1), tl.max(tl.abs(k2f), axis=1))
+            v_amax = tl.max(tl.abs(vf), axis=1)
+            if STATIC_AMAX:  # a checkpoint's calibrated magnitudes, for every token and head
+                k_amax = tl.zeros_like(k_amax) + tl.load(kv_amax_ptr)
+                v_amax = tl.zeros_like(v_amax) + tl.load(kv_amax_ptr + 1)
+            k_s = _kv_scale(k_amax, QMAX)
+            v_s = _kv_scale(v_amax, QMAX)
             tl.store(k_scale_ptr + block * ks_stride_block + offset * ks_stride_slot + heads * ks_stride_head,
                      k_s.to(k_scale_ptr.dtype.element_ty), mask=live)
             tl.store(v_scale_ptr + block * vs_stride_block + offset * vs_stride_slot + heads * vs_stride_head,
@@ -170,13 +176,15 @@ def rotary_embedding_and_write_kv(
     norm_weighting: str = "llama",
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    kv_amax: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Neox RoPE on ``query`` ``[T, Hq, D]`` (IN PLACE, returned) and ``key`` ``[T, Hkv, D]``; the rotated
     key and ``value`` go to the paged caches at ``slot_mapping`` (< 0: padding). ``key`` itself is left
     as it was. With norm weights (``[D]`` each, both or neither) q and k heads are RMS-normed first
     (their weights applied as ``norm_weighting`` says: see ``reference.NORMS``). A quantized cache
     (int8, float8) takes the values over their per-token, per-head scales, written to ``k_scale``/
-    ``v_scale`` ``[num_blocks, block_size, Hkv]`` (``reference.quantize_kv``).
+    ``v_scale`` ``[num_blocks, block_size, Hkv]`` (``reference.quantize_kv``; with a checkpoint's
+    static ``kv_amax`` ``[2]`` float32 for K and V).
     Inputs may be strided views of a fused qkv buffer (last dim contiguous); no host reads, so
     CUDA-graph safe."""
     if (q_norm_weight is None) != (k_norm_weight is None):
@@ -209,11 +217,13 @@ def rotary_embedding_and_write_kv(
             v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
             k_scale if quantized else query, v_scale if quantized else query,  # unused when not QUANTIZED
             *(k_scale.stride() if quantized else (0, 0, 0)), *(v_scale.stride() if quantized else (0, 0, 0)),
+            kv_amax if kv_amax is not None else query,
             k_cache.shape[1], num_q_heads, num_kv_heads, half, head_dim,
             HAS_NORM=q_norm_weight is not None,
             WEIGHTING=WEIGHTINGS[norm_weighting],
             QUANTIZED=quantized,
             QMAX=_qmax(k_cache.dtype) if quantized else 0.0,
+            STATIC_AMAX=quantized and kv_amax is not None,
             BLOCK_HQ=block_hq,
             BLOCK_HK=block_hk,
             BLOCK_HALF=block_half,

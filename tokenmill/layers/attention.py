@@ -51,6 +51,9 @@ class PagedAttention(nn.Module):
                  softcap: float | None = None, kv_group: int = 0) -> None:
         super().__init__()
         self.kv_group = kv_group
+        # A checkpoint's calibrated largest magnitudes of K and V (``k_scale``/``v_scale`` tensors, for a
+        # float8 e4m3 cache), which a quantized cache then uses for every token; None: each token's own.
+        self.register_buffer("kv_amax", None)
         self.rotary = rotary
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
@@ -67,8 +70,17 @@ class PagedAttention(nn.Module):
             q_norm.weight if q_norm is not None else None, k_norm.weight if k_norm is not None else None,
             q_norm.eps if q_norm is not None else 1e-6,
             norm_weighting=q_norm.weighting if q_norm is not None else "llama",
-            k_scale=kv_cache.k_scale, v_scale=kv_cache.v_scale)
+            k_scale=kv_cache.k_scale, v_scale=kv_cache.v_scale, kv_amax=self.kv_amax)
         return self.attend(q, kv_cache, meta)
+
+    def load_checkpoint_scale(self, which: str, scale: torch.Tensor) -> None:
+        """A checkpoint's per-tensor ``k_scale`` or ``v_scale`` (``which``): the e4m3 scale that maps the
+        tensor's calibrated largest magnitude to 448, kept as that magnitude."""
+        if scale.numel() != 1:
+            raise ValueError(f"{which} must hold one value (a per-tensor scale), got shape {tuple(scale.shape)}")
+        if self.kv_amax is None:
+            self.kv_amax = torch.full((2,), float("nan"), dtype=torch.float32, device=self.rotary.cos_sin_cache.device)
+        self.kv_amax[0 if which == "k_scale" else 1] = float(scale) * torch.finfo(torch.float8_e4m3fn).max
 
     def attend(self, q: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
         """Attention of the rotated ``q`` over the layer's cache (written before)."""

@@ -194,9 +194,16 @@ class LlamaForCausalLM(nn.Module):
         raises if any parameter is left without a value."""
         cfg = self.config
         params = dict(self.named_parameters())
+        modules = dict(self.named_modules())
         filled: dict[str, int] = {}
         for name, tensor in weights:
             if "rotary_emb" in name:
+                continue
+            if name.endswith((".k_scale", ".v_scale")):  # a KV-cache calibration: the layer's attention keeps it
+                attention = modules.get(name.rsplit(".", 1)[0] + ".attn")
+                if attention is None:
+                    raise ModelLoadError(f"checkpoint tensor {name!r} has no place in {cfg.architecture}")
+                attention.load_checkpoint_scale(name.rsplit(".", 1)[1], tensor)
                 continue
             if name == "lm_head.weight" and self.lm_head is None:
                 continue
@@ -216,5 +223,7 @@ class LlamaForCausalLM(nn.Module):
             dest.copy_(tensor)
             filled[target] = filled.get(target, 0) + (dest.shape[0] if size is not None else param.shape[0])
         missing = [n for n, p in params.items() if filled.get(n, 0) < p.shape[0]]
+        missing += [f"{n}: k_scale or v_scale" for n, m in modules.items()
+                    if isinstance(m, PagedAttention) and m.kv_amax is not None and m.kv_amax.isnan().any()]
         if missing:
             raise ModelLoadError(f"checkpoint lacks {len(missing)} tensors, e.g. {missing[:3]}")
