@@ -25,19 +25,17 @@ class RMSNorm(nn.Module):
         return ops.rms_norm(x, self.weight, self.eps, residual)
 
 
-class OffsetRMSNorm(nn.Module):
+class OffsetRMSNorm(RMSNorm):
     """Gemma's RMSNorm, ``norm(x) * (1 + w)`` in float32; ``w`` starts at zero (the identity)."""
 
     weighting = "offset"
 
     def __init__(self, dim: int, eps: float) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.zeros(dim))
-        self.eps = eps
+        super().__init__(dim, eps)
+        nn.init.zeros_(self.weight)
 
     def forward(self, x: torch.Tensor,
                 residual: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """With ``residual``: returns ``(norm(x + residual), x + residual)``."""
         return ops.offset_rms_norm(x, self.weight, self.eps, residual)
 
     def add_to(self, x: torch.Tensor, stream: torch.Tensor) -> torch.Tensor:
