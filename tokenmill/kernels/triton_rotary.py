@@ -95,7 +95,8 @@ def _rope_write_kv_kernel(
     BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     wait_for_previous_kernel(PDL)
-    # One program per token: its cos/sin row is loaded once for all q and k heads.
+    # Two programs per token: one rotates its q heads, the other its k heads and writes k and v (a
+    # single token, as in decode, then takes two SMs, not one); each loads the token's cos/sin row.
     t = tl.program_id(0).to(tl.int64)
     pos = tl.load(positions_ptr + t).to(tl.int64)
     idx = tl.arange(0, BLOCK_HALF)
@@ -105,16 +106,40 @@ def _rope_write_kv_kernel(
 
     # Heads go BLOCK_HQ (BLOCK_HK) at a time, so the tile in registers is bounded whatever the
     # head count and dim: one pass up to 64 heads of dim 128, 32 of 256, 16 of 512.
-    q_row = q_ptr + t * q_stride_t
-    qh = tl.arange(0, BLOCK_HQ)[:, None]
-    for h0 in range(0, num_q_heads, BLOCK_HQ):
-        q_heads = q_row + h0 * q_stride_h
-        q1, q2 = _rotate(q_heads, q_stride_h, num_q_heads - h0, cos, sin, half, q_norm_ptr, eps, HAS_NORM,
-                         WEIGHTING, BLOCK_HQ, BLOCK_HALF)
-        qmask = (qh < num_q_heads - h0) & (idx[None, :] < half)
-        tl.store(q_heads + qh * q_stride_h + idx[None, :], q1, mask=qmask)
-        tl.store(q_heads + qh * q_stride_h + half + idx[None, :], q2, mask=qmask)
+    if tl.program_id(1) == 0:
+        q_row = q_ptr + t * q_stride_t
+        qh = tl.arange(0, BLOCK_HQ)[:, None]
+        for h0 in range(0, num_q_heads, BLOCK_HQ):
+            q_heads = q_row + h0 * q_stride_h
+            q1, q2 = _rotate(q_heads, q_stride_h, num_q_heads - h0, cos, sin, half, q_norm_ptr, eps, HAS_NORM,
+                             WEIGHTING, BLOCK_HQ, BLOCK_HALF)
+            qmask = (qh < num_q_heads - h0) & (idx[None, :] < half)
+            tl.store(q_heads + qh * q_stride_h + idx[None, :], q1, mask=qmask)
+            tl.store(q_heads + qh * q_stride_h + half + idx[None, :], q2, mask=qmask)
+    else:
+        _rotate_and_write_kv(
+            t, cos, sin, idx, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_ptr, k_norm_ptr, eps,
+            k_stride_t, k_stride_h, v_stride_t, v_stride_h,
+            kc_stride_block, kc_stride_slot, kc_stride_head, vc_stride_block, vc_stride_slot, vc_stride_head,
+            k_scale_ptr, v_scale_ptr, ks_stride_block, ks_stride_slot, ks_stride_head,
+            vs_stride_block, vs_stride_slot, vs_stride_head, kv_amax_ptr,
+            block_size, num_kv_heads, half, head_dim,
+            HAS_NORM, WEIGHTING, QUANTIZED, QMAX, STATIC_AMAX, BLOCK_HK, BLOCK_HALF, BLOCK_D)
 
+
+@triton.jit
+def _rotate_and_write_kv(
+    t, cos, sin, idx, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_ptr, k_norm_ptr, eps,
+    k_stride_t, k_stride_h, v_stride_t, v_stride_h,
+    kc_stride_block, kc_stride_slot, kc_stride_head, vc_stride_block, vc_stride_slot, vc_stride_head,
+    k_scale_ptr, v_scale_ptr, ks_stride_block, ks_stride_slot, ks_stride_head,
+    vs_stride_block, vs_stride_slot, vs_stride_head, kv_amax_ptr,
+    block_size, num_kv_heads, half, head_dim,
+    HAS_NORM: tl.constexpr, WEIGHTING: tl.constexpr, QUANTIZED: tl.constexpr, QMAX: tl.constexpr,
+    STATIC_AMAX: tl.constexpr, BLOCK_HK: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    """Token ``t``'s k heads rotated (normed first with ``HAS_NORM``) and written with its v heads
+    to the cache at its slot (quantized with ``QUANTIZED``)."""
     # Padding tokens (slot < 0) get zero live heads: nothing is written to the cache.
     # (A scalar folded into the mask as a limit, not and-ed in as a bool: the
     # interpreter rejects scalar-bool & tensor-bool masks.)
@@ -207,7 +232,7 @@ def rotary_embedding_and_write_kv(
         max_heads = max(1, _MAX_TILE // block_half)
         block_hq = min(triton.next_power_of_2(num_q_heads), max_heads)
         block_hk = min(triton.next_power_of_2(max(num_kv_heads, 1)), max_heads)  # no KV heads: q alone
-        _rope_write_kv_kernel[(num_tokens,)](
+        _rope_write_kv_kernel[(num_tokens, 2)](
             positions, query, key, value, cos_sin_cache, k_cache, v_cache, slot_mapping,
             q_norm_weight if q_norm_weight is not None else query, k_norm_weight if k_norm_weight is not None else key,
             eps,
