@@ -37,9 +37,10 @@ BLOCK_N, NORM_BLOCK_N, GATED_BLOCK_N, BLOCK_K, NUM_WARPS = 8, 16, 4, 1024, 4
 
 
 @triton.jit
-def _gemv_kernel(x_ptr, norm_w_ptr, w_ptr, bias_ptr, res_ptr, out_ptr, N, K, stride_w, eps,
+def _gemv_kernel(x_ptr, norm_w_ptr, w_ptr, bias_ptr, res_ptr, out_ptr, pre_ptr, pre_w_ptr, stream_out_ptr,
+                 N, K, stride_w, eps,
                  NORM: tl.constexpr, WEIGHTING: tl.constexpr, GATED: tl.constexpr, GELU: tl.constexpr,
-                 ADD_RES: tl.constexpr, HAS_BIAS: tl.constexpr,
+                 ADD_RES: tl.constexpr, HAS_BIAS: tl.constexpr, PRE_ADD: tl.constexpr,
                  PDL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_POW2: tl.constexpr):
     ns = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = ns < N
@@ -54,9 +55,22 @@ def _gemv_kernel(x_ptr, norm_w_ptr, w_ptr, bias_ptr, res_ptr, out_ptr, N, K, str
     wait_for_previous_kernel(PDL)
 
     rstd = 0.0
+    pre_rstd = 0.0
     if NORM:
         all_k = tl.arange(0, K_POW2)
-        row = tl.load(x_ptr + all_k, mask=all_k < K, other=0.0).to(tl.float32)
+        row = tl.load(x_ptr + all_k, mask=all_k < K, other=0.0)
+        if PRE_ADD:
+            # x is the stream before a Gemma block's output joins it: the row normed here is
+            # x + norm(pre), which every program rebuilds and the first one also stores.
+            pre = tl.load(pre_ptr + all_k, mask=all_k < K, other=0.0)
+            pre_f = pre.to(tl.float32)
+            pre_rstd = tl.rsqrt(tl.sum(pre_f * pre_f, axis=0) / K + eps)
+            pre_w = tl.load(pre_w_ptr + all_k, mask=all_k < K, other=0.0).to(tl.float32)
+            joined = weigh(pre_f * pre_rstd, pre_w, WEIGHTING).to(pre.dtype).to(tl.float32)
+            row = (row.to(tl.float32) + joined).to(row.dtype)
+            if tl.program_id(0) == 0:
+                tl.store(stream_out_ptr + all_k, row, mask=all_k < K)
+        row = row.to(tl.float32)
         rstd = tl.rsqrt(tl.sum(row * row, axis=0) / K + eps)
     acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
     acc_u = tl.zeros((BLOCK_N,), dtype=tl.float32)
@@ -66,6 +80,11 @@ def _gemv_kernel(x_ptr, norm_w_ptr, w_ptr, bias_ptr, res_ptr, out_ptr, N, K, str
         nxt_mask = n_ok[:, None] & (nxt[None, :] < K)
         w_next = tl.load(w_rows + nxt[None, :], mask=nxt_mask, other=0.0, eviction_policy="evict_first")
         x = tl.load(x_ptr + ks, mask=ks < K, other=0.0)
+        if PRE_ADD:  # this tile of x + norm(pre), rebuilt as the prologue built the whole row
+            pre_k = tl.load(pre_ptr + ks, mask=ks < K, other=0.0)
+            pre_wk = tl.load(pre_w_ptr + ks, mask=ks < K, other=0.0).to(tl.float32)
+            joined_k = weigh(pre_k.to(tl.float32) * pre_rstd, pre_wk, WEIGHTING).to(pre_k.dtype).to(tl.float32)
+            x = (x.to(tl.float32) + joined_k).to(x.dtype)
         if NORM:
             if WEIGHTING == 0:  # Llama: the normed row rounded, then the weighted one
                 nw = tl.load(norm_w_ptr + ks, mask=ks < K, other=0.0).to(tl.float32)
@@ -99,7 +118,9 @@ def _gemv_kernel(x_ptr, norm_w_ptr, w_ptr, bias_ptr, res_ptr, out_ptr, N, K, str
 
 def _gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, *,
           norm_weight: torch.Tensor | None = None, eps: float = 0.0, gated: bool = False,
-          residual: torch.Tensor | None = None, weighting: str = "llama", activation: str = "silu") -> torch.Tensor:
+          residual: torch.Tensor | None = None, weighting: str = "llama", activation: str = "silu",
+          pre: torch.Tensor | None = None, pre_weight: torch.Tensor | None = None,
+          stream_out: torch.Tensor | None = None) -> torch.Tensor:
     m, k = x.shape
     n = weight.shape[0] // 2 if gated else weight.shape[0]
     if m > MAX_ROWS:
@@ -107,9 +128,12 @@ def _gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, *,
     if weight.shape[1] != k or (residual is not None and residual.shape != (m, n)):
         raise ValueError(f"shapes x {tuple(x.shape)}, weight {tuple(weight.shape)}"
                          + ("" if residual is None else f", residual {tuple(residual.shape)}") + " do not match")
-    for t in (x, weight, bias, norm_weight, residual):
+    for t in (x, weight, bias, norm_weight, residual, pre, pre_weight):
         if t is not None and t.stride(-1) != 1:
             raise ValueError("the fused GEMV needs contiguous rows")
+    if pre is not None and (pre.shape != x.shape or pre.dtype != x.dtype or norm_weight is None
+                            or weighting == "llama"):
+        raise ValueError("a block output joins the stream only in front of a Gemma norm, in the stream's shape")
     if norm_weight is not None and norm_weight.dtype != x.dtype:
         raise ValueError(f"norm weight dtype {norm_weight.dtype} differs from the input's {x.dtype}")
     out_dtype = x.dtype if residual is None else torch.promote_types(x.dtype, residual.dtype)
@@ -119,9 +143,11 @@ def _gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, *,
     block_n = GATED_BLOCK_N if gated else NORM_BLOCK_N if norm_weight is not None else BLOCK_N
     _gemv_kernel[(triton.cdiv(n, block_n),)](
         x, norm_weight if norm_weight is not None else x, weight, bias if bias is not None else weight,
-        residual if residual is not None else out, out, n, k, weight.stride(0), float(eps),
+        residual if residual is not None else out, out,
+        *((pre, pre_weight, stream_out) if pre is not None else (x, x, x)),  # unused without PRE_ADD
+        n, k, weight.stride(0), float(eps),
         NORM=norm_weight is not None, WEIGHTING=WEIGHTINGS[weighting], GATED=gated, GELU=activation == "gelu_tanh",
-        ADD_RES=residual is not None, HAS_BIAS=bias is not None,
+        ADD_RES=residual is not None, HAS_BIAS=bias is not None, PRE_ADD=pre is not None,
         BLOCK_N=block_n, BLOCK_K=BLOCK_K, K_POW2=triton.next_power_of_2(k), num_warps=NUM_WARPS,
         **pdl_launch_args(x.device),
     )
@@ -142,3 +168,14 @@ def norm_linear(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight: 
     half with ``gated``."""
     return _gemv(x, weight, bias, norm_weight=norm_weight, eps=eps, gated=gated, weighting=weighting,
                  activation=activation)
+
+
+def add_norm_linear(x: torch.Tensor, stream: torch.Tensor, add_weight: torch.Tensor, norm_weight: torch.Tensor,
+                    eps: float, weight: torch.Tensor, bias: torch.Tensor | None, gated: bool = False,
+                    weighting: str = "offset", activation: str = "silu") -> tuple[torch.Tensor, torch.Tensor]:
+    """``reference.add_norm_linear`` for one row: a Gemma block's output ``x`` normed into ``stream``,
+    the new stream normed and projected, in one kernel; returns ``(projection, new stream)``."""
+    new_stream = torch.empty_like(stream)
+    out = _gemv(stream, weight, bias, norm_weight=norm_weight, eps=eps, gated=gated, weighting=weighting,
+                activation=activation, pre=x, pre_weight=add_weight, stream_out=new_stream)
+    return out, new_stream

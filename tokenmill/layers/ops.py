@@ -120,6 +120,20 @@ def norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: tor
     return (_GATED[activation](out) if gated else out), stream
 
 
+def add_norm_linear(x: torch.Tensor, stream: torch.Tensor, add_weight: torch.Tensor, norm_weight: torch.Tensor,
+                    eps: float, weight: torch.Tensor, bias: torch.Tensor | None, gated: bool = False,
+                    weighting: str = "offset", activation: str = "silu") -> tuple[torch.Tensor, torch.Tensor]:
+    """A Gemma block's output ``x`` normed into ``stream``, then the next norm and projection of the new
+    stream (as ``norm_linear``); returns ``(projection, new stream)``. One kernel for one-token decode
+    on the GPU."""
+    backend = backend_for(x)
+    if _fused_gemv(backend, x) and norm_weight.dtype == add_weight.dtype == x.dtype == stream.dtype:
+        return backend.add_norm_linear(x, stream, add_weight, norm_weight, eps, weight, bias, gated, weighting,
+                                       activation)
+    new_stream = add_rms_norm(x, add_weight, eps, stream, weighting)
+    return norm_linear(new_stream, None, norm_weight, eps, weight, bias, gated, weighting, activation)[0], new_stream
+
+
 def add_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor,
                  weighting: str) -> torch.Tensor:
     """``residual + norm(x)``: a Gemma block's normed output joining the stream, in one pass

@@ -134,15 +134,38 @@ class Gemma3DecoderLayer(nn.Module):
         self.pre_feedforward_layernorm = OffsetRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_feedforward_layernorm = OffsetRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, positions: torch.Tensor, stream: torch.Tensor, kv_cache: KVCache,
-                meta: AttentionMetadata) -> torch.Tensor:
-        """The residual stream in, the stream out, whole: each block's normed input is projected in one
-        kernel (one-token decode on the GPU), its normed output added to the stream in one pass."""
-        qkv, _ = norm_linear(self.input_layernorm, stream, None, self.self_attn.qkv_proj)
-        stream = self.post_attention_layernorm.add_to(self.self_attn(positions, qkv, kv_cache, meta), stream)
-        activation, _ = norm_linear(self.pre_feedforward_layernorm, stream, None, self.mlp.gate_up_proj, gated=True,
-                                    activation="gelu_tanh")
-        return self.post_feedforward_layernorm.add_to(self.mlp.down_proj(activation), stream)
+    def forward(self, positions: torch.Tensor, stream: torch.Tensor, pending: PendingOutput | None,
+                kv_cache: KVCache, meta: AttentionMetadata) -> tuple[torch.Tensor, PendingOutput]:
+        """Each block's output is normed and added into the stream by the kernel that norms the stream
+        for the next block's projection (one kernel for one-token decode on the GPU): the MLP's output
+        is handed on as ``pending``, to join the stream in the next layer (or the final norm)."""
+        if pending is None:
+            qkv, _ = norm_linear(self.input_layernorm, stream, None, self.self_attn.qkv_proj)
+        else:
+            qkv, stream = add_norm_linear(pending, stream, self.input_layernorm, self.self_attn.qkv_proj)
+        attn = PendingOutput(self.self_attn(positions, qkv, kv_cache, meta), self.post_attention_layernorm)
+        activation, stream = add_norm_linear(attn, stream, self.pre_feedforward_layernorm, self.mlp.gate_up_proj,
+                                             gated=True, activation="gelu_tanh")
+        return stream, PendingOutput(self.mlp.down_proj(activation), self.post_feedforward_layernorm)
+
+
+@dataclass
+class PendingOutput:
+    """A block's output not yet in the residual stream, and the norm it takes on the way in."""
+
+    x: torch.Tensor
+    norm: nn.Module  # OffsetRMSNorm, or Gemma 4's norm: a weight, an eps and a ``weighting``
+
+    def join(self, stream: torch.Tensor) -> torch.Tensor:
+        return self.norm.add_to(self.x, stream)
+
+
+def add_norm_linear(pending: PendingOutput, stream: torch.Tensor, norm: nn.Module, linear: nn.Linear,
+                    gated: bool = False, activation: str = "silu") -> tuple[torch.Tensor, torch.Tensor]:
+    """``pending`` joins ``stream``; the new stream is normed by ``norm`` and projected by ``linear``
+    (``ops.add_norm_linear``); returns ``(projection, new stream)``."""
+    return ops.add_norm_linear(pending.x, stream, pending.norm.weight, norm.weight, norm.eps, linear.weight,
+                               linear.bias, gated, norm.weighting, activation)
 
 
 class Gemma3Model(nn.Module):
@@ -160,10 +183,10 @@ class Gemma3Model(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],
                 meta: AttentionMetadata) -> torch.Tensor:
-        stream = self.embed_tokens(input_ids) * self.embed_scale
+        stream, pending = self.embed_tokens(input_ids) * self.embed_scale, None
         for layer, kv_cache in zip(self.layers, kv_caches):
-            stream = layer(positions, stream, kv_cache, meta)
-        return self.norm(stream)
+            stream, pending = layer(positions, stream, pending, kv_cache, meta)
+        return self.norm(pending.join(stream))
 
 
 class Gemma3ForCausalLM(LlamaForCausalLM):

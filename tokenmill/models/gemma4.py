@@ -33,7 +33,7 @@ from tokenmill.layers.attention import AttentionMetadata, KVCache, PagedAttentio
 from tokenmill.layers.rotary import RotaryEmbedding
 from tokenmill.loader.hf_config import ModelConfig, ModelLoadError, rope_parameters
 from tokenmill.loader.kv_layout import KVLayout, KVSpec
-from tokenmill.models.gemma3 import GeGLUMLP, Gemma3ForCausalLM, layer_types
+from tokenmill.models.gemma3 import GeGLUMLP, Gemma3ForCausalLM, PendingOutput, add_norm_linear, layer_types
 from tokenmill.models.llama import decoder_config, norm_linear, sliding_windows
 
 SLIDING, FULL = "sliding_attention", "full_attention"
@@ -276,12 +276,13 @@ class Gemma4DecoderLayer(nn.Module):
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, per_layer_input: torch.Tensor | None,
                 kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
-        """The stream in, the stream out, whole: each block's normed input projected in one kernel
-        (one-token decode on the GPU), its normed output added to the stream in one pass."""
+        """The stream in, the stream out, whole: the attention's normed output joins the stream in the
+        kernel that norms it for the MLP's projection (one kernel for one-token decode on the GPU);
+        the MLP's and the per-layer input's join it before the layer scalar multiplies it."""
         projected, _ = norm_linear(self.input_layernorm, x, None, self.self_attn.in_proj)
-        x = self.post_attention_layernorm.add_to(self.self_attn(positions, projected, kv_cache, meta), x)
-        activation, _ = norm_linear(self.pre_feedforward_layernorm, x, None, self.mlp.gate_up_proj, gated=True,
-                                    activation="gelu_tanh")
+        attn = PendingOutput(self.self_attn(positions, projected, kv_cache, meta), self.post_attention_layernorm)
+        activation, x = add_norm_linear(attn, x, self.pre_feedforward_layernorm, self.mlp.gate_up_proj, gated=True,
+                                        activation="gelu_tanh")
         x = self.post_feedforward_layernorm.add_to(self.mlp.down_proj(activation), x)
         if per_layer_input is not None:
             gate = torch.nn.functional.gelu(self.per_layer_input_gate(x), approximate="tanh")
