@@ -1,5 +1,5 @@
 """Triton GEMV for single-token decode with the projection's neighbours fused in
-(see ``reference.norm_linear`` and ``reference.linear_residual``).
+(see ``reference.norm_linear``, ``reference.add_norm_linear`` and ``reference.linear_residual``).
 
 At batch 1 every projection is a matrix-vector product whose time is streaming
 the weight, and around each sit small kernels (the RMSNorm in front of qkv and
@@ -8,14 +8,16 @@ cuBLAS also runs o and down split-K with a reduction kernel of its own) that
 cost a few microseconds each however few bytes they move. Here each program
 owns ``BLOCK_N`` output features and walks K with the next weight tile already
 in flight, and does the neighbours' work on the way: in front, the RMSNorm of
-the input row (every program recomputes its statistics from L2, 8 KB); behind,
-the residual add, or SiLU (GeGLU: tanh-GELU) of gate row ``n`` times up row ``N + n``. Launched
-with PDL, a program loads its first weight tile before it waits for the
+the input row (every program recomputes its statistics from L2, 8 KB; for Gemma,
+first the previous block's normed output joins the row); behind, the residual
+add, or SiLU (GeGLU: tanh-GELU) of gate row ``n`` times up row ``N + n``.
+Launched with PDL, a program loads its first weight tile before it waits for the
 previous kernel, so the weight stream starts under that kernel's tail.
 
-Every rounding follows the unfused torch ops: the normed row and the weighted
-normed row are each rounded to the input dtype, the projection is rounded
-before the residual add or the SiLU, and the SiLU before the product.
+Every rounding follows the unfused torch ops: Llama's normed row and weighted
+normed row are each rounded to the input dtype (Gemma's once, as its norms do),
+the projection is rounded before the residual add or the activation, and the
+activation before the product.
 """
 
 from __future__ import annotations
