@@ -472,14 +472,16 @@ def _interpret_offset_rms_norm(ops) -> None:
 
 
 def check_add_rms_norm(ops, *, num_tokens: int, hidden: int, dtype: torch.dtype, device: str,
-                       weighting: str) -> None:
-    """``residual + norm(x)``, Gemma's post-norm joining the stream (``offset`` or ``fp32`` weighting)."""
+                       weighting: str, scaled: bool = False) -> None:
+    """``residual + norm(x)``, Gemma's post-norm joining the stream (``offset`` or ``fp32`` weighting);
+    ``scaled``: then times a layer scalar, as Gemma 4's last join of a layer."""
     gen, seed = fresh_generator(device)
     x, residual = (_randn((num_tokens, hidden), dtype, device, gen) for _ in range(2))
     weight = norm_weight((hidden,), weighting, dtype, device, gen)
-    ref = reference.add_rms_norm(x, weight, 1e-6, residual, weighting)
-    got = ops.add_rms_norm(x, weight, 1e-6, residual, weighting)
-    where = f"seed={seed} add_rms_norm {weighting} T={num_tokens} H={hidden} {dtype}"
+    scale = torch.tensor([0.37], dtype=dtype, device=device) if scaled else None
+    ref = reference.add_rms_norm(x, weight, 1e-6, residual, weighting, scale)
+    got = ops.add_rms_norm(x, weight, 1e-6, residual, weighting, scale)
+    where = f"seed={seed} add_rms_norm {weighting} T={num_tokens} H={hidden} {dtype} scaled={scaled}"
     assert got.dtype == ref.dtype and got.shape == ref.shape, where
     err = rel_err(got, ref)
     assert err < ELEMWISE_TOL[dtype], f"rel err {err:.2e}: {where}"
@@ -518,7 +520,8 @@ def check_rotary_query(ops, *, num_tokens: int, num_heads: int, head_dim: int, d
 def _interpret_gemma4_norms(ops) -> None:
     for dtype in (torch.float16, torch.float32):
         for weighting in ("offset", "fp32"):
-            check_add_rms_norm(ops, num_tokens=7, hidden=96, dtype=dtype, device="cpu", weighting=weighting)
+            check_add_rms_norm(ops, num_tokens=7, hidden=96, dtype=dtype, device="cpu", weighting=weighting,
+                               scaled=weighting == "fp32")
         for weighted in (True, False):
             check_fp32_weight_rms_norm(ops, shape=(5, 3, 64), dtype=dtype, device="cpu", weighted=weighted)
         check_rotary_query(ops, num_tokens=4, num_heads=3, head_dim=64, dtype=dtype, device="cpu")

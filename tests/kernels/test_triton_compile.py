@@ -138,6 +138,7 @@ def _launches(monkeypatch: pytest.MonkeyPatch) -> list[Launch]:
             norm(x, weight, 1e-6, rand(3, 256))
         for weighting in ("offset", "fp32"):
             triton_ops.add_rms_norm(x, weight, 1e-6, rand(3, 256), weighting)
+        triton_ops.add_rms_norm(x, weight, 1e-6, rand(3, 256), "fp32", rand(1))  # and a layer scalar
         for w in (weight, None):
             triton_ops.fp32_weight_rms_norm(rand(3, 2, 256), w, 1e-6)
         positions = torch.arange(3)
@@ -197,9 +198,10 @@ def test_every_kernel_compiles_for_hopper(monkeypatch: pytest.MonkeyPatch) -> No
             ("_rms_norm_kernel", "ADD_AFTER", True), ("_act_and_mul_kernel", "GELU_TANH", True),
             ("_rope_write_kv_kernel", "BLOCK_D", 512), ("_gemv_kernel", "GELU", True)} <= variants
     assert {("_paged_attention_kernel", "KV_SCALED", True), ("_rope_write_kv_kernel", "QUANTIZED", True),
-            ("_rope_write_kv_kernel", "STATIC_AMAX", True), ("_gemv_kernel", "PRE_ADD", True)} <= {
+            ("_rope_write_kv_kernel", "STATIC_AMAX", True), ("_gemv_kernel", "PRE_ADD", True),
+            ("_rms_norm_kernel", "SCALE_AFTER", True)} <= {
         (launch.fn.__name__, key, launch.constexprs.get(key)) for launch in launches
-        for key in ("KV_SCALED", "QUANTIZED", "STATIC_AMAX", "PRE_ADD")}
+        for key in ("KV_SCALED", "QUANTIZED", "STATIC_AMAX", "PRE_ADD", "SCALE_AFTER")}
     for kernel, weightings in (("_rms_norm_kernel", {0, 1, 2, 3}), ("_rope_write_kv_kernel", {0, 1, 2}),
                                ("_gemv_kernel", {0, 1, 2})):
         assert {(kernel, "WEIGHTING", w) for w in weightings} <= variants, kernel

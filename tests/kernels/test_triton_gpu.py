@@ -201,10 +201,10 @@ def test_offset_rms_norm(dtype, num_tokens, hidden, with_residual) -> None:
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("num_tokens,hidden", [(1, 2560), (129, 5376)])
-@pytest.mark.parametrize("weighting", ["offset", "fp32"])
-def test_add_rms_norm(dtype, num_tokens, hidden, weighting) -> None:
+@pytest.mark.parametrize("weighting,scaled", [("offset", False), ("fp32", False), ("fp32", True)])
+def test_add_rms_norm(dtype, num_tokens, hidden, weighting, scaled) -> None:
     cases.check_add_rms_norm(triton_ops, num_tokens=num_tokens, hidden=hidden, dtype=dtype, device="cuda",
-                             weighting=weighting)
+                             weighting=weighting, scaled=scaled)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)

@@ -267,10 +267,11 @@ def add_norm_linear(x: torch.Tensor, stream: torch.Tensor, add_weight: torch.Ten
 
 
 def add_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor,
-                 weighting: str) -> torch.Tensor:
+                 weighting: str, scale: torch.Tensor | None = None) -> torch.Tensor:
     """``residual + norm(x)`` (the norm ``NORMS[weighting]``): a Gemma block's output, normed,
-    joining the stream."""
-    return residual + NORMS[weighting](x, weight, eps)
+    joining the stream; then times ``scale`` where given (Gemma 4's layer scalar)."""
+    out = residual + NORMS[weighting](x, weight, eps)
+    return out if scale is None else out * scale
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:

@@ -39,6 +39,7 @@ def _rms_norm_kernel(
     weight_ptr,
     out_ptr,
     residual_out_ptr,
+    scale_ptr,
     x_stride,
     residual_stride,
     out_stride,
@@ -47,6 +48,7 @@ def _rms_norm_kernel(
     eps,
     HAS_RESIDUAL: tl.constexpr,
     ADD_AFTER: tl.constexpr,
+    SCALE_AFTER: tl.constexpr,
     WEIGHTING: tl.constexpr,
     PDL: tl.constexpr,
     BLOCK: tl.constexpr,
@@ -78,6 +80,8 @@ def _rms_norm_kernel(
         # residual + norm(x): the normed value rounded first, then the sum, as the two torch ops round.
         r = tl.load(residual_ptr + row * residual_stride + cols, mask=mask, other=0.0)
         out = out.to(x.dtype).to(tl.float32) + r.to(tl.float32)
+        if SCALE_AFTER:  # then the whole stream times a scalar (Gemma 4's layer scalar), rounded in between
+            out = out.to(out_ptr.dtype.element_ty).to(tl.float32) * tl.load(scale_ptr).to(tl.float32)
     tl.store(out_ptr + row * out_stride + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -115,9 +119,9 @@ def fp32_weight_rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: floa
 
 
 def add_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor,
-                 weighting: str) -> torch.Tensor:
+                 weighting: str, scale: torch.Tensor | None = None) -> torch.Tensor:
     """``residual + norm(x)`` in one pass, for Gemma's ``offset`` or ``fp32`` weighting (a block's
-    normed output joining the stream)."""
+    normed output joining the stream), times ``scale`` (one value) where given."""
     hidden = x.shape[-1]
     x2, r2 = x.reshape(-1, hidden), residual.reshape(-1, hidden)
     if x.shape != residual.shape or x2.stride(-1) != 1 or r2.stride(-1) != 1 or weight.stride(-1) != 1:
@@ -127,17 +131,20 @@ def add_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: to
     out = torch.empty(x.shape, dtype=torch.promote_types(x.dtype, residual.dtype), device=x.device)
     out2 = out.view(-1, hidden)
     if x2.shape[0]:
-        _launch(x2, r2, weight, out2, out2, eps, has_residual=True, add_after=True, weighting=WEIGHTINGS[weighting])
+        _launch(x2, r2, weight, out2, out2, eps, has_residual=True, add_after=True, weighting=WEIGHTINGS[weighting],
+                scale=scale)
     return out
 
 
 def _launch(x2: torch.Tensor, r2: torch.Tensor, weight: torch.Tensor | None, out2: torch.Tensor, nr2: torch.Tensor,
-            eps: float, *, has_residual: bool, add_after: bool, weighting: int) -> None:
+            eps: float, *, has_residual: bool, add_after: bool, weighting: int,
+            scale: torch.Tensor | None = None) -> None:
     block = triton.next_power_of_2(x2.shape[-1])
     _rms_norm_kernel[(x2.shape[0],)](
-        x2, r2, weight if weight is not None else x2, out2, nr2, x2.stride(0), r2.stride(0), out2.stride(0),
-        nr2.stride(0), x2.shape[-1], float(eps), HAS_RESIDUAL=has_residual, ADD_AFTER=add_after,
-        WEIGHTING=weighting, BLOCK=block, num_warps=max(1, min(16, block // 256)), **pdl_launch_args(x2.device),
+        x2, r2, weight if weight is not None else x2, out2, nr2, scale if scale is not None else x2, x2.stride(0),
+        r2.stride(0), out2.stride(0), nr2.stride(0), x2.shape[-1], float(eps), HAS_RESIDUAL=has_residual,
+        ADD_AFTER=add_after, SCALE_AFTER=scale is not None, WEIGHTING=weighting, BLOCK=block,
+        num_warps=max(1, min(16, block // 256)), **pdl_launch_args(x2.device),
     )
 
 

@@ -135,10 +135,10 @@ def add_norm_linear(x: torch.Tensor, stream: torch.Tensor, add_weight: torch.Ten
 
 
 def add_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor,
-                 weighting: str) -> torch.Tensor:
+                 weighting: str, scale: torch.Tensor | None = None) -> torch.Tensor:
     """``residual + norm(x)``: a Gemma block's normed output joining the stream, in one pass
-    (``weighting`` ``offset`` or ``fp32``, see ``reference.NORMS``)."""
-    return backend_for(x).add_rms_norm(x, weight, eps, residual, weighting)
+    (``weighting`` ``offset`` or ``fp32``, see ``reference.NORMS``), times ``scale`` where given."""
+    return backend_for(x).add_rms_norm(x, weight, eps, residual, weighting, scale)
 
 
 def linear_into_stream(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,

@@ -195,9 +195,10 @@ class Gemma4RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return ops.fp32_weight_rms_norm(x, self.weight, self.eps)
 
-    def add_to(self, x: torch.Tensor, stream: torch.Tensor) -> torch.Tensor:
-        """``stream + norm(x)``: a block's output normed into the residual stream, in one pass."""
-        return ops.add_rms_norm(x, self.weight, self.eps, stream, self.weighting)
+    def add_to(self, x: torch.Tensor, stream: torch.Tensor, scale: torch.Tensor | None = None) -> torch.Tensor:
+        """``stream + norm(x)``: a block's output normed into the residual stream (then times ``scale``,
+        the layer scalar, where given), in one pass."""
+        return ops.add_rms_norm(x, self.weight, self.eps, stream, self.weighting, scale)
 
 
 class SharedKVAttention(PagedAttention):
@@ -283,11 +284,13 @@ class Gemma4DecoderLayer(nn.Module):
         attn = PendingOutput(self.self_attn(positions, projected, kv_cache, meta), self.post_attention_layernorm)
         activation, x = add_norm_linear(attn, x, self.pre_feedforward_layernorm, self.mlp.gate_up_proj, gated=True,
                                         activation="gelu_tanh")
-        x = self.post_feedforward_layernorm.add_to(self.mlp.down_proj(activation), x)
-        if per_layer_input is not None:
-            gate = torch.nn.functional.gelu(self.per_layer_input_gate(x), approximate="tanh")
-            x = self.post_per_layer_input_norm.add_to(self.per_layer_projection(gate * per_layer_input), x)
-        return x * self.layer_scalar
+        mlp = self.mlp.down_proj(activation)
+        if per_layer_input is None:
+            return self.post_feedforward_layernorm.add_to(mlp, x, self.layer_scalar)
+        x = self.post_feedforward_layernorm.add_to(mlp, x)
+        gate = torch.nn.functional.gelu(self.per_layer_input_gate(x), approximate="tanh")
+        return self.post_per_layer_input_norm.add_to(self.per_layer_projection(gate * per_layer_input), x,
+                                                      self.layer_scalar)
 
 
 class Gemma4Model(nn.Module):
