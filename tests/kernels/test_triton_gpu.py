@@ -254,19 +254,23 @@ def test_rotary_embedding_and_write_kv_gemma_head_dims(dtype, num_tokens, num_q_
 QUANTIZED_KV = [torch.int8, torch.float8_e4m3fn, torch.float8_e5m2]
 
 
+# bf16 (what the engine runs) over the shapes; float32 and a checkpoint's static magnitudes on one each.
+QUANTIZED_WRITE_CASES = ([(torch.bfloat16, shape, False) for shape in ((1, 8, 128), (77, 2, 256), (33, 4, 512))]
+                         + [(torch.float32, (9, 4, 128), False), (torch.bfloat16, (9, 4, 128), True)])
+
+
 @pytest.mark.parametrize("cache_dtype", QUANTIZED_KV, ids=str)
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("num_tokens,num_kv_heads,head_dim", [(1, 8, 128), (77, 2, 256), (33, 4, 512)])
-@pytest.mark.parametrize("static", [False, True])
-def test_quantized_kv_write(cache_dtype, dtype, num_tokens, num_kv_heads, head_dim, static) -> None:
+@pytest.mark.parametrize("dtype,shape,static", QUANTIZED_WRITE_CASES)
+def test_quantized_kv_write(cache_dtype, dtype, shape, static) -> None:
+    num_tokens, num_kv_heads, head_dim = shape
     cases.check_quantized_kv_write(triton_ops, num_tokens=num_tokens, num_kv_heads=num_kv_heads, head_dim=head_dim,
                                    dtype=dtype, cache_dtype=cache_dtype, device="cuda", static=static)
 
 
 @pytest.mark.parametrize("cache_dtype", QUANTIZED_KV, ids=str)
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("specs,window,splits", [([(1, 4000)] * 4, None, None), ([(1, 900), (37, 600)], 256, None),
-                                                 ([(1, 3000)], None, 7)])
+@pytest.mark.parametrize("dtype,specs,window,splits", [
+    (torch.bfloat16, [(1, 4000)] * 4, None, None), (torch.bfloat16, [(1, 900), (37, 600)], 256, None),
+    (torch.bfloat16, [(1, 3000)], None, 7), (torch.float32, [(1, 900), (37, 600)], None, None)])
 def test_quantized_attention(cache_dtype, dtype, specs, window, splits) -> None:
     cases.check_quantized_attention(triton_ops, specs=specs, num_q_heads=32, num_kv_heads=8, head_dim=128,
                                     dtype=dtype, cache_dtype=cache_dtype, device="cuda", sliding_window=window,
