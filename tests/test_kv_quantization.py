@@ -19,7 +19,7 @@ from helpers import make_model_dir
 from test_parity import parity_prompts
 from tokenmill import LLM, SamplingParams
 from tokenmill.kernels import reference
-from tokenmill.loader.kv_layout import KVSpec
+from tokenmill.loader.kv_layout import KVSpec, resolve_kv_cache_dtype
 
 KV_DTYPES = {"int8": torch.int8, "fp8": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
 # Largest error of a dequantized value, as a share of its head's largest magnitude.
@@ -139,3 +139,13 @@ def test_a_checkpoint_with_k_scale_but_no_v_scale_is_refused(tmp_path) -> None:
     _with_kv_scales(tmp_path, {"k_scale": 0.01})
     with pytest.raises(ValueError, match="k_scale or v_scale"):
         LLM(str(tmp_path), device="cpu", dtype="float32", kv_cache_dtype="int8")
+
+
+def test_the_dtype_names_resolve_and_cuda_refuses_a_quantized_cache_for_now() -> None:
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert resolve_kv_cache_dtype("auto", torch.bfloat16, cuda) == torch.bfloat16
+    assert resolve_kv_cache_dtype("fp8_e5m2", torch.float32, cpu) == torch.float8_e5m2
+    with pytest.raises(ValueError, match="kv_cache_dtype 'int8' is not supported on CUDA yet"):
+        resolve_kv_cache_dtype("int8", torch.bfloat16, cuda)
+    with pytest.raises(ValueError, match="kv_cache_dtype"):
+        LLM(device="cpu", kv_cache_dtype="fp16")
