@@ -40,6 +40,9 @@ for part in "$@"; do
         | grep -v "it/s]" | tail -40 ;;
     study-gemv)
       python3 benchmarks/study_gemv.py --out "$OUT/study-gemv.json" 2>&1 | tee "$OUT/study-gemv.log" | tail -60 ;;
+    study-gemv-gemma3)
+      timeout 560 python3 benchmarks/study_gemv.py --models gemma3-4b,gemma3-27b --sweep \
+        --out "$OUT/study-gemv-gemma3.json" 2>&1 | tee "$OUT/study-gemv-gemma3.log" | tail -40 ;;
     kernel-profile)
       python3 benchmarks/profile_kernels.py --out "$OUT/kernel-profile.json" 2>&1 | grep -v "it/s]" | tail -80 ;;
     *) echo "unknown part $part"; exit 2 ;;

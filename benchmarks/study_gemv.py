@@ -12,7 +12,7 @@ The first version of this study (commit 90d5c8a, results in benchmarks/results/)
 rows, where the kernel lost to cuBLAS; and without programmatic dependent launch the fused qkv and
 gate|up lost too.
 
-    python benchmarks/study_gemv.py [--models llama3-8b,gemma3-4b,...] --out study.json
+    python benchmarks/study_gemv.py [--models llama3-8b,gemma3-4b,...] [--sweep] --out study.json
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ import torch.nn.functional as F
 
 from tokenmill.bench.hardware import environment, measure_ceilings
 from tokenmill.kernels import triton_ops
-from tokenmill.kernels.triton_gemv import linear_residual, norm_linear
+from tokenmill.kernels.triton_gemv import _gemv, linear_residual, norm_linear
 
 EPS = 1e-6
 DT = torch.bfloat16
@@ -125,15 +125,56 @@ def per_op(model: str, bandwidth: float) -> list[dict]:
     return rows
 
 
+SWEEP = [(block_n, block_k, warps) for block_n in (4, 8, 16, 32) for block_k in (512, 1024, 2048)
+         for warps in (4, 8)]
+
+
+def sweep(model: str, bandwidth: float) -> list[dict]:
+    """The fused GEMV of each projection of ``model`` over ``SWEEP``'s tiles (BLOCK_N, BLOCK_K,
+    warps; a gated program reads BLOCK_N rows of each half), fastest first in each row's ``tiles``."""
+    weighting, activation, projections = MODELS[model]
+    rows = []
+    for name, n, k, kind in projections:
+        ws = weights(n, k)
+        x = torch.randn(1, k, device="cuda", dtype=DT)
+        norm_w = ((0.0 if weighting == "offset" else 1.0) + 0.1 * torch.randn(k, device="cuda")).to(DT)
+        res = torch.zeros(1, n // 2 if kind == "gated" else n, device="cuda", dtype=DT)
+        timed = []
+        for tiles in SWEEP:
+            if kind in ("residual", "plain"):
+                def run(w: torch.Tensor, tiles=tiles, x=x, res=res) -> torch.Tensor:
+                    return _gemv(x, w, None, residual=res, tiles=tiles)
+            else:
+                def run(w: torch.Tensor, tiles=tiles, x=x, norm_w=norm_w, kind=kind) -> torch.Tensor:
+                    return _gemv(x, w, None, norm_weight=norm_w, eps=EPS, gated=kind == "gated", weighting=weighting,
+                                 activation=activation, tiles=tiles)
+            us = time_graph(lambda ws=ws, f=run: [f(w) for w in ws]) * 1e3 / len(ws)
+            timed.append({"block_n": tiles[0], "block_k": tiles[1], "num_warps": tiles[2], "us": us})
+        timed.sort(key=lambda t: t["us"])
+        floor_us = n * k * 2 / bandwidth * 1e6
+        rows.append({"name": f"gemv_tiles/{model}/{name}/m1", "n": n, "k": k, "kind": kind, "floor_us": floor_us,
+                     "best_us": timed[0]["us"], "fraction_of_floor": floor_us / timed[0]["us"], "tiles": timed})
+        best = timed[0]
+        print(f"{model:<11} {name:<12} floor {floor_us:7.2f} us   best {best['us']:7.2f} "
+              f"(BLOCK_N {best['block_n']}, BLOCK_K {best['block_k']}, {best['num_warps']} warps)")
+        del ws
+        torch.cuda.empty_cache()
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--models", default=",".join(MODELS), help=f"comma-separated, of {', '.join(MODELS)}")
+    parser.add_argument("--sweep", action="store_true", help="also time the fused GEMV over SWEEP's tiles")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     ceilings = measure_ceilings()
     print(f"copy bandwidth {ceilings.bandwidth / 1e12:.2f} TB/s")
-    ops = [row for model in args.models.split(",") for row in per_op(model, ceilings.bandwidth)]
+    models = args.models.split(",")
+    ops = [row for model in models for row in per_op(model, ceilings.bandwidth)]
     result = {"environment": environment(ceilings, " ".join(sys.argv)), "ops": ops}
+    if args.sweep:
+        result["tiles"] = [row for model in models for row in sweep(model, ceilings.bandwidth)]
     if args.out:
         with open(args.out, "w") as f:
             json.dump(result, f, indent=1)

@@ -122,7 +122,8 @@ def _gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, *,
           norm_weight: torch.Tensor | None = None, eps: float = 0.0, gated: bool = False,
           residual: torch.Tensor | None = None, weighting: str = "llama", activation: str = "silu",
           pre: torch.Tensor | None = None, pre_weight: torch.Tensor | None = None,
-          stream_out: torch.Tensor | None = None) -> torch.Tensor:
+          stream_out: torch.Tensor | None = None, tiles: tuple[int, int, int] | None = None) -> torch.Tensor:
+    """``tiles``: force ``(BLOCK_N, BLOCK_K, num_warps)`` (the tile study); default by the kind."""
     m, k = x.shape
     n = weight.shape[0] // 2 if gated else weight.shape[0]
     if m > MAX_ROWS:
@@ -143,6 +144,9 @@ def _gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, *,
     if m == 0:
         return out
     block_n = GATED_BLOCK_N if gated else NORM_BLOCK_N if norm_weight is not None else BLOCK_N
+    block_k, num_warps = BLOCK_K, NUM_WARPS
+    if tiles is not None:
+        block_n, block_k, num_warps = tiles
     _gemv_kernel[(triton.cdiv(n, block_n),)](
         x, norm_weight if norm_weight is not None else x, weight, bias if bias is not None else weight,
         residual if residual is not None else out, out,
@@ -150,7 +154,7 @@ def _gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, *,
         n, k, weight.stride(0), float(eps),
         NORM=norm_weight is not None, WEIGHTING=WEIGHTINGS[weighting], GATED=gated, GELU=activation == "gelu_tanh",
         ADD_RES=residual is not None, HAS_BIAS=bias is not None, PRE_ADD=pre is not None,
-        BLOCK_N=block_n, BLOCK_K=BLOCK_K, K_POW2=triton.next_power_of_2(k), num_warps=NUM_WARPS,
+        BLOCK_N=block_n, BLOCK_K=block_k, K_POW2=triton.next_power_of_2(k), num_warps=num_warps,
         **pdl_launch_args(x.device),
     )
     return out
