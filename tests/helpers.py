@@ -146,3 +146,10 @@ def make_model_with_tokenizer(name: str, path: Path) -> Path:
     make_model_dir(name, path)
     make_tokenizer(path)
     return path
+
+
+def assert_clean(llm) -> None:
+    """Nothing left of finished or failed requests: no request state, no blocks held, no queue."""
+    core = llm.engine.core
+    assert llm.engine.requests == {} and core.requests == {}
+    assert core.kv.num_blocks_in_use == 0 and not core.scheduler.running and not core.scheduler.waiting

@@ -8,7 +8,7 @@ import pytest
 from tokenmill import LLM, SamplingParams
 from tokenmill.entrypoints.llm import EngineError
 
-from helpers import make_model_with_tokenizer
+from helpers import assert_clean, make_model_with_tokenizer
 from tokenmill.default_model import DEFAULT_MODEL_DIR
 from tokenmill.tokenizer import load_tokenizer, render_chat
 
@@ -22,12 +22,6 @@ def model_dir(tmp_path_factory):
 def llm(model_dir) -> LLM:
     return LLM(str(model_dir), device="cpu", dtype="float32", max_num_seqs=4, max_num_batched_tokens=64,
                max_model_len=128)
-
-
-def assert_clean(llm: LLM) -> None:
-    core = llm.engine.core
-    assert llm.engine.requests == {} and core.requests == {}
-    assert core.kv.num_blocks_in_use == 0 and not core.scheduler.running and not core.scheduler.waiting
 
 
 def works(llm: LLM) -> None:

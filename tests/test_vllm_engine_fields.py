@@ -17,7 +17,7 @@ from tokenmill.engine.messages import AddRequest, CoreInput
 from tokenmill.layers.sampler import Sampler, SamplingBatch
 from tokenmill.outputs import RequestOutput
 
-from helpers import VOCAB, make_model_with_tokenizer
+from helpers import VOCAB, assert_clean, make_model_with_tokenizer
 
 GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
 PROMPT = [5, 6, 7, 8]
@@ -40,12 +40,6 @@ def tokens(llm: LLM, prompts: list[list[int]], params: SamplingParams | list[Sam
 
 def with_bias(params: SamplingParams, bias: object) -> SamplingParams:
     return dataclasses.replace(params, logit_bias=bias)
-
-
-def assert_clean(llm: LLM) -> None:
-    core = llm.engine.core
-    assert llm.engine.requests == {} and core.requests == {}
-    assert core.kv.num_blocks_in_use == 0 and not core.scheduler.running and not core.scheduler.waiting
 
 
 # ---------------------------------------------------------------- logit_bias

@@ -113,16 +113,17 @@ class KVCacheManager:
         return True
 
     def _free_passed_blocks(self, seq: Sequence) -> None:
-        """Return the blocks no query from ``num_computed_tokens`` on can see (sliding groups)."""
+        """Return the blocks no query from ``num_computed_tokens`` on can see (sliding groups). The null
+        entries of a table are always a prefix, so only the blocks passed since the last step are walked."""
         for g, (pool, table) in enumerate(zip(self.pools, seq.block_tables)):
             null = self.null_blocks[g]
             if null is None:
                 continue
-            first = min(self._first_visible_block(g, seq.num_computed_tokens), len(table))
-            passed = [i for i in range(first) if table[i] != null]
-            pool.free([table[i] for i in passed])
-            for i in passed:
+            i = min(self._first_visible_block(g, seq.num_computed_tokens), len(table)) - 1
+            while i >= 0 and table[i] != null:
+                pool.free([table[i]])
                 table[i] = null
+                i -= 1
 
     def commit_computed_blocks(self, seq: Sequence) -> None:
         """Make the sequence's newly full and computed blocks findable by later requests (in every

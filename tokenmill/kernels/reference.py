@@ -21,6 +21,11 @@ from __future__ import annotations
 import torch
 
 
+def kv_qmax(cache_dtype: torch.dtype) -> float:
+    """The largest value a quantized cache's dtype (int8 or a float8) holds."""
+    return float(torch.iinfo(cache_dtype).max if cache_dtype == torch.int8 else torch.finfo(cache_dtype).max)
+
+
 def quantize_kv(x: torch.Tensor, cache_dtype: torch.dtype,
                 static_amax: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``x`` ``[T, H, D]`` in ``cache_dtype`` (int8 or a float8) with one scale per token and head
@@ -29,7 +34,7 @@ def quantize_kv(x: torch.Tensor, cache_dtype: torch.dtype,
     values are clipped) over the dtype's largest value, rounded up to bfloat16 before ``x`` is
     divided by it: the stored scale is exactly the one used, and nothing overflows. int8 rounds to
     the nearest integer; float8 rounds as the cast does."""
-    qmax = float(torch.iinfo(cache_dtype).max if cache_dtype == torch.int8 else torch.finfo(cache_dtype).max)
+    qmax = kv_qmax(cache_dtype)
     amax = x.float().abs().amax(dim=-1) if static_amax is None else static_amax.float().expand(x.shape[:-1])
     scale = (amax / qmax * (1 + 2**-7)).to(torch.bfloat16)  # bf16 rounds within 2**-9: never below amax / qmax
     safe = torch.where(scale > 0, scale.float(), torch.ones_like(amax))  # an all-zero head stays zero

@@ -14,6 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
+from tokenmill.kernels.reference import kv_qmax
 from tokenmill.kernels.triton_launch import pdl_launch_args, wait_for_previous_kernel
 from tokenmill.kernels.triton_norm import WEIGHTINGS, weigh
 
@@ -117,73 +118,51 @@ def _rope_write_kv_kernel(
             tl.store(q_heads + qh * q_stride_h + idx[None, :], q1, mask=qmask)
             tl.store(q_heads + qh * q_stride_h + half + idx[None, :], q2, mask=qmask)
     else:
-        _rotate_and_write_kv(
-            t, cos, sin, idx, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_ptr, k_norm_ptr, eps,
-            k_stride_t, k_stride_h, v_stride_t, v_stride_h,
-            kc_stride_block, kc_stride_slot, kc_stride_head, vc_stride_block, vc_stride_slot, vc_stride_head,
-            k_scale_ptr, v_scale_ptr, ks_stride_block, ks_stride_slot, ks_stride_head,
-            vs_stride_block, vs_stride_slot, vs_stride_head, kv_amax_ptr,
-            block_size, num_kv_heads, half, head_dim,
-            HAS_NORM, WEIGHTING, QUANTIZED, QMAX, STATIC_AMAX, BLOCK_HK, BLOCK_HALF, BLOCK_D)
-
-
-@triton.jit
-def _rotate_and_write_kv(
-    t, cos, sin, idx, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_ptr, k_norm_ptr, eps,
-    k_stride_t, k_stride_h, v_stride_t, v_stride_h,
-    kc_stride_block, kc_stride_slot, kc_stride_head, vc_stride_block, vc_stride_slot, vc_stride_head,
-    k_scale_ptr, v_scale_ptr, ks_stride_block, ks_stride_slot, ks_stride_head,
-    vs_stride_block, vs_stride_slot, vs_stride_head, kv_amax_ptr,
-    block_size, num_kv_heads, half, head_dim,
-    HAS_NORM: tl.constexpr, WEIGHTING: tl.constexpr, QUANTIZED: tl.constexpr, QMAX: tl.constexpr,
-    STATIC_AMAX: tl.constexpr, BLOCK_HK: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_D: tl.constexpr,
-):
-    """Token ``t``'s k heads rotated (normed first with ``HAS_NORM``) and written with its v heads
-    to the cache at its slot (quantized with ``QUANTIZED``)."""
-    # Padding tokens (slot < 0) get zero live heads: nothing is written to the cache.
-    # (A scalar folded into the mask as a limit, not and-ed in as a bool: the
-    # interpreter rejects scalar-bool & tensor-bool masks.)
-    slot = tl.load(slot_mapping_ptr + t).to(tl.int64)
-    live_heads = tl.where(slot >= 0, num_kv_heads, 0)
-    block = slot // block_size
-    offset = slot % block_size
-    kh = tl.arange(0, BLOCK_HK)[:, None]
-    dims = tl.arange(0, BLOCK_D)[None, :]
-    k_row = k_ptr + t * k_stride_t
-    v_row = v_ptr + t * v_stride_t
-    k_slot = k_cache_ptr + block * kc_stride_block + offset * kc_stride_slot
-    v_slot = v_cache_ptr + block * vc_stride_block + offset * vc_stride_slot
-    for h0 in range(0, num_kv_heads, BLOCK_HK):
-        k1, k2 = _rotate(k_row + h0 * k_stride_h, k_stride_h, num_kv_heads - h0, cos, sin, half, k_norm_ptr, eps,
-                         HAS_NORM, WEIGHTING, BLOCK_HK, BLOCK_HALF)
-        kmask = (kh < live_heads - h0) & (idx[None, :] < half)
-        k_dst = k_slot + (h0 + kh) * kc_stride_head + idx[None, :]
-        vmask = (kh < live_heads - h0) & (dims < head_dim)
-        v = tl.load(v_row + (h0 + kh) * v_stride_h + dims, mask=vmask)
-        v_dst = v_slot + (h0 + kh) * vc_stride_head + dims
-        if QUANTIZED:
-            # One scale per token and head, for K and for V, stored beside the one-byte values.
-            heads = h0 + tl.arange(0, BLOCK_HK)
-            live = heads < live_heads
-            k1f, k2f, vf = k1.to(tl.float32), k2.to(tl.float32), v.to(tl.float32)
-            k_amax = tl.maximum(tl.max(tl.abs(k1f), axis=1), tl.max(tl.abs(k2f), axis=1))
-            v_amax = tl.max(tl.abs(vf), axis=1)
-            if STATIC_AMAX:  # a checkpoint's calibrated magnitudes, for every token and head
-                k_amax = tl.zeros_like(k_amax) + tl.load(kv_amax_ptr)
-                v_amax = tl.zeros_like(v_amax) + tl.load(kv_amax_ptr + 1)
-            k_s = _kv_scale(k_amax, QMAX)
-            v_s = _kv_scale(v_amax, QMAX)
-            tl.store(k_scale_ptr + block * ks_stride_block + offset * ks_stride_slot + heads * ks_stride_head,
-                     k_s.to(k_scale_ptr.dtype.element_ty), mask=live)
-            tl.store(v_scale_ptr + block * vs_stride_block + offset * vs_stride_slot + heads * vs_stride_head,
-                     v_s.to(v_scale_ptr.dtype.element_ty), mask=live)
-            tl.store(k_dst, _quantize(k1f, k_s[:, None], QMAX, k_cache_ptr.dtype.element_ty), mask=kmask)
-            tl.store(k_dst + half, _quantize(k2f, k_s[:, None], QMAX, k_cache_ptr.dtype.element_ty), mask=kmask)
-            tl.store(v_dst, _quantize(vf, v_s[:, None], QMAX, v_cache_ptr.dtype.element_ty), mask=vmask)
-        else:
-            tl.store(k_dst, k1.to(k_cache_ptr.dtype.element_ty), mask=kmask)
-            tl.store(k_dst + half, k2.to(k_cache_ptr.dtype.element_ty), mask=kmask)
-            tl.store(v_dst, v.to(v_cache_ptr.dtype.element_ty), mask=vmask)
+        # Padding tokens (slot < 0) get zero live heads: nothing is written to the cache.
+        # (A scalar folded into the mask as a limit, not and-ed in as a bool: the
+        # interpreter rejects scalar-bool & tensor-bool masks.)
+        slot = tl.load(slot_mapping_ptr + t).to(tl.int64)
+        live_heads = tl.where(slot >= 0, num_kv_heads, 0)
+        block = slot // block_size
+        offset = slot % block_size
+        kh = tl.arange(0, BLOCK_HK)[:, None]
+        dims = tl.arange(0, BLOCK_D)[None, :]
+        k_row = k_ptr + t * k_stride_t
+        v_row = v_ptr + t * v_stride_t
+        k_slot = k_cache_ptr + block * kc_stride_block + offset * kc_stride_slot
+        v_slot = v_cache_ptr + block * vc_stride_block + offset * vc_stride_slot
+        for h0 in range(0, num_kv_heads, BLOCK_HK):
+            k1, k2 = _rotate(k_row + h0 * k_stride_h, k_stride_h, num_kv_heads - h0, cos, sin, half, k_norm_ptr, eps,
+                             HAS_NORM, WEIGHTING, BLOCK_HK, BLOCK_HALF)
+            kmask = (kh < live_heads - h0) & (idx[None, :] < half)
+            k_dst = k_slot + (h0 + kh) * kc_stride_head + idx[None, :]
+            vmask = (kh < live_heads - h0) & (dims < head_dim)
+            v = tl.load(v_row + (h0 + kh) * v_stride_h + dims, mask=vmask)
+            v_dst = v_slot + (h0 + kh) * vc_stride_head + dims
+            if QUANTIZED:
+                # One scale per token and head, for K and for V, stored beside the one-byte values.
+                heads = h0 + tl.arange(0, BLOCK_HK)
+                live = heads < live_heads
+                k1f, k2f, vf = k1.to(tl.float32), k2.to(tl.float32), v.to(tl.float32)
+                k_amax = tl.maximum(tl.max(tl.abs(k1f), axis=1), tl.max(tl.abs(k2f), axis=1))
+                v_amax = tl.max(tl.abs(vf), axis=1)
+                if STATIC_AMAX:  # a checkpoint's calibrated magnitudes, for every token and head
+                    k_amax = tl.zeros_like(k_amax) + tl.load(kv_amax_ptr)
+                    v_amax = tl.zeros_like(v_amax) + tl.load(kv_amax_ptr + 1)
+                k_s = _kv_scale(k_amax, QMAX)
+                v_s = _kv_scale(v_amax, QMAX)
+                tl.store(k_scale_ptr + block * ks_stride_block + offset * ks_stride_slot + heads * ks_stride_head,
+                         k_s.to(k_scale_ptr.dtype.element_ty), mask=live)
+                tl.store(v_scale_ptr + block * vs_stride_block + offset * vs_stride_slot + heads * vs_stride_head,
+                         v_s.to(v_scale_ptr.dtype.element_ty), mask=live)
+                tl.store(k_dst, _quantize(k1f, k_s[:, None], QMAX, k_cache_ptr.dtype.element_ty), mask=kmask)
+                tl.store(k_dst + half, _quantize(k2f, k_s[:, None], QMAX, k_cache_ptr.dtype.element_ty),
+                         mask=kmask)
+                tl.store(v_dst, _quantize(vf, v_s[:, None], QMAX, v_cache_ptr.dtype.element_ty), mask=vmask)
+            else:
+                tl.store(k_dst, k1.to(k_cache_ptr.dtype.element_ty), mask=kmask)
+                tl.store(k_dst + half, k2.to(k_cache_ptr.dtype.element_ty), mask=kmask)
+                tl.store(v_dst, v.to(v_cache_ptr.dtype.element_ty), mask=vmask)
 
 
 def rotary_embedding_and_write_kv(
@@ -214,9 +193,9 @@ def rotary_embedding_and_write_kv(
     CUDA-graph safe."""
     if (q_norm_weight is None) != (k_norm_weight is None):
         raise ValueError("give both q and k norm weights, or neither")
-    quantized = k_cache.dtype in (torch.int8, torch.float8_e4m3fn, torch.float8_e5m2)
-    if quantized != (k_scale is not None) or (k_scale is None) != (v_scale is None):
-        raise ValueError("a quantized cache (int8, float8) takes k and v scales, and only it does")
+    quantized = k_scale is not None  # as the reference decides it
+    if (k_scale is None) != (v_scale is None):
+        raise ValueError("a quantized cache takes both k and v scales")
     num_tokens, num_q_heads, head_dim = query.shape
     num_kv_heads = key.shape[1]
     rot_dim = cos_sin_cache.shape[-1]
@@ -247,7 +226,7 @@ def rotary_embedding_and_write_kv(
             HAS_NORM=q_norm_weight is not None,
             WEIGHTING=WEIGHTINGS[norm_weighting],
             QUANTIZED=quantized,
-            QMAX=_qmax(k_cache.dtype) if quantized else 0.0,
+            QMAX=kv_qmax(k_cache.dtype) if quantized else 0.0,
             STATIC_AMAX=quantized and kv_amax is not None,
             BLOCK_HQ=block_hq,
             BLOCK_HK=block_hk,
@@ -257,10 +236,6 @@ def rotary_embedding_and_write_kv(
             **pdl_launch_args(query.device),
         )
     return query
-
-
-def _qmax(dtype: torch.dtype) -> float:
-    return float(torch.iinfo(dtype).max if dtype == torch.int8 else torch.finfo(dtype).max)
 
 
 def rotary_embedding_query(positions: torch.Tensor, query: torch.Tensor, cos_sin_cache: torch.Tensor,
