@@ -149,3 +149,11 @@ def test_the_dtype_names_resolve_and_cuda_refuses_a_quantized_cache_for_now() ->
         resolve_kv_cache_dtype("int8", torch.bfloat16, cuda)
     with pytest.raises(ValueError, match="kv_cache_dtype"):
         LLM(device="cpu", kv_cache_dtype="fp16")
+
+
+@pytest.mark.parametrize("bad", [0.0, -0.01, float("nan"), float("inf")])
+def test_a_checkpoint_kv_scale_that_is_not_finite_and_positive_is_refused(bad: float, tmp_path) -> None:
+    make_model_dir("llama3", tmp_path)
+    _with_kv_scales(tmp_path, {"k_scale": bad, "v_scale": 0.01})
+    with pytest.raises(ValueError, match="k_scale must be a finite positive scale"):
+        LLM(str(tmp_path), device="cpu", dtype="float32", kv_cache_dtype="int8")

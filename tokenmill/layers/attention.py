@@ -6,6 +6,7 @@ and speculative verification: only ``query_start_loc`` differs.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -78,6 +79,8 @@ class PagedAttention(nn.Module):
         tensor's calibrated largest magnitude to 448, kept as that magnitude."""
         if scale.numel() != 1:
             raise ValueError(f"{which} must hold one value (a per-tensor scale), got shape {tuple(scale.shape)}")
+        if not (math.isfinite(float(scale)) and float(scale) > 0):
+            raise ValueError(f"{which} must be a finite positive scale, got {float(scale)}")
         if self.kv_amax is None:
             self.kv_amax = torch.full((2,), float("nan"), dtype=torch.float32, device=self.rotary.cos_sin_cache.device)
         self.kv_amax[0 if which == "k_scale" else 1] = float(scale) * torch.finfo(torch.float8_e4m3fn).max
