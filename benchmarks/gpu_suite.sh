@@ -10,13 +10,16 @@ export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 OUT=${OUT:-benchmarks/results/out}
 mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,memory.total,memory.used,clocks.sm,clocks.mem --format=csv | tee "$OUT/nvidia-smi.txt"
+# Kernel tests are bound by Triton compiling on the host: spread them over processes when pytest-xdist is there.
+parallel=""
+python3 -c "import xdist" 2>/dev/null && parallel="-n ${PYTEST_WORKERS:-8}"
 for part in "$@"; do
   case $part in
     tests)
-      python3 -m pytest -q -p no:cacheprovider -m gpu tests/kernels/test_triton_gpu.py tests/test_gpu_engine.py \
+      python3 -m pytest -q -p no:cacheprovider $parallel -m gpu tests/kernels/test_triton_gpu.py tests/test_gpu_engine.py \
         2>&1 | tee "$OUT/gpu-tests.log" | tail -25 ;;
     engine-tests)
-      python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu_engine.py 2>&1 | tee "$OUT/gpu-engine-tests.log" | tail -15 ;;
+      python3 -m pytest -q -p no:cacheprovider $parallel -m gpu tests/test_gpu_engine.py 2>&1 | tee "$OUT/gpu-engine-tests.log" | tail -15 ;;
     kernels)
       python3 benchmarks/bench_kernels.py --out "$OUT/bench_kernels.json" 2>&1 | tail -25 ;;
     startup|latency|batch|throughput|features|kvcache)

@@ -141,12 +141,16 @@ def test_a_checkpoint_with_k_scale_but_no_v_scale_is_refused(tmp_path) -> None:
         LLM(str(tmp_path), device="cpu", dtype="float32", kv_cache_dtype="int8")
 
 
-def test_the_dtype_names_resolve_and_cuda_refuses_a_quantized_cache_for_now() -> None:
+def test_the_dtype_names_resolve_and_an_old_gpu_refuses_e4m3(monkeypatch) -> None:
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
     assert resolve_kv_cache_dtype("auto", torch.bfloat16, cuda) == torch.bfloat16
     assert resolve_kv_cache_dtype("fp8_e5m2", torch.float32, cpu) == torch.float8_e5m2
-    with pytest.raises(ValueError, match="kv_cache_dtype 'int8' is not supported on CUDA yet"):
-        resolve_kv_cache_dtype("int8", torch.bfloat16, cuda)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    assert resolve_kv_cache_dtype("int8", torch.bfloat16, cuda) == torch.int8
+    with pytest.raises(ValueError, match=r"compute capability 8.9 or later \(this one is 8.0\)"):
+        resolve_kv_cache_dtype("fp8_e4m3", torch.bfloat16, cuda)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    assert resolve_kv_cache_dtype("fp8_e4m3", torch.bfloat16, cuda) == torch.float8_e4m3fn
     with pytest.raises(ValueError, match="kv_cache_dtype"):
         LLM(device="cpu", kv_cache_dtype="fp16")
 

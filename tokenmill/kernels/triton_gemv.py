@@ -8,7 +8,7 @@ cuBLAS also runs o and down split-K with a reduction kernel of its own) that
 cost a few microseconds each however few bytes they move. Here each program
 owns ``BLOCK_N`` output features and walks K with the next weight tile already
 in flight, and does the neighbours' work on the way: in front, the RMSNorm of
-the input row (every program recomputes its statistics from L2, 8 KB; for Gemma,
+the input row (every program recomputes its statistics from L2, a tile at a time; for Gemma,
 first the previous block's normed output joins the row); behind, the residual
 add, or SiLU (GeGLU: tanh-GELU) of gate row ``n`` times up row ``N + n``.
 Launched with PDL, a program loads its first weight tile before it waits for the
@@ -39,11 +39,25 @@ BLOCK_N, NORM_BLOCK_N, GATED_BLOCK_N, BLOCK_K, NUM_WARPS = 8, 16, 4, 1024, 4
 
 
 @triton.jit
+def _joined_row(x_ptr, pre_ptr, pre_w_ptr, ks, K, pre_rstd, WEIGHTING: tl.constexpr, PRE_ADD: tl.constexpr):
+    """Elements ``ks`` of the row the kernel norms: ``x``, or with ``PRE_ADD`` the stream after a Gemma
+    block's output ``pre`` joins it, ``x + norm(pre)`` (``pre_rstd``: pre's statistic), rounded as the
+    unfused add does."""
+    x = tl.load(x_ptr + ks, mask=ks < K, other=0.0)
+    if PRE_ADD:
+        pre = tl.load(pre_ptr + ks, mask=ks < K, other=0.0)
+        pre_w = tl.load(pre_w_ptr + ks, mask=ks < K, other=0.0).to(tl.float32)
+        joined = weigh(pre.to(tl.float32) * pre_rstd, pre_w, WEIGHTING).to(pre.dtype).to(tl.float32)
+        x = (x.to(tl.float32) + joined).to(x.dtype)
+    return x
+
+
+@triton.jit
 def _gemv_kernel(x_ptr, norm_w_ptr, w_ptr, bias_ptr, res_ptr, out_ptr, pre_ptr, pre_w_ptr, stream_out_ptr,
                  N, K, stride_w, eps,
                  NORM: tl.constexpr, WEIGHTING: tl.constexpr, GATED: tl.constexpr, GELU: tl.constexpr,
                  ADD_RES: tl.constexpr, HAS_BIAS: tl.constexpr, PRE_ADD: tl.constexpr,
-                 PDL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_POW2: tl.constexpr):
+                 PDL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     ns = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = ns < N
     ks0 = tl.arange(0, BLOCK_K)
@@ -56,24 +70,22 @@ def _gemv_kernel(x_ptr, norm_w_ptr, w_ptr, bias_ptr, res_ptr, out_ptr, pre_ptr, 
         u = tl.load(u_rows + ks0[None, :], mask=first, other=0.0, eviction_policy="evict_first")
     wait_for_previous_kernel(PDL)
 
+    # The row's statistics, BLOCK_K at a time (a whole row of Gemma-3-27B's 5376 held at once, or
+    # three with PRE_ADD, spilled registers): reads from L2, under the first weight tile in flight.
     rstd = 0.0
     pre_rstd = 0.0
+    if PRE_ADD:
+        pre_sq = tl.zeros((BLOCK_K,), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            pre_f = tl.load(pre_ptr + k0 + ks0, mask=k0 + ks0 < K, other=0.0).to(tl.float32)
+            pre_sq += pre_f * pre_f
+        pre_rstd = tl.rsqrt(tl.sum(pre_sq, axis=0) / K + eps)
     if NORM:
-        all_k = tl.arange(0, K_POW2)
-        row = tl.load(x_ptr + all_k, mask=all_k < K, other=0.0)
-        if PRE_ADD:
-            # x is the stream before a Gemma block's output joins it: the row normed here is
-            # x + norm(pre), which every program rebuilds and the first one also stores.
-            pre = tl.load(pre_ptr + all_k, mask=all_k < K, other=0.0)
-            pre_f = pre.to(tl.float32)
-            pre_rstd = tl.rsqrt(tl.sum(pre_f * pre_f, axis=0) / K + eps)
-            pre_w = tl.load(pre_w_ptr + all_k, mask=all_k < K, other=0.0).to(tl.float32)
-            joined = weigh(pre_f * pre_rstd, pre_w, WEIGHTING).to(pre.dtype).to(tl.float32)
-            row = (row.to(tl.float32) + joined).to(row.dtype)
-            if tl.program_id(0) == 0:
-                tl.store(stream_out_ptr + all_k, row, mask=all_k < K)
-        row = row.to(tl.float32)
-        rstd = tl.rsqrt(tl.sum(row * row, axis=0) / K + eps)
+        row_sq = tl.zeros((BLOCK_K,), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            row = _joined_row(x_ptr, pre_ptr, pre_w_ptr, k0 + ks0, K, pre_rstd, WEIGHTING, PRE_ADD).to(tl.float32)
+            row_sq += row * row
+        rstd = tl.rsqrt(tl.sum(row_sq, axis=0) / K + eps)
     acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
     acc_u = tl.zeros((BLOCK_N,), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
@@ -81,12 +93,10 @@ def _gemv_kernel(x_ptr, norm_w_ptr, w_ptr, bias_ptr, res_ptr, out_ptr, pre_ptr, 
         nxt = ks + BLOCK_K
         nxt_mask = n_ok[:, None] & (nxt[None, :] < K)
         w_next = tl.load(w_rows + nxt[None, :], mask=nxt_mask, other=0.0, eviction_policy="evict_first")
-        x = tl.load(x_ptr + ks, mask=ks < K, other=0.0)
-        if PRE_ADD:  # this tile of x + norm(pre), rebuilt as the prologue built the whole row
-            pre_k = tl.load(pre_ptr + ks, mask=ks < K, other=0.0)
-            pre_wk = tl.load(pre_w_ptr + ks, mask=ks < K, other=0.0).to(tl.float32)
-            joined_k = weigh(pre_k.to(tl.float32) * pre_rstd, pre_wk, WEIGHTING).to(pre_k.dtype).to(tl.float32)
-            x = (x.to(tl.float32) + joined_k).to(x.dtype)
+        x = _joined_row(x_ptr, pre_ptr, pre_w_ptr, ks, K, pre_rstd, WEIGHTING, PRE_ADD)
+        if PRE_ADD:
+            if tl.program_id(0) == 0:  # the new stream, stored once
+                tl.store(stream_out_ptr + ks, x, mask=ks < K)
         if NORM:
             if WEIGHTING == 0:  # Llama: the normed row rounded, then the weighted one
                 nw = tl.load(norm_w_ptr + ks, mask=ks < K, other=0.0).to(tl.float32)
@@ -154,7 +164,7 @@ def _gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, *,
         n, k, weight.stride(0), float(eps),
         NORM=norm_weight is not None, WEIGHTING=WEIGHTINGS[weighting], GATED=gated, GELU=activation == "gelu_tanh",
         ADD_RES=residual is not None, HAS_BIAS=bias is not None, PRE_ADD=pre is not None,
-        BLOCK_N=block_n, BLOCK_K=block_k, K_POW2=triton.next_power_of_2(k), num_warps=num_warps,
+        BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps,
         **pdl_launch_args(x.device),
     )
     return out

@@ -62,11 +62,20 @@ def _rotate(x_ptr, stride_h, num_heads, cos, sin, half, norm_ptr, eps,
 
 
 @triton.jit
+def _round_to_bfloat16(x):
+    """Float32 ``x`` (finite) rounded to the nearest bfloat16, ties to even, kept in float32: done on
+    the bits, since the interpreter's cast truncates where the GPU's rounds."""
+    bits = x.to(tl.uint32, bitcast=True)
+    bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def _kv_scale(amax, QMAX: tl.constexpr):
     """A head's scale, as ``reference.quantize_kv`` takes it: its largest magnitude over the dtype's,
     with a margin so that bfloat16 rounding never takes it below; returned rounded to bfloat16 (in
     float32), 1 for an all-zero head."""
-    scale = (amax / QMAX * (1.0 + 0.0078125)).to(tl.bfloat16).to(tl.float32)
+    scale = _round_to_bfloat16(tl.math.div_rn(amax, QMAX) * (1.0 + 0.0078125))
     return tl.where(scale > 0.0, scale, 1.0)
 
 
@@ -74,8 +83,9 @@ def _kv_scale(amax, QMAX: tl.constexpr):
 def _quantize(x, scale, QMAX: tl.constexpr, dtype: tl.constexpr):
     """``x`` (float32) over its head's ``scale``, clamped to the dtype's range, in ``dtype``: int8 rounds
     to the nearest integer (ties away from zero, where torch rounds them to even: a rare half step),
-    float8 as the cast does."""
-    y = tl.minimum(tl.maximum(x / scale, -QMAX), QMAX)
+    float8 as the cast does. The division is IEEE's (a plain ``/`` is an approximate one on the GPU), so
+    a value quantizes as the reference's does."""
+    y = tl.minimum(tl.maximum(tl.math.div_rn(x, scale), -QMAX), QMAX)
     if dtype == tl.int8:
         y = tl.where(y >= 0.0, tl.floor(y + 0.5), -tl.floor(-y + 0.5))
     return y.to(dtype)

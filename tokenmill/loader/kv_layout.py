@@ -99,10 +99,14 @@ class KVLayout:
 
 def resolve_kv_cache_dtype(name: str, model_dtype: torch.dtype, device: torch.device) -> torch.dtype:
     """What K and V are stored in for ``kv_cache_dtype`` ``name`` (already one of ``auto`` and
-    ``QUANTIZED_KV_DTYPES``' keys). CUDA refuses a quantized cache at start-up for now."""
+    ``QUANTIZED_KV_DTYPES``' keys). float8 e4m3 needs a GPU that converts to it (compute capability
+    8.9 or later: Ada, Hopper); older ones are told at start-up, not by a kernel that fails to build."""
     if name == "auto":
         return model_dtype
-    if device.type == "cuda":
-        raise ValueError(f"kv_cache_dtype {name!r} is not supported on CUDA yet: use kv_cache_dtype='auto', "
-                         "or run on the CPU")
-    return QUANTIZED_KV_DTYPES[name]
+    dtype = QUANTIZED_KV_DTYPES[name]
+    if device.type == "cuda" and dtype == torch.float8_e4m3fn:
+        capability = torch.cuda.get_device_capability(device)
+        if capability < (8, 9):
+            raise ValueError(f"kv_cache_dtype {name!r} needs a GPU of compute capability 8.9 or later "
+                             f"(this one is {capability[0]}.{capability[1]}): use 'int8' or 'fp8_e5m2'")
+    return dtype
