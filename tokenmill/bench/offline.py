@@ -104,6 +104,9 @@ def decode_steps(engine: LLMEngine, ceilings: Ceilings, prompts: list[list[int]]
         engine.add_request(f"r{i}", prompt, params, stream=False)
     records, _, _ = run_metered(engine, ceilings)
     decode = [r for r in records if r.decode and r.batch_size == len(prompts)]
+    if not decode:
+        raise ValueError(f"no step decoded all {len(prompts)} prompts at once: generate more than the "
+                         "prefill steps, or give the engine room for every prompt")
     ms = statistics.median(r.seconds for r in decode) * 1e3
     floor_ms = statistics.median(r.floor for r in decode) * 1e3
     result = {"ms_per_step": ms, "tok_per_s": len(prompts) / ms * 1e3, "floor_ms": floor_ms,
@@ -353,7 +356,9 @@ def bench_kv_cache_dtypes(ceilings: Ceilings, shape: str = "llama3-8b", dtypes: 
         engine = make_engine(shape, max_num_seqs=64, max_model_len=8192 + 64, max_num_batched_tokens=8192,
                              kv_cache_dtype=name)
         vocab, rng = engine.model_config.vocab_size, random.Random(4)
-        long = decode_steps(engine, ceilings, [random_prompt(rng, 8192, vocab) for _ in range(64)], 32)
+        # Chunked prefill takes one step per 8192 prompt tokens; the first requests keep decoding
+        # through it, so each generates past it and 32 steps run with all 64 decoding.
+        long = decode_steps(engine, ceilings, [random_prompt(rng, 8192, vocab) for _ in range(64)], 64 + 32)
         rows.append({"name": f"kv_cache/{shape}/{name}/b64_ctx8192", "kv_cache_dtype": name, **long})
         short = decode_steps(engine, ceilings, [random_prompt(rng, 128, vocab)], 64)
         rows.append({"name": f"kv_cache/{shape}/{name}/b1_ctx128", "kv_cache_dtype": name, **short})
