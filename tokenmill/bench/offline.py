@@ -353,7 +353,7 @@ def bench_kv_cache_dtypes(ceilings: Ceilings, shape: str = "llama3-8b", dtypes: 
     dtype (``kv_budget_gib``), where a smaller cache holds more requests at once."""
     rows: list[dict] = []
     for name in dtypes:
-        engine = make_engine(shape, max_num_seqs=64, max_model_len=8192 + 64, max_num_batched_tokens=8192,
+        engine = make_engine(shape, max_num_seqs=64, max_model_len=8192 + 128, max_num_batched_tokens=8192,
                              kv_cache_dtype=name)
         vocab, rng = engine.model_config.vocab_size, random.Random(4)
         # Chunked prefill takes one step per 8192 prompt tokens; the first requests keep decoding
