@@ -30,7 +30,7 @@ for part in "$@"; do
     models-*)
       timeout 590 python3 benchmarks/run_engine_bench.py models --shapes "${part#models-}" \
         --peer-requests "${PEER_REQUESTS:-16}" \
-        --out "$OUT/${part//,/+}.json" 2>&1 | grep -v -e "it/s]" -e "^Loading" | tail -30 ;;
+        --out "$OUT/${part//,/_}.json" 2>&1 | grep -v -e "it/s]" -e "^Loading" | tail -30 ;;
     serve-qwen3-0.6b|serve-llama3-8b)
       timeout 560 python3 benchmarks/serve_vs_engine.py --shape "${part#serve-}" --out "$OUT/$part.json" 2>&1 \
         | grep -v -e "it/s]" -e "^Loading" | tail -40 ;;

@@ -177,8 +177,6 @@ def _launches(monkeypatch: pytest.MonkeyPatch) -> list[Launch]:
         triton_ops.norm_linear(row, rand(4096), 1e-6, proj, rand(64))
         triton_ops.norm_linear(row, rand(4096), 1e-6, proj, None, gated=True)
         for weighting in ("offset", "fp32"):
-            triton_ops.add_norm_linear(rand(1, 4096), row, rand(4096), rand(4096), 1e-6, proj, None, True, weighting,
-                                       "gelu_tanh")
             triton_ops.norm_linear(row, rand(4096), 1e-6, proj, None, weighting=weighting)
             triton_ops.norm_linear(row, rand(4096), 1e-6, proj, None, gated=True, weighting=weighting,
                                    activation="gelu_tanh")
@@ -198,10 +196,9 @@ def test_every_kernel_compiles_for_hopper(monkeypatch: pytest.MonkeyPatch) -> No
             ("_rms_norm_kernel", "ADD_AFTER", True), ("_act_and_mul_kernel", "GELU_TANH", True),
             ("_rope_write_kv_kernel", "BLOCK_D", 512), ("_gemv_kernel", "GELU", True)} <= variants
     assert {("_paged_attention_kernel", "KV_SCALED", True), ("_rope_write_kv_kernel", "QUANTIZED", True),
-            ("_rope_write_kv_kernel", "STATIC_AMAX", True), ("_gemv_kernel", "PRE_ADD", True),
-            ("_rms_norm_kernel", "SCALE_AFTER", True)} <= {
+            ("_rope_write_kv_kernel", "STATIC_AMAX", True), ("_rms_norm_kernel", "SCALE_AFTER", True)} <= {
         (launch.fn.__name__, key, launch.constexprs.get(key)) for launch in launches
-        for key in ("KV_SCALED", "QUANTIZED", "STATIC_AMAX", "PRE_ADD", "SCALE_AFTER")}
+        for key in ("KV_SCALED", "QUANTIZED", "STATIC_AMAX", "SCALE_AFTER")}
     for kernel, weightings in (("_rms_norm_kernel", {0, 1, 2, 3}), ("_rope_write_kv_kernel", {0, 1, 2}),
                                ("_gemv_kernel", {0, 1, 2})):
         assert {(kernel, "WEIGHTING", w) for w in weightings} <= variants, kernel

@@ -302,13 +302,6 @@ def test_fused_gemv(dtype, kind, n, k, bias) -> None:
     cases.check_gemv(triton_ops, kind=kind, n=n, k=k, dtype=dtype, device="cuda", bias=bias)
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("weighting,gated", [("offset", False), ("offset", True), ("fp32", True)])
-@pytest.mark.parametrize("n,k", [(4096, 2560), (10240, 5376)])
-def test_add_norm_linear(dtype, weighting, gated, n, k) -> None:
-    cases.check_add_norm_linear(triton_ops, n=n, k=k, dtype=dtype, device="cuda", weighting=weighting, gated=gated)
-
-
 def test_fused_gemv_takes_one_row() -> None:
     x = torch.zeros(2, 64, device="cuda", dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="at most 1 row"):

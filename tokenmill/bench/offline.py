@@ -112,9 +112,10 @@ def decode_steps(engine: LLMEngine, ceilings: Ceilings, prompts: list[list[int]]
     result = {"ms_per_step": ms, "tok_per_s": len(prompts) / ms * 1e3, "floor_ms": floor_ms,
               "fraction_of_floor": floor_ms / ms, "steps_timed": len(decode)}
     graphs = engine.core.runner.graphs
-    if graphs is not None and graphs.padded_size(len(prompts)):
+    if graphs is not None and len(prompts) == 1:
         # The step's graph alone on the GPU (decoder, LM head, greedy argmax): what the step
-        # costs beyond it is the GPU idling on the host.
+        # costs beyond it is the GPU idling on the host. One prompt only: the graph replays the
+        # last step's inputs, and a batch's last step holds only the requests that finished last.
         longest = max(len(p) for p in prompts) + new_tokens
         result["graph_replay_ms"] = time_cuda(graphs.graph_for(len(prompts), longest).replay) * 1e3
     return result

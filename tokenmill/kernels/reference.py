@@ -262,15 +262,6 @@ def norm_linear(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight: 
     return GATED_ACTIVATIONS[activation](out) if gated else out
 
 
-def add_norm_linear(x: torch.Tensor, stream: torch.Tensor, add_weight: torch.Tensor, norm_weight: torch.Tensor,
-                    eps: float, weight: torch.Tensor, bias: torch.Tensor | None, gated: bool = False,
-                    weighting: str = "offset", activation: str = "silu") -> tuple[torch.Tensor, torch.Tensor]:
-    """A Gemma block's output ``x`` normed into ``stream`` (``add_rms_norm``), then the next block's
-    ``norm_linear`` of the new stream; returns ``(projection, new stream)``."""
-    new_stream = add_rms_norm(x, add_weight, eps, stream, weighting)
-    return norm_linear(new_stream, norm_weight, eps, weight, bias, gated, weighting, activation), new_stream
-
-
 def add_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor,
                  weighting: str, scale: torch.Tensor | None = None) -> torch.Tensor:
     """``residual + norm(x)`` (the norm ``NORMS[weighting]``): a Gemma block's output, normed,

@@ -1,5 +1,5 @@
 """Triton GEMV for single-token decode with the projection's neighbours fused in
-(see ``reference.norm_linear``, ``reference.add_norm_linear`` and ``reference.linear_residual``).
+(see ``reference.norm_linear`` and ``reference.linear_residual``).
 
 At batch 1 every projection is a matrix-vector product whose time is streaming
 the weight, and around each sit small kernels (the RMSNorm in front of qkv and
@@ -8,9 +8,9 @@ cuBLAS also runs o and down split-K with a reduction kernel of its own) that
 cost a few microseconds each however few bytes they move. Here each program
 owns ``BLOCK_N`` output features and walks K with the next weight tile already
 in flight, and does the neighbours' work on the way: in front, the RMSNorm of
-the input row (every program recomputes its statistics from L2, a tile at a time; for Gemma,
-first the previous block's normed output joins the row); behind, the residual
-add, or SiLU (GeGLU: tanh-GELU) of gate row ``n`` times up row ``N + n``.
+the input row (every program recomputes its statistics from L2, a tile at a
+time); behind, the residual add, or SiLU (GeGLU: tanh-GELU) of gate row ``n``
+times up row ``N + n``.
 Launched with PDL, a program loads its first weight tile before it waits for the
 previous kernel, so the weight stream starts under that kernel's tail.
 
@@ -39,24 +39,10 @@ BLOCK_N, NORM_BLOCK_N, GATED_BLOCK_N, BLOCK_K, NUM_WARPS = 8, 16, 4, 1024, 4
 
 
 @triton.jit
-def _joined_row(x_ptr, pre_ptr, pre_w_ptr, ks, K, pre_rstd, WEIGHTING: tl.constexpr, PRE_ADD: tl.constexpr):
-    """Elements ``ks`` of the row the kernel norms: ``x``, or with ``PRE_ADD`` the stream after a Gemma
-    block's output ``pre`` joins it, ``x + norm(pre)`` (``pre_rstd``: pre's statistic), rounded as the
-    unfused add does."""
-    x = tl.load(x_ptr + ks, mask=ks < K, other=0.0)
-    if PRE_ADD:
-        pre = tl.load(pre_ptr + ks, mask=ks < K, other=0.0)
-        pre_w = tl.load(pre_w_ptr + ks, mask=ks < K, other=0.0).to(tl.float32)
-        joined = weigh(pre.to(tl.float32) * pre_rstd, pre_w, WEIGHTING).to(pre.dtype).to(tl.float32)
-        x = (x.to(tl.float32) + joined).to(x.dtype)
-    return x
-
-
-@triton.jit
-def _gemv_kernel(x_ptr, norm_w_ptr, w_ptr, bias_ptr, res_ptr, out_ptr, pre_ptr, pre_w_ptr, stream_out_ptr,
+def _gemv_kernel(x_ptr, norm_w_ptr, w_ptr, bias_ptr, res_ptr, out_ptr,
                  N, K, stride_w, eps,
                  NORM: tl.constexpr, WEIGHTING: tl.constexpr, GATED: tl.constexpr, GELU: tl.constexpr,
-                 ADD_RES: tl.constexpr, HAS_BIAS: tl.constexpr, PRE_ADD: tl.constexpr,
+                 ADD_RES: tl.constexpr, HAS_BIAS: tl.constexpr,
                  PDL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     ns = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = ns < N
@@ -70,20 +56,13 @@ def _gemv_kernel(x_ptr, norm_w_ptr, w_ptr, bias_ptr, res_ptr, out_ptr, pre_ptr, 
         u = tl.load(u_rows + ks0[None, :], mask=first, other=0.0, eviction_policy="evict_first")
     wait_for_previous_kernel(PDL)
 
-    # The row's statistics, BLOCK_K at a time (a whole row of Gemma-3-27B's 5376 held at once, or
-    # three with PRE_ADD, spilled registers): reads from L2, under the first weight tile in flight.
+    # The row's statistics, BLOCK_K at a time (a whole row of Gemma-3-27B's 5376 held at once
+    # spilled registers): reads from L2, under the first weight tile in flight.
     rstd = 0.0
-    pre_rstd = 0.0
-    if PRE_ADD:
-        pre_sq = tl.zeros((BLOCK_K,), dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            pre_f = tl.load(pre_ptr + k0 + ks0, mask=k0 + ks0 < K, other=0.0).to(tl.float32)
-            pre_sq += pre_f * pre_f
-        pre_rstd = tl.rsqrt(tl.sum(pre_sq, axis=0) / K + eps)
     if NORM:
         row_sq = tl.zeros((BLOCK_K,), dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
-            row = _joined_row(x_ptr, pre_ptr, pre_w_ptr, k0 + ks0, K, pre_rstd, WEIGHTING, PRE_ADD).to(tl.float32)
+            row = tl.load(x_ptr + k0 + ks0, mask=k0 + ks0 < K, other=0.0).to(tl.float32)
             row_sq += row * row
         rstd = tl.rsqrt(tl.sum(row_sq, axis=0) / K + eps)
     acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
@@ -93,10 +72,7 @@ def _gemv_kernel(x_ptr, norm_w_ptr, w_ptr, bias_ptr, res_ptr, out_ptr, pre_ptr, 
         nxt = ks + BLOCK_K
         nxt_mask = n_ok[:, None] & (nxt[None, :] < K)
         w_next = tl.load(w_rows + nxt[None, :], mask=nxt_mask, other=0.0, eviction_policy="evict_first")
-        x = _joined_row(x_ptr, pre_ptr, pre_w_ptr, ks, K, pre_rstd, WEIGHTING, PRE_ADD)
-        if PRE_ADD:
-            if tl.program_id(0) == 0:  # the new stream, stored once
-                tl.store(stream_out_ptr + ks, x, mask=ks < K)
+        x = tl.load(x_ptr + ks, mask=ks < K, other=0.0)
         if NORM:
             if WEIGHTING == 0:  # Llama: the normed row rounded, then the weighted one
                 nw = tl.load(norm_w_ptr + ks, mask=ks < K, other=0.0).to(tl.float32)
@@ -131,8 +107,7 @@ def _gemv_kernel(x_ptr, norm_w_ptr, w_ptr, bias_ptr, res_ptr, out_ptr, pre_ptr, 
 def _gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, *,
           norm_weight: torch.Tensor | None = None, eps: float = 0.0, gated: bool = False,
           residual: torch.Tensor | None = None, weighting: str = "llama", activation: str = "silu",
-          pre: torch.Tensor | None = None, pre_weight: torch.Tensor | None = None,
-          stream_out: torch.Tensor | None = None, tiles: tuple[int, int, int] | None = None) -> torch.Tensor:
+          tiles: tuple[int, int, int] | None = None) -> torch.Tensor:
     """``tiles``: force ``(BLOCK_N, BLOCK_K, num_warps)`` (the tile study); default by the kind."""
     m, k = x.shape
     n = weight.shape[0] // 2 if gated else weight.shape[0]
@@ -141,12 +116,9 @@ def _gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, *,
     if weight.shape[1] != k or (residual is not None and residual.shape != (m, n)):
         raise ValueError(f"shapes x {tuple(x.shape)}, weight {tuple(weight.shape)}"
                          + ("" if residual is None else f", residual {tuple(residual.shape)}") + " do not match")
-    for t in (x, weight, bias, norm_weight, residual, pre, pre_weight):
+    for t in (x, weight, bias, norm_weight, residual):
         if t is not None and t.stride(-1) != 1:
             raise ValueError("the fused GEMV needs contiguous rows")
-    if pre is not None and (pre.shape != x.shape or pre.dtype != x.dtype or norm_weight is None
-                            or weighting == "llama"):
-        raise ValueError("a block output joins the stream only in front of a Gemma norm, in the stream's shape")
     if norm_weight is not None and norm_weight.dtype != x.dtype:
         raise ValueError(f"norm weight dtype {norm_weight.dtype} differs from the input's {x.dtype}")
     out_dtype = x.dtype if residual is None else torch.promote_types(x.dtype, residual.dtype)
@@ -160,10 +132,9 @@ def _gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, *,
     _gemv_kernel[(triton.cdiv(n, block_n),)](
         x, norm_weight if norm_weight is not None else x, weight, bias if bias is not None else weight,
         residual if residual is not None else out, out,
-        *((pre, pre_weight, stream_out) if pre is not None else (x, x, x)),  # unused without PRE_ADD
         n, k, weight.stride(0), float(eps),
         NORM=norm_weight is not None, WEIGHTING=WEIGHTINGS[weighting], GATED=gated, GELU=activation == "gelu_tanh",
-        ADD_RES=residual is not None, HAS_BIAS=bias is not None, PRE_ADD=pre is not None,
+        ADD_RES=residual is not None, HAS_BIAS=bias is not None,
         BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps,
         **pdl_launch_args(x.device),
     )
@@ -184,14 +155,3 @@ def norm_linear(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight: 
     half with ``gated``."""
     return _gemv(x, weight, bias, norm_weight=norm_weight, eps=eps, gated=gated, weighting=weighting,
                  activation=activation)
-
-
-def add_norm_linear(x: torch.Tensor, stream: torch.Tensor, add_weight: torch.Tensor, norm_weight: torch.Tensor,
-                    eps: float, weight: torch.Tensor, bias: torch.Tensor | None, gated: bool = False,
-                    weighting: str = "offset", activation: str = "silu") -> tuple[torch.Tensor, torch.Tensor]:
-    """``reference.add_norm_linear`` for one row: a Gemma block's output ``x`` normed into ``stream``,
-    the new stream normed and projected, in one kernel; returns ``(projection, new stream)``."""
-    new_stream = torch.empty_like(stream)
-    out = _gemv(stream, weight, bias, norm_weight=norm_weight, eps=eps, gated=gated, weighting=weighting,
-                activation=activation, pre=x, pre_weight=add_weight, stream_out=new_stream)
-    return out, new_stream
