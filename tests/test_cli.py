@@ -99,10 +99,11 @@ def test_engine_options_come_from_the_config_fields() -> None:
     assert engine_config_from_args(parser.parse_args([])) == EngineConfig()
     args = parser.parse_args(["--model", "/m", "--dtype", "half", "--max-model-len", "512", "--no-prefix-caching",
                               "--no-async-scheduling", "--enforce-eager", "--gpu-memory-utilization", "0.5",
-                              "--seed", "7"])
+                              "--seed", "7", "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}'])
     assert engine_config_from_args(args) == EngineConfig(
         model="/m", dtype="float16", max_model_len=512, enable_prefix_caching=False, async_scheduling=False,
-        enforce_eager=True, gpu_memory_utilization=0.5, seed=7)
+        enforce_eager=True, gpu_memory_utilization=0.5, seed=7,
+        speculative_config={"method": "ngram", "num_speculative_tokens": 3})
     assert not engine_config_from_args(parser.parse_args(["--no-enable-prefix-caching"])).enable_prefix_caching
     assert "--random-weights" not in parser.format_help()
 
@@ -127,6 +128,8 @@ class _RefusingEngine:
     (["generate", "hi", "--top-k", "-3"], "top_k must be in [-1, 2**63 - 1]"),
     (["generate", "hi", "--max-model-len", "0"], "max_model_len must be >= 1"),
     (["generate", "hi", "--device", "gpu"], "device must be"),
+    (["generate", "hi", "--speculative-config", '{"method": "ngram"}'], "speculative_config needs num_speculative_tokens"),
+    (["generate", "hi", "--speculative-config", "{4"], "speculative_config is not valid JSON"),
     (["generate", ""], "the prompt is empty"),
     (["generate", "hi"], "longer than max_model_len"),  # refused by the engine: still before any output
 ])

@@ -43,6 +43,17 @@ class RequestMetrics:
     finished_time: float | None = None
     num_cached_tokens: int = 0
     num_preemptions: int = 0
+    # Speculative decoding: steps that verified drafts, drafts proposed, drafts accepted.
+    spec_decode_num_drafts: int = 0
+    spec_decode_num_draft_tokens: int = 0
+    spec_decode_num_accepted_tokens: int = 0
+
+    @property
+    def spec_decode_mean_accepted_length(self) -> float | None:
+        """Tokens each verifying forward gave: its accepted drafts and the token it samples anyway."""
+        if not self.spec_decode_num_drafts:
+            return None
+        return 1 + self.spec_decode_num_accepted_tokens / self.spec_decode_num_drafts
 
     @property
     def time_to_first_token(self) -> float | None:

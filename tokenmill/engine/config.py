@@ -15,6 +15,7 @@ import typing
 from dataclasses import dataclass, fields
 from typing import Any
 
+from tokenmill.engine.spec_decode import SPECULATIVE_CONFIG, SpeculativeConfig
 from tokenmill.validation import BOOLEAN, REJECT, Rule, check_fields, integer, number, one_of, ruled
 
 # Accepted spellings of each dtype, as torch names them.
@@ -74,7 +75,8 @@ class EngineConfig:
     kv_cache_dtype: str = ruled(
         "auto", one_of(_KV_CACHE_DTYPES), choices=tuple(_KV_CACHE_DTYPES),
         help="what the KV cache stores: auto (the model's dtype), or fp8 (= fp8_e4m3), fp8_e5m2 or int8 with "
-             "one scale per token and KV head (about half the bytes, so twice the tokens; the CPU only, for now)")
+             "one scale per token and KV head (about half the bytes, so twice the tokens; fp8 e4m3 needs compute "
+             "capability 8.9 or later on a GPU)")
     num_kv_blocks: int | None = ruled(
         None, _POSITIVE.or_none(),
         help="KV cache blocks to allocate; none sizes the cache from the memory left after the weights")
@@ -94,6 +96,11 @@ class EngineConfig:
     async_scheduling: bool = ruled(
         True, BOOLEAN,
         help="launch step N+1 before reading step N's tokens, so the GPU never waits for the host")
+    speculative_config: SpeculativeConfig | None = ruled(
+        None, SPECULATIVE_CONFIG, cli_type=str,
+        help='speculative decoding by prompt lookup, as JSON: {"method": "ngram", "num_speculative_tokens": 4, '
+             '"prompt_lookup_max": 4, "prompt_lookup_min": 1} (optional "disable_by_batch_size": no drafts from '
+             'that many running sequences on, default 8); outputs are those of plain decoding')
     random_weights: bool = ruled(
         False, BOOLEAN, cli=False, help="real shapes with random values: for benchmarks, which need no checkpoint")
 
@@ -135,7 +142,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
             action = argparse.BooleanOptionalAction if f.default else "store_true"
             group.add_argument(flag, action=action, default=f.default, help=help_text)
         else:
-            group.add_argument(flag, type=_value_type(hints[f.name]), default=f.default,
+            group.add_argument(flag, type=f.metadata.get("cli_type", _value_type(hints[f.name])), default=f.default,
                                choices=f.metadata.get("choices"), help=help_text)
         if "negative_alias" in f.metadata:
             group.add_argument(f.metadata["negative_alias"], dest=f.name, action="store_false",

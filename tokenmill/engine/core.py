@@ -40,6 +40,7 @@ from tokenmill.engine.messages import (
 from tokenmill.engine.model_runner import InFlightStep, ModelRunner, build_model
 from tokenmill.engine.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
 from tokenmill.engine.sequence import PENDING, Sequence, SequenceStatus
+from tokenmill.engine.spec_decode import MAX_FAILED_DRAFTS, TokenHistory, accepted_length, propose_ngram
 from tokenmill.loader.hf_config import ModelConfig, load_model_config, resolve_dtype
 from tokenmill.loader.kv_layout import is_quantized, resolve_kv_cache_dtype
 from tokenmill.outputs import Logprobs
@@ -119,6 +120,8 @@ class EngineCore:
             self.runner.warm_up(config.max_num_batched_tokens, max_len)
             self.startup_seconds["warm_up"] = time.monotonic() - started
         self.requests: dict[str, CoreRequest] = {}
+        self.spec = config.speculative_config
+        self._histories = TokenHistory()
         self._seq_ids = itertools.count()
         self.stats = CoreStats()
         self._in_flight: InFlightStep | None = None
@@ -216,10 +219,11 @@ class EngineCore:
         self._end(seq, "stop")
         if self._request_done(request):
             self._delta(request).finished = True
-            del self.requests[request_id]
+            self._retire(request)
 
     def _end(self, seq: Sequence, reason: str) -> None:
         seq.drop_pending()
+        self._histories.forget(seq.seq_id)
         if not seq.is_finished:
             self.scheduler.finish(seq)
             seq.finish_reason = seq.finish_reason or reason
@@ -253,7 +257,7 @@ class EngineCore:
             if self._in_flight is None:
                 self._fail_unschedulable()
                 return
-        following = self._launch(self._in_flight) if self._can_overlap() else None
+        following = self._launch(self._in_flight) if self._can_overlap(self._in_flight) else None
         current, self._in_flight = self._in_flight, following
         self._complete(current)
 
@@ -289,11 +293,62 @@ class EngineCore:
         self._deltas[request_id] = RequestDelta(
             request_id, [SeqDelta(s.index, [], finish_reason="abort") for s in seqs], finished=True, error=message)
 
-    def _can_overlap(self) -> bool:
-        return self.config.async_scheduling and not any(seq.params.uses_penalties for seq in self.scheduler.running)
+    def _can_overlap(self, in_flight: InFlightStep) -> bool:
+        """Drafts are proposed from every known token, and a step with drafts decides how many tokens
+        each sequence computed only once it is verified: while speculation is on, steps run one at
+        a time."""
+        if not self.config.async_scheduling or self._speculating():
+            return False
+        return not any(seq.params.uses_penalties for seq in self.scheduler.running) and not any(
+            seq.draft_token_ids for seq in in_flight.batch.seqs)
+
+    def _speculating(self) -> bool:
+        return self.spec is not None and len(self.scheduler.running) < self.spec.disable_by_batch_size
+
+    def _propose_drafts(self) -> None:
+        """Drafts for each running sequence that decodes next (prompt lookup), as many as its token
+        limits leave room for after the token the step samples anyway."""
+        spec = self.spec
+        for seq in self.scheduler.running:
+            if seq.num_pending or seq.num_computed_tokens != seq.num_tokens - 1 or seq.params.uses_penalties:
+                continue
+            if seq.draft_pause:
+                seq.draft_pause -= 1
+                continue
+            room = self.max_model_len - seq.num_tokens
+            if seq.params.max_tokens is not None:
+                room = min(room, seq.params.max_tokens - seq.num_output_tokens)
+            count = min(spec.num_speculative_tokens, room - 1)
+            if count > 0:
+                tokens = self._histories.view(seq.seq_id, seq.token_ids)
+                seq.draft_token_ids = propose_ngram(tokens, count, spec.prompt_lookup_min,
+                                                    spec.prompt_lookup_max).tolist()
+
+    def _verify_drafts(self, seq: Sequence, samples: list[int]) -> int:
+        """How many of ``seq``'s drafts stand against the step's samples; the rejected ones' positions
+        are forgotten (computed again when real tokens fill them). Returns the tokens to emit."""
+        drafts = seq.draft_token_ids
+        accepted = accepted_length(drafts, samples)
+        seq.num_computed_tokens -= len(drafts) - accepted
+        seq.spec_drafts += 1
+        seq.spec_draft_tokens += len(drafts)
+        seq.spec_accepted_tokens += accepted
+        self.stats.spec_decode_num_drafts += 1
+        self.stats.spec_decode_num_draft_tokens += len(drafts)
+        self.stats.spec_decode_num_accepted_tokens += accepted
+        if accepted == 0:
+            seq.num_failed_drafts += 1
+            if seq.num_failed_drafts >= MAX_FAILED_DRAFTS:  # stop trying for a while
+                seq.draft_pause, seq.num_failed_drafts = MAX_FAILED_DRAFTS, 0
+        else:
+            seq.num_failed_drafts = 0
+        seq.draft_token_ids = []
+        return accepted + 1
 
     def _launch(self, previous: InFlightStep | None) -> InFlightStep | None:
         """Schedule and enqueue a step; each sequence that samples gets a ``PENDING`` token."""
+        if previous is None and self._speculating():
+            self._propose_drafts()
         batch = self.scheduler.schedule()
         self.stats.num_preemptions += batch.num_preempted
         if not batch.seqs:
@@ -324,18 +379,35 @@ class EngineCore:
                 delta = self._delta(self.requests[seq.request_id])
                 delta.prompt_logprobs = (delta.prompt_logprobs or []) + values
         touched: dict[str, CoreRequest] = {}
-        for seq, index, token, logprobs in zip(result.sampled_seqs, step.pending_index, result.token_ids,
-                                               result.logprobs):
+        for seq, index, tokens, logprobs in zip(result.sampled_seqs, step.pending_index, result.token_ids,
+                                                result.logprobs):
             if index >= seq.num_tokens or seq.token_ids[index] != PENDING:
                 continue  # the sequence ended meanwhile: nobody wants this token
             request = self.requests[seq.request_id]
-            self._accept_token(request, seq, index, token, logprobs)
+            speculated = bool(seq.draft_token_ids)
+            count = self._verify_drafts(seq, tokens) if speculated else 1
+            for j in range(count):
+                if j:  # a further token: it takes a placeholder of its own, then its place
+                    if seq.is_finished:
+                        break
+                    seq.token_ids.append(PENDING)
+                    seq.num_pending += 1
+                self._accept_token(request, seq, index + j, tokens[j], logprobs[j])
+            if speculated and not seq.is_finished:
+                self.kv.release_unused(seq)
+                self.kv.commit_computed_blocks(seq)
             touched[seq.request_id] = request
         for request in touched.values():
             # A sequence that left the batch at launch (its last token) still awaits that token.
             if self._request_done(request):
                 self._delta(request).finished = True
-                del self.requests[request.request_id]
+                self._retire(request)
+
+    def _retire(self, request: CoreRequest) -> None:
+        """Forget a request whose sequences have all ended."""
+        del self.requests[request.request_id]
+        for seq in request.seqs:
+            self._histories.forget(seq.seq_id)
 
     @staticmethod
     def _request_done(request: CoreRequest) -> bool:
@@ -348,7 +420,10 @@ class EngineCore:
             delta = self._deltas[request.request_id] = RequestDelta(
                 request.request_id, [], num_cached_tokens=first.num_cached_tokens,
                 num_preemptions=sum(s.num_preemptions for s in request.seqs),
-                first_scheduled_time=first.first_scheduled_time)
+                first_scheduled_time=first.first_scheduled_time,
+                spec_drafts=sum(s.spec_drafts for s in request.seqs),
+                spec_draft_tokens=sum(s.spec_draft_tokens for s in request.seqs),
+                spec_accepted_tokens=sum(s.spec_accepted_tokens for s in request.seqs))
         return delta
 
     def _seq_delta(self, request: CoreRequest, seq: Sequence) -> SeqDelta:

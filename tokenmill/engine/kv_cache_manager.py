@@ -139,6 +139,15 @@ class KVCacheManager:
                     pool.commit(table[i], hashes[i], tokens)
         seq.num_committed_blocks = full
 
+    def release_unused(self, seq: Sequence) -> None:
+        """Return the blocks past what the sequence's known tokens need: those its rejected drafts
+        took (their KV is never read, and is overwritten if the positions fill again)."""
+        keep = self.blocks_needed(seq.num_tokens)
+        for pool, table in zip(self.pools, seq.block_tables):
+            if len(table) > keep:
+                pool.free(table[keep:][::-1])
+                del table[keep:]
+
     def free(self, seq: Sequence) -> None:
         """Return the sequence's blocks, tail first into the eviction queue."""
         for pool, table, null in zip(self.pools, seq.block_tables, self.null_blocks):

@@ -66,6 +66,11 @@ class RequestDelta(msgspec.Struct, array_like=True, omit_defaults=True, gc=False
     num_cached_tokens: int = 0
     num_preemptions: int = 0
     first_scheduled_time: float | None = None
+    # Speculative decoding, over the request's sequences so far: verifications with drafts, drafts, and
+    # drafts accepted.
+    spec_drafts: int = 0
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
 
 
 class CoreStats(msgspec.Struct, array_like=True, gc=False):
@@ -83,6 +88,9 @@ class CoreStats(msgspec.Struct, array_like=True, gc=False):
     num_preemptions: int = 0
     num_steps: int = 0
     num_failed_steps: int = 0
+    spec_decode_num_drafts: int = 0
+    spec_decode_num_draft_tokens: int = 0
+    spec_decode_num_accepted_tokens: int = 0
 
 
 class CoreOutputs(msgspec.Struct, array_like=True, gc=False):

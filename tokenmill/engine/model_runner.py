@@ -5,7 +5,8 @@ the sampler. It turns the scheduler's choice into ``input_ids``,
 ``positions``, ``slot_mapping``, ``query_start_loc``, ``seq_lens``,
 ``block_tables`` and ``logits_indices`` (the rows that need the LM head), and
 returns the sampled token of every sequence that reached the end of its known
-tokens this step.
+tokens this step; a sequence with drafts (speculative decoding) gets a sample at
+its last known token and after each draft, for the engine to verify them.
 """
 
 from __future__ import annotations
@@ -36,11 +37,12 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class StepResult:
-    """Sampled tokens for the sequences that sample this step, in batch order."""
+    """Sampled tokens for the sequences that sample this step, in batch order: one each, or with
+    drafts one at each of the ``1 + drafts`` positions."""
 
     sampled_seqs: list[Sequence] = field(default_factory=list)
-    token_ids: list[int] = field(default_factory=list)
-    logprobs: list[Logprobs | None] = field(default_factory=list)
+    token_ids: list[list[int]] = field(default_factory=list)
+    logprobs: list[list[Logprobs | None]] = field(default_factory=list)
     # Prompt logprobs computed this step: seq -> logprobs of its next prompt positions.
     prompt_logprobs: dict[Sequence, list[Logprobs]] = field(default_factory=dict)
 
@@ -61,6 +63,7 @@ class InFlightStep:
 
     batch: ScheduledBatch
     sampled_seqs: list[Sequence] = field(default_factory=list)
+    rows_per_seq: list[int] = field(default_factory=list)  # sampled rows of each: 1 + its drafts
     prompt_rows: list[PromptLogprobRows] = field(default_factory=list)
     token_ids: torch.Tensor | None = None  # on the device: the next step's pending inputs
     host: list[torch.Tensor | None] = field(default_factory=list)  # token ids, logprobs, their ids
@@ -76,9 +79,10 @@ class StepInputs:
     input_ids: torch.Tensor
     positions: torch.Tensor
     meta: AttentionMetadata
-    logits_rows: list[int]  # prompt-logprob rows first, then one row per sampled sequence
+    logits_rows: list[int]  # prompt-logprob rows first, then each sampled sequence's rows
     logits_rows_device: torch.Tensor
     sampled: list[Sequence]
+    rows_per_seq: list[int]  # sampled rows of each sampled sequence: 1 + its drafts
     sampling_columns: dict[str, torch.Tensor]  # per sampled row, named as SamplingBatch's fields
     prompt_rows: list[PromptLogprobRows]
 
@@ -192,10 +196,11 @@ class ModelRunner:
         positions = np.arange(total) - np.repeat(query_start[:-1].astype(np.int64) - starts, counts)
         slots = tables[:, owner, positions // bs].astype(np.int64) * bs + positions % bs
         ids = np.fromiter(itertools.chain.from_iterable(
-            s.token_ids[st:st + n] for s, st, n in zip(seqs, starts.tolist(), batch.num_tokens)),
+            s.scheduled_token_ids(st, n) for s, st, n in zip(seqs, starts.tolist(), batch.num_tokens)),
             dtype=np.int64, count=total)
         ends = (starts + counts).tolist()
-        sampled = [s for s, end in zip(seqs, ends) if end == s.num_tokens]
+        sampled = [s for s, end in zip(seqs, ends) if end == s.num_scheduled_tokens]
+        rows_per_seq = [1 + len(s.draft_token_ids) for s in sampled]
         logits_rows: list[int] = []
         prompt_rows: list[PromptLogprobRows] = []
         for b, seq in enumerate(seqs):
@@ -209,16 +214,20 @@ class ModelRunner:
                 row0 = int(query_start[b]) - int(starts[b])
                 prompt_rows.append(PromptLogprobRows(seq, first, last - first))
                 logits_rows.extend(range(row0 + first, row0 + last))
-        logits_rows.extend(int(query_start[b + 1]) - 1 for b, (s, end) in enumerate(zip(seqs, ends))
-                           if end == s.num_tokens)
+        for b, (s, end) in enumerate(zip(seqs, ends)):
+            if end == s.num_scheduled_tokens:  # the last known token's row, then each draft's
+                logits_rows.extend(range(int(query_start[b + 1]) - 1 - len(s.draft_token_ids), int(query_start[b + 1])))
         seq_lens = (starts + counts).astype(np.int32)
         pending_rows = np.flatnonzero(ids == PENDING)
-        if len(pending_rows) and previous is None:
-            raise RuntimeError("a pending token is scheduled, but no step in flight holds it")
+        if len(pending_rows) and (previous is None or len(previous.rows_per_seq) != len(previous.sampled_seqs)
+                                  or any(n > 1 for n in previous.rows_per_seq)):
+            # (A step with drafts is verified before the next is scheduled: its row per sequence is unknown.)
+            raise RuntimeError("a pending token is scheduled, but no step in flight holds it as its one sample")
         row_of = {seq: i for i, seq in enumerate(previous.sampled_seqs)} if len(pending_rows) else {}
         pending_sources = np.fromiter((row_of[seqs[b]] for b in owner[pending_rows].tolist()), dtype=np.int64,
                                       count=len(pending_rows))
-        sampling = sampling_columns([s.params for s in sampled], self.cfg.vocab_size)
+        sampling = sampling_columns([s.params for s, n in zip(sampled, rows_per_seq) for _ in range(n)],
+                                    self.cfg.vocab_size)
         t = self.staging.send({
             "input_ids": ids, "positions": positions, "slot_mapping": slots, "query_start_loc": query_start,
             "seq_lens": seq_lens, "block_tables": tables, "logits_rows": np.asarray(logits_rows, dtype=np.int64),
@@ -229,11 +238,17 @@ class ModelRunner:
         meta = AttentionMetadata(slot_mapping=tuple(t["slot_mapping"]), query_start_loc=t["query_start_loc"],
                                  seq_lens=t["seq_lens"], block_tables=tuple(t["block_tables"]),
                                  max_query_len=int(counts.max()), max_seq_len=int(seq_lens.max()))
-        return StepInputs(t["input_ids"], t["positions"], meta, logits_rows, t["logits_rows"], sampled,
+        return StepInputs(t["input_ids"], t["positions"], meta, logits_rows, t["logits_rows"], sampled, rows_per_seq,
                           {name: t[f"sampling.{name}"] for name in sampling}, prompt_rows)
 
-    def _sampling_batch(self, seqs: list[Sequence], columns: dict[str, torch.Tensor]) -> SamplingBatch:
-        """Per-row parameters: the numeric ones arrive as ``columns``, already on the device."""
+    def _sampling_batch(self, seqs: list[Sequence], rows_per_seq: list[int],
+                        columns: dict[str, torch.Tensor]) -> SamplingBatch:
+        """Per-row parameters: the numeric ones arrive as ``columns``, already on the device. A sequence
+        with drafts has a row per position, each as plain decoding would sample there (its seed's
+        generator drawn on in order, its stop tokens banned while that position is short of
+        ``min_tokens``)."""
+        owners = [(s, offset) for s, n in zip(seqs, rows_per_seq) for offset in range(n)]
+        seqs = [s for s, _ in owners]
         params = [s.params for s in seqs]
 
         def sparse(entries: list[tuple], *dtypes: torch.dtype) -> tuple[torch.Tensor, ...] | None:
@@ -251,8 +266,8 @@ class ModelRunner:
             needs_top_k_top_p=any(p.top_k > 0 or p.top_p < 1 for p in params),
             needs_min_p=any(p.min_p > 0 for p in params),
         )
-        banned = [(row, tok) for row, seq in enumerate(seqs) if seq.num_output_tokens < seq.params.min_tokens
-                  for tok in seq.stop_token_ids_for_min_tokens]
+        banned = [(row, tok) for row, (seq, offset) in enumerate(owners)
+                  if seq.num_output_tokens + offset < seq.params.min_tokens for tok in seq.stop_token_ids_for_min_tokens]
         batch.banned = sparse(banned, torch.int64, torch.int64)
         biased = [(row, tok, value) for row, p in enumerate(params) if p.logit_bias
                   for tok, value in p.logit_bias.items()]
@@ -286,7 +301,7 @@ class ModelRunner:
         pending on the host (``PENDING``) are the sampled ids of ``previous``, taken on the device."""
         inputs = self._prepare(batch, previous)
         meta, logits_rows, sampled, prompt_rows = inputs.meta, inputs.logits_rows, inputs.sampled, inputs.prompt_rows
-        step = InFlightStep(batch, sampled_seqs=sampled, prompt_rows=prompt_rows)
+        step = InFlightStep(batch, sampled_seqs=sampled, rows_per_seq=inputs.rows_per_seq, prompt_rows=prompt_rows)
         greedy_ids = None
         if self.graphs is not None and meta.max_query_len == 1 and self.graphs.padded_size(len(batch)):
             # The graph runs the LM head on every row; a row that does not sample (a one-token
@@ -299,12 +314,12 @@ class ModelRunner:
             if not logits_rows:
                 return step  # pure prefill chunks: no LM-head work at all
             logits = self.model.compute_logits(hidden[inputs.logits_rows_device])
-        num_prompt_rows = len(logits_rows) - len(sampled)
+        num_prompt_rows = len(logits_rows) - sum(inputs.rows_per_seq)
         if prompt_rows:
             self._prompt_logprobs(logits[:num_prompt_rows], prompt_rows, step.prompt_logprobs)
         if sampled:
-            out = self.sampler(logits[num_prompt_rows:], self._sampling_batch(sampled, inputs.sampling_columns),
-                               greedy_ids)
+            out = self.sampler(logits[num_prompt_rows:],
+                               self._sampling_batch(sampled, inputs.rows_per_seq, inputs.sampling_columns), greedy_ids)
             # The device ids feed the next step's inputs; the host copies are read by ``collect``.
             # Copied now, before another replay can overwrite a graph's static output.
             step.token_ids = out.token_ids
@@ -323,16 +338,17 @@ class ModelRunner:
         if step.done is not None:
             step.done.synchronize()
         token_ids, logprobs, logprob_ids = step.host
-        result.token_ids = token_ids.tolist()
-        if logprobs is None:
-            result.logprobs = [None] * len(step.sampled_seqs)
-        else:
-            values, ids = logprobs.tolist(), logprob_ids.tolist()
-            result.logprobs = [
-                _logprob_dict(ids[i], values[i], 1 + num_top_logprobs(seq.params.logprobs, self.cfg.vocab_size))
-                if seq.params.logprobs is not None else None
-                for i, seq in enumerate(step.sampled_seqs)
-            ]
+        flat_ids = token_ids.tolist()
+        values, ids = (logprobs.tolist(), logprob_ids.tolist()) if logprobs is not None else (None, None)
+        row = 0
+        for seq, n in zip(step.sampled_seqs, step.rows_per_seq):
+            result.token_ids.append(flat_ids[row:row + n])
+            if values is None or seq.params.logprobs is None:
+                result.logprobs.append([None] * n)
+            else:
+                keep = 1 + num_top_logprobs(seq.params.logprobs, self.cfg.vocab_size)
+                result.logprobs.append([_logprob_dict(ids[r], values[r], keep) for r in range(row, row + n)])
+            row += n
         return result
 
     def _prompt_logprobs(self, logits: torch.Tensor, prompt_rows: list[PromptLogprobRows],

@@ -135,6 +135,10 @@ class OutputProcessor:
             state.num_cached_tokens = delta.num_cached_tokens
         state.metrics.num_cached_tokens = state.num_cached_tokens
         state.metrics.num_preemptions = delta.num_preemptions
+        if delta.spec_drafts:
+            state.metrics.spec_decode_num_drafts = delta.spec_drafts
+            state.metrics.spec_decode_num_draft_tokens = delta.spec_draft_tokens
+            state.metrics.spec_decode_num_accepted_tokens = delta.spec_accepted_tokens
         changed = False
         if delta.prompt_logprobs and state.prompt_logprobs is not None:
             state.prompt_logprobs.extend(delta.prompt_logprobs)

@@ -9,6 +9,9 @@ the most recently admitted running sequence is preempted: its blocks go back
 (full ones stay in the prefix cache) and it waits at the head of the queue to
 recompute its prompt and output so far.
 
+A decoding sequence may carry drafts (speculative decoding): it then takes its
+known token and as many of its drafts as the budget leaves room for.
+
 Under the ``priority`` policy (vLLM's) both queues are kept in (priority, arrival)
 order, lower first: admission follows it, the running are served in it, and the
 victim of a preemption is the last in it, which then waits at its place in the
@@ -85,6 +88,7 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence) -> None:
         self.kv.free(seq)
+        seq.draft_token_ids.clear()
         seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1
         self.num_preemptions += 1
@@ -100,7 +104,9 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            if seq.draft_token_ids:  # drafts take what is left of the budget after the known token
+                del seq.draft_token_ids[max(0, budget - (seq.num_tokens - seq.num_computed_tokens)):]
+            num_new = min(seq.num_scheduled_tokens - seq.num_computed_tokens, budget)
             while not self.kv.allocate(seq, num_new):
                 victim = self.running.pop()
                 self._preempt(victim)
@@ -151,5 +157,6 @@ class Scheduler:
         elif seq.status is SequenceStatus.WAITING:
             self.waiting.remove(seq)
         self.kv.free(seq)
+        seq.draft_token_ids.clear()
         self._order.pop(seq, None)
         seq.status = SequenceStatus.FINISHED

@@ -52,6 +52,14 @@ class Sequence:
     first_scheduled_time: float | None = None
     num_pending: int = 0
     next_prompt_logprob_position: int = 0  # the first prompt position whose logprobs are not yet computed
+    # Speculative decoding: this step's drafts (computed after the last token, verified by the step's
+    # samples), how many drafts in a row were all rejected, and steps left before drafts resume.
+    draft_token_ids: list[int] = field(default_factory=list)
+    num_failed_drafts: int = 0
+    draft_pause: int = 0
+    spec_drafts: int = 0  # verifications with drafts
+    spec_draft_tokens: int = 0  # drafts proposed (and computed)
+    spec_accepted_tokens: int = 0  # drafts that stood
 
     def __post_init__(self) -> None:
         if not self.token_ids:
@@ -74,6 +82,18 @@ class Sequence:
     def num_output_tokens(self) -> int:
         """Generated tokens, pending ones included: the count the next sample follows."""
         return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def num_scheduled_tokens(self) -> int:
+        """Known tokens and this step's drafts: what a step that computes everything covers."""
+        return len(self.token_ids) + len(self.draft_token_ids)
+
+    def scheduled_token_ids(self, start: int, count: int) -> list[int]:
+        """Tokens ``start`` … ``start + count`` of the known tokens followed by the drafts."""
+        known = self.token_ids[start:start + count]
+        if len(known) == count:
+            return known
+        return known + self.draft_token_ids[max(0, start - len(self.token_ids)):][:count - len(known)]
 
     def drop_pending(self) -> None:
         """Forget placeholders whose tokens will never be wanted (the sequence ended)."""

@@ -59,6 +59,12 @@ class _EngineCollector(Collector):
             ("num_preemptions", "Sequences preempted for lack of KV blocks.", s.num_preemptions),
             ("num_failed_steps", "Engine steps that failed (their requests ended with an error).",
              s.num_failed_steps),
+            ("spec_decode_num_drafts", "Speculative decoding: verifications of a sequence's drafts.",
+             s.spec_decode_num_drafts),
+            ("spec_decode_num_draft_tokens", "Speculative decoding: draft tokens proposed.",
+             s.spec_decode_num_draft_tokens),
+            ("spec_decode_num_accepted_tokens", "Speculative decoding: draft tokens accepted.",
+             s.spec_decode_num_accepted_tokens),
         ]
         for name, doc, value in counters:
             yield CounterMetricFamily(f"tokenmill:{name}", doc, value=value)
@@ -67,7 +73,8 @@ class _EngineCollector(Collector):
 VLLM_SHARED_NAMES = frozenset({
     "num_requests_running", "num_requests_waiting", "kv_cache_usage_perc", "prompt_tokens", "generation_tokens",
     "prefix_cache_queries", "prefix_cache_hits", "num_preemptions", "time_to_first_token_seconds",
-    "inter_token_latency_seconds", "e2e_request_latency_seconds", "request_success",
+    "inter_token_latency_seconds", "e2e_request_latency_seconds", "request_success", "spec_decode_num_drafts",
+    "spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens",
 })
 """Metrics that vLLM exports with the same meaning, under ``vllm:`` and this same suffix."""
 
