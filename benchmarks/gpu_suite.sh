@@ -3,7 +3,8 @@
 #   bash benchmarks/gpu_suite.sh tests kernels startup latency batch throughput features kvcache
 # (`tests` = kernel and engine GPU tests; `engine-tests` = engine only;
 #  `serve-qwen3-0.6b`, `serve-llama3-8b` = the server against the engine, benchmarks/serve_vs_engine.py;
-#  `models-<shape>[,<shape>]` = `tokenmill bench models` on those shapes, e.g. models-gemma3-4b.)
+#  `models-<shape>[,<shape>]` = `tokenmill bench models` on those shapes, e.g. models-gemma3-4b;
+#  `spec-rewrite` = speculative decoding on the rewrite workload, benchmarks/spec_decode_rewrite.py.)
 # Results and logs go to $OUT (the device tool brings them back).
 set -o pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
@@ -46,6 +47,9 @@ for part in "$@"; do
     study-gemv-gemma3)
       timeout 560 python3 benchmarks/study_gemv.py --models gemma3-4b,gemma3-27b --sweep \
         --out "$OUT/study-gemv-gemma3.json" 2>&1 | tee "$OUT/study-gemv-gemma3.log" | tail -40 ;;
+    spec-rewrite)
+      timeout 400 python3 benchmarks/spec_decode_rewrite.py --device cuda --out "$OUT/spec-rewrite.json" 2>&1 \
+        | grep -v "it/s]" | tail -5 ;;
     kernel-profile)
       python3 benchmarks/profile_kernels.py --out "$OUT/kernel-profile.json" 2>&1 | grep -v "it/s]" | tail -80 ;;
     *) echo "unknown part $part"; exit 2 ;;

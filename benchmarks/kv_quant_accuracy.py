@@ -19,7 +19,6 @@ import argparse
 import json
 import math
 import sys
-import sysconfig
 import time
 from pathlib import Path
 
@@ -27,6 +26,7 @@ import numpy as np
 
 from tokenmill import LLM, SamplingParams
 from tokenmill.bench.hardware import environment
+from tokenmill.bench.held_out import held_out_texts
 from tokenmill.default_model import DEFAULT_MODEL_DIR
 from tokenmill.tokenizer import load_tokenizer
 
@@ -35,14 +35,10 @@ EOS = "<|endoftext|>"
 
 
 def validation_tokens(limit: int) -> list[int]:
-    stdlib = Path(sysconfig.get_paths()["stdlib"])
-    files = [line.split("\t", 1)[1].rstrip("\n") for line in (DEFAULT_MODEL_DIR / "corpus_files.txt").open()
-             if line.startswith("val\t")]
     tokenizer = load_tokenizer(DEFAULT_MODEL_DIR)
     eos = tokenizer.convert_tokens_to_ids(EOS)
     ids = [eos]
-    for name in files:
-        text = (stdlib / name).read_text(encoding="utf-8").replace("\r\n", "\n").replace("\r", "\n")
+    for _, text in held_out_texts():
         ids += tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"] + [eos]
         if len(ids) >= limit:
             break

@@ -6,15 +6,20 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from helpers import TINY_CONFIGS, make_model_dir
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from scipy.stats import chi2_contingency
-
-from helpers import TINY_CONFIGS, make_model_dir
 from test_parity import parity_prompts
+
 from tokenmill import LLM, SamplingParams
 from tokenmill.engine.config import EngineConfig
-from tokenmill.engine.spec_decode import SpeculativeConfig, TokenHistory, accepted_length, propose_ngram
+from tokenmill.engine.spec_decode import (
+    SpeculativeConfig,
+    TokenHistory,
+    accepted_length,
+    propose_ngram,
+)
 
 SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 1}
 
@@ -148,7 +153,7 @@ def test_n_choices_and_stops_are_kept(embedded) -> None:
         a = plain.generate(CODE, params, use_tqdm=False)
         b = spec.generate(CODE, params, use_tqdm=False)
         b_again = spec.generate(CODE, params, use_tqdm=False)
-        ids = lambda outs: [[c.token_ids for c in o.outputs] for o in outs]  # noqa: E731
+        ids = lambda outs: [[c.token_ids for c in o.outputs] for o in outs]
         assert ids(b) == ids(b_again)  # seeded (or greedy): reproducible with speculation
         if params.temperature == 0:
             assert ids(a) == ids(b)

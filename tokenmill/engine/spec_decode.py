@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from tokenmill.validation import REJECT, Rule, check_fields, integer, one_of, ruled
+from tokenmill.validation import Rule, check_fields, integer, one_of, ruled
 
 # A sequence stops being offered drafts once this many in a row were all rejected; it is
 # offered them again after as many steps more (so a sequence that starts repeating later
