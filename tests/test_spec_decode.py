@@ -145,19 +145,21 @@ def test_the_embedded_model_gives_the_same_tokens_and_logprobs_in_fewer_steps(em
     assert spec.engine.core.stats.num_steps - steps_before < 48  # plain decoding takes one step a token
 
 
-def test_n_choices_and_stops_are_kept(embedded) -> None:
+def test_n_choices_stops_and_seeded_samples_are_kept(embedded) -> None:
     plain, spec = embedded
     for params in (SamplingParams(temperature=0, max_tokens=30, n=2, stop=["\n\n"]),
                    SamplingParams(temperature=0, max_tokens=7, min_tokens=5, stop_token_ids=[10]),
-                   SamplingParams(temperature=0.8, max_tokens=20, n=3, seed=11)):
+                   SamplingParams(temperature=0.8, max_tokens=20, n=3, seed=11),
+                   SamplingParams(temperature=1.0, top_p=0.9, max_tokens=24, seed=3, logprobs=2)):
         a = plain.generate(CODE, params, use_tqdm=False)
         b = spec.generate(CODE, params, use_tqdm=False)
         b_again = spec.generate(CODE, params, use_tqdm=False)
         ids = lambda outs: [[c.token_ids for c in o.outputs] for o in outs]
         assert ids(b) == ids(b_again)  # seeded (or greedy): reproducible with speculation
-        if params.temperature == 0:
-            assert ids(a) == ids(b)
-            assert [[c.finish_reason for c in o.outputs] for o in a] == [[c.finish_reason for c in o.outputs] for o in b]
+        # A seeded sequence's generator is wound back to the last token kept, so each token costs
+        # one draw as in plain decoding: seeded samples are those of plain decoding too.
+        assert ids(a) == ids(b)
+        assert [[c.finish_reason for c in o.outputs] for o in a] == [[c.finish_reason for c in o.outputs] for o in b]
 
 
 def test_sampled_tokens_follow_the_distribution_of_plain_decoding() -> None:

@@ -386,6 +386,9 @@ class EngineCore:
             request = self.requests[seq.request_id]
             speculated = bool(seq.draft_token_ids)
             count = self._verify_drafts(seq, tokens) if speculated else 1
+            states = result.generator_states.get(seq)
+            if states is not None:  # one draw per emitted token, as plain decoding takes
+                seq.generator.set_state(states[count - 1])
             for j in range(count):
                 if j:  # a further token: it takes a placeholder of its own, then its place
                     if seq.is_finished:

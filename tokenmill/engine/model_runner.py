@@ -43,6 +43,8 @@ class StepResult:
     sampled_seqs: list[Sequence] = field(default_factory=list)
     token_ids: list[list[int]] = field(default_factory=list)
     logprobs: list[list[Logprobs | None]] = field(default_factory=list)
+    # A seeded sequence with drafts: its generator's state after each of its rows' draws.
+    generator_states: dict[Sequence, list[torch.Tensor]] = field(default_factory=dict)
     # Prompt logprobs computed this step: seq -> logprobs of its next prompt positions.
     prompt_logprobs: dict[Sequence, list[Logprobs]] = field(default_factory=dict)
 
@@ -67,6 +69,7 @@ class InFlightStep:
     prompt_rows: list[PromptLogprobRows] = field(default_factory=list)
     token_ids: torch.Tensor | None = None  # on the device: the next step's pending inputs
     host: list[torch.Tensor | None] = field(default_factory=list)  # token ids, logprobs, their ids
+    generator_states: dict[int, torch.Tensor] | None = None  # sampled row -> its generator's state
     done: torch.cuda.Event | None = None
     prompt_logprobs: dict[Sequence, list[Logprobs]] = field(default_factory=dict)
     pending_index: list[int] = field(default_factory=list)  # where each sampled token goes (engine)
@@ -261,6 +264,8 @@ class ModelRunner:
         batch = SamplingBatch(
             **columns,
             generators=[s.generator for s in seqs],
+            keep_generator_states=frozenset(row for row, (s, _) in enumerate(owners)
+                                            if s.generator is not None and s.draft_token_ids),
             num_logprobs=max(nums) if nums else -1,
             all_greedy=all(p.temperature == 0 for p in params),
             needs_top_k_top_p=any(p.top_k > 0 or p.top_p < 1 for p in params),
@@ -323,6 +328,7 @@ class ModelRunner:
             # The device ids feed the next step's inputs; the host copies are read by ``collect``.
             # Copied now, before another replay can overwrite a graph's static output.
             step.token_ids = out.token_ids
+            step.generator_states = out.generator_states
             step.host = [t.to("cpu", non_blocking=True) if t is not None else None
                          for t in (out.token_ids, out.logprobs, out.logprob_token_ids)]
             if self.device.type == "cuda":
@@ -343,6 +349,8 @@ class ModelRunner:
         row = 0
         for seq, n in zip(step.sampled_seqs, step.rows_per_seq):
             result.token_ids.append(flat_ids[row:row + n])
+            if step.generator_states and row in step.generator_states:
+                result.generator_states[seq] = [step.generator_states[r] for r in range(row, row + n)]
             if values is None or seq.params.logprobs is None:
                 result.logprobs.append([None] * n)
             else:

@@ -38,6 +38,9 @@ class SamplingBatch:
     all_greedy: bool = False
     needs_top_k_top_p: bool = True
     needs_min_p: bool = True
+    # Rows whose generator's state is kept after their draw (speculative rows: the engine winds the
+    # generator back to the last row it keeps, so each emitted token costs one draw, as in plain decoding).
+    keep_generator_states: frozenset[int] = frozenset()
 
 
 @dataclass
@@ -47,6 +50,7 @@ class SamplerOutput:
     token_ids: torch.Tensor  # [N] int64
     logprobs: torch.Tensor | None  # [N, 1 + num_logprobs] float32 (sampled first)
     logprob_token_ids: torch.Tensor | None  # [N, 1 + num_logprobs] int64
+    generator_states: dict[int, torch.Tensor] | None = None  # row -> its generator's state after its draw
 
 
 def apply_penalties(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
@@ -86,13 +90,17 @@ def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
     return logits.masked_fill(probs < threshold, float("-inf"))
 
 
-def exponential_noise(shape: tuple[int, int], generators: list[torch.Generator | None],
-                      device: torch.device) -> torch.Tensor:
-    """Exp(1) noise, each seeded row from its own generator, the rest in one draw."""
+def exponential_noise(shape: tuple[int, int], generators: list[torch.Generator | None], device: torch.device,
+                      keep_states: frozenset[int] = frozenset(),
+                      states: dict[int, torch.Tensor] | None = None) -> torch.Tensor:
+    """Exp(1) noise, each seeded row from its own generator, the rest in one draw; the generator
+    state after the draw of each row in ``keep_states`` goes into ``states``."""
     noise = torch.empty(shape, device=device).exponential_()
     for row, gen in enumerate(generators):
         if gen is not None:
             noise[row].exponential_(generator=gen)
+            if row in keep_states and states is not None:
+                states[row] = gen.get_state()
     return noise
 
 
@@ -140,6 +148,7 @@ class Sampler:
             logits[batch.banned] = float("-inf")
         if greedy_ids is None:
             greedy_ids = greedy_argmax(logits)
+        states: dict[int, torch.Tensor] = {}
         if batch.all_greedy:
             token_ids = greedy_ids
         else:
@@ -150,10 +159,11 @@ class Sampler:
             if batch.needs_min_p:
                 scaled = apply_min_p(scaled, batch.min_p)
             probs = scaled.softmax(dim=-1)
-            noise = exponential_noise(tuple(probs.shape), batch.generators, probs.device)
+            noise = exponential_noise(tuple(probs.shape), batch.generators, probs.device,
+                                      batch.keep_generator_states, states)
             sampled = greedy_argmax(probs / noise)
             token_ids = torch.where(batch.temperature == 0, greedy_ids, sampled)
         if raw_logprobs is None:
-            return SamplerOutput(token_ids, None, None)
+            return SamplerOutput(token_ids, None, None, states or None)
         values, ids = gather_logprobs(raw_logprobs, token_ids, batch.num_logprobs)
-        return SamplerOutput(token_ids, values, ids)
+        return SamplerOutput(token_ids, values, ids, states or None)
