@@ -3,7 +3,8 @@
 A fake model runner writes each computed token's id into a fake KV cache at its
 slot, so "a prefix-cache hit returns blocks holding exactly those tokens" is
 checked against what was really written, after any sequence of adds,
-steps, finishes, aborts and preemptions.
+steps, finishes, aborts, preemptions and speculative drafts (some accepted, the
+rest walked back as the engine does).
 """
 
 from __future__ import annotations
@@ -48,17 +49,30 @@ class EngineMachine(RuleBasedStateMachine):
         self.scheduler.add(seq)
         self.live.append(seq)
 
-    @rule(new_token=st.integers(0, 3))
-    def step(self, new_token: int) -> None:
+    @precondition(lambda self: any(s.num_computed_tokens == s.num_tokens - 1 for s in self.scheduler.running))
+    @rule(drafts=st.lists(st.integers(0, 3), min_size=1, max_size=4))
+    def propose(self, drafts: list[int]) -> None:
+        seq = next(s for s in self.scheduler.running if s.num_computed_tokens == s.num_tokens - 1)
+        seq.draft_token_ids = drafts[:max(0, 29 - seq.num_tokens)]
+
+    @rule(new_token=st.integers(0, 3), accepted=st.integers(0, 4))
+    def step(self, new_token: int, accepted: int) -> None:
         batch = self.scheduler.schedule()
         for seq, n in zip(batch.seqs, batch.num_tokens):
-            for pos in range(seq.num_computed_tokens, seq.num_computed_tokens + n):
+            scheduled = seq.scheduled_token_ids(seq.num_computed_tokens, n)
+            for pos, token in enumerate(scheduled, start=seq.num_computed_tokens):
                 for table, cache in zip(seq.block_tables, self.caches):
-                    cache[table[pos // BLOCK] * BLOCK + pos % BLOCK] = seq.token_ids[pos]
+                    cache[table[pos // BLOCK] * BLOCK + pos % BLOCK] = token
             seq.num_computed_tokens += n
             self.kv.commit_computed_blocks(seq)
-            if seq.num_computed_tokens == seq.num_tokens:
-                seq.token_ids.append(new_token)
+            if seq.num_computed_tokens == seq.num_scheduled_tokens:
+                drafts = seq.draft_token_ids
+                kept = min(accepted, len(drafts))
+                seq.num_computed_tokens -= len(drafts) - kept
+                seq.token_ids.extend(drafts[:kept] + [new_token])
+                seq.draft_token_ids = []
+                self.kv.release_unused(seq)
+                self.kv.commit_computed_blocks(seq)
                 if seq.num_tokens >= 30:
                     self._finish(seq)
 
@@ -99,6 +113,12 @@ class EngineMachine(RuleBasedStateMachine):
                 for pos in range(first, seq.num_computed_tokens):
                     assert table[pos // BLOCK] != self.kv.null_blocks[g]
                     assert cache.get(table[pos // BLOCK] * BLOCK + pos % BLOCK) == seq.token_ids[pos]
+
+    @invariant()
+    def no_block_past_the_known_tokens_and_drafts(self) -> None:
+        for seq in self.scheduler.running:
+            for table in seq.block_tables:
+                assert len(table) <= self.kv.blocks_needed(max(seq.num_scheduled_tokens, seq.num_computed_tokens))
 
     @invariant()
     def sliding_groups_hold_only_their_window(self) -> None:
