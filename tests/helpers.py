@@ -21,6 +21,8 @@ from transformers import (
 )
 from transformers import AutoModelForCausalLM
 
+from tokenmill import LLM, SamplingParams
+
 VOCAB = 320
 
 COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -153,3 +155,14 @@ def assert_clean(llm) -> None:
     core = llm.engine.core
     assert llm.engine.requests == {} and core.requests == {}
     assert core.kv.num_blocks_in_use == 0 and not core.scheduler.running and not core.scheduler.waiting
+
+
+# Speculative decoding by prompt lookup, as the tests configure it.
+SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 1}
+
+
+def echo_prompts(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
+    """Each prompt followed by the model's own greedy continuation and the prompt's tail again: the
+    tail's earlier occurrence proposes that continuation, which the model may well repeat."""
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), use_tqdm=False)
+    return [p + o.outputs[0].token_ids + p[-4:] for p, o in zip(prompts, outs)]

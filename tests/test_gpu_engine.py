@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers import TINY_CONFIGS, make_model_dir
+from helpers import SPEC, TINY_CONFIGS, echo_prompts, make_model_dir
 from test_parity import MAX_TOKENS, assert_matches_reference, parity_prompts, preempting_pool, reference_generate
 from tokenmill import LLM, SamplingParams
 
@@ -154,3 +154,26 @@ def test_quantized_kv_cache_on_cuda_matches_the_cpu_path(arch: str, kv_cache_dty
         if n < MAX_TOKENS:  # a flip (a rounding tie quantized the other way) only at a near-tie
             lp = ours.logprobs[n]
             assert lp[ours.token_ids[n]] - lp.get(theirs.token_ids[n], float("-inf")) < 0.1
+
+
+@pytest.mark.parametrize("arch", ["llama3", "gemma3"])
+def test_speculative_decoding_on_cuda_gives_plain_decodings_tokens(arch: str, tmp_path) -> None:
+    """Prompt lookup on the GPU, verify steps replayed from CUDA graphs (padded to the draft length),
+    against plain decoding on the GPU: the same greedy tokens up to a near-tie."""
+    make_model_dir(arch, tmp_path)
+    plain = LLM(str(tmp_path), device="cuda", dtype="float32", max_num_seqs=8)
+    prompts = echo_prompts(plain, parity_prompts()[:6])
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=3)
+    expected = plain.generate(prompts, params, use_tqdm=False)
+    spec = LLM(str(tmp_path), device="cuda", dtype="float32", max_num_seqs=8,
+               speculative_config={**SPEC, "disable_by_batch_size": 9})
+    got = spec.generate(prompts, params, use_tqdm=False)
+    assert spec.engine.core.runner.graphs.verify_replays > 0
+    for a, b in zip(expected, got):
+        ours, theirs = a.outputs[0], b.outputs[0]
+        n = next((i for i, (x, y) in enumerate(zip(ours.token_ids, theirs.token_ids)) if x != y), len(ours.token_ids))
+        for i in range(n):
+            assert abs(ours.logprobs[i][ours.token_ids[i]] - theirs.logprobs[i][theirs.token_ids[i]]) < 1e-3
+        if n < len(ours.token_ids):  # a flip only at a near-tie
+            lp = ours.logprobs[n]
+            assert lp[ours.token_ids[n]] - lp.get(theirs.token_ids[n], float("-inf")) < 0.05

@@ -5,8 +5,9 @@ chunking, preemption, prefix caching and ``n > 1``."""
 from __future__ import annotations
 
 import numpy as np
+import torch
 import pytest
-from helpers import TINY_CONFIGS, make_model_dir
+from helpers import SPEC, TINY_CONFIGS, echo_prompts, make_model_dir
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from scipy.stats import chi2_contingency
@@ -20,9 +21,6 @@ from tokenmill.engine.spec_decode import (
     accepted_length,
     propose_ngram,
 )
-
-SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 1}
-
 
 def brute_force_proposal(tokens: list[int], k: int, min_n: int, max_n: int) -> list[int]:
     """The longest n (max_n down to min_n) whose last-n run occurs earlier ending before the last
@@ -82,13 +80,6 @@ def test_the_config_takes_json_and_vllm_spellings() -> None:
     assert config.speculative_config == SpeculativeConfig(num_speculative_tokens=3, method="ngram")
 
 
-def _echo_prompts(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
-    """Each prompt followed by the model's own greedy continuation and the prompt's tail again: the
-    tail's earlier occurrence proposes that continuation, which the model may well repeat."""
-    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), use_tqdm=False)
-    return [p + o.outputs[0].token_ids + p[-4:] for p, o in zip(prompts, outs)]
-
-
 def _generate(llm: LLM, prompts: list[list[int]], params: SamplingParams) -> list[list[int]]:
     outs = llm.generate(prompts, params, use_tqdm=False)
     assert llm.engine.core.kv.num_blocks_in_use == 0
@@ -107,7 +98,7 @@ VARIANTS = {
 def test_greedy_output_is_unchanged_for_every_architecture(arch: str, tmp_path) -> None:
     make_model_dir(arch, tmp_path)
     plain = LLM(str(tmp_path), device="cpu", dtype="float32", max_num_seqs=8)
-    prompts = _echo_prompts(plain, parity_prompts()[:6])
+    prompts = echo_prompts(plain, parity_prompts()[:6])
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
     expected = _generate(plain, prompts, params)
     for name, options in VARIANTS.items():
@@ -184,3 +175,40 @@ def test_sampled_tokens_follow_the_distribution_of_plain_decoding() -> None:
         table = common + ([rare] if sum(rare) else [])
         assert len(table) >= 2
         assert chi2_contingency(np.asarray(table)).pvalue > 1e-3, position
+
+
+class _EagerGraph:
+    """Stands in for a captured CUDA graph on the CPU: replaying runs the captured forward eagerly
+    over the same static buffers, so the padding of verify steps is checked without a GPU."""
+
+    def __init__(self, graphs, key: tuple[int, int, int]) -> None:
+        self.graphs, self.key = graphs, key
+
+    def replay(self) -> None:
+        self.graphs._forward(*self.key)
+
+
+@pytest.mark.parametrize("arch", ["llama3", "gemma3"])
+def test_verify_steps_padded_for_graphs_give_the_same_tokens(arch: str, tmp_path) -> None:
+    from tokenmill.engine.cuda_graphs import DecodeGraphs
+
+    make_model_dir(arch, tmp_path)
+    plain = LLM(str(tmp_path), device="cpu", dtype="float32", max_num_seqs=8)
+    prompts = echo_prompts(plain, parity_prompts()[:6])
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=1)
+    expected = plain.generate(prompts, params, use_tqdm=False)
+
+    spec = LLM(str(tmp_path), device="cpu", dtype="float32", max_num_seqs=8, block_size=4,
+               speculative_config={**SPEC, "disable_by_batch_size": 9})
+    runner, core = spec.engine.core.runner, spec.engine.core
+    graphs = DecodeGraphs(runner.model, runner.kv_caches, runner.num_kv_groups, 8, -(-core.max_model_len // 4), 4,
+                          core.model_config.vocab_size, torch.float32, torch.device("cpu"), verify_len=5,
+                          max_verify_seqs=8)
+    graphs.graphs = {key: _EagerGraph(graphs, key) for key in graphs._keys()}
+    runner.graphs = graphs
+    got = spec.generate(prompts, params, use_tqdm=False)
+    assert graphs.verify_replays > 0
+    for a, b in zip(expected, got):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        for lp_a, lp_b in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
+            assert all(abs(lp_a[t] - lp_b[t]) < 1e-4 for t in lp_a)

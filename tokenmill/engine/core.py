@@ -113,7 +113,8 @@ class EngineCore:
         started = time.monotonic()
         self.runner = ModelRunner(cfg, model, num_blocks, config.block_size, self.device, self.dtype,
                                   max_num_seqs=config.max_num_seqs, max_model_len=max_len,
-                                  cuda_graphs=not config.enforce_eager, kv_cache_dtype=self.kv_dtype)
+                                  cuda_graphs=not config.enforce_eager, kv_cache_dtype=self.kv_dtype,
+                                  **self._verify_graph_shape(config))
         self.startup_seconds = {"load": load_seconds, "kv_cache_and_graphs": time.monotonic() - started}
         if self.device.type == "cuda":  # nothing is compiled on the CPU path
             started = time.monotonic()
@@ -162,6 +163,16 @@ class EngineCore:
                                  f"{layout.bytes_per_token(self.kv_dtype) * config.block_size} bytes): raise {where}, "
                                  "or lower max_num_batched_tokens")
         return counts
+
+    @staticmethod
+    def _verify_graph_shape(config: EngineConfig) -> dict[str, int]:
+        """The speculative verify steps worth a CUDA graph: every batch that speculates, each sequence
+        with its known token and every draft."""
+        spec = config.speculative_config
+        if spec is None:
+            return {}
+        return {"verify_len": spec.num_speculative_tokens + 1,
+                "max_verify_seqs": min(config.max_num_seqs, spec.disable_by_batch_size - 1)}
 
     def ready_message(self) -> CoreReady:
         cfg = self.model_config

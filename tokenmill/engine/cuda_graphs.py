@@ -14,6 +14,12 @@ Attention splits the KV range across programs when the batch alone cannot fill
 the GPU, and a graph fixes the split count at capture. Small batches therefore
 get a second graph captured for short contexts (≤ ``SHORT_CONTEXT`` tokens),
 whose few splits fit the work of a short context instead of the longest one.
+
+With speculative decoding, the batch sizes that speculate also get graphs of
+``verify_len`` query tokens a sequence (the known token and every draft): a step
+whose sequences carry fewer drafts is padded to that shape, each sequence's
+extra rows after its real ones (so no real row sees them), writing no cache and
+reading whatever their table holds; their logits are dropped.
 """
 
 from __future__ import annotations
@@ -43,42 +49,54 @@ def capture_sizes(max_num_seqs: int) -> list[int]:
 class DecodeGraphs:
     def __init__(self, model: torch.nn.Module, kv_caches: list, num_kv_groups: int, max_num_seqs: int,
                  max_blocks_per_seq: int, block_size: int, vocab_size: int, dtype: torch.dtype,
-                 device: torch.device) -> None:
+                 device: torch.device, verify_len: int = 0, max_verify_seqs: int = 0) -> None:
+        """``verify_len`` > 1: also capture verify steps of that many query tokens a sequence, for
+        batches of up to ``max_verify_seqs``."""
         self.model = model
         self.kv_caches = kv_caches
         self.sizes = capture_sizes(max_num_seqs)
+        self.verify_len = verify_len if verify_len > 1 and max_verify_seqs > 0 else 0
+        self.verify_sizes = capture_sizes(max_verify_seqs) if self.verify_len else []
         self.max_context = max_blocks_per_seq * block_size
         n = self.sizes[-1]
-        self.input_ids = torch.zeros(n, dtype=torch.int64, device=device)
-        self.positions = torch.zeros(n, dtype=torch.int64, device=device)
-        self.slot_mapping = torch.full((num_kv_groups, n), -1, dtype=torch.int64, device=device)
+        rows = max(n, self.verify_sizes[-1] * self.verify_len if self.verify_sizes else 0)
+        self.input_ids = torch.zeros(rows, dtype=torch.int64, device=device)
+        self.positions = torch.zeros(rows, dtype=torch.int64, device=device)
+        self.slot_mapping = torch.full((num_kv_groups, rows), -1, dtype=torch.int64, device=device)
         self.seq_lens = torch.ones(n, dtype=torch.int32, device=device)
         self.block_tables = torch.zeros(num_kv_groups, n, max_blocks_per_seq, dtype=torch.int32, device=device)
-        self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=device)
-        self.logits = torch.zeros(n, vocab_size, dtype=dtype, device=device)
-        self.greedy_ids = torch.zeros(n, dtype=torch.int64, device=device)
-        self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
+        # Per query length: where each sequence's rows start (1 a sequence, or verify_len).
+        self.query_start_loc = {q: torch.arange(n + 1, dtype=torch.int32, device=device) * q
+                                for q in {1, self.verify_len} - {0}}
+        self.logits = torch.zeros(rows, vocab_size, dtype=dtype, device=device)
+        self.greedy_ids = torch.zeros(rows, dtype=torch.int64, device=device)
+        self.graphs: dict[tuple[int, int, int], torch.cuda.CUDAGraph] = {}
         self.capture_seconds = 0.0
+        self.verify_replays = 0
 
-    def _keys(self) -> list[tuple[int, int]]:
-        """(batch size, context bound) of every graph, largest first."""
-        keys = [(size, self.max_context) for size in self.sizes]
+    def _keys(self) -> list[tuple[int, int, int]]:
+        """(batch size, context bound, query tokens a sequence) of every graph, largest first."""
+        keys = [(size, self.max_context, 1) for size in self.sizes]
+        keys += [(size, self.max_context, self.verify_len) for size in self.verify_sizes]
         if SHORT_CONTEXT < self.max_context:
-            keys += [(size, SHORT_CONTEXT) for size in self.sizes if size <= SHORT_CONTEXT_MAX_BATCH]
-        return sorted(keys, reverse=True)
+            keys += [(size, SHORT_CONTEXT, 1) for size in self.sizes if size <= SHORT_CONTEXT_MAX_BATCH]
+            keys += [(size, SHORT_CONTEXT, self.verify_len) for size in self.verify_sizes
+                     if size <= SHORT_CONTEXT_MAX_BATCH]
+        return sorted(keys, key=lambda key: (key[0] * key[2], key[1]), reverse=True)
 
-    def _forward(self, size: int, context: int) -> None:
+    def _forward(self, size: int, context: int, query_len: int) -> None:
+        rows = size * query_len
         meta = AttentionMetadata(
-            slot_mapping=tuple(self.slot_mapping[:, :size]),
-            query_start_loc=self.query_start_loc[:size + 1],
+            slot_mapping=tuple(self.slot_mapping[:, :rows]),
+            query_start_loc=self.query_start_loc[query_len][:size + 1],
             seq_lens=self.seq_lens[:size],
             block_tables=tuple(self.block_tables[:, :size]),
-            max_query_len=1,
+            max_query_len=query_len,
             max_seq_len=context,
         )
-        hidden = self.model(self.input_ids[:size], self.positions[:size], self.kv_caches, meta)
-        logits = self.model.compute_logits(hidden, out=self.logits[:size])
-        self.greedy_ids[:size] = greedy_argmax(logits)
+        hidden = self.model(self.input_ids[:rows], self.positions[:rows], self.kv_caches, meta)
+        logits = self.model.compute_logits(hidden, out=self.logits[:rows])
+        self.greedy_ids[:rows] = greedy_argmax(logits)
 
     @torch.inference_mode()
     def capture(self) -> None:
@@ -89,6 +107,7 @@ class DecodeGraphs:
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
             for key in self._keys():
+                self.seq_lens.fill_(key[2])  # every sequence holds its query (a context of 0 before it)
                 self._forward(*key)  # warm-up: Triton compiles outside the capture
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=pool, stream=stream):
@@ -97,19 +116,27 @@ class DecodeGraphs:
                 self.graphs[key] = graph
         torch.cuda.current_stream().wait_stream(stream)
         torch.cuda.synchronize()
+        self.seq_lens.fill_(1)
         self.capture_seconds = time.monotonic() - started
-        logger.info("captured %d decode graphs (batch sizes %s) in %.1f s", len(self.graphs), self.sizes,
+        logger.info("captured %d decode graphs (batch sizes %s%s) in %.1f s", len(self.graphs), self.sizes,
+                    f"; verify steps of {self.verify_len} tokens at {self.verify_sizes}" if self.verify_len else "",
                     self.capture_seconds)
 
-    def padded_size(self, batch_size: int) -> int | None:
-        return next((s for s in self.sizes if s >= batch_size), None)
+    def padded_size(self, batch_size: int, query_len: int = 1) -> int | None:
+        sizes = self.sizes if query_len == 1 else self.verify_sizes
+        return next((s for s in sizes if s >= batch_size), None)
 
-    def graph_for(self, batch_size: int, max_seq_len: int | None) -> torch.cuda.CUDAGraph:
-        """The graph a step of this many rows and this longest context replays."""
-        size = self.padded_size(batch_size)
-        if max_seq_len is not None and max_seq_len <= SHORT_CONTEXT and (size, SHORT_CONTEXT) in self.graphs:
-            return self.graphs[(size, SHORT_CONTEXT)]
-        return self.graphs[(size, self.max_context)]
+    def can_verify(self, batch_size: int, max_query_len: int) -> bool:
+        """Whether a step of this many sequences, each with at most ``max_query_len`` tokens, has a graph."""
+        return 1 < max_query_len <= self.verify_len and self.padded_size(batch_size, self.verify_len) is not None
+
+    def graph_for(self, batch_size: int, max_seq_len: int | None, query_len: int = 1) -> torch.cuda.CUDAGraph:
+        """The graph a step of this many sequences, this longest context and query length replays."""
+        size = self.padded_size(batch_size, query_len)
+        short = (size, SHORT_CONTEXT, query_len)
+        if max_seq_len is not None and max_seq_len <= SHORT_CONTEXT and short in self.graphs:
+            return self.graphs[short]
+        return self.graphs[(size, self.max_context, query_len)]
 
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor,
             meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
@@ -128,3 +155,36 @@ class DecodeGraphs:
         self.seq_lens[batch:size].fill_(1)
         self.graph_for(batch, meta.max_seq_len).replay()
         return self.logits[:batch], self.greedy_ids[:batch]
+
+    def run_verify(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                   meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        """A step whose sequences each have 1 … ``verify_len`` query tokens, every one sampled (the
+        known token and its drafts): padded to ``verify_len`` a sequence and replayed; returns the
+        real rows' logits and greedy ids in the step's order. No host reads: the padding is placed
+        on the device from ``query_start_loc``."""
+        q, total = self.verify_len, input_ids.shape[0]
+        qsl = meta.query_start_loc
+        batch = qsl.shape[0] - 1
+        size = self.padded_size(batch, q)
+        counts = qsl[1:] - qsl[:-1]
+        owner = torch.repeat_interleave(torch.arange(batch, device=qsl.device), counts, output_size=total)
+        dest = owner * q + (torch.arange(total, device=qsl.device) - qsl[:-1].long()[owner])
+        rows = size * q
+        # Padding rows: no input worth naming, the position of the sequence's last real token (always
+        # within the model's range), no cache write.
+        self.input_ids[:rows].zero_()
+        self.input_ids[dest] = input_ids
+        last = torch.zeros(size, dtype=positions.dtype, device=positions.device)
+        last[:batch] = positions[qsl[1:].long() - 1]
+        self.positions[:rows].copy_(last.repeat_interleave(q))
+        self.positions[dest] = positions
+        width = meta.block_tables[0].shape[1]
+        self.slot_mapping[:, :rows].fill_(-1)
+        for g, (slots, table) in enumerate(zip(meta.slot_mapping, meta.block_tables)):
+            self.slot_mapping[g, dest] = slots
+            self.block_tables[g, :batch, :width].copy_(table)
+        self.seq_lens[:batch].copy_(meta.seq_lens - counts + q)  # each sequence's context, then q rows
+        self.seq_lens[batch:size].fill_(q)
+        self.graph_for(batch, meta.max_seq_len + q, q).replay()
+        self.verify_replays += 1
+        return self.logits[dest], self.greedy_ids[dest]

@@ -135,9 +135,11 @@ def allocate_kv_caches(layout: KVLayout, num_blocks: list[int], block_size: int,
 class ModelRunner:
     def __init__(self, cfg: ModelConfig, model: torch.nn.Module, num_blocks: list[int], block_size: int,
                  device: torch.device, dtype: torch.dtype, max_num_seqs: int = 256, max_model_len: int = 2048,
-                 cuda_graphs: bool = True, kv_cache_dtype: torch.dtype | None = None) -> None:
+                 cuda_graphs: bool = True, kv_cache_dtype: torch.dtype | None = None, verify_len: int = 0,
+                 max_verify_seqs: int = 0) -> None:
         """``num_blocks``: the block count of each KV group (``cfg.kv_layout().groups``);
-        ``kv_cache_dtype``: what K and V are stored in (None: ``dtype``)."""
+        ``kv_cache_dtype``: what K and V are stored in (None: ``dtype``); ``verify_len``: query tokens
+        a sequence of the speculative verify steps captured as graphs, for up to ``max_verify_seqs``."""
         self.cfg = cfg
         self.model = model
         self.block_size = block_size
@@ -151,7 +153,8 @@ class ModelRunner:
         self.graphs: DecodeGraphs | None = None
         if cuda_graphs and device.type == "cuda":
             self.graphs = DecodeGraphs(model, self.kv_caches, len(num_blocks), max_num_seqs,
-                                       -(-max_model_len // block_size), block_size, cfg.vocab_size, dtype, device)
+                                       -(-max_model_len // block_size), block_size, cfg.vocab_size, dtype, device,
+                                       verify_len, max_verify_seqs)
             self.graphs.capture()
 
     @torch.inference_mode()
@@ -314,6 +317,10 @@ class ModelRunner:
             logits, greedy_ids = self.graphs.run(inputs.input_ids, inputs.positions, meta)
             if prompt_rows or len(logits_rows) != len(batch.seqs):
                 logits, greedy_ids = logits[inputs.logits_rows_device], None
+        elif (self.graphs is not None and self.graphs.can_verify(len(batch), meta.max_query_len)
+              and not prompt_rows and len(logits_rows) == batch.total_tokens):
+            # A verify step: every row is a known token or a draft, and every row samples.
+            logits, greedy_ids = self.graphs.run_verify(inputs.input_ids, inputs.positions, meta)
         else:
             hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, meta)
             if not logits_rows:
