@@ -4,7 +4,8 @@
 # (`tests` = kernel and engine GPU tests; `engine-tests` = engine only;
 #  `serve-qwen3-0.6b`, `serve-llama3-8b` = the server against the engine, benchmarks/serve_vs_engine.py;
 #  `models-<shape>[,<shape>]` = `tokenmill bench models` on those shapes, e.g. models-gemma3-4b;
-#  `spec-rewrite` = speculative decoding on the rewrite workload, benchmarks/spec_decode_rewrite.py.)
+#  `spec-rewrite` = speculative decoding on the rewrite workload, benchmarks/spec_decode_rewrite.py;
+#  `spec` = the verify step against decode per batch size, and the standard workload with it on/off.)
 # Results and logs go to $OUT (the device tool brings them back).
 set -o pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
@@ -47,6 +48,13 @@ for part in "$@"; do
     study-gemv-gemma3)
       timeout 560 python3 benchmarks/study_gemv.py --models gemma3-4b,gemma3-27b --sweep \
         --out "$OUT/study-gemv-gemma3.json" 2>&1 | tee "$OUT/study-gemv-gemma3.log" | tail -40 ;;
+    spec)
+      # The verify step's cost per batch size, with the speedup derived from spec-rewrite's tokens
+      # per forward when that part ran first; then the standard workload with speculation on and off.
+      tpf=$(python3 -c "import json; print(json.load(open('$OUT/spec-rewrite.json'))['rows'][0]['tokens_per_forward'])" \
+            2>/dev/null)
+      timeout 500 python3 benchmarks/run_engine_bench.py spec --out "$OUT/spec.json" --no-peer \
+        ${tpf:+--tokens-per-forward $tpf} 2>&1 | grep -v -e "it/s]" -e "^Loading" | tail -20 ;;
     spec-rewrite)
       timeout 400 python3 benchmarks/spec_decode_rewrite.py --device cuda --out "$OUT/spec-rewrite.json" 2>&1 \
         | grep -v "it/s]" | tail -5 ;;

@@ -395,6 +395,58 @@ def bench_startup(shape: str = "llama3-8b") -> list[dict]:
 
 
 # ----------------------------------------------------------------------- output
+def bench_spec_decode(ceilings: Ceilings, shape: str = "llama3-8b", k: int = 4,
+                      batches: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64), context: int = 1024,
+                      tokens_per_forward: float | None = None) -> list[dict]:
+    """Speculative decoding's costs: the verify step's graph (``k + 1`` query tokens a sequence)
+    against the one-token decode graph at each batch size, every sequence over ``context`` tokens of
+    its own blocks, beside their floors; with ``tokens_per_forward`` (measured on a workload) the
+    speedup it gives at each size, derived as tokens per forward × decode time / verify time. Then
+    the standard workload with speculation on (its defaults) and off."""
+    rows: list[dict] = []
+    spec = {"method": "ngram", "num_speculative_tokens": k, "disable_by_batch_size": max(batches) + 1}
+    engine = make_engine(shape, max_num_seqs=max(batches), max_model_len=context + 2 * (k + 1),
+                         speculative_config=spec)
+    graphs, block_size = engine.core.runner.graphs, engine.core.kv.block_size
+    cost = StepCostModel.of(engine.core.runner.model, engine.model_config)
+    per_seq = -(-(context + k + 1) // block_size)
+    for batch in batches:
+        # Distinct blocks for every sequence (block 0 and up: the KV values do not matter to the time).
+        graphs.block_tables[:, :batch, :per_seq] = torch.arange(batch * per_seq, dtype=torch.int32,
+                                                                device=graphs.block_tables.device).view(batch, per_seq)
+        graphs.slot_mapping.fill_(-1)
+        timed = {}
+        for q in (1, k + 1):
+            graphs.positions[:batch * q] = (context + torch.arange(q, device=graphs.positions.device)).repeat(batch)
+            graphs.seq_lens[:batch] = context + q
+            seconds = time_cuda(graphs.graph_for(batch, context + q, q).replay, warmup=5, repeat=30)
+            bytes_, flops = cost.step([q] * batch, [context + q] * batch, batch * q)
+            timed[q] = (seconds, ceilings.floor(bytes_, flops))
+        (decode_s, decode_floor), (verify_s, verify_floor) = timed[1], timed[k + 1]
+        row = {"name": f"spec_decode/{shape}/verify_b{batch}", "batch": batch, "context": context,
+               "num_speculative_tokens": k, "decode_ms": decode_s * 1e3, "decode_floor_ms": decode_floor * 1e3,
+               "ms_per_step": verify_s * 1e3, "floor_ms": verify_floor * 1e3,
+               "fraction_of_floor": verify_floor / verify_s, "verify_over_decode": verify_s / decode_s}
+        if tokens_per_forward is not None:
+            row["tokens_per_forward"] = tokens_per_forward
+            row["derived_speedup"] = tokens_per_forward * decode_s / verify_s
+        rows.append(row)
+    del engine, graphs
+    release()
+    for on in (False, True):
+        engine = make_engine(shape, max_num_seqs=256, max_num_batched_tokens=8192,
+                             speculative_config={"method": "ngram", "num_speculative_tokens": k} if on else None)
+        result = run_workload(engine, ceilings, standard_workload(vocab=engine.model_config.vocab_size))
+        stats = engine.core.stats
+        result.update(spec_decode_num_drafts=stats.spec_decode_num_drafts,
+                      spec_decode_num_accepted_tokens=stats.spec_decode_num_accepted_tokens)
+        rows.append({"name": f"spec_decode/{shape}/standard_workload_{'on' if on else 'off'}", **result})
+        del engine
+        release()
+    rows[-1]["throughput_over_off"] = rows[-1]["output_tok_per_s"] / rows[-2]["output_tok_per_s"]
+    return rows
+
+
 def print_table(rows: list[dict]) -> None:
     print(f"{'name':44s} {'measured':>14s} {'floor':>10s} {'of floor':>8s} {'peer':>14s}")
     for row in rows:
@@ -415,7 +467,7 @@ def print_table(rows: list[dict]) -> None:
         print(f"{row['name']:44s} {measured:>14s} {floor:>10s} {frac:>8s} {peer:>14s}")
 
 
-BENCHMARKS = ("latency", "batch", "throughput", "features", "startup", "models", "kvcache", "all")
+BENCHMARKS = ("latency", "batch", "throughput", "features", "startup", "models", "kvcache", "spec", "all")
 MODEL_SHAPES = ["gemma3-4b", "gemma3-27b", "gemma4-e4b", "gemma4-31b"]
 
 
@@ -424,6 +476,9 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-peer", action="store_true", help="skip transformers")
     parser.add_argument("--peer-requests", type=int, default=32,
                         help="requests of the standard workload given to transformers' generate_batch")
+    parser.add_argument("--tokens-per-forward", type=float, default=None,
+                        help="spec: tokens per forward measured on a workload (benchmarks/spec_decode_rewrite.py), "
+                             "to derive the speedup at each batch size")
     parser.add_argument("--shapes", default=",".join(MODEL_SHAPES),
                         help="comma-separated shapes for the models benchmark (known: "
                              f"{', '.join(SHAPES)})")
@@ -455,6 +510,7 @@ def run_bench(args: argparse.Namespace) -> int:
                                                checkpoint),
         "features": lambda: bench_features(ceilings),
         "kvcache": lambda: bench_kv_cache_dtypes(ceilings),
+        "spec": lambda: bench_spec_decode(ceilings, tokens_per_forward=args.tokens_per_forward),
         "models": lambda: bench_models(ceilings, args.shapes.split(","), [1, 8, 32, 128], peer, args.peer_requests,
                                        checkpoint),
     }
