@@ -264,3 +264,27 @@ def test_a_core_that_dies_before_any_request_turns_health_503(model_dir: Path) -
         with_app(engine, test)
     finally:
         engine.close()
+
+
+def test_a_core_process_with_speculative_decoding_serves_the_same_text(server: LiveServer, model_dir: Path) -> None:
+    """The core in its own process, with prompt lookup on: a greedy completion equals the plain
+    server's, and /metrics counts the drafts under tokenmill:'s and vLLM's names."""
+    import dataclasses
+
+    body = {"model": MODEL_NAME, "prompt": "a b c d a b c d a b c", "max_tokens": 24, "temperature": 0}
+    expected = httpx.post(f"{server.base_url}/v1/completions", json=body, timeout=60).json()["choices"][0]["text"]
+    config = dataclasses.replace(small_engine_config(model_dir),
+                                 speculative_config={"method": "ngram", "num_speculative_tokens": 3})
+    engine = AsyncLLM(config)
+    try:
+        async def test(client: httpx.AsyncClient) -> None:
+            response = await client.post("/v1/completions", json=body)
+            assert response.status_code == 200 and response.json()["choices"][0]["text"] == expected
+            metrics = (await client.get("/metrics")).text
+            drafts = [line for line in metrics.splitlines() if line.startswith("tokenmill:spec_decode_num_drafts")]
+            assert drafts and float(drafts[0].split()[-1]) > 0
+            assert "vllm:spec_decode_num_accepted_tokens" in metrics
+
+        with_app(engine, test, vllm_metrics=True)
+    finally:
+        engine.close()
