@@ -58,6 +58,12 @@ for part in "$@"; do
     spec-rewrite)
       timeout 400 python3 benchmarks/spec_decode_rewrite.py --device cuda --out "$OUT/spec-rewrite.json" 2>&1 \
         | grep -v "it/s]" | tail -5 ;;
+    study-attention-quantized)
+      # Llama-3-8B's attention (head dim 128, group 4) over bf16, int8 and fp8 caches, every decode tile.
+      for kv in bf16 int8 fp8; do
+        timeout 190 python3 benchmarks/study_attention_tiles.py decode --shapes 4 --kv-dtype $kv --jobs 8 \
+          --out "$OUT/attention-tiles-quantized.jsonl" 2>&1 | tail -5
+      done ;;
     kernel-profile)
       python3 benchmarks/profile_kernels.py --out "$OUT/kernel-profile.json" 2>&1 | grep -v "it/s]" | tail -80 ;;
     *) echo "unknown part $part"; exit 2 ;;

@@ -1,13 +1,15 @@
-"""Paged attention tile study at Gemma's head dims (256, 512) on one GPU.
+"""Paged attention tile study on one GPU: Gemma's head dims (256, 512), and Llama-3-8B's
+(128, group 4) over a bf16 or a quantized (``--kv-dtype int8|fp8``) cache.
 
 For decode batches and prefill chunks at head dims 256 and 512 with GQA groups of 2 and 8
-(bf16, block 16), times each candidate ``(BLOCK_M, BLOCK_N, num_warps, num_stages)`` by
+(block 16), and at head dim 128 (``--shapes 4``, with a batch of 64 over 8k tokens), times each candidate ``(BLOCK_M, BLOCK_N, num_warps, num_stages)`` by
 replacing ``triton_attention._tile_config``, and records the registers and spills of the
 kernels it compiled. Decode is timed replayed from a CUDA graph (as the engine runs it),
 prefill with ``triton.testing.do_bench`` (L2 flushed). The split count is the wrapper's
 own choice. The chosen tiles, then the same with a softcap, are timed last as a check.
 
-    python benchmarks/study_attention_tiles.py decode|prefill [--out FILE] [--jobs N]
+    python benchmarks/study_attention_tiles.py decode|prefill [--shapes 0,1] [--kv-dtype bf16|int8|fp8]
+        [--out FILE] [--jobs N]
 
 ``--jobs N`` compiles every variant first in N processes (Triton's disk cache keeps them),
 so the timed pass, one process, finds them built.
@@ -37,20 +39,26 @@ from tokenmill.kernels import triton_attention, triton_ops  # noqa: E402
 BLOCK_SIZE = 16
 DTYPE = torch.bfloat16
 # (head_dim, q heads, KV heads): groups of 2 and 8.
-SHAPES = [(256, 16, 8), (256, 16, 2), (512, 16, 8), (512, 16, 2)]
-DECODE_POINTS = [(1, 8192), (16, 4096), (64, 2048)]  # (batch, context)
+SHAPES = [(256, 16, 8), (256, 16, 2), (512, 16, 8), (512, 16, 2), (128, 32, 8)]
+DECODE_POINTS = [(1, 8192), (16, 4096), (64, 2048), (64, 8192)]  # (batch, context)
+KV_DTYPES = {"bf16": torch.bfloat16, "int8": torch.int8, "fp8": torch.float8_e4m3fn}
 PREFILL_POINTS = [[(2048, 2048)], [(512, 4096)] * 4]  # (query length, context) per sequence
-DECODE_TILES = [(16, n, w, s) for n in (16, 32, 64) for w in (4, 8) for s in (2, 3)]
+DECODE_TILES = [(16, n, w, s) for n in (16, 32, 64, 128) for w in (4, 8) for s in (2, 3, 4)]
 PREFILL_TILES = [(m, n, w, s) for m in (32, 64) for n in (16, 32, 64) for w in (4, 8) for s in (2, 3)]
 CHOSEN = triton_attention._tile_config
 
 
 class Batch:
-    def __init__(self, specs: list[tuple[int, int]], head_dim: int, hq: int, hkv: int) -> None:
+    def __init__(self, specs: list[tuple[int, int]], head_dim: int, hq: int, hkv: int,
+                 kv_dtype: torch.dtype = DTYPE) -> None:
         blocks = [-(-ctx // BLOCK_SIZE) for _, ctx in specs]
         width = max(blocks)
-        self.k = torch.randn(sum(blocks), BLOCK_SIZE, hkv, head_dim, device="cuda", dtype=DTYPE)
-        self.v = torch.randn_like(self.k)
+        values = torch.randn(2, sum(blocks), BLOCK_SIZE, hkv, head_dim, device="cuda", dtype=DTYPE)
+        self.scales = None
+        if kv_dtype != DTYPE:  # one-byte values (int8 in [-127, 127]) and a bf16 scale per token and head
+            values = (values * 40).clamp(-127, 127).round() if kv_dtype == torch.int8 else (values * 100).clamp(-448, 448)
+            self.scales = torch.rand(2, sum(blocks), BLOCK_SIZE, hkv, device="cuda", dtype=DTYPE) * 0.02
+        self.k, self.v = values.to(kv_dtype)
         perm = torch.randperm(sum(blocks), device="cuda").int()
         self.tables = torch.zeros(len(specs), width, dtype=torch.int32, device="cuda")
         used = 0
@@ -66,13 +74,15 @@ class Batch:
         self.max_q = max(q for q, _ in specs)
         self.max_ctx = max(c for _, c in specs)
         self.scale = head_dim**-0.5
-        self.kv_bytes = 2 * sum(c for _, c in specs) * hkv * head_dim * 2
+        self.kv_bytes = 2 * sum(c for _, c in specs) * hkv * (head_dim * self.k.element_size()
+                                                              + (2 if self.scales is not None else 0))
         self.flops = 4 * hq * head_dim * sum(q * (c - q) + q * (q + 1) // 2 for q, c in specs)
 
     def run(self, softcap: float | None = None) -> torch.Tensor:
+        scales = {} if self.scales is None else {"k_scale": self.scales[0], "v_scale": self.scales[1]}
         return triton_ops.paged_attention(self.query, self.k, self.v, self.qsl, self.seq_lens, self.tables,
                                           self.scale, None, max_query_len=self.max_q, max_seq_len=self.max_ctx,
-                                          softcap=softcap, out=self.out)
+                                          softcap=softcap, out=self.out, **scales)
 
 
 def _compiled() -> set:
@@ -110,14 +120,14 @@ def _points(part: str) -> list[list[tuple[int, int]]]:
     return [[(1, ctx)] * b for b, ctx in DECODE_POINTS] if part == "decode" else PREFILL_POINTS
 
 
-def compile_only(part: str, shapes: list, worker: int, jobs: int) -> None:
+def compile_only(part: str, shapes: list, worker: int, jobs: int, kv_dtype: torch.dtype) -> None:
     """Run each (shape, tile) of this worker's share once, untimed, so that it is compiled."""
     tiles = DECODE_TILES if part == "decode" else PREFILL_TILES
     work = [(shape, specs, tile) for shape in shapes for specs in _points(part) for tile in [*tiles, None]]
     for i, ((head_dim, hq, hkv), specs, tile) in enumerate(work):
         if i % jobs != worker:
             continue
-        batch = Batch(specs, head_dim, hq, hkv)
+        batch = Batch(specs, head_dim, hq, hkv, kv_dtype)
         for softcap in (None, 50.0) if tile is None else (None,):
             triton_attention._tile_config = CHOSEN if tile is None else (lambda bd, g, mq, eb, t=tile: t)
             try:
@@ -135,15 +145,18 @@ def main() -> None:
     parser.add_argument("--shapes", default=None, help="indices into SHAPES, comma-separated")
     parser.add_argument("--jobs", type=int, default=1)
     parser.add_argument("--chosen-only", action="store_true", help="time the wrapper's own tiles alone")
+    parser.add_argument("--kv-dtype", choices=list(KV_DTYPES), default="bf16",
+                        help="what the cache stores (int8/fp8: one byte and a bf16 scale per token and head)")
     parser.add_argument("--worker", type=int, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
-    shapes = SHAPES if args.shapes is None else [SHAPES[int(i)] for i in args.shapes.split(",")]
+    shapes = SHAPES[:4] if args.shapes is None else [SHAPES[int(i)] for i in args.shapes.split(",")]
+    kv_dtype = KV_DTYPES[args.kv_dtype]
     if args.worker is not None:
-        compile_only(args.part, shapes, args.worker, args.jobs)
+        compile_only(args.part, shapes, args.worker, args.jobs, kv_dtype)
         return
     t0 = time.time()
     if args.jobs > 1 and not args.chosen_only:
-        extra = [] if args.shapes is None else ["--shapes", args.shapes]
+        extra = ["--kv-dtype", args.kv_dtype] + ([] if args.shapes is None else ["--shapes", args.shapes])
         procs = [subprocess.Popen([sys.executable, __file__, args.part, "--jobs", str(args.jobs), "--worker", str(w),
                                    *extra]) for w in range(args.jobs)]
         for proc in procs:
@@ -155,10 +168,10 @@ def main() -> None:
     with open(out, "a") as f:
         for head_dim, hq, hkv in shapes:
             for specs in _points(args.part):
-                batch = Batch(specs, head_dim, hq, hkv)
+                batch = Batch(specs, head_dim, hq, hkv, kv_dtype)
                 point = {"part": args.part, "head_dim": head_dim, "group": hq // hkv, "seqs": len(specs),
-                         "q": specs[0][0], "ctx": specs[0][1]}
-                chosen = CHOSEN(triton.next_power_of_2(head_dim), hq // hkv, batch.max_q, 2)
+                         "q": specs[0][0], "ctx": specs[0][1], "kv_dtype": args.kv_dtype}
+                chosen = CHOSEN(triton.next_power_of_2(head_dim), hq // hkv, batch.max_q, batch.k.element_size())
                 results = []
                 for tile in [*tiles, None, "cap"]:
                     if tile == "cap":
