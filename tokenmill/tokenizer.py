@@ -15,12 +15,14 @@ _CONTEXT_TOKENS = 5
 
 def load_tokenizer(model_dir: str | Path) -> Any | None:
     """The model's own tokenizer (fast, with its chat template), or None when the directory
-    ships none (the engine then takes token ids only)."""
-    model_dir = Path(model_dir)
-    if not any((model_dir / name).is_file() for name in _TOKENIZER_FILES):
-        return None
+    ships none (the engine then takes token ids only); a GGUF file's from its metadata."""
     from transformers import AutoTokenizer
 
+    model_dir = Path(model_dir)
+    if model_dir.suffix.lower() == ".gguf":  # rebuilt from the file's metadata, as transformers does
+        return AutoTokenizer.from_pretrained(str(model_dir.parent), gguf_file=model_dir.name)
+    if not any((model_dir / name).is_file() for name in _TOKENIZER_FILES):
+        return None
     return AutoTokenizer.from_pretrained(str(model_dir))
 
 

@@ -109,13 +109,19 @@ def load_model_config(model_dir: str | Path) -> ModelConfig:
     # Imported here: the registry imports this module (ModelConfig) through the families.
     from tokenmill.models.registry import SUPPORTED_ARCHITECTURES, config_parser
 
+    from tokenmill.loader.gguf_checkpoint import is_gguf_file, read_gguf_config
+
     model_dir = Path(model_dir)
-    if not model_dir.is_dir():
-        raise ModelLoadError(f"model directory {str(model_dir)!r} does not exist")
-    config_path = model_dir / "config.json"
-    if not config_path.is_file():
-        raise ModelLoadError(f"{model_dir} has no config.json: is it a Hugging Face model directory?")
-    top = _read_json(config_path)
+    if is_gguf_file(model_dir):  # a single GGUF file: its metadata, as a config.json
+        config_path, top = model_dir, read_gguf_config(model_dir)
+    else:
+        if not model_dir.is_dir():
+            raise ModelLoadError(f"model directory {str(model_dir)!r} does not exist")
+        config_path = model_dir / "config.json"
+        if not config_path.is_file():
+            raise ModelLoadError(f"{model_dir} has no config.json: is it a Hugging Face model directory "
+                                 "(or a .gguf file)?")
+        top = _read_json(config_path)
     archs = top.get("architectures") or []
     arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
     if arch is None:
@@ -130,7 +136,7 @@ def load_model_config(model_dir: str | Path) -> ModelConfig:
         raise ModelLoadError(f"{config_path} lacks the field {exc.args[0]!r}") from exc
     eos = _as_id_list(raw.get("eos_token_id"))
     gen_path = model_dir / "generation_config.json"
-    if gen_path.is_file():
+    if model_dir.is_dir() and gen_path.is_file():
         eos = _as_id_list(_read_json(gen_path).get("eos_token_id")) or eos
     return replace(cfg, eos_token_ids=tuple(eos))
 

@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from tokenmill.loader.gguf_checkpoint import is_gguf_file, iter_gguf_checkpoint
 from tokenmill.loader.hf_config import ModelLoadError
 
 
@@ -29,7 +30,11 @@ def checkpoint_files(model_dir: Path) -> list[Path]:
 
 
 def iter_checkpoint(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
-    """Every tensor of the checkpoint, one at a time, so peak memory stays one tensor."""
+    """Every tensor of the checkpoint (a directory of safetensors, or a GGUF file), one at a time,
+    so peak memory stays one tensor (for safetensors)."""
+    if is_gguf_file(model_dir):
+        yield from iter_gguf_checkpoint(model_dir)
+        return
     for path in checkpoint_files(model_dir):
         with safe_open(str(path), framework="pt") as f:
             for name in f.keys():

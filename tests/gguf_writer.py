@@ -1,0 +1,83 @@
+"""Writes a tiny Hugging Face model and its tokenizer as a GGUF file, as llama.cpp's converter lays
+one out (metadata keys, tensor names, q/k rows permuted for Llama), with ``gguf``'s writer: the
+GGUF loading tests read it back with the engine and with ``transformers``."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import gguf
+import numpy as np
+from safetensors.torch import load_file
+
+_LAYER_TENSORS = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+                  "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm",
+                  "self_attn.k_norm": "attn_k_norm", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+                  "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm"}
+_TOP_TENSORS = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output"}
+
+
+def _permute(x: np.ndarray, heads: int) -> np.ndarray:
+    """llama.cpp's row order for Llama's q and k (each head's two rotary halves interleaved)."""
+    return x.reshape(heads, 2, x.shape[0] // heads // 2, *x.shape[1:]).swapaxes(1, 2).reshape(x.shape)
+
+
+def write_gguf(model_dir: Path, out: Path, quantize: bool) -> Path:
+    """``model_dir``'s model (``llama``, ``qwen2`` or ``qwen3``) and tokenizer as ``out``: matrices in
+    Q8_0 with ``quantize``, else F16; vectors in F32."""
+    cfg = json.loads((model_dir / "config.json").read_text())
+    arch = cfg["model_type"]
+    writer = gguf.GGUFWriter(str(out), arch)
+    rope = cfg.get("rope_parameters") or {}
+    writer.add_context_length(cfg["max_position_embeddings"])
+    writer.add_embedding_length(cfg["hidden_size"])
+    writer.add_block_count(cfg["num_hidden_layers"])
+    writer.add_feed_forward_length(cfg["intermediate_size"])
+    writer.add_head_count(cfg["num_attention_heads"])
+    writer.add_head_count_kv(cfg["num_key_value_heads"])
+    writer.add_rope_freq_base(float(cfg.get("rope_theta") or rope.get("rope_theta", 10000.0)))
+    writer.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
+    writer.add_rope_dimension_count(head_dim)
+    writer.add_vocab_size(cfg["vocab_size"])
+    _write_tokenizer(writer, json.loads((model_dir / "tokenizer.json").read_text()))
+    for name, tensor in load_file(str(model_dir / "model.safetensors")).items():
+        x = tensor.float().numpy()
+        stem, kind = name.rsplit(".", 1)
+        if stem in _TOP_TENSORS:
+            gguf_name = f"{_TOP_TENSORS[stem]}.{kind}"
+        else:
+            layer, module = stem.split(".")[2], ".".join(stem.split(".")[3:])
+            gguf_name = f"blk.{layer}.{_LAYER_TENSORS[module]}.{kind}"
+            if arch == "llama" and module in ("self_attn.q_proj", "self_attn.k_proj"):
+                heads = cfg["num_attention_heads"] if module == "self_attn.q_proj" else cfg["num_key_value_heads"]
+                x = _permute(x, heads)
+        if x.ndim == 2 and quantize:
+            writer.add_tensor(gguf_name, gguf.quants.quantize(x, gguf.GGMLQuantizationType.Q8_0),
+                              raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+        else:
+            writer.add_tensor(gguf_name, x.astype(np.float16 if x.ndim == 2 else np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return out
+
+
+def _write_tokenizer(writer: gguf.GGUFWriter, tok: dict) -> None:
+    """A byte-level BPE tokenizer (tests/helpers.py's) as GGUF's ``gpt2`` tokenizer."""
+    vocab = tok["model"]["vocab"]
+    tokens = [""] * len(vocab)
+    for token, index in vocab.items():
+        tokens[index] = token
+    special = {added["content"] for added in tok["added_tokens"]}
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("default")
+    writer.add_token_list(tokens)
+    writer.add_token_types([gguf.TokenType.CONTROL if t in special else gguf.TokenType.NORMAL for t in tokens])
+    writer.add_token_merges([" ".join(m) if isinstance(m, list) else m for m in tok["model"]["merges"]])
+    writer.add_eos_token_id(vocab["<|endoftext|>"])
+    writer.add_bos_token_id(vocab["<|endoftext|>"])
