@@ -1,19 +1,23 @@
 """GGUF files (llama.cpp's format): the config, weights and tokenizer that a single ``.gguf`` file holds.
 
 ``transformers`` reads GGUF with the ``gguf`` package: its metadata becomes a Hugging Face config,
-its tensors are dequantized (F32, F16, BF16, Q8_0, the K-quants…) and renamed to the Hugging Face
-modules, with llama.cpp's row permutation of q and k undone, and its tokenizer and chat template
-are rebuilt. The engine then loads the result as it loads a Hugging Face directory. Weights are
-held in float32 while they load: a GGUF file needs about four bytes of host memory per parameter.
+its tensors are dequantized (F32, F16, BF16, Q8_0, the K-quants…) one at a time and renamed to
+the Hugging Face modules, with llama.cpp's row permutation of q and k undone, and its tokenizer
+and chat template are rebuilt. The engine then loads the result as it loads a Hugging Face
+directory.
 """
 
 from __future__ import annotations
 
+import logging
+from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
+
+logger = logging.getLogger(__name__)
 
 # What each GGUF architecture is as a Hugging Face text model (the families the engine runs).
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
@@ -66,15 +70,41 @@ def _metadata_int(path: Path, key: str) -> int | None:
 
 
 def iter_gguf_checkpoint(path: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
-    """Every tensor, dequantized, under its Hugging Face name."""
+    """Every tensor, dequantized one at a time from the memory-mapped file, under its Hugging Face
+    name (transformers' per-family processing applied: Llama's q/k rows put back in order, Gemma's
+    norm offsets…), so host memory holds one tensor beyond the file's pages."""
+    import numpy as np
+    from gguf import GGUFReader
+    from gguf.quants import dequantize
     from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.modeling_gguf_pytorch_utils import (
+        TENSOR_PROCESSORS,
+        TensorProcessor,
+        get_gguf_hf_weights_map,
+    )
 
-    config = read_gguf_config(path)
-    config.pop("architectures")
+    from tokenmill.loader.hf_config import ModelLoadError
+
+    path = Path(path)
+    parsed = _checkpoint(path)
+    config = dict(parsed["config"])
     hf_config = AutoConfig.for_model(config.pop("model_type"), **config)
-    with torch.device("meta"):  # names only: transformers maps the file's tensors onto a model's
+    with torch.device("meta"):  # names only: the file's tensors are mapped onto this model's
         skeleton = AutoModelForCausalLM.from_config(hf_config)
-    tensors = _checkpoint(Path(path), return_tensors=True, model_to_load=skeleton)["tensors"]
-    while tensors:
-        name = next(iter(tensors))
-        yield name, torch.as_tensor(tensors.pop(name))
+    reader = GGUFReader(str(path))
+    architecture = str(reader.get_field("general.architecture").contents())
+    processor = TENSOR_PROCESSORS.get(architecture, TensorProcessor)(config=parsed["config"])
+    types = Counter(tensor.tensor_type.name for tensor in reader.tensors)
+    logger.info("%s: %d tensors (%s), each dequantized to the model's dtype as it loads", path.name,
+                len(reader.tensors), ", ".join(f"{n} {name}" for name, n in types.most_common()))
+    names = get_gguf_hf_weights_map(skeleton, processor)
+    for tensor in reader.tensors:
+        try:
+            weights = dequantize(tensor.data, tensor.tensor_type)
+        except (NotImplementedError, ValueError) as exc:
+            raise ModelLoadError(f"{path}: tensor {tensor.name!r} of type {tensor.tensor_type.name} cannot be "
+                                 f"read: {exc}") from None
+        result = processor.process(weights=weights, name=tensor.name, tensor_key_mapping=names,
+                                   parsed_parameters=parsed)
+        if result.name in names:
+            yield names[result.name], torch.from_numpy(np.array(result.weights))  # a copy: the file is read-only
