@@ -15,7 +15,7 @@ import sys
 
 import torch
 
-from tokenmill.kernels import reference
+from tokenmill.kernels import q8_0, reference
 
 try:
     import triton
@@ -390,13 +390,17 @@ def check_act_and_mul(ops, *, act: str, num_tokens: int, d: int, dtype: torch.dt
 GEMV_KINDS = ("residual", "norm", "norm_gated", "offset_norm", "offset_norm_geglu", "fp32_norm_geglu")
 
 
-def check_gemv(ops, *, kind: str, n: int, k: int, dtype: torch.dtype, device: str, bias: bool) -> None:
-    """One-row fused GEMV: ``linear_residual`` (kind "residual") or ``norm_linear`` (plain or gated)."""
+def check_gemv(ops, *, kind: str, n: int, k: int, dtype: torch.dtype, device: str, bias: bool,
+               q8: bool = False) -> None:
+    """One-row fused GEMV: ``linear_residual`` (kind "residual") or ``norm_linear`` (plain or gated);
+    with ``q8`` the weight in Q8_0 (the reference dequantizes it)."""
     gen, seed = fresh_generator(device)
     gated = kind.endswith(("gated", "geglu"))
     rows = 2 * n if gated else n
     x = _randn((1, k), dtype, device, gen) * 2
     weight = _randn((rows, k), dtype, device, gen) * k**-0.5
+    if q8:
+        weight = q8_0.quantize(weight)
     b = _randn((rows,), dtype, device, gen) if bias else None
     if kind == "residual":
         residual = _randn((1, n), dtype, device, gen)
@@ -408,7 +412,7 @@ def check_gemv(ops, *, kind: str, n: int, k: int, dtype: torch.dtype, device: st
         options = {"weighting": weighting, "activation": "gelu_tanh" if kind.endswith("geglu") else "silu"}
         ref = reference.norm_linear(x, norm_w, 1e-6, weight, b, gated, **options)
         got = ops.norm_linear(x, norm_w, 1e-6, weight, b, gated, **options)
-    where = f"seed={seed} {kind} n={n} k={k} bias={bias} {dtype}"
+    where = f"seed={seed} {kind} n={n} k={k} bias={bias} {dtype} q8={q8}"
     assert got.shape == ref.shape and got.dtype == ref.dtype, where
     err = rel_err(got, ref)
     assert err < ELEMWISE_TOL[dtype], f"rel err {err:.2e}: {where}"
@@ -583,6 +587,9 @@ def _interpret_gemv(ops) -> None:
             # K spans several tiles and ends inside one; N ends inside a program's rows.
             check_gemv(ops, kind=kind, n=13, k=2500, dtype=dtype, device="cpu", bias=dtype == torch.float16)
         check_gemv(ops, kind=kind, n=64, k=64, dtype=torch.float32, device="cpu", bias=True)
+    for kind in ("residual", "norm_gated", "offset_norm_geglu"):  # Q8_0: K spans tiles and ends inside one
+        check_gemv(ops, kind=kind, n=13, k=2528, dtype=torch.float16, device="cpu", bias=False, q8=True)
+        check_gemv(ops, kind=kind, n=40, k=96, dtype=torch.float32, device="cpu", bias=True, q8=True)
 
 
 INTERPRET_CASES = {

@@ -26,7 +26,7 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 from triton.runtime.jit import JITFunction  # noqa: E402
 
-from tokenmill.kernels import triton_ops  # noqa: E402
+from tokenmill.kernels import q8_0, triton_ops  # noqa: E402
 
 HOPPER = GPUTarget("cuda", 90, 32)
 HOPPER_MAX_SHARED = 232448  # bytes of shared memory one block may take on sm_90 (227 KiB)
@@ -176,6 +176,10 @@ def _launches(monkeypatch: pytest.MonkeyPatch) -> list[Launch]:
         triton_ops.linear_residual(rand(1, 14336), rand(64, 14336), rand(64), rand(1, 64))
         triton_ops.norm_linear(row, rand(4096), 1e-6, proj, rand(64))
         triton_ops.norm_linear(row, rand(4096), 1e-6, proj, None, gated=True)
+        packed = q8_0.quantize(rand(128, 4096))  # Q8_0 weights: plain, gated, with the residual
+        triton_ops.norm_linear(row, rand(4096), 1e-6, packed, None)
+        triton_ops.norm_linear(row, rand(4096), 1e-6, packed, None, gated=True)
+        triton_ops.linear_residual(row, packed, None, rand(1, 128))
         for weighting in ("offset", "fp32"):
             triton_ops.norm_linear(row, rand(4096), 1e-6, proj, None, weighting=weighting)
             triton_ops.norm_linear(row, rand(4096), 1e-6, proj, None, gated=True, weighting=weighting,
@@ -196,9 +200,10 @@ def test_every_kernel_compiles_for_hopper(monkeypatch: pytest.MonkeyPatch) -> No
             ("_rms_norm_kernel", "ADD_AFTER", True), ("_act_and_mul_kernel", "GELU_TANH", True),
             ("_rope_write_kv_kernel", "BLOCK_D", 512), ("_gemv_kernel", "GELU", True)} <= variants
     assert {("_paged_attention_kernel", "KV_SCALED", True), ("_rope_write_kv_kernel", "QUANTIZED", True),
-            ("_rope_write_kv_kernel", "STATIC_AMAX", True), ("_rms_norm_kernel", "SCALE_AFTER", True)} <= {
+            ("_rope_write_kv_kernel", "STATIC_AMAX", True), ("_rms_norm_kernel", "SCALE_AFTER", True),
+            ("_gemv_kernel", "Q8", True)} <= {
         (launch.fn.__name__, key, launch.constexprs.get(key)) for launch in launches
-        for key in ("KV_SCALED", "QUANTIZED", "STATIC_AMAX", "SCALE_AFTER")}
+        for key in ("KV_SCALED", "QUANTIZED", "STATIC_AMAX", "SCALE_AFTER", "Q8")}
     for kernel, weightings in (("_rms_norm_kernel", {0, 1, 2, 3}), ("_rope_write_kv_kernel", {0, 1, 2}),
                                ("_gemv_kernel", {0, 1, 2})):
         assert {(kernel, "WEIGHTING", w) for w in weightings} <= variants, kernel

@@ -302,6 +302,12 @@ def test_fused_gemv(dtype, kind, n, k, bias) -> None:
     cases.check_gemv(triton_ops, kind=kind, n=n, k=k, dtype=dtype, device="cuda", bias=bias)
 
 
+@pytest.mark.parametrize("kind", ["residual", "norm", "norm_gated", "offset_norm_geglu"])
+@pytest.mark.parametrize("n,k", [(4096, 4096), (2560, 10240), (1000, 320)])
+def test_fused_gemv_of_q8_0_weights(kind, n, k) -> None:
+    cases.check_gemv(triton_ops, kind=kind, n=n, k=k, dtype=torch.bfloat16, device="cuda", bias=False, q8=True)
+
+
 def test_fused_gemv_takes_one_row() -> None:
     x = torch.zeros(2, 64, device="cuda", dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="at most 1 row"):

@@ -20,6 +20,9 @@ from __future__ import annotations
 
 import torch
 
+from tokenmill.kernels import q8_0
+from tokenmill.kernels.q8_0 import Q8Weight
+
 
 def kv_qmax(cache_dtype: torch.dtype) -> float:
     """The largest value a quantized cache's dtype (int8 or a float8) holds."""
@@ -247,18 +250,20 @@ def rotary_embedding_and_write_kv(
     return query
 
 
-def linear_residual(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+def linear_residual(x: torch.Tensor, weight: torch.Tensor | Q8Weight, bias: torch.Tensor | None,
                     residual: torch.Tensor) -> torch.Tensor:
-    """``residual + x @ weight.T (+ bias)``, the projection rounded before the add."""
-    return torch.nn.functional.linear(x, weight, bias) + residual
+    """``residual + x @ weight.T (+ bias)``, the projection rounded before the add (a Q8_0 weight
+    dequantized to x's dtype first)."""
+    return torch.nn.functional.linear(x, q8_0.dense(weight, x.dtype), bias) + residual
 
 
-def norm_linear(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight: torch.Tensor,
+def norm_linear(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight: torch.Tensor | Q8Weight,
                 bias: torch.Tensor | None, gated: bool = False, weighting: str = "llama",
                 activation: str = "silu") -> torch.Tensor:
     """``norm(x) @ weight.T (+ bias)`` (the norm ``NORMS[weighting]``), then with ``gated`` the gate
-    half's ``activation`` (``silu`` or ``gelu_tanh``) times the up half."""
-    out = torch.nn.functional.linear(NORMS[weighting](x, norm_weight, eps), weight, bias)
+    half's ``activation`` (``silu`` or ``gelu_tanh``) times the up half (a Q8_0 weight dequantized to
+    x's dtype first)."""
+    out = torch.nn.functional.linear(NORMS[weighting](x, norm_weight, eps), q8_0.dense(weight, x.dtype), bias)
     return GATED_ACTIVATIONS[activation](out) if gated else out
 
 

@@ -14,6 +14,9 @@ times up row ``N + n``.
 Launched with PDL, a program loads its first weight tile before it waits for the
 previous kernel, so the weight stream starts under that kernel's tail.
 
+A Q8_0 weight (``q8_0.Q8Weight``) streams as int8 with a float16 scale every 32 values, each tile
+dequantized in registers: about half the bytes of bf16.
+
 Every rounding follows the unfused torch ops: Llama's normed row and weighted
 normed row are each rounded to the input dtype (Gemma's once, as its norms do),
 the projection is rounded before the residual add or the activation, and the
@@ -26,6 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
+from tokenmill.kernels.q8_0 import Q8Weight
 from tokenmill.kernels.triton_activation import gate_activation
 from tokenmill.kernels.triton_launch import pdl_launch_args, wait_for_previous_kernel
 from tokenmill.kernels.triton_norm import WEIGHTINGS, weigh
@@ -39,10 +43,20 @@ BLOCK_N, NORM_BLOCK_N, GATED_BLOCK_N, BLOCK_K, NUM_WARPS = 8, 16, 4, 1024, 4
 
 
 @triton.jit
-def _gemv_kernel(x_ptr, norm_w_ptr, w_ptr, bias_ptr, res_ptr, out_ptr,
-                 N, K, stride_w, eps,
+def _weights(w, s_rows, ks, mask, Q8: tl.constexpr):
+    """A weight tile in float32: as stored, or with Q8 each value times its block's scale (the
+    scales of a tile, read from L1/L2, cost little next to the int8 values)."""
+    wf = w.to(tl.float32)
+    if Q8:
+        wf = wf * tl.load(s_rows + (ks // 32)[None, :], mask=mask, other=0.0).to(tl.float32)
+    return wf
+
+
+@triton.jit
+def _gemv_kernel(x_ptr, norm_w_ptr, w_ptr, w_scale_ptr, bias_ptr, res_ptr, out_ptr,
+                 N, K, stride_w, stride_s, eps,
                  NORM: tl.constexpr, WEIGHTING: tl.constexpr, GATED: tl.constexpr, GELU: tl.constexpr,
-                 ADD_RES: tl.constexpr, HAS_BIAS: tl.constexpr,
+                 ADD_RES: tl.constexpr, HAS_BIAS: tl.constexpr, Q8: tl.constexpr,
                  PDL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     ns = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = ns < N
@@ -50,6 +64,8 @@ def _gemv_kernel(x_ptr, norm_w_ptr, w_ptr, bias_ptr, res_ptr, out_ptr,
     first = n_ok[:, None] & (ks0[None, :] < K)
     w_rows = w_ptr + ns.to(tl.int64)[:, None] * stride_w
     u_rows = w_rows + N.to(tl.int64) * stride_w
+    s_rows = w_scale_ptr + ns.to(tl.int64)[:, None] * stride_s  # Q8: a row's scales, one per 32 values
+    t_rows = s_rows + N.to(tl.int64) * stride_s
     w = tl.load(w_rows + ks0[None, :], mask=first, other=0.0, eviction_policy="evict_first")
     u = w
     if GATED:
@@ -82,11 +98,12 @@ def _gemv_kernel(x_ptr, norm_w_ptr, w_ptr, bias_ptr, res_ptr, out_ptr,
                 nw = tl.load(norm_w_ptr + ks, mask=(ks < K) & (WEIGHTING != 3), other=0.0).to(tl.float32)
                 x = weigh(x.to(tl.float32) * rstd, nw, WEIGHTING).to(x.dtype)
         xf = x.to(tl.float32)[None, :]
-        acc += tl.sum(xf * w.to(tl.float32), axis=1)
+        tile_mask = n_ok[:, None] & (ks[None, :] < K)
+        acc += tl.sum(xf * _weights(w, s_rows, ks, tile_mask, Q8), axis=1)
         w = w_next
         if GATED:
             u_next = tl.load(u_rows + nxt[None, :], mask=nxt_mask, other=0.0, eviction_policy="evict_first")
-            acc_u += tl.sum(xf * u.to(tl.float32), axis=1)
+            acc_u += tl.sum(xf * _weights(u, t_rows, ks, tile_mask, Q8), axis=1)
             u = u_next
 
     out_ty = out_ptr.dtype.element_ty
@@ -104,11 +121,13 @@ def _gemv_kernel(x_ptr, norm_w_ptr, w_ptr, bias_ptr, res_ptr, out_ptr,
     tl.store(out_ptr + ns, acc.to(out_ty), mask=n_ok)
 
 
-def _gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, *,
+def _gemv(x: torch.Tensor, weight: torch.Tensor | Q8Weight, bias: torch.Tensor | None, *,
           norm_weight: torch.Tensor | None = None, eps: float = 0.0, gated: bool = False,
           residual: torch.Tensor | None = None, weighting: str = "llama", activation: str = "silu",
           tiles: tuple[int, int, int] | None = None) -> torch.Tensor:
     """``tiles``: force ``(BLOCK_N, BLOCK_K, num_warps)`` (the tile study); default by the kind."""
+    scales = weight.scales if isinstance(weight, Q8Weight) else None
+    weight = weight.qweight if isinstance(weight, Q8Weight) else weight
     m, k = x.shape
     n = weight.shape[0] // 2 if gated else weight.shape[0]
     if m > MAX_ROWS:
@@ -116,7 +135,7 @@ def _gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, *,
     if weight.shape[1] != k or (residual is not None and residual.shape != (m, n)):
         raise ValueError(f"shapes x {tuple(x.shape)}, weight {tuple(weight.shape)}"
                          + ("" if residual is None else f", residual {tuple(residual.shape)}") + " do not match")
-    for t in (x, weight, bias, norm_weight, residual):
+    for t in (x, weight, scales, bias, norm_weight, residual):
         if t is not None and t.stride(-1) != 1:
             raise ValueError("the fused GEMV needs contiguous rows")
     if norm_weight is not None and norm_weight.dtype != x.dtype:
@@ -130,24 +149,24 @@ def _gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, *,
     if tiles is not None:
         block_n, block_k, num_warps = tiles
     _gemv_kernel[(triton.cdiv(n, block_n),)](
-        x, norm_weight if norm_weight is not None else x, weight, bias if bias is not None else weight,
-        residual if residual is not None else out, out,
-        n, k, weight.stride(0), float(eps),
+        x, norm_weight if norm_weight is not None else x, weight, scales if scales is not None else weight,
+        bias if bias is not None else weight, residual if residual is not None else out, out,
+        n, k, weight.stride(0), scales.stride(0) if scales is not None else 0, float(eps),
         NORM=norm_weight is not None, WEIGHTING=WEIGHTINGS[weighting], GATED=gated, GELU=activation == "gelu_tanh",
-        ADD_RES=residual is not None, HAS_BIAS=bias is not None,
+        ADD_RES=residual is not None, HAS_BIAS=bias is not None, Q8=scales is not None,
         BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps,
         **pdl_launch_args(x.device),
     )
     return out
 
 
-def linear_residual(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+def linear_residual(x: torch.Tensor, weight: torch.Tensor | Q8Weight, bias: torch.Tensor | None,
                     residual: torch.Tensor) -> torch.Tensor:
     """``residual + x @ weight.T (+ bias)`` for one row ``x`` ``[1, K]``."""
     return _gemv(x, weight, bias, residual=residual)
 
 
-def norm_linear(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight: torch.Tensor,
+def norm_linear(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight: torch.Tensor | Q8Weight,
                 bias: torch.Tensor | None, gated: bool = False, weighting: str = "llama",
                 activation: str = "silu") -> torch.Tensor:
     """``rms_norm(x) @ weight.T (+ bias)`` for one row (the norm's weight applied as ``weighting``

@@ -1,0 +1,40 @@
+"""Q8_0 weights: the quantizer's bounds, and the layout of GGUF's Q8_0 blocks."""
+
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+from tokenmill.kernels import q8_0
+
+
+def test_quantize_rounds_each_value_to_its_blocks_step() -> None:
+    weight = torch.randn(24, 96, generator=torch.Generator().manual_seed(0)) * torch.logspace(-3, 1, 96)
+    packed = q8_0.quantize(weight)
+    step = packed.scales.float().repeat_interleave(32, dim=1)
+    assert packed.qweight.abs().max() <= 127
+    assert ((packed.dequantize(torch.float32) - weight).abs() <= step * 0.5 + 1e-6 * weight.abs()).all()
+    zero = q8_0.quantize(torch.zeros(2, 32))
+    assert not zero.dequantize(torch.float32).any()
+
+
+def test_gguf_blocks_hold_the_same_values() -> None:
+    weight = np.random.default_rng(1).standard_normal((8, 128)).astype(np.float32)
+    raw = gguf.quants.quantize(weight, gguf.GGMLQuantizationType.Q8_0)
+    packed = q8_0.from_gguf_blocks(torch.from_numpy(raw))
+    expected = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType.Q8_0)
+    assert packed.shape == (8, 128)
+    assert torch.equal(packed.dequantize(torch.float32), torch.from_numpy(expected))
+
+
+@pytest.mark.parametrize("qweight,scales,message", [
+    (torch.zeros(4, 40, dtype=torch.int8), torch.zeros(4, 1, dtype=torch.float16), "multiple of 32"),
+    (torch.zeros(4, 64), torch.zeros(4, 2, dtype=torch.float16), "int8"),
+    (torch.zeros(4, 64, dtype=torch.int8), torch.zeros(4, 2), "float16"),
+    (torch.zeros(4, 64, dtype=torch.int8), torch.zeros(4, 3, dtype=torch.float16), "scales must be"),
+])
+def test_a_malformed_q8_weight_is_refused(qweight, scales, message) -> None:
+    with pytest.raises(ValueError, match=message):
+        q8_0.Q8Weight(qweight, scales)
