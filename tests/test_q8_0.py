@@ -38,3 +38,33 @@ def test_gguf_blocks_hold_the_same_values() -> None:
 def test_a_malformed_q8_weight_is_refused(qweight, scales, message) -> None:
     with pytest.raises(ValueError, match=message):
         q8_0.Q8Weight(qweight, scales)
+
+
+@pytest.mark.parametrize("arch", ["llama3", "qwen3", "gemma3"])
+def test_q8_0_quantization_gives_transformers_tokens_on_the_quantized_weights(arch: str, tmp_path) -> None:
+    """``quantization="q8_0"`` keeps every projection packed; transformers, given the same values
+    dequantized, decodes the same tokens."""
+    from helpers import make_model_dir
+    from test_parity import parity_prompts, reference_generate
+    from tokenmill import LLM, SamplingParams
+    from tokenmill.layers.q8_linear import Q8Linear
+
+    model = make_model_dir(arch, tmp_path)
+    with torch.no_grad():
+        for name, module in model.named_modules():
+            if isinstance(module, torch.nn.Linear) and not name.endswith("lm_head") and module.in_features % 32 == 0:
+                module.weight.copy_(q8_0.quantize(module.weight).dequantize(torch.float32))
+    llm = LLM(str(tmp_path), device="cpu", dtype="float32", quantization="q8_0")
+    assert any(isinstance(m, Q8Linear) for m in llm.engine.core.runner.model.modules())
+    prompts = parity_prompts()[:4]
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True), use_tqdm=False)
+    for prompt, out in zip(prompts, outs):
+        expected, _ = reference_generate(model, prompt)
+        assert out.outputs[0].token_ids == expected[:10]
+
+
+def test_an_unknown_quantization_is_refused() -> None:
+    from tokenmill import LLM
+
+    with pytest.raises(ValueError, match="quantization must be"):
+        LLM(device="cpu", quantization="q4")

@@ -104,7 +104,8 @@ def test_sampling_edges_that_are_allowed() -> None:
     ("model", ""), ("model", 5), ("model", b"/bytes/path"), ("enable_prefix_caching", "no"),
     ("enforce_eager", 1), ("async_scheduling", None), ("static_batching", 0), ("random_weights", "true"),
     ("scheduling_policy", "lifo"), ("scheduling_policy", None), ("kv_cache_dtype", "fp16"),
-    ("kv_cache_dtype", "FP8"), ("kv_cache_dtype", None), ("kv_cache_dtype", 8),
+    ("kv_cache_dtype", "FP8"), ("kv_cache_dtype", None), ("kv_cache_dtype", 8), ("quantization", "int4"),
+    ("quantization", 8), ("quantization", ""),
 ])
 def test_bad_engine_value_is_a_value_error_naming_the_field(field: str, value: object) -> None:
     _raises_naming(EngineConfig, field, **{field: value})
@@ -182,6 +183,7 @@ ENGINE_VALID = {
     "scheduling_policy": st.sampled_from(["fcfs", "priority"]),
     "kv_cache_dtype": st.sampled_from(["auto", "fp8", "fp8_e4m3", "fp8_e5m2", "int8"]),
     "speculative_config": st.none() | _SPEC | _SPEC.map(json.dumps),
+    "quantization": st.none() | st.just("q8_0"),
 }
 
 
@@ -255,6 +257,7 @@ def _check_engine_invariants(c: EngineConfig) -> None:
     assert c.kv_cache_dtype in ("auto", "fp8_e4m3", "fp8_e5m2", "int8")
     assert all(type(v) is bool for v in (c.enable_prefix_caching, c.static_batching, c.enforce_eager,
                                          c.async_scheduling, c.random_weights))
+    assert c.quantization in (None, "q8_0")
     spec = c.speculative_config
     assert spec is None or (isinstance(spec, SpeculativeConfig) and spec.method == "ngram"
                             and _is_int(spec.num_speculative_tokens, 1, 16) and _is_int(spec.disable_by_batch_size, 1)

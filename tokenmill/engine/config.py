@@ -25,6 +25,7 @@ _POLICIES = {"fcfs": "fcfs", "priority": "priority"}
 # vLLM's names for the KV cache's dtype; fp8 is fp8_e4m3.
 _KV_CACHE_DTYPES = {"auto": "auto", "fp8": "fp8_e4m3", "fp8_e4m3": "fp8_e4m3", "fp8_e5m2": "fp8_e5m2", "int8": "int8"}
 _DEVICE = re.compile(r"auto|cpu|cuda(:[0-9]+)?")
+_QUANTIZATIONS = {"q8_0": "q8_0"}
 
 
 def _model(value: Any) -> Any:
@@ -77,6 +78,10 @@ class EngineConfig:
         help="what the KV cache stores: auto (the model's dtype), or fp8 (= fp8_e4m3), fp8_e5m2 or int8 with "
              "one scale per token and KV head (about half the bytes, so twice the tokens; fp8 e4m3 needs compute "
              "capability 8.9 or later on a GPU)")
+    quantization: str | None = ruled(
+        None, one_of(_QUANTIZATIONS).or_none(), choices=tuple(_QUANTIZATIONS),
+        help="keep the projections' weights quantized: q8_0 (int8 with a scale per 32 values, GGUF's Q8_0: about "
+             "half of bf16's bytes); none keeps them in dtype, except a GGUF file's Q8_0 weights, which stay packed")
     num_kv_blocks: int | None = ruled(
         None, _POSITIVE.or_none(),
         help="KV cache blocks to allocate; none sizes the cache from the memory left after the weights")

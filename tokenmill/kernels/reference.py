@@ -250,6 +250,11 @@ def rotary_embedding_and_write_kv(
     return query
 
 
+def linear(x: torch.Tensor, weight: torch.Tensor | Q8Weight, bias: torch.Tensor | None) -> torch.Tensor:
+    """``x @ weight.T (+ bias)`` (a Q8_0 weight dequantized to x's dtype first)."""
+    return torch.nn.functional.linear(x, q8_0.dense(weight, x.dtype), bias)
+
+
 def linear_residual(x: torch.Tensor, weight: torch.Tensor | Q8Weight, bias: torch.Tensor | None,
                     residual: torch.Tensor) -> torch.Tensor:
     """``residual + x @ weight.T (+ bias)``, the projection rounded before the add (a Q8_0 weight

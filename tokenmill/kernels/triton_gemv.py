@@ -160,6 +160,11 @@ def _gemv(x: torch.Tensor, weight: torch.Tensor | Q8Weight, bias: torch.Tensor |
     return out
 
 
+def linear(x: torch.Tensor, weight: torch.Tensor | Q8Weight, bias: torch.Tensor | None) -> torch.Tensor:
+    """``x @ weight.T (+ bias)`` for one row ``x`` ``[1, K]``."""
+    return _gemv(x, weight, bias)
+
+
 def linear_residual(x: torch.Tensor, weight: torch.Tensor | Q8Weight, bias: torch.Tensor | None,
                     residual: torch.Tensor) -> torch.Tensor:
     """``residual + x @ weight.T (+ bias)`` for one row ``x`` ``[1, K]``."""

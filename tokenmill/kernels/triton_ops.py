@@ -8,10 +8,10 @@ keyword-only and optional).
 from tokenmill.kernels.triton_activation import gelu_tanh_and_mul, silu_and_mul
 from tokenmill.kernels.triton_attention import paged_attention
 from tokenmill.kernels.triton_gemv import MAX_ROWS as GEMV_MAX_ROWS
-from tokenmill.kernels.triton_gemv import linear_residual, norm_linear
+from tokenmill.kernels.triton_gemv import linear, linear_residual, norm_linear
 from tokenmill.kernels.triton_norm import add_rms_norm, fp32_weight_rms_norm, offset_rms_norm, rms_norm
 from tokenmill.kernels.triton_rotary import rotary_embedding_and_write_kv, rotary_embedding_query
 
-__all__ = ["GEMV_MAX_ROWS", "add_rms_norm", "fp32_weight_rms_norm", "gelu_tanh_and_mul", "linear_residual",
+__all__ = ["GEMV_MAX_ROWS", "add_rms_norm", "fp32_weight_rms_norm", "gelu_tanh_and_mul", "linear", "linear_residual",
            "norm_linear", "offset_rms_norm", "paged_attention", "rms_norm", "rotary_embedding_and_write_kv",
            "rotary_embedding_query", "silu_and_mul"]

@@ -14,6 +14,7 @@ from types import ModuleType
 import torch
 
 from tokenmill.kernels import reference
+from tokenmill.kernels.q8_0 import Q8Weight
 
 
 @functools.cache
@@ -99,8 +100,8 @@ def _fused_gemv(backend: ModuleType, x: torch.Tensor) -> bool:
 
 
 def norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
-                weight: torch.Tensor, bias: torch.Tensor | None, gated: bool = False, weighting: str = "llama",
-                activation: str = "silu") -> tuple[torch.Tensor, torch.Tensor]:
+                weight: torch.Tensor | Q8Weight, bias: torch.Tensor | None, gated: bool = False,
+                weighting: str = "llama", activation: str = "silu") -> tuple[torch.Tensor, torch.Tensor]:
     """RMSNorm of the residual stream ``x + residual`` (just ``x`` when ``residual`` is None; its weight
     applied as ``weighting`` says, see ``reference.NORMS``), projected, then with ``gated`` the gate
     half's ``activation`` (``silu`` or ``gelu_tanh``) times the up half; returns ``(projection,
@@ -116,12 +117,12 @@ def norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: tor
         raise ValueError("Gemma 4's norm takes no residual: its layers carry the stream whole")
     else:
         normed, stream = _NORMS[weighting](x, norm_weight, eps, residual)
-    out = torch.nn.functional.linear(normed, weight, bias)
+    out = reference.linear(normed, weight, bias)
     return (_GATED[activation](out) if gated else out), stream
 
 
 def add_norm_linear(x: torch.Tensor, stream: torch.Tensor, add_weight: torch.Tensor, norm_weight: torch.Tensor,
-                    eps: float, weight: torch.Tensor, bias: torch.Tensor | None, gated: bool = False,
+                    eps: float, weight: torch.Tensor | Q8Weight, bias: torch.Tensor | None, gated: bool = False,
                     weighting: str = "offset", activation: str = "silu") -> tuple[torch.Tensor, torch.Tensor]:
     """A Gemma block's output ``x`` normed into ``stream``, then the next norm and projection of the new
     stream (as ``norm_linear``); returns ``(projection, new stream)``. Two kernels at one-token decode:
@@ -138,7 +139,7 @@ def add_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: to
     return backend_for(x).add_rms_norm(x, weight, eps, residual, weighting, scale)
 
 
-def linear_into_stream(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+def linear_into_stream(x: torch.Tensor, weight: torch.Tensor | Q8Weight, bias: torch.Tensor | None,
                        residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Project ``x`` into the residual stream: returns ``(delta, residual)`` whose sum is the new
     stream. Where a kernel fuses the add (one-token decode on the GPU) the sum comes back whole, as
@@ -146,7 +147,16 @@ def linear_into_stream(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
     backend = backend_for(x)
     if _fused_gemv(backend, x):
         return backend.linear_residual(x, weight, bias, residual), None
-    return torch.nn.functional.linear(x, weight, bias), residual
+    return reference.linear(x, weight, bias), residual
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor | Q8Weight, bias: torch.Tensor | None) -> torch.Tensor:
+    """``x @ weight.T (+ bias)``. A Q8_0 weight takes the one-row GEMV at one-token decode on the GPU;
+    elsewhere it is dequantized for the matmul (a packed GEMM for prefill is still to come)."""
+    backend = backend_for(x)
+    if isinstance(weight, Q8Weight) and _fused_gemv(backend, x):
+        return backend.linear(x, weight, bias)
+    return reference.linear(x, weight, bias)
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:

@@ -61,6 +61,14 @@ def read_gguf_config(path: str | Path) -> dict[str, Any]:
     return config
 
 
+def packs_q8_0(path: str | Path) -> bool:
+    """Whether the file's layer matrices are Q8_0 (the engine then keeps them packed)."""
+    from gguf import GGMLQuantizationType, GGUFReader
+
+    return any(t.name.startswith("blk.") and t.tensor_type == GGMLQuantizationType.Q8_0
+               for t in GGUFReader(str(path)).tensors)
+
+
 def _metadata_int(path: Path, key: str) -> int | None:
     """One integer of the file's metadata, or None where it has none."""
     import gguf
