@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # GPU tests, then benchmarks, in one device call; parts run in the order given:
-#   bash benchmarks/gpu_suite.sh tests kernels startup latency batch throughput features kvcache
+#   bash benchmarks/gpu_suite.sh tests kernels startup latency batch throughput features kvcache q8
 # (`tests` = kernel and engine GPU tests; `engine-tests` = engine only;
 #  `serve-qwen3-0.6b`, `serve-llama3-8b` = the server against the engine, benchmarks/serve_vs_engine.py;
 #  `models-<shape>[,<shape>]` = `tokenmill bench models` on those shapes, e.g. models-gemma3-4b;
@@ -24,9 +24,9 @@ for part in "$@"; do
       python3 -m pytest -q -p no:cacheprovider $parallel -m gpu tests/test_gpu_engine.py 2>&1 | tee "$OUT/gpu-engine-tests.log" | tail -15 ;;
     kernels)
       python3 benchmarks/bench_kernels.py --out "$OUT/bench_kernels.json" 2>&1 | tail -25 ;;
-    startup|latency|batch|throughput|features|kvcache)
+    startup|latency|batch|throughput|features|kvcache|q8)
       extra=""
-      case $part in startup|features|kvcache) extra="--no-peer" ;; throughput) extra="--peer-requests 16" ;; esac
+      case $part in startup|features|kvcache|q8) extra="--no-peer" ;; throughput) extra="--peer-requests 16" ;; esac
       timeout 400 python3 benchmarks/run_engine_bench.py "$part" --out "$OUT/$part.json" $extra 2>&1 \
         | grep -v -e "it/s]" -e "^Loading" | tail -30 ;;
     models-*)

@@ -1,4 +1,5 @@
-"""What a quantized KV cache costs in accuracy, on the embedded model and its held-out files.
+"""What a quantized KV cache, or Q8_0 weights, cost in accuracy, on the embedded model and its
+held-out files.
 
 The embedded model's validation files (``corpus_files.txt``, split ``val``) are read from this
 Python's standard library, joined as in training (each document after an ``<|endoftext|>``) and
@@ -7,7 +8,7 @@ training context) is one prompt scored by the engine's prompt logprobs, each ``k
 against ``auto``. Greedy agreement: ``--prompts`` windows' first 64 tokens continued greedily for
 64 tokens; the share of positions whose token equals ``auto``'s.
 
-    python benchmarks/kv_quant_accuracy.py [--device cpu] [--out FILE]
+    python benchmarks/kv_quant_accuracy.py [--device cpu] [--only auto,q8_0] [--out FILE]
 
 (On another Python version the standard library's files differ a little from the ones the model
 was trained on; every dtype is scored on the same tokens, so the comparison holds.)
@@ -30,7 +31,9 @@ from tokenmill.bench.held_out import held_out_texts
 from tokenmill.default_model import DEFAULT_MODEL_DIR
 from tokenmill.tokenizer import load_tokenizer
 
-KV_DTYPES = ("auto", "int8", "fp8", "fp8_e5m2")
+# Each variant's row name and engine options; the first is the baseline.
+VARIANTS = {name: (f"kv_quant_accuracy/{name}", {"kv_cache_dtype": name}) for name in ("auto", "int8", "fp8", "fp8_e5m2")}
+VARIANTS["q8_0"] = ("weight_quant_accuracy/q8_0", {"quantization": "q8_0"})
 EOS = "<|endoftext|>"
 
 
@@ -61,21 +64,25 @@ def main() -> int:
     parser.add_argument("--tokens", type=int, default=48_000)
     parser.add_argument("--window", type=int, default=512)
     parser.add_argument("--prompts", type=int, default=64)
+    parser.add_argument("--only", default=None, help="comma-separated variants (the first is the baseline); "
+                                                      f"known: {', '.join(VARIANTS)}")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
+    names = list(VARIANTS) if args.only is None else args.only.split(",")
     ids = validation_tokens(args.tokens)
     windows = [ids[i:i + args.window] for i in range(0, len(ids) - 1, args.window)]
     prompts = [w[:64] for w in windows[:args.prompts]]
     greedy = SamplingParams(max_tokens=64, temperature=0, ignore_eos=True)
     rows, base_tokens, base_ppl = [], None, None
-    for name in KV_DTYPES:
+    for name in names:
         started = time.perf_counter()
-        llm = LLM(device=args.device, kv_cache_dtype=name, max_model_len=args.window + 64)
+        row_name, options = VARIANTS[name]
+        llm = LLM(device=args.device, max_model_len=args.window + 64, **options)
         ppl = perplexity(llm, windows)
         tokens = np.array([o.outputs[0].token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)])
         base_tokens = tokens if base_tokens is None else base_tokens
         base_ppl = ppl if base_ppl is None else base_ppl
-        row = {"name": f"kv_quant_accuracy/{name}", "kv_cache_dtype": name, "perplexity": ppl,
+        row = {"name": row_name, **options, "perplexity": ppl,
                "perplexity_change": ppl / base_ppl - 1, "greedy_tokens_unchanged": float((tokens == base_tokens).mean()),
                "scored_tokens": sum(len(w) - 1 for w in windows), "seconds": time.perf_counter() - started}
         rows.append(row)

@@ -447,6 +447,27 @@ def bench_spec_decode(ceilings: Ceilings, shape: str = "llama3-8b", k: int = 4,
     return rows
 
 
+def bench_q8_0(ceilings: Ceilings, shape: str = "llama3-8b", batches: tuple[int, ...] = (1, 8, 32, 128)) -> list[dict]:
+    """Q8_0 projections against bf16 on ``shape``, in one run: decode steps at each batch size over
+    128-token prompts, then the standard workload; floors count the packed bytes."""
+    rows: list[dict] = []
+    for quantization in (None, "q8_0"):
+        label = quantization or "bf16"
+        engine = make_engine(shape, max_num_seqs=max(batches), max_num_batched_tokens=8192, quantization=quantization)
+        vocab, rng = engine.model_config.vocab_size, random.Random(6)
+        for batch in batches:
+            result = decode_steps(engine, ceilings, [random_prompt(rng, 128, vocab) for _ in range(batch)], 64)
+            rows.append({"name": f"q8_0/{shape}/{label}/b{batch}", "weights": label, "batch": batch, **result})
+        del engine
+        release()
+        engine = make_engine(shape, max_num_seqs=256, max_num_batched_tokens=8192, quantization=quantization)
+        result = run_workload(engine, ceilings, standard_workload(vocab=engine.model_config.vocab_size))
+        rows.append({"name": f"q8_0/{shape}/{label}/throughput", "weights": label, **result})
+        del engine
+        release()
+    return rows
+
+
 def print_table(rows: list[dict]) -> None:
     print(f"{'name':44s} {'measured':>14s} {'floor':>10s} {'of floor':>8s} {'peer':>14s}")
     for row in rows:
@@ -467,7 +488,7 @@ def print_table(rows: list[dict]) -> None:
         print(f"{row['name']:44s} {measured:>14s} {floor:>10s} {frac:>8s} {peer:>14s}")
 
 
-BENCHMARKS = ("latency", "batch", "throughput", "features", "startup", "models", "kvcache", "spec", "all")
+BENCHMARKS = ("latency", "batch", "throughput", "features", "startup", "models", "kvcache", "spec", "q8", "all")
 MODEL_SHAPES = ["gemma3-4b", "gemma3-27b", "gemma4-e4b", "gemma4-31b"]
 
 
@@ -511,6 +532,7 @@ def run_bench(args: argparse.Namespace) -> int:
         "features": lambda: bench_features(ceilings),
         "kvcache": lambda: bench_kv_cache_dtypes(ceilings),
         "spec": lambda: bench_spec_decode(ceilings, tokens_per_forward=args.tokens_per_forward),
+        "q8": lambda: bench_q8_0(ceilings),
         "models": lambda: bench_models(ceilings, args.shapes.split(","), [1, 8, 32, 128], peer, args.peer_requests,
                                        checkpoint),
     }

@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from tokenmill.layers.q8_linear import Q8Linear
 from tokenmill.loader.hf_config import ModelConfig
 from tokenmill.loader.kv_layout import KVLayout
 
@@ -87,17 +88,19 @@ class StepCostModel:
     head_params: int
     num_heads: int
     layout: KVLayout
+    q8_params: int = 0  # of body_params, those kept in Q8_0 (1 byte and 1/16 of a scale's 2 each)
 
     @classmethod
     def of(cls, model: torch.nn.Module, cfg: ModelConfig) -> StepCostModel:
         lm_head = getattr(model, "lm_head", None)
-        body = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear) and m is not lm_head)
-        return cls(body, cfg.vocab_size * cfg.hidden_size, cfg.num_heads, cfg.kv_layout())
+        dense = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear) and m is not lm_head)
+        q8 = sum(m.qweight.numel() for m in model.modules() if isinstance(m, Q8Linear))
+        return cls(dense + q8, cfg.vocab_size * cfg.hidden_size, cfg.num_heads, cfg.kv_layout(), q8)
 
-    def weight_bytes(self, elem: int = 2) -> int:
+    def weight_bytes(self, elem: int = 2) -> float:
         """Bytes a decode step reads once: every projection and the LM head (the embedding
         tables are gathered row by row, norms are negligible)."""
-        return (self.body_params + self.head_params) * elem
+        return (self.body_params - self.q8_params + self.head_params) * elem + self.q8_params * (1 + 2 / 32)
 
     def step(self, query_lens: list[int], context_lens: list[int], sampled_rows: int,
              dtype: torch.dtype = torch.bfloat16, kv_dtype: torch.dtype | None = None) -> tuple[float, float]:
