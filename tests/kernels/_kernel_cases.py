@@ -592,8 +592,29 @@ def _interpret_gemv(ops) -> None:
         check_gemv(ops, kind=kind, n=40, k=96, dtype=torch.float32, device="cpu", bias=True, q8=True)
 
 
+def check_q8_matmul(ops, *, m: int, n: int, k: int, dtype: torch.dtype, device: str, bias: bool) -> None:
+    """Rows times a Q8_0 weight (prefill, decode batches) against the reference's dequantized matmul."""
+    gen, seed = fresh_generator(device)
+    x = _randn((m, k), dtype, device, gen)
+    weight = q8_0.quantize(_randn((n, k), dtype, device, gen) * k**-0.5)
+    b = _randn((n,), dtype, device, gen) if bias else None
+    ref, got = reference.linear(x, weight, b), ops.linear(x, weight, b)
+    where = f"seed={seed} q8_matmul m={m} n={n} k={k} bias={bias} {dtype}"
+    assert got.shape == ref.shape and got.dtype == ref.dtype, where
+    err = rel_err(got, ref)
+    assert err < ELEMWISE_TOL[dtype], f"rel err {err:.2e}: {where}"
+
+
+def _interpret_q8_matmul(ops) -> None:
+    # Rows and features ending inside a tile, K a multiple of 32 but not of the tile's 64.
+    for dtype in (torch.float16, torch.float32):
+        check_q8_matmul(ops, m=3, n=70, k=96, dtype=dtype, device="cpu", bias=True)
+        check_q8_matmul(ops, m=37, n=130, k=160, dtype=dtype, device="cpu", bias=False)
+
+
 INTERPRET_CASES = {
     "gemv": _interpret_gemv,
+    "q8_matmul": _interpret_q8_matmul,
     "paged_attention": _interpret_attention,
     "paged_attention_gemma": _interpret_attention_gemma,
     "rms_norm": _interpret_rms_norm,

@@ -180,6 +180,7 @@ def _launches(monkeypatch: pytest.MonkeyPatch) -> list[Launch]:
         triton_ops.norm_linear(row, rand(4096), 1e-6, packed, None)
         triton_ops.norm_linear(row, rand(4096), 1e-6, packed, None, gated=True)
         triton_ops.linear_residual(row, packed, None, rand(1, 128))
+        triton_ops.linear(rand(40, 4096), packed, rand(128))  # more rows: the Q8_0 matmul
         for weighting in ("offset", "fp32"):
             triton_ops.norm_linear(row, rand(4096), 1e-6, proj, None, weighting=weighting)
             triton_ops.norm_linear(row, rand(4096), 1e-6, proj, None, gated=True, weighting=weighting,
@@ -193,7 +194,7 @@ def test_every_kernel_compiles_for_hopper(monkeypatch: pytest.MonkeyPatch) -> No
     monkeypatch.undo()
     names = {launch.fn.__name__ for launch in launches}
     assert {"_paged_attention_kernel", "_merge_splits_kernel", "_rms_norm_kernel", "_rope_write_kv_kernel",
-            "_act_and_mul_kernel", "_gemv_kernel"} <= names, names
+            "_act_and_mul_kernel", "_gemv_kernel", "_q8_matmul_kernel"} <= names, names
     variants = {(launch.fn.__name__, key, launch.constexprs.get(key)) for launch in launches for key in
                 ("SOFTCAP", "WEIGHTING", "GELU_TANH", "BLOCK_D", "ADD_AFTER", "GELU")}
     assert {("_paged_attention_kernel", "SOFTCAP", True), ("_paged_attention_kernel", "BLOCK_D", 512),

@@ -308,6 +308,13 @@ def test_fused_gemv_of_q8_0_weights(kind, n, k) -> None:
     cases.check_gemv(triton_ops, kind=kind, n=n, k=k, dtype=torch.bfloat16, device="cuda", bias=False, q8=True)
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("m,n,k,bias", [(2, 4096, 4096, False), (64, 14336, 4096, False), (517, 4096, 14336, False),
+                                        (33, 1000, 320, True)])
+def test_q8_matmul(dtype, m, n, k, bias) -> None:
+    cases.check_q8_matmul(triton_ops, m=m, n=n, k=k, dtype=dtype, device="cuda", bias=bias)
+
+
 def test_fused_gemv_takes_one_row() -> None:
     x = torch.zeros(2, 64, device="cuda", dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="at most 1 row"):

@@ -5,12 +5,25 @@ each function matches ``tokenmill.kernels.reference.<name>`` (extra arguments ar
 keyword-only and optional).
 """
 
+import torch
+
+from tokenmill.kernels.q8_0 import Q8Weight
 from tokenmill.kernels.triton_activation import gelu_tanh_and_mul, silu_and_mul
 from tokenmill.kernels.triton_attention import paged_attention
 from tokenmill.kernels.triton_gemv import MAX_ROWS as GEMV_MAX_ROWS
-from tokenmill.kernels.triton_gemv import linear, linear_residual, norm_linear
+from tokenmill.kernels.triton_gemv import linear as gemv_linear
+from tokenmill.kernels.triton_gemv import linear_residual, norm_linear
 from tokenmill.kernels.triton_norm import add_rms_norm, fp32_weight_rms_norm, offset_rms_norm, rms_norm
+from tokenmill.kernels.triton_q8_matmul import q8_matmul
 from tokenmill.kernels.triton_rotary import rotary_embedding_and_write_kv, rotary_embedding_query
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor | Q8Weight, bias: torch.Tensor | None) -> torch.Tensor:
+    """``reference.linear`` on the GPU: a Q8_0 weight through the fused GEMV (one row) or the Q8_0
+    matmul (more), a dense one through cuBLAS."""
+    if not isinstance(weight, Q8Weight):
+        return torch.nn.functional.linear(x, weight, bias)
+    return gemv_linear(x, weight, bias) if x.shape[0] <= GEMV_MAX_ROWS else q8_matmul(x, weight, bias)
 
 __all__ = ["GEMV_MAX_ROWS", "add_rms_norm", "fp32_weight_rms_norm", "gelu_tanh_and_mul", "linear", "linear_residual",
            "norm_linear", "offset_rms_norm", "paged_attention", "rms_norm", "rotary_embedding_and_write_kv",

@@ -117,7 +117,7 @@ def norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: tor
         raise ValueError("Gemma 4's norm takes no residual: its layers carry the stream whole")
     else:
         normed, stream = _NORMS[weighting](x, norm_weight, eps, residual)
-    out = reference.linear(normed, weight, bias)
+    out = linear(normed, weight, bias)
     return (_GATED[activation](out) if gated else out), stream
 
 
@@ -147,16 +147,15 @@ def linear_into_stream(x: torch.Tensor, weight: torch.Tensor | Q8Weight, bias: t
     backend = backend_for(x)
     if _fused_gemv(backend, x):
         return backend.linear_residual(x, weight, bias, residual), None
-    return reference.linear(x, weight, bias), residual
+    return linear(x, weight, bias), residual
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor | Q8Weight, bias: torch.Tensor | None) -> torch.Tensor:
-    """``x @ weight.T (+ bias)``. A Q8_0 weight takes the one-row GEMV at one-token decode on the GPU;
-    elsewhere it is dequantized for the matmul (a packed GEMM for prefill is still to come)."""
-    backend = backend_for(x)
-    if isinstance(weight, Q8Weight) and _fused_gemv(backend, x):
-        return backend.linear(x, weight, bias)
-    return reference.linear(x, weight, bias)
+    """``x @ weight.T (+ bias)``. On the GPU a Q8_0 weight is read packed (the one-row GEMV, or the
+    Q8_0 matmul); the reference dequantizes it."""
+    if isinstance(weight, Q8Weight):
+        return backend_for(x).linear(x, weight, bias)
+    return torch.nn.functional.linear(x, weight, bias)
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
