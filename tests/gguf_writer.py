@@ -23,9 +23,9 @@ def _permute(x: np.ndarray, heads: int) -> np.ndarray:
     return x.reshape(heads, 2, x.shape[0] // heads // 2, *x.shape[1:]).swapaxes(1, 2).reshape(x.shape)
 
 
-def write_gguf(model_dir: Path, out: Path, quantize: bool) -> Path:
+def write_gguf(model_dir: Path, out: Path, matrix_type: str) -> Path:
     """``model_dir``'s model (``llama``, ``qwen2`` or ``qwen3``) and tokenizer as ``out``: matrices in
-    Q8_0 with ``quantize``, else F16; vectors in F32."""
+    ``matrix_type`` (F16, or a type ``gguf`` can quantize to: Q8_0, Q4_0, BF16…), vectors in F32."""
     cfg = json.loads((model_dir / "config.json").read_text())
     arch = cfg["model_type"]
     writer = gguf.GGUFWriter(str(out), arch)
@@ -55,9 +55,9 @@ def write_gguf(model_dir: Path, out: Path, quantize: bool) -> Path:
             if arch == "llama" and module in ("self_attn.q_proj", "self_attn.k_proj"):
                 heads = cfg["num_attention_heads"] if module == "self_attn.q_proj" else cfg["num_key_value_heads"]
                 x = _permute(x, heads)
-        if x.ndim == 2 and quantize:
-            writer.add_tensor(gguf_name, gguf.quants.quantize(x, gguf.GGMLQuantizationType.Q8_0),
-                              raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+        if x.ndim == 2 and matrix_type != "F16":
+            kind = gguf.GGMLQuantizationType[matrix_type]
+            writer.add_tensor(gguf_name, gguf.quants.quantize(x, kind), raw_dtype=kind)
         else:
             writer.add_tensor(gguf_name, x.astype(np.float16 if x.ndim == 2 else np.float32))
     writer.write_header_to_file()

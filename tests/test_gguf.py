@@ -16,11 +16,14 @@ from tokenmill.loader.hf_config import ModelLoadError
 PROMPTS = ["def fibonacci(n):", "héllo wörld", "the quick brown fox"]
 
 
-@pytest.mark.parametrize("arch,quantize", [("llama3", False), ("llama3", True), ("qwen2", False), ("qwen2", True)])
-def test_a_gguf_file_gives_transformers_tokens(arch: str, quantize: bool, tmp_path) -> None:
+@pytest.mark.parametrize("arch,matrix_type", [("llama3", "F16"), ("llama3", "Q8_0"), ("llama3", "Q4_0"),
+                                               ("qwen2", "BF16"), ("qwen2", "Q8_0")])
+def test_a_gguf_file_gives_transformers_tokens(arch: str, matrix_type: str, tmp_path) -> None:
+    """Q8_0 stays packed; F16, BF16 and Q4_0 are dequantized as they load."""
     hf_dir = make_model_with_tokenizer(arch, tmp_path / "hf")
-    path = write_gguf(hf_dir, tmp_path / "model.gguf", quantize)
+    path = write_gguf(hf_dir, tmp_path / "model.gguf", matrix_type)
     llm = LLM(str(path), device="cpu", dtype="float32")
+    assert llm.engine.core.quantization == ("q8_0" if matrix_type == "Q8_0" else None)
     outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), use_tqdm=False)
     reference = AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file=path.name, dtype=torch.float32)
     for out in outs:
@@ -35,7 +38,7 @@ def test_a_gguf_file_gives_transformers_tokens(arch: str, quantize: bool, tmp_pa
 
 def test_the_head_size_comes_from_the_file(tmp_path) -> None:
     """Qwen3's head size is not hidden / heads, and transformers' GGUF config leaves it out."""
-    path = write_gguf(make_model_with_tokenizer("qwen3", tmp_path / "hf"), tmp_path / "model.gguf", True)
+    path = write_gguf(make_model_with_tokenizer("qwen3", tmp_path / "hf"), tmp_path / "model.gguf", "Q8_0")
     assert read_gguf_config(path)["head_dim"] == 32
     out = LLM(str(path), device="cpu", dtype="float32").generate(["héllo"], SamplingParams(max_tokens=4),
                                                                   use_tqdm=False)[0]
