@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from tokenmill.engine.config import EngineConfig
 from tokenmill.engine.spec_decode import SpeculativeConfig
-from tokenmill.sampling_params import SamplingParams
+from tokenmill.sampling_params import SamplingParams, StructuredOutputsParams
 from tokenmill.tokenizer import invalid_unicode_at
 
 NAN, INF = float("nan"), float("inf")
@@ -165,6 +165,8 @@ SAMPLING_VALID = {
     "logprobs": _COUNT, "prompt_logprobs": _COUNT, "skip_special_tokens": st.booleans(),
     "include_stop_str_in_output": st.booleans(),
     "logit_bias": st.none() | st.dictionaries(st.integers(0, 1000), st.floats(-100, 100), max_size=4),
+    "structured_outputs": st.none() | st.sampled_from([{"regex": "[a-z]+"}, {"choice": ["a", "b"]}, {"json_object": True},
+                                                       {"json": {"type": "object"}}, {"grammar": 'root ::= "x"'}]),
 }
 _SIZE = st.integers(1, 4096)
 _SPEC = st.fixed_dictionaries(
@@ -229,6 +231,9 @@ def _check_sampling_invariants(p: SamplingParams) -> None:
     assert p.prompt_logprobs is None or _is_int(p.prompt_logprobs, -1)
     assert p.logit_bias is None or (type(p.logit_bias) is dict and all(
         _is_int(t, 0) and _is_float(v, -100, 100) for t, v in p.logit_bias.items()))
+    so = p.structured_outputs
+    assert so is None or (isinstance(so, StructuredOutputsParams) and sum(
+        x is not None for x in (so.json, so.regex, so.choice, so.grammar)) + (so.json_object is True) == 1)
 
 
 @settings(max_examples=400, deadline=None)

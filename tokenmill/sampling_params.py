@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -67,6 +68,61 @@ _LOGIT_BIAS = Rule("None or a dict of token ids (integers >= 0) to finite number
 
 
 @dataclass
+class StructuredOutputsParams:
+    """What the output must be, named as vLLM names it: exactly one of a JSON schema (``json``, a dict
+    or its text), any JSON object (``json_object=True``), a regular expression (``regex``), one of
+    some strings (``choice``), or an EBNF grammar (``grammar``)."""
+
+    json: dict[str, Any] | str | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool = False
+
+    def __post_init__(self) -> None:
+        if type(self.json_object) is not bool:
+            raise ValueError(f"structured_outputs must be json_object: True or False, got {self.json_object!r}")
+        given = [name for name in ("json", "regex", "choice", "grammar") if getattr(self, name) is not None]
+        given += ["json_object"] if self.json_object is True else []
+        if len(given) != 1:
+            raise ValueError("structured_outputs must be exactly one of json, regex, choice, grammar or json_object, "
+                             f"got {', '.join(given) or 'none'}")
+        if self.json is not None and not isinstance(self.json, (dict, str)):
+            raise ValueError(f"structured_outputs must be json: a JSON schema (a dict or its text), got "
+                             f"{type(self.json).__name__}")
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and not (isinstance(value, str) and value and invalid_unicode_at(value) is None):
+                raise ValueError(f"structured_outputs must be {name}: a non-empty string, got {value!r}")
+        if self.choice is not None:
+            if (not isinstance(self.choice, (list, tuple)) or not self.choice
+                    or not all(_is_stop_text(c) for c in self.choice)):
+                raise ValueError("structured_outputs must be choice: a non-empty list of non-empty strings, got "
+                                 f"{self.choice!r}")
+            self.choice = list(self.choice)
+
+    def key(self) -> str:
+        """One text per distinct constraint (compiled grammars are cached under it)."""
+        return json.dumps({"json": self.json, "regex": self.regex, "choice": self.choice, "grammar": self.grammar,
+                           "json_object": self.json_object}, sort_keys=True)
+
+
+def _structured_outputs(value: Any) -> Any:
+    if value is None or isinstance(value, StructuredOutputsParams):
+        return value
+    if isinstance(value, dict):
+        unknown = sorted(map(repr, set(value) - {"json", "regex", "choice", "grammar", "json_object"}))
+        if unknown:
+            raise ValueError("structured_outputs must be a dict of json, regex, choice, grammar or json_object, got "
+                             f"the unknown field{'s' if len(unknown) > 1 else ''} {', '.join(unknown)}")
+        return StructuredOutputsParams(**value)  # its own checks raise with the field named
+    return REJECT
+
+
+_STRUCTURED_OUTPUTS = Rule("None, a StructuredOutputsParams or a dict of its fields", "", _structured_outputs)
+
+
+@dataclass
 class SamplingParams:
     """How to pick tokens and when to stop. Validated on construction so that a bad
     request fails with a ValueError (naming the field, the rule and the value) before
@@ -94,6 +150,8 @@ class SamplingParams:
     include_stop_str_in_output: bool = ruled(False, BOOLEAN)
     # Added to the raw logits of the named tokens before penalties and temperature.
     logit_bias: dict[int, float] | None = ruled(None, _LOGIT_BIAS)
+    # Constrained decoding: each step samples only tokens that keep the output valid.
+    structured_outputs: StructuredOutputsParams | None = ruled(None, _STRUCTURED_OUTPUTS)
     stop_strings: list[str] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:

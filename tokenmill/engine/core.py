@@ -17,8 +17,10 @@ import gc
 import itertools
 import logging
 import time
+from concurrent.futures import FIRST_COMPLETED, wait
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import msgspec
 import torch
@@ -41,6 +43,7 @@ from tokenmill.engine.model_runner import InFlightStep, ModelRunner, build_model
 from tokenmill.engine.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
 from tokenmill.engine.sequence import PENDING, Sequence, SequenceStatus
 from tokenmill.engine.spec_decode import MAX_FAILED_DRAFTS, TokenHistory, accepted_length, propose_ngram
+from tokenmill.engine.structured_outputs import GrammarCompiler
 from tokenmill.layers.q8_linear import quantize_linears
 from tokenmill.loader.gguf_checkpoint import is_gguf_file, packs_q8_0
 from tokenmill.loader.hf_config import ModelConfig, load_model_config, resolve_dtype
@@ -132,6 +135,9 @@ class EngineCore:
         self.requests: dict[str, CoreRequest] = {}
         self.spec = config.speculative_config
         self._histories = TokenHistory()
+        self.grammars = GrammarCompiler(model_dir, cfg.vocab_size, cfg.eos_token_ids)
+        # Requests whose constraint is compiling: (request, priority, future), in arrival order.
+        self._compiling: list[tuple[CoreRequest, int, Any]] = []
         self._seq_ids = itertools.count()
         self.stats = CoreStats()
         self._in_flight: InFlightStep | None = None
@@ -205,9 +211,36 @@ class EngineCore:
         ids = request.prompt_token_ids
         seqs = [self._new_sequence(request.request_id, i, ids, params, request.arrival_time)
                 for i in range(params.n)]
-        self.requests[request.request_id] = CoreRequest(request.request_id, params, seqs)
+        core_request = self.requests[request.request_id] = CoreRequest(request.request_id, params, seqs)
+        if params.structured_outputs is not None:  # scheduled once its grammar is compiled
+            self._compiling.append((core_request, request.priority, self.grammars.submit(params.structured_outputs)))
+            return
         for seq in seqs:
             self.scheduler.add(seq, request.priority)
+
+    def _admit_compiled(self) -> None:
+        """Schedule the requests whose constraint has compiled (waiting for the first when nothing else
+        can run); fail those whose constraint does not compile."""
+        if self._compiling and not self.scheduler.running and not self.scheduler.waiting:
+            wait([self._compiling[0][2]], return_when=FIRST_COMPLETED)
+        still = []
+        for request, priority, future in self._compiling:
+            if self.requests.get(request.request_id) is not request:
+                continue  # aborted meanwhile
+            if not future.done():
+                still.append((request, priority, future))
+                continue
+            error = future.exception()
+            if error is not None:
+                del self.requests[request.request_id]
+                for seq in request.seqs:
+                    seq.status = SequenceStatus.FINISHED
+                self._fail(request.request_id, f"structured_outputs cannot be compiled: {error}", request.seqs)
+                continue
+            for seq in request.seqs:
+                seq.matcher = self.grammars.matcher(future.result())
+                self.scheduler.add(seq, priority)
+        self._compiling = still
 
     def _new_sequence(self, request_id: str, index: int, ids: list[int], params: SamplingParams,
                       now: float) -> Sequence:
@@ -272,6 +305,8 @@ class EngineCore:
         (its inputs take the pending ids on the device). A sequence that stops here has run
         one step too many, which is thrown away. Penalties need every output token on the
         host, so while a running sequence uses them steps run one at a time."""
+        if self._compiling:
+            self._admit_compiled()
         if self._in_flight is None:
             self._in_flight = self._launch(None)
             if self._in_flight is None:
@@ -319,7 +354,9 @@ class EngineCore:
         a time."""
         if not self.config.async_scheduling or self._speculating():
             return False
-        return not any(seq.params.uses_penalties for seq in self.scheduler.running) and not any(
+        # Penalties and grammars read every output token so far: the step's tokens must be known first.
+        running = self.scheduler.running
+        return not any(seq.params.uses_penalties or seq.matcher is not None for seq in running) and not any(
             seq.draft_token_ids for seq in in_flight.batch.seqs)
 
     def _speculating(self) -> bool:
@@ -330,7 +367,8 @@ class EngineCore:
         limits leave room for after the token the step samples anyway."""
         spec = self.spec
         for seq in self.scheduler.running:
-            if seq.num_pending or seq.num_computed_tokens != seq.num_tokens - 1 or seq.params.uses_penalties:
+            if (seq.num_pending or seq.num_computed_tokens != seq.num_tokens - 1 or seq.params.uses_penalties
+                    or seq.matcher is not None):
                 continue
             if seq.draft_pause:
                 seq.draft_pause -= 1
@@ -464,6 +502,8 @@ class EngineCore:
         params = seq.params
         seq.token_ids[index] = token
         seq.num_pending -= 1
+        if seq.matcher is not None and not seq.matcher.accept_token(token):
+            logger.error("request %s: token %d broke its structured output's grammar", seq.request_id, token)
         num_output = index + 1 - seq.num_prompt_tokens
         self.stats.generation_tokens += 1
         out = self._seq_delta(request, seq)

@@ -23,6 +23,7 @@ from tokenmill.engine.cuda_graphs import DecodeGraphs
 from tokenmill.engine.host_staging import HostStaging
 from tokenmill.engine.scheduler import ScheduledBatch
 from tokenmill.engine.sequence import PENDING, Sequence
+from tokenmill.engine.structured_outputs import apply_grammars
 from tokenmill.layers.attention import AttentionMetadata, KVCache
 from tokenmill.layers.sampler import Sampler, SamplingBatch, gather_logprobs
 from tokenmill.loader.hf_config import ModelConfig
@@ -330,7 +331,14 @@ class ModelRunner:
         if prompt_rows:
             self._prompt_logprobs(logits[:num_prompt_rows], prompt_rows, step.prompt_logprobs)
         if sampled:
-            out = self.sampler(logits[num_prompt_rows:],
+            sample_logits = logits[num_prompt_rows:]
+            firsts = itertools.accumulate([0, *inputs.rows_per_seq[:-1]])
+            constrained = [(row, seq.matcher) for row, seq in zip(firsts, sampled) if seq.matcher is not None]
+            if constrained:  # structured outputs: only the tokens each grammar allows next
+                sample_logits = sample_logits.float()  # (a copy of a graph's bf16 output)
+                apply_grammars(sample_logits, constrained)
+                greedy_ids = None
+            out = self.sampler(sample_logits,
                                self._sampling_batch(sampled, inputs.rows_per_seq, inputs.sampling_columns), greedy_ids)
             # The device ids feed the next step's inputs; the host copies are read by ``collect``.
             # Copied now, before another replay can overwrite a graph's static output.

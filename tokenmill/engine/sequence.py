@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -57,6 +58,7 @@ class Sequence:
     draft_token_ids: list[int] = field(default_factory=list)
     num_failed_drafts: int = 0
     draft_pause: int = 0
+    matcher: Any = None  # structured outputs: the sequence's xgrammar GrammarMatcher
     spec_drafts: int = 0  # verifications with drafts
     spec_draft_tokens: int = 0  # drafts proposed (and computed)
     spec_accepted_tokens: int = 0  # drafts that stood

@@ -43,12 +43,14 @@ BLOCK_N, NORM_BLOCK_N, GATED_BLOCK_N, BLOCK_K, NUM_WARPS = 8, 16, 4, 1024, 4
 
 
 @triton.jit
-def _weights(w, s_rows, ks, mask, Q8: tl.constexpr):
-    """A weight tile in float32: as stored, or with Q8 each value times its block's scale (the
-    scales of a tile, read from L1/L2, cost little next to the int8 values)."""
+def _weights(w, s_rows, ks, mask, dtype: tl.constexpr, Q8: tl.constexpr):
+    """A weight tile in float32: as stored, or with Q8 each value times its block's scale, rounded to
+    ``dtype`` (the activations') as the reference's dequantized matrix is (the scales of a tile,
+    read from L1/L2, cost little next to the int8 values)."""
     wf = w.to(tl.float32)
     if Q8:
-        wf = wf * tl.load(s_rows + (ks // 32)[None, :], mask=mask, other=0.0).to(tl.float32)
+        scale = tl.load(s_rows + (ks // 32)[None, :], mask=mask, other=0.0).to(tl.float32)
+        wf = (wf * scale).to(dtype).to(tl.float32)
     return wf
 
 
@@ -99,11 +101,11 @@ def _gemv_kernel(x_ptr, norm_w_ptr, w_ptr, w_scale_ptr, bias_ptr, res_ptr, out_p
                 x = weigh(x.to(tl.float32) * rstd, nw, WEIGHTING).to(x.dtype)
         xf = x.to(tl.float32)[None, :]
         tile_mask = n_ok[:, None] & (ks[None, :] < K)
-        acc += tl.sum(xf * _weights(w, s_rows, ks, tile_mask, Q8), axis=1)
+        acc += tl.sum(xf * _weights(w, s_rows, ks, tile_mask, x_ptr.dtype.element_ty, Q8), axis=1)
         w = w_next
         if GATED:
             u_next = tl.load(u_rows + nxt[None, :], mask=nxt_mask, other=0.0, eviction_policy="evict_first")
-            acc_u += tl.sum(xf * _weights(u, t_rows, ks, tile_mask, Q8), axis=1)
+            acc_u += tl.sum(xf * _weights(u, t_rows, ks, tile_mask, x_ptr.dtype.element_ty, Q8), axis=1)
             u = u_next
 
     out_ty = out_ptr.dtype.element_ty

@@ -1,0 +1,93 @@
+"""Structured outputs (xgrammar): every constraint kind gives valid output on the embedded model,
+sampled or greedy, beside unconstrained requests that it leaves alone; bad constraints are clear
+errors."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+
+from tokenmill import LLM, SamplingParams
+from tokenmill.entrypoints.llm import EngineError
+from tokenmill.sampling_params import StructuredOutputsParams
+
+PROMPT = "def parse(text):\n    return"
+SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12}, "age": {"type": "integer"}},
+          "required": ["name", "age"]}
+
+
+@pytest.fixture(scope="module")
+def llm() -> LLM:
+    return LLM(device="cpu", max_num_seqs=8)
+
+
+def _texts(llm: LLM, structured: dict, **params) -> list[str]:
+    sampling = SamplingParams(structured_outputs=structured, **{"max_tokens": 80, "temperature": 0.8, "seed": 3, **params})
+    out = llm.generate([PROMPT], sampling, use_tqdm=False)[0]
+    assert all(c.finish_reason == "stop" for c in out.outputs), [c.text for c in out.outputs]
+    return [c.text for c in out.outputs]
+
+
+def test_a_choice_is_one_of_the_strings(llm: LLM) -> None:
+    choices = ["yes", "no", "not sure"]
+    assert all(text in choices for text in _texts(llm, {"choice": choices}, n=4))
+
+
+def test_a_regex_matches_whole(llm: LLM) -> None:
+    for text in _texts(llm, {"regex": r"[0-9]{3}-[0-9]{4}"}, n=3):
+        assert re.fullmatch(r"[0-9]{3}-[0-9]{4}", text), text
+
+
+@pytest.mark.parametrize("as_text", [False, True])
+def test_a_json_schema_is_followed(llm: LLM, as_text: bool) -> None:
+    for text in _texts(llm, {"json": json.dumps(SCHEMA) if as_text else SCHEMA}, n=2):
+        value = json.loads(text)
+        assert isinstance(value["name"], str) and len(value["name"]) <= 12 and isinstance(value["age"], int)
+
+
+def test_json_object_and_a_grammar(llm: LLM) -> None:
+    assert isinstance(json.loads(_texts(llm, {"json_object": True}, max_tokens=200)[0]), dict)
+    for text in _texts(llm, {"grammar": 'root ::= "(" [a-z]+ ")"'}, n=2):
+        assert re.fullmatch(r"\([a-z]+\)", text), text
+
+
+def test_unconstrained_requests_in_the_same_batch_are_unchanged(llm: LLM) -> None:
+    greedy = SamplingParams(temperature=0, max_tokens=24)
+    alone = llm.generate([PROMPT], greedy, use_tqdm=False)[0].outputs[0].token_ids
+    mixed = llm.generate([PROMPT, PROMPT], [greedy, SamplingParams(max_tokens=20, structured_outputs={"regex": "[a-c]+"})],
+                         use_tqdm=False)
+    assert mixed[0].outputs[0].token_ids == alone
+    assert re.fullmatch("[a-c]+", mixed[1].outputs[0].text)
+
+
+def test_a_constrained_request_takes_no_drafts() -> None:
+    spec = LLM(device="cpu", max_num_seqs=8, speculative_config={"method": "ngram", "num_speculative_tokens": 4})
+    text = _texts(spec, {"regex": "(ab)+c"}, temperature=0, max_tokens=30)[0]
+    assert re.fullmatch("(ab)+c", text)
+
+
+def test_a_constraint_that_does_not_compile_fails_its_request_only(llm: LLM) -> None:
+    with pytest.raises(EngineError, match="structured_outputs cannot be compiled"):
+        llm.generate([PROMPT], SamplingParams(structured_outputs={"regex": "(unclosed"}), use_tqdm=False)
+    assert llm.generate([PROMPT], SamplingParams(max_tokens=4), use_tqdm=False)[0].outputs[0].token_ids
+
+
+@pytest.mark.parametrize("value,message", [
+    ({}, "exactly one of"), ({"regex": "a", "choice": ["b"]}, "exactly one of"), ({"choice": []}, "be choice"),
+    ({"choice": ["a", ""]}, "be choice"), ({"json": 3}, "be json: a JSON schema"), ({"regex": ""}, "be regex"),
+    ({"json_object": "yes"}, "be json_object"), ({"schema": {}}, "unknown field 'schema'"),
+    ("a regex", "structured_outputs must be"),
+])
+def test_bad_structured_outputs_are_clear_errors(value: object, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        SamplingParams(structured_outputs=value)
+
+
+def test_the_params_round_trip_through_the_core_messages() -> None:
+    import msgspec
+
+    params = SamplingParams(structured_outputs=StructuredOutputsParams(json=SCHEMA))
+    again = msgspec.msgpack.decode(msgspec.msgpack.encode(params), type=SamplingParams)
+    assert again.structured_outputs == params.structured_outputs

@@ -1,0 +1,90 @@
+"""Constrained decoding with xgrammar: constraints compiled off the step loop, one matcher per
+sequence, and each step's token bitmask.
+
+A request's constraint (``SamplingParams.structured_outputs``) compiles on a worker thread, cached
+by the constraint, while the request waits outside the scheduler; an invalid one fails the request
+with xgrammar's words. Each sequence then holds a ``GrammarMatcher``: before a step samples it, its
+row of the bitmask allows only the tokens that keep the output valid, and every token it accepts
+advances it. Once the output is complete only the stop tokens remain allowed.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tokenmill.sampling_params import StructuredOutputsParams
+
+logger = logging.getLogger(__name__)
+
+
+class GrammarCompiler:
+    """Compiles constraints for one model's vocabulary on a worker thread, each distinct one once."""
+
+    def __init__(self, model_dir: Path, vocab_size: int, stop_token_ids: tuple[int, ...]) -> None:
+        self.model_dir = model_dir
+        self.vocab_size = vocab_size
+        self.stop_token_ids = list(stop_token_ids)
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar")
+        self._compiler: Any = None
+        self._cache: dict[str, Future] = {}
+
+    def submit(self, spec: StructuredOutputsParams) -> Future:
+        key = spec.key()
+        future = self._cache.get(key)
+        if future is None:
+            future = self._cache[key] = self._executor.submit(self._compile, spec)
+        return future
+
+    def _compile(self, spec: StructuredOutputsParams) -> Any:
+        compiler = self._get_compiler()
+        # JSON comes out compact (one space after ':' and ','): free whitespace lets a model pad forever.
+        if spec.json is not None:
+            schema = spec.json if isinstance(spec.json, str) else json.dumps(spec.json)
+            return compiler.compile_json_schema(schema, any_whitespace=False)
+        if spec.json_object:  # any JSON object, as OpenAI's json_object means
+            return compiler.compile_json_schema('{"type": "object"}', any_whitespace=False)
+        if spec.regex is not None:
+            return compiler.compile_regex(spec.regex)
+        if spec.choice is not None:  # each choice a quoted EBNF literal (JSON's escapes)
+            return compiler.compile_grammar("root ::= " + " | ".join(json.dumps(c) for c in spec.choice))
+        return compiler.compile_grammar(spec.grammar)
+
+    def _get_compiler(self) -> Any:
+        if self._compiler is None:
+            import xgrammar
+
+            from tokenmill.tokenizer import load_tokenizer
+
+            tokenizer = load_tokenizer(self.model_dir)
+            if tokenizer is None:
+                raise ValueError("structured outputs need the model's tokenizer, and this model ships none")
+            info = xgrammar.TokenizerInfo.from_huggingface(tokenizer, vocab_size=self.vocab_size,
+                                                           stop_token_ids=self.stop_token_ids or None)
+            self._compiler = xgrammar.GrammarCompiler(info)
+        return self._compiler
+
+    def matcher(self, compiled: Any) -> Any:
+        import xgrammar
+
+        return xgrammar.GrammarMatcher(compiled)
+
+    def close(self) -> None:
+        self._executor.shutdown(wait=False, cancel_futures=True)
+
+
+def apply_grammars(logits: torch.Tensor, constrained: list[tuple[int, Any]]) -> None:
+    """Set to -inf, in place, every token that the matcher of each ``(row, matcher)`` forbids next in
+    that row of ``logits`` (xgrammar's packed bitmask, one row of bits per row of logits)."""
+    import xgrammar
+
+    bitmask = xgrammar.allocate_token_bitmask(logits.shape[0], logits.shape[-1])
+    for row, matcher in constrained:
+        matcher.fill_next_token_bitmask(bitmask, row)
+    xgrammar.apply_token_bitmask_inplace(logits, bitmask.to(logits.device, non_blocking=True),
+                                         vocab_size=logits.shape[-1], indices=[row for row, _ in constrained])
