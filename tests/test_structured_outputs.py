@@ -68,7 +68,17 @@ def test_a_constrained_request_takes_no_drafts() -> None:
     assert re.fullmatch("(ab)+c", text)
 
 
-def test_a_constraint_that_does_not_compile_fails_its_request_only(llm: LLM) -> None:
+@pytest.mark.parametrize("structured", [{"regex": "(unclosed"}, {"json": "{not json"}, {"grammar": "root ::= ("},
+                                        {"json": {"type": "no-such-type"}}])
+def test_a_constraint_that_does_not_parse_is_refused_before_it_runs(llm: LLM, structured: dict) -> None:
+    with pytest.raises(ValueError, match="structured_outputs.(regex|json|grammar) is not valid"):
+        llm.generate([PROMPT], SamplingParams(structured_outputs=structured), use_tqdm=False)
+    assert llm.generate([PROMPT], SamplingParams(max_tokens=4), use_tqdm=False)[0].outputs[0].token_ids
+
+
+def test_a_constraint_that_does_not_compile_fails_its_request_only(llm: LLM, monkeypatch) -> None:
+    """(Parsing catches what it can; a failure in the engine's compile still ends only its request.)"""
+    monkeypatch.setattr("tokenmill.engine.input_processor.check_constraint", lambda spec: None)
     with pytest.raises(EngineError, match="structured_outputs cannot be compiled"):
         llm.generate([PROMPT], SamplingParams(structured_outputs={"regex": "(unclosed"}), use_tqdm=False)
     assert llm.generate([PROMPT], SamplingParams(max_tokens=4), use_tqdm=False)[0].outputs[0].token_ids

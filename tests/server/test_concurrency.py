@@ -124,7 +124,8 @@ POISON_BODIES = [  # raw JSON: some of these no client library would send
     '{"model": "%s", "prompt": "ab\\ud800", "max_tokens": 2}',
     '{"model": "%s", "messages": [{"role": "user", "content": "ab\\ud800"}], "max_tokens": 2}',
     '{"model": "%s", "prompt": "x", "max_tokens": 100000}',
-    '{"model": "%s", "prompt": "x", "max_tokens": 2, "response_format": {"type": "json_object"}}',
+    '{"model": "%s", "prompt": "x", "max_tokens": 2, "response_format": {"type": "xml"}}',
+    '{"model": "%s", "prompt": "x", "max_tokens": 2, "guided_regex": "(unclosed"}',
 ]
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from tokenmill.engine.structured_outputs import check_constraint
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.tokenizer import encode_prompt
 from tokenmill.validation import integer
@@ -85,6 +86,8 @@ class InputProcessor:
             value = getattr(params, name)
             if value is not None and value > limits.vocab_size:
                 raise ValueError(f"{name} must be at most the vocabulary size {limits.vocab_size}, got {value}")
+        if params.structured_outputs is not None:
+            check_constraint(params.structured_outputs)
 
     def process(self, prompt: Any, params: SamplingParams, add_special_tokens: bool = True) -> ProcessedPrompt:
         processed = self.tokenize(prompt, add_special_tokens)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -21,6 +22,30 @@ import torch
 from tokenmill.sampling_params import StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
+
+
+def check_constraint(spec: StructuredOutputsParams) -> None:
+    """Parse the constraint (no tokenizer needed), so a malformed schema, regex or grammar is a
+    ValueError naming it before the request is sent, not a failure inside the engine."""
+    import xgrammar
+
+    try:
+        if spec.json is not None:
+            xgrammar.Grammar.from_json_schema(spec.json if isinstance(spec.json, str) else json.dumps(spec.json))
+        elif spec.regex is not None:
+            xgrammar.Grammar.from_regex(spec.regex)
+        elif spec.grammar is not None:
+            xgrammar.Grammar.from_ebnf(spec.grammar)
+    except Exception as exc:  # noqa: BLE001 - xgrammar raises several kinds; all mean a bad constraint
+        kind = "json" if spec.json is not None else "regex" if spec.regex is not None else "grammar"
+        raise ValueError(f"structured_outputs.{kind} is not valid: {_reason(exc)}") from None
+
+
+def _reason(exc: Exception) -> str:
+    """xgrammar's message without its C++ location and assertion text."""
+    line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    line = re.sub(r"^\[[^\]]*\]\s*\S+:\d+:\s*", "", line)
+    return re.sub(r"^Check failed: \(.*?\) is false:\s*", "", line)
 
 
 class GrammarCompiler:

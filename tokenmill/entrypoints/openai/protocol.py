@@ -149,13 +149,10 @@ class StreamOptions(RequestModel):
     continuous_usage_stats: StrictBool = False  # usage in every chunk (with include_usage), as vLLM
 
 
-_UNSUPPORTED = ("response_format", "tools", "tool_choice", "functions", "function_call", "guided_json",
-                "guided_regex", "guided_choice", "guided_grammar", "structured_outputs", "best_of",
-                "use_beam_search", "length_penalty", "allowed_token_ids", "bad_words", "logits_processors",
+_UNSUPPORTED = ("tools", "tool_choice", "functions", "function_call", "best_of", "use_beam_search", "length_penalty", "allowed_token_ids", "bad_words", "logits_processors",
                 "prompt_embeds", "vllm_xargs", "kv_transfer_params", "audio", "modalities",
                 "spaces_between_special_tokens")
 _NEUTRAL_VALUES: dict[str, tuple[Any, ...]] = {
-    "response_format": ({"type": "text"},),
     "tool_choice": ("none",),
     "best_of": (1,),
     "use_beam_search": (False,),
@@ -227,18 +224,20 @@ class SamplingFields(RequestModel):
     cache_salt: Any = None
     prediction: Any = None
 
-    # Structured output, tools, beam search and the like, not built yet: declared so that
-    # asking for them is refused by refuse_unsupported rather than dropped as unknown.
+    # Structured outputs: OpenAI's response_format, vLLM's structured_outputs and its older guided_*.
     response_format: Any = None
-    tools: Any = None
-    tool_choice: Any = None
-    functions: Any = None
-    function_call: Any = None
+    structured_outputs: Any = None
     guided_json: Any = None
     guided_regex: Any = None
     guided_choice: Any = None
     guided_grammar: Any = None
-    structured_outputs: Any = None
+
+    # Tools, beam search and the like, not built yet: declared so that asking for them is
+    # refused by refuse_unsupported rather than dropped as unknown.
+    tools: Any = None
+    tool_choice: Any = None
+    functions: Any = None
+    function_call: Any = None
     best_of: Any = None
     use_beam_search: Any = None
     length_penalty: Any = None

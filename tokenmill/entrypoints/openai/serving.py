@@ -186,6 +186,34 @@ def _ranks(entry: Logprobs, engine_n: int) -> dict[int, int]:
     return ranks
 
 
+def structured_outputs_of(req: SamplingFields) -> tuple[str, Any] | None:
+    """``(the field that asked, SamplingParams' structured_outputs)`` from whichever of
+    ``response_format``, ``structured_outputs`` and ``guided_*`` the request sets (at most one),
+    or None. The constraint's own content is checked by SamplingParams and the engine."""
+    asked: list[tuple[str, Any]] = []
+    fmt = req.response_format
+    if fmt is not None and fmt != {"type": "text"}:
+        kind = fmt.get("type") if isinstance(fmt, dict) else None
+        if kind == "json_object":
+            asked.append(("response_format", {"json_object": True}))
+        elif kind == "json_schema" and isinstance(fmt.get("json_schema"), dict) and "schema" in fmt["json_schema"]:
+            asked.append(("response_format", {"json": fmt["json_schema"]["schema"]}))
+        else:
+            raise APIError(400, "response_format must be {\"type\": \"text\"}, {\"type\": \"json_object\"} or "
+                           "{\"type\": \"json_schema\", \"json_schema\": {\"name\": ..., \"schema\": {...}}}",
+                           param="response_format", code="invalid_value")
+    if req.structured_outputs is not None:
+        asked.append(("structured_outputs", req.structured_outputs))
+    for name, key in (("guided_json", "json"), ("guided_regex", "regex"), ("guided_choice", "choice"),
+                      ("guided_grammar", "grammar")):
+        if getattr(req, name) is not None:
+            asked.append((name, {key: getattr(req, name)}))
+    if len(asked) > 1:
+        raise APIError(400, f"set at most one of {', '.join(name for name, _ in asked)}", param=asked[1][0],
+                       code="invalid_value")
+    return asked[0] if asked else None
+
+
 def sampling_params(req: SamplingFields, max_tokens: int | None, logprobs: int | None,
                     prompt_logprobs: int | None = None) -> SamplingParams:
     """SamplingParams from the fields both endpoints share; unset fields keep the defaults.
@@ -195,11 +223,17 @@ def sampling_params(req: SamplingFields, max_tokens: int | None, logprobs: int |
     if req.prompt_logprobs is not None and req.stream:
         raise APIError(400, "prompt_logprobs are not available when stream is true", param="prompt_logprobs",
                        code="invalid_value")
+    structured = structured_outputs_of(req)
+    try:
+        structured_params = None if structured is None else SamplingParams(structured_outputs=structured[1])
+    except ValueError as exc:
+        raise APIError(400, str(exc), param=structured[0], code="invalid_value") from None
     return SamplingParams(
         n=req.n, max_tokens=max_tokens, min_tokens=req.min_tokens, stop=req.stop,
         stop_token_ids=req.stop_token_ids, seed=req.seed, ignore_eos=req.ignore_eos, logprobs=logprobs,
         prompt_logprobs=prompt_logprobs, include_stop_str_in_output=req.include_stop_str_in_output,
-        skip_special_tokens=req.skip_special_tokens, logit_bias=req.logit_bias_ids(), **options)
+        skip_special_tokens=req.skip_special_tokens, logit_bias=req.logit_bias_ids(),
+        structured_outputs=None if structured_params is None else structured_params.structured_outputs, **options)
 
 
 def merged_logprobs(*counts: int | None) -> int | None:

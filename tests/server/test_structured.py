@@ -1,0 +1,43 @@
+"""Structured outputs over HTTP: OpenAI's response_format, vLLM's structured_outputs and guided_*."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import httpx
+
+from .conftest import MODEL_NAME, LiveServer
+
+CHAT = [{"role": "user", "content": "Give me a person."}]
+SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8}, "age": {"type": "integer"}},
+          "required": ["name", "age"]}
+
+
+def test_response_format_json_schema_and_json_object(server: LiveServer) -> None:
+    client = server.client()
+    out = client.chat.completions.create(
+        model=MODEL_NAME, messages=CHAT, max_tokens=120, temperature=0.7, seed=1,
+        response_format={"type": "json_schema", "json_schema": {"name": "person", "schema": SCHEMA}})
+    value = json.loads(out.choices[0].message.content)
+    assert isinstance(value["name"], str) and isinstance(value["age"], int)
+    out = client.chat.completions.create(model=MODEL_NAME, messages=CHAT, max_tokens=200, temperature=0,
+                                         response_format={"type": "json_object"})
+    assert out.choices[0].finish_reason != "stop" or isinstance(json.loads(out.choices[0].message.content), dict)
+
+
+def test_guided_fields_and_structured_outputs_on_completions(server: LiveServer) -> None:
+    client = server.client()
+    out = client.completions.create(model=MODEL_NAME, prompt="x", max_tokens=10, n=3, temperature=1, seed=2,
+                                    extra_body={"guided_choice": ["left", "right"]})
+    assert all(c.text in ("left", "right") for c in out.choices)
+    out = client.completions.create(model=MODEL_NAME, prompt="x", max_tokens=12, temperature=1, seed=2,
+                                    extra_body={"structured_outputs": {"regex": "[0-9]{2}:[0-9]{2}"}})
+    assert re.fullmatch("[0-9]{2}:[0-9]{2}", out.choices[0].text)
+
+
+def test_a_constraint_that_does_not_parse_is_a_400_naming_it(server: LiveServer) -> None:
+    response = httpx.post(f"{server.base_url}/v1/completions", timeout=60,
+                          json={"model": MODEL_NAME, "prompt": "x", "guided_regex": "(unclosed"})
+    assert response.status_code == 400
+    assert "structured_outputs.regex is not valid" in response.json()["error"]["message"]
