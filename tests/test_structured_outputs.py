@@ -101,3 +101,18 @@ def test_the_params_round_trip_through_the_core_messages() -> None:
     params = SamplingParams(structured_outputs=StructuredOutputsParams(json=SCHEMA))
     again = msgspec.msgpack.decode(msgspec.msgpack.encode(params), type=SamplingParams)
     assert again.structured_outputs == params.structured_outputs
+
+
+def test_a_constraint_that_compiles_too_long_fails_its_request_only(monkeypatch) -> None:
+    import time
+
+    from tokenmill.engine import core
+    from tokenmill.engine.structured_outputs import GrammarCompiler
+
+    compile_ = GrammarCompiler._compile
+    monkeypatch.setattr(GrammarCompiler, "_compile", lambda self, spec: (time.sleep(0.5), compile_(self, spec))[1])
+    monkeypatch.setattr(core, "GRAMMAR_TIMEOUT_S", 0.1)
+    llm = LLM(device="cpu", max_num_seqs=4)
+    with pytest.raises(EngineError, match="took longer than"):
+        llm.generate([PROMPT], SamplingParams(structured_outputs={"regex": "[a-z]+"}), use_tqdm=False)
+    assert llm.generate([PROMPT], SamplingParams(max_tokens=4), use_tqdm=False)[0].outputs[0].token_ids

@@ -43,7 +43,7 @@ from tokenmill.engine.model_runner import InFlightStep, ModelRunner, build_model
 from tokenmill.engine.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
 from tokenmill.engine.sequence import PENDING, Sequence, SequenceStatus
 from tokenmill.engine.spec_decode import MAX_FAILED_DRAFTS, TokenHistory, accepted_length, propose_ngram
-from tokenmill.engine.structured_outputs import GrammarCompiler
+from tokenmill.engine.structured_outputs import GRAMMAR_TIMEOUT_S, GrammarCompiler
 from tokenmill.layers.q8_linear import quantize_linears
 from tokenmill.loader.gguf_checkpoint import is_gguf_file, packs_q8_0
 from tokenmill.loader.hf_config import ModelConfig, load_model_config, resolve_dtype
@@ -136,8 +136,8 @@ class EngineCore:
         self.spec = config.speculative_config
         self._histories = TokenHistory()
         self.grammars = GrammarCompiler(model_dir, cfg.vocab_size, cfg.eos_token_ids)
-        # Requests whose constraint is compiling: (request, priority, future), in arrival order.
-        self._compiling: list[tuple[CoreRequest, int, Any]] = []
+        # Requests whose constraint is compiling: (request, priority, future, deadline), in arrival order.
+        self._compiling: list[tuple[CoreRequest, int, Any, float]] = []
         self._seq_ids = itertools.count()
         self.stats = CoreStats()
         self._in_flight: InFlightStep | None = None
@@ -213,24 +213,27 @@ class EngineCore:
                 for i in range(params.n)]
         core_request = self.requests[request.request_id] = CoreRequest(request.request_id, params, seqs)
         if params.structured_outputs is not None:  # scheduled once its grammar is compiled
-            self._compiling.append((core_request, request.priority, self.grammars.submit(params.structured_outputs)))
+            future = self.grammars.submit(params.structured_outputs)
+            self._compiling.append((core_request, request.priority, future, time.monotonic() + GRAMMAR_TIMEOUT_S))
             return
         for seq in seqs:
             self.scheduler.add(seq, request.priority)
 
     def _admit_compiled(self) -> None:
-        """Schedule the requests whose constraint has compiled (waiting for the first when nothing else
-        can run); fail those whose constraint does not compile."""
+        """Schedule the requests whose constraint has compiled (waiting a moment for the first when
+        nothing else can run, so messages are still read between waits); fail those whose constraint
+        does not compile, or takes longer than ``GRAMMAR_TIMEOUT_S``."""
         if self._compiling and not self.scheduler.running and not self.scheduler.waiting:
-            wait([self._compiling[0][2]], return_when=FIRST_COMPLETED)
+            wait([self._compiling[0][2]], timeout=0.05, return_when=FIRST_COMPLETED)
         still = []
-        for request, priority, future in self._compiling:
+        now = time.monotonic()
+        for request, priority, future, deadline in self._compiling:
             if self.requests.get(request.request_id) is not request:
                 continue  # aborted meanwhile
-            if not future.done():
-                still.append((request, priority, future))
+            if not future.done() and now < deadline:
+                still.append((request, priority, future, deadline))
                 continue
-            error = future.exception()
+            error = future.exception() if future.done() else f"it took longer than {GRAMMAR_TIMEOUT_S:.0f} s"
             if error is not None:
                 del self.requests[request.request_id]
                 for seq in request.seqs:

@@ -23,6 +23,8 @@ from tokenmill.sampling_params import StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
 
+GRAMMAR_TIMEOUT_S = 30.0  # a constraint still compiling after this fails its request (the compile goes on)
+
 
 def check_constraint(spec: StructuredOutputsParams) -> None:
     """Parse the constraint (no tokenizer needed), so a malformed schema, regex or grammar is a
