@@ -10,7 +10,6 @@ import re
 import pytest
 
 from tokenmill import LLM, SamplingParams
-from tokenmill.entrypoints.llm import EngineError
 from tokenmill.sampling_params import StructuredOutputsParams
 
 PROMPT = "def parse(text):\n    return"
@@ -79,7 +78,7 @@ def test_a_constraint_that_does_not_parse_is_refused_before_it_runs(llm: LLM, st
 def test_a_constraint_that_does_not_compile_fails_its_request_only(llm: LLM, monkeypatch) -> None:
     """(Parsing catches what it can; a failure in the engine's compile still ends only its request.)"""
     monkeypatch.setattr("tokenmill.engine.input_processor.check_constraint", lambda spec: None)
-    with pytest.raises(EngineError, match="structured_outputs cannot be compiled"):
+    with pytest.raises(ValueError, match="structured_outputs cannot be compiled"):
         llm.generate([PROMPT], SamplingParams(structured_outputs={"regex": "(unclosed"}), use_tqdm=False)
     assert llm.generate([PROMPT], SamplingParams(max_tokens=4), use_tqdm=False)[0].outputs[0].token_ids
 
@@ -113,6 +112,6 @@ def test_a_constraint_that_compiles_too_long_fails_its_request_only(monkeypatch)
     monkeypatch.setattr(GrammarCompiler, "_compile", lambda self, spec: (time.sleep(0.5), compile_(self, spec))[1])
     monkeypatch.setattr(core, "GRAMMAR_TIMEOUT_S", 0.1)
     llm = LLM(device="cpu", max_num_seqs=4)
-    with pytest.raises(EngineError, match="took longer than"):
+    with pytest.raises(ValueError, match="took longer than"):
         llm.generate([PROMPT], SamplingParams(structured_outputs={"regex": "[a-z]+"}), use_tqdm=False)
     assert llm.generate([PROMPT], SamplingParams(max_tokens=4), use_tqdm=False)[0].outputs[0].token_ids

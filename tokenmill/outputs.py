@@ -74,3 +74,4 @@ class RequestOutput:
     num_cached_tokens: int = field(default=0)
     # Why the engine could not finish this request (a failed step); None when it ran.
     error: str | None = None
+    error_invalid: bool = False  # the request itself was at fault (its constraint would not compile)

@@ -41,3 +41,26 @@ def test_a_constraint_that_does_not_parse_is_a_400_naming_it(server: LiveServer)
                           json={"model": MODEL_NAME, "prompt": "x", "guided_regex": "(unclosed"})
     assert response.status_code == 400
     assert "structured_outputs.regex is not valid" in response.json()["error"]["message"]
+
+
+def test_a_constraint_that_fails_in_the_engine_is_a_400(model_dir, monkeypatch) -> None:
+    """(The front-end's parse catches malformed constraints; one that the engine still cannot compile,
+    here one whose parse is skipped, is the request's fault too.)"""
+    import dataclasses
+
+    from tokenmill.engine.async_llm import AsyncLLM
+
+    from .conftest import small_engine_config, with_app
+
+    monkeypatch.setattr("tokenmill.engine.input_processor.check_constraint", lambda spec: None)
+    engine = AsyncLLM(dataclasses.replace(small_engine_config(model_dir), async_scheduling=True))
+    try:
+        async def test(client: httpx.AsyncClient) -> None:
+            response = await client.post("/v1/completions", json={"model": MODEL_NAME, "prompt": "x",
+                                                                   "guided_regex": "(unclosed"})
+            assert response.status_code == 400, response.text
+            assert "structured_outputs cannot be compiled" in response.json()["error"]["message"]
+
+        with_app(engine, test)
+    finally:
+        engine.close()

@@ -52,6 +52,10 @@ class EngineStepError(RuntimeError):
     """The engine could not finish this request (a failed step, or the core died)."""
 
 
+class InvalidRequest(ValueError):
+    """The engine found the request itself at fault (its constraint would not compile): a 400."""
+
+
 def merge_delta(pending: RequestOutput, new: RequestOutput) -> None:
     """Fold ``new`` into ``pending`` (both DELTA outputs of one request), choice by choice."""
     by_index = {c.index: c for c in pending.outputs}
@@ -100,7 +104,7 @@ class RequestStream:
                     continue
                 self.finished = output.finished
                 if output.error is not None:
-                    raise EngineStepError(output.error)
+                    raise (InvalidRequest if output.error_invalid else EngineStepError)(output.error)
                 yield output
         finally:
             self.abort()

@@ -238,7 +238,8 @@ class EngineCore:
                 del self.requests[request.request_id]
                 for seq in request.seqs:
                     seq.status = SequenceStatus.FINISHED
-                self._fail(request.request_id, f"structured_outputs cannot be compiled: {error}", request.seqs)
+                self._fail(request.request_id, f"structured_outputs cannot be compiled: {error}", request.seqs,
+                           invalid=True)
                 continue
             for seq in request.seqs:
                 seq.matcher = self.grammars.matcher(future.result())
@@ -347,9 +348,11 @@ class EngineCore:
                    f"pools hold ({[self.kv.usable_blocks(g) for g in range(self.kv.num_groups)]} blocks of "
                    f"{self.kv.block_size}): it can never run", request.seqs)
 
-    def _fail(self, request_id: str, message: str, seqs: list[Sequence]) -> None:
+    def _fail(self, request_id: str, message: str, seqs: list[Sequence], invalid: bool = False) -> None:
+        """End a request with ``message``; ``invalid``: the request was at fault, not the engine."""
         self._deltas[request_id] = RequestDelta(
-            request_id, [SeqDelta(s.index, [], finish_reason="abort") for s in seqs], finished=True, error=message)
+            request_id, [SeqDelta(s.index, [], finish_reason="abort") for s in seqs], finished=True, error=message,
+            error_invalid=invalid)
 
     def _can_overlap(self, in_flight: InFlightStep) -> bool:
         """Drafts are proposed from every known token, and a step with drafts decides how many tokens

@@ -62,6 +62,7 @@ class RequestDelta(msgspec.Struct, array_like=True, omit_defaults=True, gc=False
     finished: bool = False
     # Set when the core could not run this request (a failed step): the request is over.
     error: str | None = None
+    error_invalid: bool = False  # the request itself was at fault (its constraint would not compile)
     prompt_logprobs: list[Logprobs | None] | None = None  # new prompt positions, in order
     num_cached_tokens: int = 0
     num_preemptions: int = 0

@@ -53,6 +53,7 @@ class RequestState:
     num_cached_tokens: int = 0
     finished: bool = False
     error: str | None = None
+    error_invalid: bool = False
     last_token_time: float | None = None
 
 
@@ -129,6 +130,7 @@ class OutputProcessor:
         """Take one request's news; True if the caller has something new to see."""
         if delta.error is not None:
             self._fail(state, delta.error)
+            state.error_invalid = delta.error_invalid
             return True
         if state.metrics.first_scheduled_time is None:
             state.metrics.first_scheduled_time = delta.first_scheduled_time
@@ -260,4 +262,4 @@ class OutputProcessor:
         return RequestOutput(
             request_id=state.request_id, prompt=state.prompt, prompt_token_ids=state.prompt_token_ids,
             outputs=outputs, finished=state.finished, metrics=state.metrics, prompt_logprobs=prompt_logprobs,
-            num_cached_tokens=state.num_cached_tokens, error=state.error)
+            num_cached_tokens=state.num_cached_tokens, error=state.error, error_invalid=state.error_invalid)

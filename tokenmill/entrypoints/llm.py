@@ -66,6 +66,8 @@ class LLM:
             while self.engine.has_unfinished_requests():
                 for out in self.engine.step():
                     if out.error is not None:
+                        if out.error_invalid:  # the request's own fault, found only in the engine
+                            raise ValueError(f"request {out.request_id}: {out.error}")
                         raise EngineError(f"request {out.request_id}: {out.error}")
                     if out.finished:
                         bar.update(1)
