@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 from tokenmill.tokenizer import invalid_unicode_at
@@ -111,7 +111,7 @@ def _structured_outputs(value: Any) -> Any:
     if value is None or isinstance(value, StructuredOutputsParams):
         return value
     if isinstance(value, dict):
-        unknown = sorted(map(repr, set(value) - {"json", "regex", "choice", "grammar", "json_object"}))
+        unknown = sorted(map(repr, set(value) - {f.name for f in fields(StructuredOutputsParams)}))
         if unknown:
             raise ValueError("structured_outputs must be a dict of json, regex, choice, grammar or json_object, got "
                              f"the unknown field{'s' if len(unknown) > 1 else ''} {', '.join(unknown)}")

@@ -17,7 +17,7 @@ speculative sampling for a draft that puts all its mass on one token).
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any
 
 import numpy as np
@@ -62,8 +62,7 @@ class SpeculativeConfig:
                 raise ValueError(f"speculative_config is not valid JSON: {exc}") from None
         if not isinstance(value, dict):
             raise ValueError(f"speculative_config must be a dict (JSON object), got {type(value).__name__}")
-        known = {"method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min",
-                 "disable_by_batch_size"}
+        known = {f.name for f in fields(cls)}
         unknown = sorted(map(repr, set(value) - known))
         if unknown:
             raise ValueError(f"speculative_config: unknown key{'s' if len(unknown) > 1 else ''} "
@@ -76,11 +75,7 @@ class SpeculativeConfig:
             raise ValueError(f"speculative_config: {exc}") from None
 
 
-def _speculative(value: Any) -> Any:
-    return SpeculativeConfig.parse(value)
-
-
-SPECULATIVE_CONFIG = Rule("None, a dict or its JSON", "", _speculative)
+SPECULATIVE_CONFIG = Rule("None, a dict or its JSON", "", SpeculativeConfig.parse)
 
 
 def propose_ngram(tokens: np.ndarray, num_tokens: int, min_n: int, max_n: int) -> np.ndarray:

@@ -9,6 +9,7 @@ directory.
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections import Counter
 from collections.abc import Iterator
@@ -43,11 +44,17 @@ def _checkpoint(path: Path, **options: Any) -> dict[str, Any]:
         raise ModelLoadError(f"{path} is not a GGUF file this engine can read: {exc}") from None
 
 
+@functools.lru_cache(maxsize=4)
+def _hf_config(path: str) -> dict[str, Any]:
+    """transformers' reading of the file's metadata, once per file (the config and the weights both need it)."""
+    return _checkpoint(Path(path))["config"]
+
+
 def read_gguf_config(path: str | Path) -> dict[str, Any]:
     """The file's metadata as a Hugging Face ``config.json`` would hold it (``architectures`` included)."""
     from tokenmill.loader.hf_config import ModelLoadError
 
-    config = dict(_checkpoint(Path(path))["config"])
+    config = dict(_hf_config(str(path)))
     model_type = config.get("model_type")
     if model_type not in ARCHITECTURES:
         raise ModelLoadError(f"{path}: GGUF architecture {model_type!r} is not supported "
@@ -94,7 +101,7 @@ def iter_gguf_checkpoint(path: str | Path) -> Iterator[tuple[str, torch.Tensor]]
     from tokenmill.loader.hf_config import ModelLoadError
 
     path = Path(path)
-    parsed = _checkpoint(path)
+    parsed = {"config": dict(_hf_config(str(path)))}  # what transformers' tensor processors read
     config = dict(parsed["config"])
     hf_config = AutoConfig.for_model(config.pop("model_type"), **config)
     with torch.device("meta"):  # names only: the file's tensors are mapped onto this model's
