@@ -69,6 +69,18 @@ def test_chat_stops_at_end_of_turn(llm: LLM) -> None:
     assert out.finish_reason in ("stop", "length")
 
 
+def test_chat_offers_tools_to_the_template(llm: LLM) -> None:
+    """The tools reach the template's system turn (the output stays raw text: parsing calls is the server's)."""
+    tool = {"type": "function", "function": {"name": "lookup_symbol", "parameters": {"type": "object"}}}
+    messages = [{"role": "user", "content": "Where is os.path.join defined?"}]
+    params = SamplingParams(temperature=0, max_tokens=8)
+    with_tools = llm.chat(messages, params, use_tqdm=False, tools=[tool])[0]
+    prompt = llm.get_tokenizer().decode(with_tools.prompt_token_ids)
+    assert prompt.startswith("<|system|>") and json.dumps(tool["function"]) in prompt
+    plain = llm.chat(messages, params, use_tqdm=False)[0]
+    assert llm.get_tokenizer().decode(plain.prompt_token_ids).startswith("<|user|>")
+
+
 def test_cli_generate_streams_python(capsys) -> None:
     assert cli_main(["generate", "def fibonacci(n):", "--max-tokens", "40", "--device", "cpu"]) == 0
     printed = capsys.readouterr().out

@@ -118,12 +118,12 @@ def test_a_request_that_can_never_be_scheduled_ends_with_an_error(llm: LLM, monk
 
 def test_chat_roles_go_to_the_template(llm: LLM) -> None:
     """Any role reaches the chat template, which decides: this one takes every role, the
-    embedded model's refuses all but three, and its refusal is a ValueError."""
+    embedded model's refuses all but four, and its refusal is a ValueError."""
     out = llm.chat([{"role": "developer", "content": "be brief"}, {"role": "user", "content": "hi"}],
                    SamplingParams(max_tokens=2), use_tqdm=False)
     assert out[0].outputs[0].finish_reason is not None
     with pytest.raises(ValueError, match="chat template cannot render"):
-        render_chat(load_tokenizer(DEFAULT_MODEL_DIR), [{"role": "tool", "content": "x"}])
+        render_chat(load_tokenizer(DEFAULT_MODEL_DIR), [{"role": "narrator", "content": "x"}])
     with pytest.raises(ValueError, match="messages"):
         llm.chat([], SamplingParams(max_tokens=2))
     assert_clean(llm)

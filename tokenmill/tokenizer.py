@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -60,6 +61,29 @@ class ChatOptions:
     chat_template: str | None = None  # a Jinja template instead of the tokenizer's
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)  # extra variables for the template
     add_special_tokens: bool = False  # the tokenizer's own (BOS...) on top of those the template writes
+    tools: list[dict[str, Any]] | None = None  # function tools offered to the template, as transformers takes them
+
+
+def _template_message(message: dict[str, Any]) -> dict[str, Any]:
+    """The message with its tool calls' arguments as objects: OpenAI sends them as JSON text,
+    and templates write them with ``tojson``, which would quote that text once more. Text that
+    is no JSON object stays as it is."""
+    calls = message.get("tool_calls")
+    if not isinstance(calls, list):
+        return message
+    return {**message, "tool_calls": [_call_with_object_arguments(call) for call in calls]}
+
+
+def _call_with_object_arguments(call: Any) -> Any:
+    function = call.get("function") if isinstance(call, dict) else None
+    arguments = function.get("arguments") if isinstance(function, dict) else None
+    if not isinstance(arguments, str):
+        return call
+    try:
+        parsed = json.loads(arguments)
+    except ValueError:
+        return call
+    return {**call, "function": {**function, "arguments": parsed}} if isinstance(parsed, dict) else call
 
 
 def render_chat(tokenizer: Any, messages: list[dict[str, Any]], options: ChatOptions = ChatOptions()) -> str:
@@ -80,9 +104,10 @@ def render_chat(tokenizer: Any, messages: list[dict[str, Any]], options: ChatOpt
             check_text(message["content"], "a message's content")
     try:
         return tokenizer.apply_chat_template(
-            messages, tokenize=False, add_generation_prompt=options.add_generation_prompt,
+            [_template_message(m) for m in messages], tokenize=False,
+            add_generation_prompt=options.add_generation_prompt,
             continue_final_message=options.continue_final_message, chat_template=options.chat_template,
-            **options.chat_template_kwargs)
+            **{"tools": options.tools, **options.chat_template_kwargs})  # the kwargs win, as in vLLM
     except (TemplateError, ValueError, TypeError) as exc:
         raise ValueError(f"the chat template cannot render these messages: {exc}") from None
 

@@ -70,14 +70,45 @@ SPECIAL_TOKENS: list[str] = [EOS, SYSTEM, USER, ASSISTANT, END]
 #: Jinja chat template.  Each message is ``<|role|>\ncontent<|end|>\n``; the
 #: generation prompt opens an assistant turn.  The ``prepare`` step renders the
 #: synthetic chat samples with :func:`render_chat`, which must stay identical.
+#: With ``tools`` (Hermes style, for the server's ``hermes`` tool-call parser)
+#: the system turn lists their signatures inside ``<tools></tools>``, an
+#: assistant's ``tool_calls`` follow its content as ``<tool_call>`` blocks, and
+#: consecutive ``tool`` messages share one user turn as ``<tool_response>`` blocks.
 CHAT_TEMPLATE = (
-    "{% for message in messages %}"
-    "{% if message['role'] not in ['system', 'user', 'assistant'] %}"
-    "{{ raise_exception('Only system, user and assistant roles are supported') }}"
-    "{% endif %}"
-    "{{ '<|' + message['role'] + '|>\\n' + message['content'] + '<|end|>\\n' }}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|assistant|>\\n' }}{% endif %}"
+    "{%- if tools -%}"
+    "{%- set ns = namespace(text='# Tools\\n\\nYou can call the functions described inside <tools></tools>:\\n<tools>\\n') -%}"
+    "{%- for tool in tools -%}"
+    "{%- set ns.text = ns.text + ((tool.function if tool.function is defined else tool) | tojson) + '\\n' -%}"
+    "{%- endfor -%}"
+    "{%- set tools_text = ns.text + '</tools>\\n\\nTo call a function, write:\\n<tool_call>\\n"
+    "{\"name\": <function name>, \"arguments\": <JSON object>}\\n</tool_call>' -%}"
+    "{%- if messages[0]['role'] == 'system' -%}"
+    "{{- '<|system|>\\n' + messages[0]['content'] + '\\n\\n' + tools_text + '<|end|>\\n' -}}"
+    "{%- else -%}"
+    "{{- '<|system|>\\n' + tools_text + '<|end|>\\n' -}}"
+    "{%- endif -%}"
+    "{%- endif -%}"
+    "{%- for message in messages -%}"
+    "{%- if message['role'] not in ['system', 'user', 'assistant', 'tool'] -%}"
+    "{{- raise_exception('Only system, user, assistant and tool roles are supported') -}}"
+    "{%- endif -%}"
+    "{%- set content = message['content'] if message['content'] is defined and message['content'] is not none else '' -%}"
+    "{%- if message['role'] == 'tool' -%}"
+    "{{- '<|user|>\\n' if loop.first or messages[loop.index0 - 1]['role'] != 'tool' else '\\n' -}}"
+    "{{- '<tool_response>\\n' + content + '\\n</tool_response>' -}}"
+    "{{- '<|end|>\\n' if loop.last or messages[loop.index0 + 1]['role'] != 'tool' else '' -}}"
+    "{%- elif not (tools and loop.first and message['role'] == 'system') -%}"
+    "{{- '<|' + message['role'] + '|>\\n' + content -}}"
+    "{%- for call in (message.tool_calls if message.tool_calls is defined and message.tool_calls else []) -%}"
+    "{%- set fn = call.function if call.function is defined else call -%}"
+    "{{- '\\n' if content or not loop.first else '' -}}"
+    "{{- '<tool_call>\\n{\"name\": ' + (fn.name | tojson) + ', \"arguments\": '"
+    " + (fn.arguments if fn.arguments is string else (fn.arguments | tojson)) + '}\\n</tool_call>' -}}"
+    "{%- endfor -%}"
+    "{{- '<|end|>\\n' -}}"
+    "{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{- '<|assistant|>\\n' -}}{%- endif -%}"
 )
 
 DEFAULT_SYSTEM_PROMPT = "You are a helpful Python coding assistant."

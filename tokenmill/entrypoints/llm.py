@@ -12,7 +12,7 @@ from tokenmill.engine.config import EngineConfig
 from tokenmill.engine.llm_engine import LLMEngine
 from tokenmill.outputs import RequestOutput
 from tokenmill.sampling_params import SamplingParams
-from tokenmill.tokenizer import apply_chat_template
+from tokenmill.tokenizer import ChatOptions, apply_chat_template
 
 Prompt = str | list[int]
 
@@ -74,12 +74,17 @@ class LLM:
                         yield out
 
     def chat(self, messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
-             sampling_params: SamplingParams | None = None, use_tqdm: bool = True) -> list[RequestOutput]:
-        """Apply the model's chat template to one conversation or a list of them, and generate."""
+             sampling_params: SamplingParams | None = None, use_tqdm: bool = True, *,
+             tools: list[dict[str, Any]] | None = None) -> list[RequestOutput]:
+        """Apply the model's chat template to one conversation or a list of them, and generate.
+        ``tools`` (OpenAI's function tools) go to the template, which tells the model how to call
+        them; the output is the model's raw text, as in vLLM: reading calls out of it is the
+        server's job."""
         if not isinstance(messages, list) or not messages:
             raise ValueError("messages must be a non-empty list of messages, or a list of conversations")
         conversations = [messages] if isinstance(messages[0], dict) else messages
-        prompts = [apply_chat_template(self.engine.tokenizer, conv) for conv in conversations]
+        options = ChatOptions(tools=tools)
+        prompts = [apply_chat_template(self.engine.tokenizer, conv, options) for conv in conversations]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
 
