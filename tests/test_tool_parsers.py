@@ -43,7 +43,7 @@ JSON_STYLES = st.sampled_from([{}, {"indent": 2}, {"separators": (",", ":")}, {"
 def _chunked(parser: ToolParser, text: str, cuts: list[int]) -> ParsedReply:
     """The reply read as a stream cut at ``cuts``, checking the shape of every delta."""
     bounds = sorted({0, len(text), *(c % (len(text) + 1) for c in cuts)})
-    deltas = [parser.feed(text[a:b]) for a, b in zip(bounds, bounds[1:])] + [parser.finish()]
+    deltas = [parser.feed(text[a:b]) for a, b in zip(bounds, bounds[1:])] + [parser.feed("", last=True)]
     named: list[int] = []
     for delta in deltas:
         for call in delta.calls:

@@ -9,6 +9,7 @@ import socket
 import threading
 import time
 from collections.abc import Awaitable, Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -53,10 +54,12 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return model_dir_for_tests(tmp_path_factory.mktemp("tiny_model"))
 
 
-@pytest.fixture(scope="session")
-def server(model_dir: Path) -> Iterator[LiveServer]:
-    engine = AsyncLLM(small_engine_config(model_dir), max_waiting=512)
-    app = build_app(engine, MODEL_NAME)
+@contextmanager
+def live_server(config: EngineConfig, **app_options: Any) -> Iterator[LiveServer]:
+    """uvicorn over an engine of ``config`` in a background thread, the app built with any of
+    ``build_app``'s options."""
+    engine = AsyncLLM(config, max_waiting=512)
+    app = build_app(engine, MODEL_NAME, **app_options)
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind(("127.0.0.1", 0))
@@ -75,6 +78,12 @@ def server(model_dir: Path) -> Iterator[LiveServer]:
         thread.join(30)
         sock.close()
         engine.close()
+
+
+@pytest.fixture(scope="session")
+def server(model_dir: Path) -> Iterator[LiveServer]:
+    with live_server(small_engine_config(model_dir)) as running:
+        yield running
 
 
 @pytest.fixture()

@@ -199,10 +199,13 @@ def test_metrics_state_the_kv_cache_dtype_and_capacity(http: httpx.Client) -> No
 
 
 def test_serve_flags_parse() -> None:
-    flags = ["--enable-prompt-tokens-details", "--enable-force-include-usage", "--return-tokens-as-token-ids"]
+    flags = ["--enable-prompt-tokens-details", "--enable-force-include-usage", "--return-tokens-as-token-ids",
+             "--tool-call-parser", "llama3_json", "--enable-auto-tool-choice", "--exclude-tools-when-tool-choice-none"]
     args = cli.parse_args(["serve", *flags, "--vllm-compatible-metrics", "--enable-request-id-headers"])
     assert args.vllm_compatible_metrics is True and args.enable_request_id_headers is True
-    assert serving_options_from_args(args) == ServingOptions(True, True, True)
+    assert serving_options_from_args(args) == ServingOptions(True, True, True, "llama3_json", True, True)
+    with pytest.raises(SystemExit):
+        cli.parse_args(["serve", "--tool-call-parser", "mistral"])
     defaults = cli.parse_args(["serve"])
     assert defaults.vllm_compatible_metrics is False and defaults.enable_request_id_headers is False
     assert serving_options_from_args(defaults) == ServingOptions()

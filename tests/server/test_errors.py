@@ -13,6 +13,7 @@ import pytest
 from .conftest import MAX_MODEL_LEN, MODEL_NAME, LiveServer
 
 CHAT = [{"role": "user", "content": "hi"}]
+TOOLS = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
 
 
 def completion(**fields: Any) -> str:
@@ -99,9 +100,41 @@ BOUNDARY = {
     "response_format json_schema without a schema": ("/v1/completions",
                                                      completion(response_format={"type": "json_schema"}),
                                                      "response_format", "invalid_value"),
-    "tools": ("/v1/chat/completions", chat(tools=[{"type": "function", "function": {"name": "f"}}]), "tools",
-              "unsupported_parameter"),
-    "tool_choice auto": ("/v1/chat/completions", chat(tool_choice="auto"), "tool_choice", "unsupported_parameter"),
+    "tool_choice without tools": ("/v1/chat/completions", chat(tool_choice="required"), "tool_choice",
+                                  "invalid_value"),
+    "tools without --enable-auto-tool-choice": ("/v1/chat/completions", chat(tools=TOOLS), "tool_choice",
+                                                "invalid_value"),
+    "tool_choice naming an unknown function": ("/v1/chat/completions",
+                                               chat(tools=TOOLS, tool_choice={"type": "function",
+                                                                              "function": {"name": "g"}}),
+                                               "tool_choice", "invalid_value"),
+    "tool_choice of an unknown kind": ("/v1/chat/completions", chat(tools=TOOLS, tool_choice="always"),
+                                       "tool_choice", "invalid_value"),
+    "tool_choice of a wrong type": ("/v1/chat/completions", chat(tools=TOOLS, tool_choice=1), "tool_choice",
+                                    "invalid_type"),
+    "a tool of another type": ("/v1/chat/completions", chat(tools=[{"type": "code", "function": {"name": "f"}}],
+                                                            tool_choice="none"), "tools[0].type", "invalid_value"),
+    "a function name with a space": ("/v1/chat/completions",
+                                     chat(tools=[{"type": "function", "function": {"name": "get weather"}}],
+                                          tool_choice="none"), "tools[0].function.name", "invalid_value"),
+    "two functions of one name": ("/v1/chat/completions", chat(tools=TOOLS * 2, tool_choice="none"),
+                                  "tools[1].function.name", "invalid_value"),
+    "parameters not of type object": ("/v1/chat/completions",
+                                      chat(tools=[{"type": "function", "function": {
+                                          "name": "f", "parameters": {"type": "string"}}}], tool_choice="none"),
+                                      "tools[0].function.parameters", "invalid_value"),
+    "parameters that are no JSON schema": ("/v1/chat/completions",
+                                           chat(tools=[{"type": "function", "function": {
+                                               "name": "f", "parameters": {"type": "object", "properties": {
+                                                   "a": {"type": "nonsense"}}}}}], tool_choice="required"),
+                                           "tools[0].function.parameters", "invalid_value"),
+    "tool_choice required beside response_format": ("/v1/chat/completions",
+                                                     chat(tools=TOOLS, tool_choice="required",
+                                                          response_format={"type": "json_object"}),
+                                                     "response_format", "invalid_value"),
+    "an assistant's tool call without its function": ("/v1/chat/completions", chat(messages=[
+        *CHAT, {"role": "assistant", "tool_calls": [{"id": "call_1", "type": "function"}]}]),
+        "messages[1].tool_calls[0].function", "invalid_value"),
     "functions": ("/v1/chat/completions", chat(functions=[{"name": "f"}]), "functions", "unsupported_parameter"),
     "function_call": ("/v1/chat/completions", chat(function_call="auto"), "function_call", "unsupported_parameter"),
     "logit_bias key not a token id": ("/v1/completions", completion(logit_bias={"not_a_token_id": 1}),
@@ -245,7 +278,7 @@ def test_neutral_values_pass(field: str, server: LiveServer) -> None:
 
 @pytest.mark.parametrize("kwargs, param", [
     ({"response_format": {"type": "xml"}}, "response_format"),
-    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}, "tools"),
+    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "g"}}}, "tool_choice"),
     ({"tool_choice": "required"}, "tool_choice"),
     ({"logit_bias": {"5": "x"}}, "logit_bias.5"),
     ({"stream_options": {"include_usage": True}}, "stream_options"),

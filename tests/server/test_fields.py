@@ -44,10 +44,9 @@ SHARED: dict[str, tuple[str, Any]] = {
     "truncate_prompt_tokens": (OUTPUT, None), "priority": (OUTPUT, None), "request_id": (OUTPUT, None),
     "max_tokens": (OUTPUT, None), "logprobs": (OUTPUT, None),
     "user": (NEUTRAL, "user-1"), "metadata": (NEUTRAL, {"team": "x"}), "store": (NEUTRAL, False),
-    "service_tier": (NEUTRAL, "auto"), "parallel_tool_calls": (NEUTRAL, True), "cache_salt": (NEUTRAL, "salt"),
+    "service_tier": (NEUTRAL, "auto"), "cache_salt": (NEUTRAL, "salt"),
     "prediction": (NEUTRAL, {"type": "content", "content": "x"}),
-    "response_format": (OUTPUT, None), "tools": (REFUSED, [{"type": "function"}]),
-    "tool_choice": (REFUSED, "auto"), "functions": (REFUSED, [{"name": "f"}]), "function_call": (REFUSED, "auto"),
+    "response_format": (OUTPUT, None), "functions": (REFUSED, [{"name": "f"}]), "function_call": (REFUSED, "auto"),
     "guided_json": (OUTPUT, None), "guided_regex": (OUTPUT, None), "guided_choice": (OUTPUT, None),
     "guided_grammar": (OUTPUT, None), "structured_outputs": (OUTPUT, None),
     "best_of": (REFUSED, 2), "use_beam_search": (REFUSED, True), "length_penalty": (REFUSED, 0.5),
@@ -66,6 +65,7 @@ CHAT_ONLY: dict[str, tuple[str, Any]] = {
     "chat_template": (OUTPUT, None), "chat_template_kwargs": (OUTPUT, None),
     "documents": (REFUSED, [{"text": "x"}]), "reasoning_effort": (REFUSED, "low"),
     "mm_processor_kwargs": (REFUSED, {"k": 1}), "add_special_tokens": (OUTPUT, None),
+    "tools": (OUTPUT, None), "tool_choice": (OUTPUT, None), "parallel_tool_calls": (OUTPUT, None),  # test_tools.py
 }
 TABLES = {
     "/v1/completions": (CompletionRequest, SHARED | COMPLETION_ONLY, {"prompt": PROMPT}),

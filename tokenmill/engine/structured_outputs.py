@@ -40,10 +40,10 @@ def check_constraint(spec: StructuredOutputsParams) -> None:
             xgrammar.Grammar.from_ebnf(spec.grammar)
     except Exception as exc:  # noqa: BLE001 - xgrammar raises several kinds; all mean a bad constraint
         kind = "json" if spec.json is not None else "regex" if spec.regex is not None else "grammar"
-        raise ValueError(f"structured_outputs.{kind} is not valid: {_reason(exc)}") from None
+        raise ValueError(f"structured_outputs.{kind} is not valid: {grammar_error_reason(exc)}") from None
 
 
-def _reason(exc: Exception) -> str:
+def grammar_error_reason(exc: Exception) -> str:
     """xgrammar's message without its C++ location and assertion text."""
     line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
     line = re.sub(r"^\[[^\]]*\]\s*\S+:\d+:\s*", "", line)

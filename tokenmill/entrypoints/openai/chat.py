@@ -1,5 +1,7 @@
-"""``POST /v1/chat/completions``: messages through the model's chat template, the reply
-whole or streamed as deltas (role, then content, then finish_reason)."""
+"""``POST /v1/chat/completions``: messages (and tools) through the model's chat template, the
+reply whole or streamed as deltas (role, then content or tool-call pieces, then finish_reason).
+With tools, the reply is read by the server's tool-call parser (``tool_parsers``), whole or
+delta by delta alike."""
 
 from __future__ import annotations
 
@@ -18,10 +20,15 @@ from tokenmill.entrypoints.openai.protocol import (
     ChatResponseMessage,
     ChatStreamChoice,
     ChatTokenLogprob,
+    DeltaFunctionCall,
     DeltaMessage,
+    DeltaToolCall,
+    FunctionCallOut,
+    ToolCall,
     TopLogprob,
     UsageInfo,
     now_seconds,
+    tool_call_id,
 )
 from tokenmill.entrypoints.openai.serving import (
     RequestGroup,
@@ -31,7 +38,9 @@ from tokenmill.entrypoints.openai.serving import (
     sampling_params,
     sse_stream,
 )
-from tokenmill.outputs import Logprobs
+from tokenmill.entrypoints.openai.tool_parsers import ReplyDelta
+from tokenmill.entrypoints.openai.tools import ToolPlan, plan_tools
+from tokenmill.outputs import CompletionOutput, Logprobs
 
 
 def _role(req: ChatCompletionRequest) -> str:
@@ -49,32 +58,50 @@ def _echoed(req: ChatCompletionRequest) -> str:
     return last.for_template()["content"]
 
 
+def _finish_reason(reason: str | None, called: bool) -> str | None:
+    """A reply that ends on its own after calling tools says so; one cut short stays "length"."""
+    return "tool_calls" if called and reason == "stop" else reason
+
+
+def _message(req: ChatCompletionRequest, tools: ToolPlan, choice: CompletionOutput) -> ChatResponseMessage:
+    """The whole reply: content and, with a parser, the calls read out of the text."""
+    reader = tools.reader()
+    if reader is None:
+        return ChatResponseMessage(role=_role(req), content=_echoed(req) + choice.text)
+    reply = reader.parse(choice.text)
+    content = _echoed(req) + reply.content if reply.content is not None else _echoed(req) or None
+    calls = [ToolCall(function=FunctionCallOut(name=c.name, arguments=c.arguments)) for c in reply.calls]
+    return ChatResponseMessage(role=_role(req), content=content, tool_calls=calls or None)
+
+
 async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest, raw: Request) -> Response:
     ctx.check_model(req.model)
     if req.top_logprobs is not None and not req.logprobs:
         raise APIError(400, "top_logprobs needs logprobs set to true", param="top_logprobs")
+    tools = plan_tools(req, ctx.options)
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     params = sampling_params(req, max_tokens, (req.top_logprobs or 0) if req.logprobs else None,
-                             prompt_logprobs=req.prompt_logprobs)
+                             prompt_logprobs=req.prompt_logprobs,
+                             forced=None if tools.grammar is None else ("tool_choice", {"grammar": tools.grammar}))
     ctx.engine.check_admission(1)
     try:  # the template decides which roles and contents it takes
-        options = chat_options(req, req.add_special_tokens)
+        options = chat_options(req, req.add_special_tokens, tools.template_tools)
         prompt = await ctx.engine.render_chat([m.for_template() for m in req.messages], options)
     except ValueError as exc:
         raise APIError(400, str(exc), param="messages", code="invalid_value") from exc
     request_id = ctx.request_id(req, raw, "chatcmpl")
     group = await ctx.start(request_id, [prompt], params, stream=req.stream, req=req)
     if req.stream:
-        return StreamingResponse(sse_stream(_stream_events(ctx, req, group, request_id, prompt), group),
+        return StreamingResponse(sse_stream(_stream_events(ctx, req, tools, group, request_id, prompt), group),
                                  media_type="text/event-stream")
     [final] = await group.final_outputs(raw)
     ids = req.return_token_ids
-    choices = [
-        ChatChoice(index=c.index, message=ChatResponseMessage(role=_role(req), content=_echoed(req) + c.text),
-                   logprobs=_logprobs(ctx, req, c.token_ids, c.logprobs), finish_reason=c.finish_reason,
-                   stop_reason=c.stop_reason, token_ids=list(c.token_ids) if ids else None)
-        for c in final.outputs
-    ]
+    choices = []
+    for c in final.outputs:
+        message = _message(req, tools, c)
+        choices.append(ChatChoice(index=c.index, message=message, logprobs=_logprobs(ctx, req, c.token_ids, c.logprobs),
+                                  finish_reason=_finish_reason(c.finish_reason, bool(message.tool_calls)),
+                                  stop_reason=c.stop_reason, token_ids=list(c.token_ids) if ids else None))
     response = ChatCompletionResponse(
         id=request_id, model=ctx.model_name, choices=choices, usage=ctx.final_usage([final]),
         prompt_logprobs=ctx.prompt_logprobs(req, final.prompt_token_ids, final.prompt_logprobs,
@@ -104,10 +131,30 @@ def _logprobs(ctx: ServingContext, req: ChatCompletionRequest, token_ids: list[i
     return ChatLogprobs(content=content)
 
 
-async def _stream_events(ctx: ServingContext, req: ChatCompletionRequest, group: RequestGroup,
+class _StreamedCalls:
+    """One choice's reply read as it streams: its deltas in OpenAI's shape, each call's first
+    piece with its id, type and name."""
+
+    def __init__(self, tools: ToolPlan) -> None:
+        self.reader = tools.reader()
+        self.called = False
+
+    def delta(self, text: str, last: bool) -> DeltaMessage:
+        if self.reader is None:
+            return DeltaMessage(content=text)
+        read: ReplyDelta = self.reader.feed(text, last)
+        calls = [DeltaToolCall(index=c.index, id=tool_call_id() if c.name is not None else None,
+                               type="function" if c.name is not None else None,
+                               function=DeltaFunctionCall(name=c.name, arguments=c.arguments))
+                 for c in read.calls]
+        self.called = self.called or bool(calls)
+        return DeltaMessage(content=read.content if read.content or not calls else None, tool_calls=calls or None)
+
+
+async def _stream_events(ctx: ServingContext, req: ChatCompletionRequest, tools: ToolPlan, group: RequestGroup,
                          request_id: str, prompt_token_ids: list[int]) -> AsyncIterator[ChatCompletionChunk]:
     """Per choice the role (the first chunk also carries the prompt's ids when asked), the
-    echoed content if any, then content deltas and an empty delta with finish_reason."""
+    echoed content if any, then content or tool-call deltas and an empty delta with finish_reason."""
     created = now_seconds()
     final_usage, continuous_usage = ctx.stream_usage(req)
     ids = req.return_token_ids
@@ -121,6 +168,7 @@ async def _stream_events(ctx: ServingContext, req: ChatCompletionRequest, group:
         return ChatCompletionChunk(id=request_id, created=created, model=ctx.model_name, choices=[choice],
                                    usage=usage() if continuous_usage else None, prompt_token_ids=prompt_ids)
 
+    replies = [_StreamedCalls(tools) for _ in range(req.n)]
     for index in range(req.n):
         yield chunk(ChatStreamChoice(index=index, delta=DeltaMessage(role=_role(req), content="")),
                     list(prompt_token_ids) if ids and index == 0 else None)
@@ -130,11 +178,14 @@ async def _stream_events(ctx: ServingContext, req: ChatCompletionRequest, group:
         cached_tokens = out.num_cached_tokens
         for c in out.outputs:
             completion_tokens += len(c.token_ids)
-            if c.text or c.token_ids:
-                yield chunk(ChatStreamChoice(index=c.index, delta=DeltaMessage(content=c.text),
+            reply = replies[c.index]
+            delta = reply.delta(c.text, c.finished)
+            if delta.content or delta.tool_calls or c.token_ids:
+                yield chunk(ChatStreamChoice(index=c.index, delta=delta,
                                              logprobs=_logprobs(ctx, req, c.token_ids, c.logprobs),
                                              token_ids=list(c.token_ids) if ids else None))
             if c.finished:
-                yield chunk(ChatStreamChoice(index=c.index, delta=DeltaMessage(), finish_reason=c.finish_reason))
+                yield chunk(ChatStreamChoice(index=c.index, delta=DeltaMessage(),
+                                             finish_reason=_finish_reason(c.finish_reason, reply.called)))
     if final_usage:
         yield ChatCompletionChunk(id=request_id, created=created, model=ctx.model_name, choices=[], usage=usage())

@@ -9,7 +9,9 @@ against the vocabulary, lengths against max_model_len) by the engine.
 
 from __future__ import annotations
 
+import json
 import logging
+import re
 import time
 import uuid
 from typing import Annotated, Any, Literal, Union
@@ -93,7 +95,7 @@ Choices = int_range(1, 128)
 Seed = int_range(-2**63, 2**64 - 1)
 """Any 64-bit seed, signed or not."""
 
-UNION_TAGS = frozenset({"string", "list", "strings", "token_ids", "token_id_lists"})
+UNION_TAGS = frozenset({"string", "list", "strings", "token_ids", "token_id_lists", "named"})
 """The tags of the unions below; they show in validation error locations but are no part
 of the body's path, so error messages leave them out."""
 
@@ -149,11 +151,10 @@ class StreamOptions(RequestModel):
     continuous_usage_stats: StrictBool = False  # usage in every chunk (with include_usage), as vLLM
 
 
-_UNSUPPORTED = ("tools", "tool_choice", "functions", "function_call", "best_of", "use_beam_search", "length_penalty", "allowed_token_ids", "bad_words", "logits_processors",
+_UNSUPPORTED = ("functions", "function_call", "best_of", "use_beam_search", "length_penalty", "allowed_token_ids", "bad_words", "logits_processors",
                 "prompt_embeds", "vllm_xargs", "kv_transfer_params", "audio", "modalities",
                 "spaces_between_special_tokens")
 _NEUTRAL_VALUES: dict[str, tuple[Any, ...]] = {
-    "tool_choice": ("none",),
     "best_of": (1,),
     "use_beam_search": (False,),
     "length_penalty": (1,),
@@ -170,7 +171,7 @@ _MAX_WARNED = 1024  # names remembered: a client sending random names must not g
 
 
 def refuse_unsupported(value: Any, info: ValidationInfo) -> Any:
-    """Ignoring these would answer a client that asked for JSON, a tool call or beam search
+    """Ignoring these would answer a client that asked for a legacy function call or beam search
     with free text and a 200; null and the neutral values ask for nothing, so they pass."""
     if value is None or value in _NEUTRAL_VALUES.get(info.field_name or "", ()):
         return value
@@ -220,7 +221,6 @@ class SamplingFields(RequestModel):
     metadata: Any = None
     store: Any = None
     service_tier: Any = None
-    parallel_tool_calls: Any = None
     cache_salt: Any = None
     prediction: Any = None
 
@@ -232,10 +232,8 @@ class SamplingFields(RequestModel):
     guided_choice: Any = None
     guided_grammar: Any = None
 
-    # Tools, beam search and the like, not built yet: declared so that asking for them is
-    # refused by refuse_unsupported rather than dropped as unknown.
-    tools: Any = None
-    tool_choice: Any = None
+    # Legacy function calls, beam search and the like, not built: declared so that asking for
+    # them is refused by refuse_unsupported rather than dropped as unknown.
     functions: Any = None
     function_call: Any = None
     best_of: Any = None
@@ -322,6 +320,74 @@ class ChatContentPart(RequestModel):
 
 Content = _string_or_list(ChatContentPart)
 
+FUNCTION_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
+
+
+def _function_name(name: str) -> str:
+    """OpenAI's rule; it also keeps every name a plain JSON string in the call grammars."""
+    if not FUNCTION_NAME.fullmatch(name):
+        raise PydanticCustomError("invalid_function_name",
+                                  "a function name is 1 to 64 letters, digits, underscores or dashes, got {name}",
+                                  {"name": repr(name[:80])})
+    return name
+
+
+FunctionName = Annotated[str, AfterValidator(_function_name)]
+
+
+class FunctionDefinition(RequestModel):
+    name: FunctionName
+    description: Text | None = None
+    parameters: dict[Text, Any] | None = None  # a JSON schema of type object; none (or {}): no parameters
+    strict: StrictBool | None = None
+
+    @field_validator("parameters")
+    @classmethod
+    def _an_object(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        """Arguments are a JSON object, so the schema must describe one (OpenAI refuses others too)."""
+        if value and value.get("type") != "object":
+            raise PydanticCustomError("invalid_parameters", 'must be a JSON schema of "type": "object", got '
+                                      '"type": {kind}', {"kind": json.dumps(value.get("type"))})
+        return value
+
+
+class ChatTool(RequestModel):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(RequestModel):
+    name: Text
+
+
+class NamedToolChoice(RequestModel):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+def _choice_form(value: Any) -> str | None:
+    return "string" if isinstance(value, str) else "named" if isinstance(value, dict) else None
+
+
+ToolChoice = Annotated[
+    Union[Annotated[Literal["none", "auto", "required"], Tag("string")], Annotated[NamedToolChoice, Tag("named")]],
+    Discriminator(_choice_form, custom_error_type="tool_choice_type",
+                  custom_error_message='Input should be "none", "auto", "required" or '
+                                       '{"type": "function", "function": {"name": ...}}')]
+
+
+class MessageFunctionCall(RequestModel):
+    name: Text
+    arguments: Text  # JSON text, as OpenAI sends it
+
+
+class MessageToolCall(RequestModel):
+    """A call in an earlier assistant message."""
+
+    id: Text
+    type: Literal["function"] = "function"
+    function: MessageFunctionCall
+
 
 class ChatMessage(RequestModel):
     """Any role goes through: the chat template decides which it knows, as in vLLM."""
@@ -331,13 +397,17 @@ class ChatMessage(RequestModel):
     role: Annotated[str, Field(min_length=1), Encodable]
     content: Content | None = None
     name: Text | None = None
+    tool_calls: list[MessageToolCall] | None = None  # an assistant's earlier calls
+    tool_call_id: Text | None = None  # a tool message's answer to that call
 
     def for_template(self) -> dict[str, Any]:
-        """The message as a chat template expects it: content flattened to one string."""
+        """The message as a chat template expects it: content flattened to one string, and the
+        tool fields that are set."""
         content = self.content
         if isinstance(content, list):
             content = "".join(part.text for part in content)
-        return {"role": self.role, "content": content or ""}
+        tool_fields = self.model_dump(include={"name", "tool_calls", "tool_call_id"}, exclude_none=True)
+        return {"role": self.role, "content": content or ""} | tool_fields
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -355,6 +425,9 @@ class ChatCompletionRequest(SamplingFields):
     reasoning_effort: Any = None
     mm_processor_kwargs: Any = None
     add_special_tokens: StrictBool = False  # the template writes the special tokens it wants
+    tools: list[ChatTool] | None = None
+    tool_choice: ToolChoice | None = None  # unset: "auto" with tools, else "none"
+    parallel_tool_calls: StrictBool | None = None  # false: tool_choice "required" makes one call
 
     _refuse_chat_unsupported = field_validator(*_CHAT_UNSUPPORTED)(refuse_unsupported)
 
@@ -425,9 +498,37 @@ class ChatLogprobs(BaseModel):
     content: list[ChatTokenLogprob] | None = None
 
 
+class FunctionCallOut(BaseModel):
+    name: str
+    arguments: str  # the arguments object as JSON text
+
+
+def tool_call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
+class ToolCall(BaseModel):
+    id: str = Field(default_factory=tool_call_id)
+    type: Literal["function"] = "function"
+    function: FunctionCallOut
+
+
+def _without_null(data: dict[str, Any], *keys: str) -> dict[str, Any]:
+    """OpenAI leaves these keys out rather than sending null."""
+    for key in keys:
+        if data.get(key) is None:
+            data.pop(key, None)
+    return data
+
+
 class ChatResponseMessage(BaseModel):
     role: str = "assistant"  # the last message's role when add_generation_prompt is false, as vLLM
     content: str | None = None
+    tool_calls: list[ToolCall] | None = None
+
+    @model_serializer(mode="wrap")
+    def _calls_when_any(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        return _without_null(handler(self), "tool_calls")
 
 
 class ChatChoice(BaseModel):
@@ -450,9 +551,37 @@ class ChatCompletionResponse(BaseModel):
     prompt_token_ids: list[int] | None = None
 
 
+class DeltaFunctionCall(BaseModel):
+    name: str | None = None  # in a call's first delta only
+    arguments: str | None = None
+
+    @model_serializer(mode="wrap")
+    def _set_fields(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        return _without_null(handler(self), "name", "arguments")
+
+
+class DeltaToolCall(BaseModel):
+    """A piece of a streamed call: the first names it (with ``id`` and ``type``), the others
+    carry further pieces of its arguments."""
+
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunctionCall
+
+    @model_serializer(mode="wrap")
+    def _set_fields(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        return _without_null(handler(self), "id", "type")
+
+
 class DeltaMessage(BaseModel):
     role: str | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
+
+    @model_serializer(mode="wrap")
+    def _calls_when_any(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        return _without_null(handler(self), "tool_calls")
 
 
 class ChatStreamChoice(BaseModel):

@@ -45,6 +45,7 @@ from tokenmill.entrypoints.openai.protocol import (
     random_id,
 )
 from tokenmill.entrypoints.openai.serving import ServingContext, ServingOptions
+from tokenmill.entrypoints.openai.tool_parsers import TOOL_PARSERS
 from tokenmill.entrypoints.openai.tokenization import (
     DetokenizeRequest,
     DetokenizeResponse,
@@ -241,6 +242,14 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
                    help="also export each metric that vLLM has under vLLM's name (vllm:...), for vLLM dashboards")
     g.add_argument("--enable-request-id-headers", action="store_true",
                    help="put an X-Request-Id header on every response: the client's own, or a new one")
+    g.add_argument("--tool-call-parser", default="hermes", choices=sorted(TOOL_PARSERS),
+                   help="how tool calls are read out of chat replies: hermes (JSON in <tool_call> tags: Qwen2.5, "
+                        "Qwen3, Hermes, the embedded model) or llama3_json (Llama 3.1+ JSON calls)")
+    g.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help='let chat requests use tool_choice "auto" (the default when they send tools): the model '
+                        "decides whether to call a tool")
+    g.add_argument("--exclude-tools-when-tool-choice-none", action="store_true",
+                   help='with tool_choice "none", leave the tools out of the chat template too')
     g.add_argument("--uvicorn-log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
                    help="log level of the HTTP server (access log at info)")
 
@@ -248,7 +257,9 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
 def serving_options_from_args(args: argparse.Namespace) -> ServingOptions:
     return ServingOptions(enable_prompt_tokens_details=args.enable_prompt_tokens_details,
                           enable_force_include_usage=args.enable_force_include_usage,
-                          return_tokens_as_token_ids=args.return_tokens_as_token_ids)
+                          return_tokens_as_token_ids=args.return_tokens_as_token_ids,
+                          tool_call_parser=args.tool_call_parser, enable_auto_tool_choice=args.enable_auto_tool_choice,
+                          exclude_tools_when_tool_choice_none=args.exclude_tools_when_tool_choice_none)
 
 
 def run_server(args: argparse.Namespace) -> int:

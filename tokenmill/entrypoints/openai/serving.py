@@ -45,6 +45,9 @@ class ServingOptions:
     enable_prompt_tokens_details: bool = False  # usage.prompt_tokens_details.cached_tokens
     enable_force_include_usage: bool = False  # usage in every stream, asked for or not
     return_tokens_as_token_ids: bool = False  # logprobs show tokens as "token_id:N"
+    tool_call_parser: str = "hermes"  # how calls are read out of replies (tool_parsers.TOOL_PARSERS)
+    enable_auto_tool_choice: bool = False  # tool_choice "auto": the model decides whether to call
+    exclude_tools_when_tool_choice_none: bool = False  # tool_choice "none" keeps the tools from the template
 
 
 @dataclass
@@ -156,13 +159,13 @@ class ServingContext:
         return full
 
 
-def chat_options(req: Any, add_special_tokens: bool) -> ChatOptions:
+def chat_options(req: Any, add_special_tokens: bool, tools: list[dict[str, Any]] | None) -> ChatOptions:
     """The chat rendering a request asks for (chat completions and ``/tokenize`` name the
-    fields alike)."""
+    fields alike), with the tools its template lists."""
     return ChatOptions(add_generation_prompt=req.add_generation_prompt,
                        continue_final_message=req.continue_final_message, chat_template=req.chat_template,
                        chat_template_kwargs=dict(req.chat_template_kwargs or {}),
-                       add_special_tokens=add_special_tokens)
+                       add_special_tokens=add_special_tokens, tools=tools)
 
 
 def best(entry: Logprobs, count: int) -> list[tuple[int, float]]:
@@ -186,11 +189,12 @@ def _ranks(entry: Logprobs, engine_n: int) -> dict[int, int]:
     return ranks
 
 
-def structured_outputs_of(req: SamplingFields) -> tuple[str, Any] | None:
+def structured_outputs_of(req: SamplingFields, forced: tuple[str, Any] | None = None) -> tuple[str, Any] | None:
     """``(the field that asked, SamplingParams' structured_outputs)`` from whichever of
-    ``response_format``, ``structured_outputs`` and ``guided_*`` the request sets (at most one),
-    or None. The constraint's own content is checked by SamplingParams and the engine."""
-    asked: list[tuple[str, Any]] = []
+    ``response_format``, ``structured_outputs``, ``guided_*`` and ``forced`` (a constraint that
+    another field implies, such as tool_choice's) the request sets (at most one), or None. The
+    constraint's own content is checked by SamplingParams and the engine."""
+    asked: list[tuple[str, Any]] = [forced] if forced is not None else []
     fmt = req.response_format
     if fmt is not None and fmt != {"type": "text"}:
         kind = fmt.get("type") if isinstance(fmt, dict) else None
@@ -215,15 +219,16 @@ def structured_outputs_of(req: SamplingFields) -> tuple[str, Any] | None:
 
 
 def sampling_params(req: SamplingFields, max_tokens: int | None, logprobs: int | None,
-                    prompt_logprobs: int | None = None) -> SamplingParams:
+                    prompt_logprobs: int | None = None, forced: tuple[str, Any] | None = None) -> SamplingParams:
     """SamplingParams from the fields both endpoints share; unset fields keep the defaults.
-    (Token ids of ``logit_bias`` are checked against the vocabulary by the engine.)"""
+    ``forced``: see ``structured_outputs_of``. (Token ids of ``logit_bias`` are checked against
+    the vocabulary by the engine.)"""
     options: dict[str, Any] = {name: getattr(req, name) for name in _OPTIONAL_SAMPLING
                                if getattr(req, name) is not None}
     if req.prompt_logprobs is not None and req.stream:
         raise APIError(400, "prompt_logprobs are not available when stream is true", param="prompt_logprobs",
                        code="invalid_value")
-    structured = structured_outputs_of(req)
+    structured = structured_outputs_of(req, forced)
     try:
         structured_params = None if structured is None else SamplingParams(structured_outputs=structured[1])
     except ValueError as exc:

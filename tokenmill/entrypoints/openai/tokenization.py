@@ -17,8 +17,9 @@ from typing import Annotated, Any, TypeVar
 from pydantic import BaseModel, ConfigDict, Field, StrictBool
 
 from tokenmill.entrypoints.openai.errors import APIError
-from tokenmill.entrypoints.openai.protocol import ChatMessage, RequestModel, Text, TokenId
+from tokenmill.entrypoints.openai.protocol import ChatMessage, ChatTool, RequestModel, Text, TokenId
 from tokenmill.entrypoints.openai.serving import ServingContext, chat_options
+from tokenmill.entrypoints.openai.tools import template_tools
 from tokenmill.tokenizer import encode_prompt
 
 T = TypeVar("T")
@@ -39,6 +40,7 @@ class TokenizeRequest(RequestModel):
     continue_final_message: StrictBool = False
     chat_template: Text | None = None
     chat_template_kwargs: dict[Text, Any] | None = None
+    tools: list[ChatTool] | None = None  # listed by the template, as in a chat request
     return_token_strs: StrictBool = False
 
 
@@ -73,7 +75,7 @@ def _tokenizer(ctx: ServingContext) -> Any:
 
 async def _chat_ids(ctx: ServingContext, req: TokenizeRequest, messages: list[ChatMessage]) -> list[int]:
     """Without extra special tokens these are the very ids a chat request feeds the model."""
-    options = chat_options(req, add_special_tokens=req.add_special_tokens is True)
+    options = chat_options(req, req.add_special_tokens is True, template_tools(req.tools))
     try:
         return await ctx.engine.render_chat([m.for_template() for m in messages], options)
     except ValueError as exc:

@@ -234,7 +234,7 @@ class _Call:
 
 
 class ToolParser:
-    """Reads one reply's calls as its text arrives: ``feed`` each new piece, then ``finish``.
+    """Reads one reply's calls as its text arrives: ``feed`` each new piece, the last marked.
     Subclasses say where calls open (``_open``), where the text goes on after one (``_close``),
     what a refused call's opening becomes (``_refused``), and how a call is written when a
     grammar forces it (``call_prefix``, ``call_suffix``, ``separator``)."""
@@ -260,17 +260,16 @@ class ToolParser:
 
     def parse(self, text: str) -> ParsedReply:
         """A whole reply (of a parser that has been fed nothing yet)."""
-        return ParsedReply.from_deltas([self.feed(text), self.finish()])
+        return ParsedReply.from_deltas([self.feed(text, last=True)])
 
-    def feed(self, text: str) -> ReplyDelta:
+    def feed(self, text: str, last: bool = False) -> ReplyDelta:
+        """The reply's next piece; ``last`` when the reply ends with it, which settles whatever
+        was held back."""
         self.text += text
-        return self._advance(final=False)
-
-    def finish(self) -> ReplyDelta:
-        """The end of the reply: whatever was held back is settled."""
-        out = self._advance(final=True)
-        out.content += self._held
-        self._held = ""
+        out = self._advance(final=last)
+        if last:
+            out.content += self._held
+            self._held = ""
         return out
 
     def _open(self, final: bool) -> tuple[int, int | None]:
