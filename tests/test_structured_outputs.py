@@ -5,8 +5,11 @@ errors."""
 from __future__ import annotations
 
 import json
+import random
 import re
+from typing import Any
 
+import jsonschema
 import pytest
 
 from tokenmill import LLM, SamplingParams
@@ -19,7 +22,7 @@ SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength
 
 @pytest.fixture(scope="module")
 def llm() -> LLM:
-    return LLM(device="cpu", max_num_seqs=8)
+    return LLM(device="cpu", max_num_seqs=32)  # room for a batch of 30 schemas at once
 
 
 def _texts(llm: LLM, structured: dict, **params) -> list[str]:
@@ -44,6 +47,48 @@ def test_a_json_schema_is_followed(llm: LLM, as_text: bool) -> None:
     for text in _texts(llm, {"json": json.dumps(SCHEMA) if as_text else SCHEMA}, n=2):
         value = json.loads(text)
         assert isinstance(value["name"], str) and len(value["name"]) <= 12 and isinstance(value["age"], int)
+
+
+def _random_schema(rng: random.Random, depth: int = 0) -> dict[str, Any]:
+    """A JSON schema of nested objects and arrays, enums, bounded numbers and strings, some fields
+    required; small enough that any output that follows it fits the test's token budget."""
+    kind = rng.choice(["integer", "number", "string", "boolean", "enum"] + ["object", "array"] * (depth < 2))
+    if kind == "integer":
+        low = rng.randint(-50, 50)
+        return {"type": "integer", "minimum": low, "maximum": low + rng.randint(0, 100)}
+    if kind == "number":
+        low = round(rng.uniform(-10, 10), 2)
+        return {"type": "number", "minimum": low, "maximum": low + rng.choice([0.5, 3, 100])}
+    if kind == "string":
+        return {"type": "string", "minLength": rng.randint(0, 2), "maxLength": rng.randint(2, 6)}
+    if kind == "boolean":
+        return {"type": "boolean"}
+    if kind == "enum":
+        return {"enum": rng.sample(["red", "green", 3, 2.5, None, True, "a b"], rng.randint(1, 4))}
+    if kind == "array":
+        return {"type": "array", "items": _random_schema(rng, depth + 1), "minItems": rng.randint(0, 1),
+                "maxItems": rng.randint(1, 3)}
+    return _random_object(rng, depth + 1)
+
+
+def _random_object(rng: random.Random, depth: int = 0) -> dict[str, Any]:
+    properties = {f"field_{i}": _random_schema(rng, depth) for i in range(rng.randint(1, 3))}
+    return {"type": "object", "properties": properties,
+            "required": rng.sample(sorted(properties), rng.randint(0, len(properties)))}
+
+
+def test_random_json_schemas_are_followed(llm: LLM) -> None:
+    """30 schemas drawn afresh from a seeded generator, in one batch: every output parses and
+    validates against its own schema."""
+    rng = random.Random(20240516)
+    schemas = [_random_object(rng) for _ in range(30)]
+    params = [SamplingParams(structured_outputs={"json": schema}, max_tokens=400, temperature=0.8, seed=i)
+              for i, schema in enumerate(schemas)]
+    outputs = llm.generate([PROMPT] * len(schemas), params, use_tqdm=False)
+    for schema, out in zip(schemas, outputs):
+        [choice] = out.outputs
+        assert choice.finish_reason == "stop", (schema, choice.text)
+        jsonschema.validate(json.loads(choice.text), schema)
 
 
 def test_json_object_and_a_grammar(llm: LLM) -> None:

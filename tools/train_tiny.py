@@ -76,7 +76,8 @@ SPECIAL_TOKENS: list[str] = [EOS, SYSTEM, USER, ASSISTANT, END]
 #: consecutive ``tool`` messages share one user turn as ``<tool_response>`` blocks.
 CHAT_TEMPLATE = (
     "{%- if tools -%}"
-    "{%- set ns = namespace(text='# Tools\\n\\nYou can call the functions described inside <tools></tools>:\\n<tools>\\n') -%}"
+    "{%- set ns = namespace(text='# Tools\\n\\nYou can call the functions described inside <tools></tools>:"
+    "\\n<tools>\\n') -%}"
     "{%- for tool in tools -%}"
     "{%- set ns.text = ns.text + ((tool.function if tool.function is defined else tool) | tojson) + '\\n' -%}"
     "{%- endfor -%}"
@@ -92,7 +93,8 @@ CHAT_TEMPLATE = (
     "{%- if message['role'] not in ['system', 'user', 'assistant', 'tool'] -%}"
     "{{- raise_exception('Only system, user, assistant and tool roles are supported') -}}"
     "{%- endif -%}"
-    "{%- set content = message['content'] if message['content'] is defined and message['content'] is not none else '' -%}"
+    "{%- set content = message['content'] if message['content'] is defined and message['content'] is not none"
+    " else '' -%}"
     "{%- if message['role'] == 'tool' -%}"
     "{{- '<|user|>\\n' if loop.first or messages[loop.index0 - 1]['role'] != 'tool' else '\\n' -}}"
     "{{- '<tool_response>\\n' + content + '\\n</tool_response>' -}}"

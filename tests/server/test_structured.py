@@ -6,6 +6,7 @@ import json
 import re
 
 import httpx
+from pydantic import BaseModel, Field
 
 from .conftest import MODEL_NAME, LiveServer
 
@@ -24,6 +25,22 @@ def test_response_format_json_schema_and_json_object(server: LiveServer) -> None
     out = client.chat.completions.create(model=MODEL_NAME, messages=CHAT, max_tokens=200, temperature=0,
                                          response_format={"type": "json_object"})
     assert out.choices[0].finish_reason != "stop" or isinstance(json.loads(out.choices[0].message.content), dict)
+
+
+class Person(BaseModel):
+    name: str = Field(max_length=8)
+    age: int = Field(ge=0, le=120)
+
+
+def test_the_openai_client_parses_into_a_pydantic_model(server: LiveServer) -> None:
+    """``beta.chat.completions.parse`` sends the model's strict JSON schema and reads the reply
+    back into the model (64 tokens hold any reply the schema allows, one byte per token)."""
+    for seed in (1, 2):
+        out = server.client().beta.chat.completions.parse(model=MODEL_NAME, messages=CHAT, response_format=Person,
+                                                          max_tokens=64, temperature=1.0, seed=seed)
+        message = out.choices[0].message
+        assert isinstance(message.parsed, Person) and message.parsed == Person(**json.loads(message.content))
+        assert out.choices[0].finish_reason == "stop"
 
 
 def test_guided_fields_and_structured_outputs_on_completions(server: LiveServer) -> None:

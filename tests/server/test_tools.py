@@ -68,7 +68,8 @@ def _check_calls(message: Any) -> list[tuple[str, dict]]:
 @pytest.mark.parametrize("seed", [1, 2])
 def test_required_yields_valid_calls(client: openai.OpenAI, seed: int) -> None:
     out = client.chat.completions.create(model=MODEL_NAME, messages=ASK, tools=TOOLS, tool_choice="required",
-                                         parallel_tool_calls=False, temperature=1.0, seed=seed, n=3, max_tokens=CALL_TOKENS)
+                                         parallel_tool_calls=False, temperature=1.0, seed=seed, n=3,
+                                         max_tokens=CALL_TOKENS)
     for choice in out.choices:
         assert choice.finish_reason == "tool_calls" and choice.message.content is None
         assert len(_check_calls(choice.message)) == 1

@@ -38,7 +38,6 @@ from tokenmill.entrypoints.openai.serving import (
     sampling_params,
     sse_stream,
 )
-from tokenmill.entrypoints.openai.tool_parsers import ReplyDelta
 from tokenmill.entrypoints.openai.tools import ToolPlan, plan_tools
 from tokenmill.outputs import CompletionOutput, Logprobs
 
@@ -99,9 +98,10 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
     choices = []
     for c in final.outputs:
         message = _message(req, tools, c)
-        choices.append(ChatChoice(index=c.index, message=message, logprobs=_logprobs(ctx, req, c.token_ids, c.logprobs),
-                                  finish_reason=_finish_reason(c.finish_reason, bool(message.tool_calls)),
-                                  stop_reason=c.stop_reason, token_ids=list(c.token_ids) if ids else None))
+        choices.append(ChatChoice(
+            index=c.index, message=message, logprobs=_logprobs(ctx, req, c.token_ids, c.logprobs),
+            finish_reason=_finish_reason(c.finish_reason, bool(message.tool_calls)), stop_reason=c.stop_reason,
+            token_ids=list(c.token_ids) if ids else None))
     response = ChatCompletionResponse(
         id=request_id, model=ctx.model_name, choices=choices, usage=ctx.final_usage([final]),
         prompt_logprobs=ctx.prompt_logprobs(req, final.prompt_token_ids, final.prompt_logprobs,
@@ -131,9 +131,9 @@ def _logprobs(ctx: ServingContext, req: ChatCompletionRequest, token_ids: list[i
     return ChatLogprobs(content=content)
 
 
-class _StreamedCalls:
-    """One choice's reply read as it streams: its deltas in OpenAI's shape, each call's first
-    piece with its id, type and name."""
+class _StreamedReply:
+    """One choice's reply as it streams, in OpenAI's deltas: content, or pieces of calls when a
+    parser reads them (each call's first piece with its id, type and name)."""
 
     def __init__(self, tools: ToolPlan) -> None:
         self.reader = tools.reader()
@@ -142,7 +142,7 @@ class _StreamedCalls:
     def delta(self, text: str, last: bool) -> DeltaMessage:
         if self.reader is None:
             return DeltaMessage(content=text)
-        read: ReplyDelta = self.reader.feed(text, last)
+        read = self.reader.feed(text, last)
         calls = [DeltaToolCall(index=c.index, id=tool_call_id() if c.name is not None else None,
                                type="function" if c.name is not None else None,
                                function=DeltaFunctionCall(name=c.name, arguments=c.arguments))
@@ -168,7 +168,7 @@ async def _stream_events(ctx: ServingContext, req: ChatCompletionRequest, tools:
         return ChatCompletionChunk(id=request_id, created=created, model=ctx.model_name, choices=[choice],
                                    usage=usage() if continuous_usage else None, prompt_token_ids=prompt_ids)
 
-    replies = [_StreamedCalls(tools) for _ in range(req.n)]
+    replies = [_StreamedReply(tools) for _ in range(req.n)]
     for index in range(req.n):
         yield chunk(ChatStreamChoice(index=index, delta=DeltaMessage(role=_role(req), content="")),
                     list(prompt_token_ids) if ids and index == 0 else None)

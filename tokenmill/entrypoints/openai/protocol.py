@@ -151,7 +151,8 @@ class StreamOptions(RequestModel):
     continuous_usage_stats: StrictBool = False  # usage in every chunk (with include_usage), as vLLM
 
 
-_UNSUPPORTED = ("functions", "function_call", "best_of", "use_beam_search", "length_penalty", "allowed_token_ids", "bad_words", "logits_processors",
+_UNSUPPORTED = ("functions", "function_call", "best_of", "use_beam_search", "length_penalty", "allowed_token_ids",
+                "bad_words", "logits_processors",
                 "prompt_embeds", "vllm_xargs", "kv_transfer_params", "audio", "modalities",
                 "spaces_between_special_tokens")
 _NEUTRAL_VALUES: dict[str, tuple[Any, ...]] = {
