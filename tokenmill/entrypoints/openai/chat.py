@@ -27,8 +27,8 @@ from tokenmill.entrypoints.openai.protocol import (
     ToolCall,
     TopLogprob,
     UsageInfo,
+    new_tool_call_id,
     now_seconds,
-    tool_call_id,
 )
 from tokenmill.entrypoints.openai.serving import (
     RequestGroup,
@@ -143,7 +143,7 @@ class _StreamedReply:
         if self.reader is None:
             return DeltaMessage(content=text)
         read = self.reader.feed(text, last)
-        calls = [DeltaToolCall(index=c.index, id=tool_call_id() if c.name is not None else None,
+        calls = [DeltaToolCall(index=c.index, id=new_tool_call_id() if c.name is not None else None,
                                type="function" if c.name is not None else None,
                                function=DeltaFunctionCall(name=c.name, arguments=c.arguments))
                  for c in read.calls]

@@ -504,12 +504,12 @@ class FunctionCallOut(BaseModel):
     arguments: str  # the arguments object as JSON text
 
 
-def tool_call_id() -> str:
+def new_tool_call_id() -> str:
     return f"call_{uuid.uuid4().hex[:24]}"
 
 
 class ToolCall(BaseModel):
-    id: str = Field(default_factory=tool_call_id)
+    id: str = Field(default_factory=new_tool_call_id)
     type: Literal["function"] = "function"
     function: FunctionCallOut
 
