@@ -29,16 +29,44 @@ _NORM_OFFSETS = {"gemma3": 1.0}
 # Metadata only some architectures carry.
 _SLIDING_WINDOW_ARCHITECTURES = {"gemma3"}
 
+QK_K = 256  # values in a K-quant super-block
+
 
 def _permute(x: np.ndarray, heads: int) -> np.ndarray:
     """llama.cpp's row order for Llama's q and k (each head's two rotary halves interleaved)."""
     return x.reshape(heads, 2, x.shape[0] // heads // 2, *x.shape[1:]).swapaxes(1, 2).reshape(x.shape)
 
 
+def quantize_q6_k(x: np.ndarray) -> np.ndarray:
+    """``x`` ``[N, K]`` (K a multiple of 256) as Q6_K blocks, the layout ``gguf.quants`` dequantizes
+    (``gguf`` has no K-quant quantizer). Per 256 values: a float16 scale ``d``, an int8 scale per 16
+    values and a 6-bit ``q`` per value, the value being ``d * scale * (q - 32)``. Each 16's scale is
+    rounded up from its largest magnitude over 31, so no value clips: a valid encoding, within half
+    a step of ``x``, not llama.cpp's search for the most accurate one."""
+    rows, cols = x.shape
+    sub_blocks = x.astype(np.float32).reshape(-1, QK_K // 16, 16)
+    wanted = np.abs(sub_blocks).max(axis=-1) / 31  # each 16's step
+    d = (wanted.max(axis=-1, keepdims=True) / 127).astype(np.float16)
+    scales = np.ceil(np.divide(wanted, d, out=np.zeros_like(wanted), where=d > 0)).clip(0, 127)
+    step = (d.astype(np.float32) * scales)[..., None]
+    q = np.round(np.divide(sub_blocks, step, out=np.zeros_like(sub_blocks), where=step > 0)).clip(-32, 31)
+    halves = (q + 32).astype(np.uint8).reshape(-1, 2, 128)  # each half: 64 low nibbles, 32 high bit pairs
+    low = (halves[..., :64] & 0x0F) | ((halves[..., 64:] & 0x0F) << 4)
+    high = np.bitwise_or.reduce([(halves[..., 32 * i:32 * (i + 1)] >> 4) << (2 * i) for i in range(4)])
+    blocks = np.concatenate([low.reshape(-1, 128), high.reshape(-1, 64), scales.astype(np.int8).view(np.uint8),
+                             d.view(np.uint8)], axis=-1)
+    return blocks.reshape(rows, -1)
+
+
+def _quantize(x: np.ndarray, kind: gguf.GGMLQuantizationType) -> np.ndarray:
+    """``x`` in ``kind``, by this module's Q6_K quantizer where ``gguf`` has none."""
+    return quantize_q6_k(x) if kind == gguf.GGMLQuantizationType.Q6_K else gguf.quants.quantize(x, kind)
+
+
 def write_gguf(model_dir: Path, out: Path, matrix_type: str, name: str | None = None) -> Path:
     """``model_dir``'s model (Llama, Mistral, Qwen2, Qwen3 or Gemma 3's text model) and tokenizer as
-    ``out``: matrices in ``matrix_type`` (F16, or a type ``gguf`` can quantize to: Q8_0, Q4_0, BF16…),
-    vectors in F32. ``name`` (``general.name``) is "Tiny <model_type>" unless given: the
+    ``out``: matrices in ``matrix_type`` (F16, or a type ``gguf`` can quantize to: Q8_0, Q4_0, BF16…,
+    or Q6_K), vectors in F32. ``name`` (``general.name``) is "Tiny <model_type>" unless given: the
     name alone tells a Mistral file from a Llama one."""
     cfg = json.loads((model_dir / "config.json").read_text())
     arch = _ARCHITECTURES.get(cfg["model_type"], cfg["model_type"])
@@ -62,7 +90,7 @@ def write_gguf(model_dir: Path, out: Path, matrix_type: str, name: str | None = 
                 x = _permute(x, heads)
         if x.ndim == 2 and matrix_type != "F16":
             quant = gguf.GGMLQuantizationType[matrix_type]
-            writer.add_tensor(gguf_name, gguf.quants.quantize(x, quant), raw_dtype=quant)
+            writer.add_tensor(gguf_name, _quantize(x, quant), raw_dtype=quant)
         else:
             writer.add_tensor(gguf_name, x.astype(np.float16 if x.ndim == 2 else np.float32))
     return _finish(writer, out)

@@ -49,11 +49,13 @@ def gemma3_multimodal() -> Gemma3Config:
 
 
 # For GGUF files, which state less: "gemma3-six-layers" is Gemma 3 as llama.cpp lays layers out (every
-# sixth global), its window shorter than the prompts, its global rope base not the default.
+# sixth global), its window shorter than the prompts, its global rope base not the default;
+# "llama-wide" has rows of 256 values, a K-quant's super-block.
 GGUF_CONFIGS = {
     "gemma3-six-layers": lambda: Gemma3TextConfig(
         **{**GEMMA3_TEXT, "num_hidden_layers": 6, "sliding_window": 8},
         rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 1000.0}}),
+    "llama-wide": lambda: LlamaConfig(**{**COMMON, "hidden_size": 256, "intermediate_size": 256}, head_dim=64),
 }
 
 # Gemma 4: sliding and global layers (window shorter than the prompts; proportional RoPE on the

@@ -1,15 +1,18 @@
-"""GGUF files: tiny models of each family written with ``gguf``'s writer (F16, BF16, Q8_0, Q4_0)
-load, and give ``transformers``' greedy tokens on the same file; bad files are clear errors."""
+"""GGUF files: tiny models of each family written with ``gguf``'s writer (F16, BF16, Q8_0, Q4_0 and
+the K-quant Q6_K) load, and give ``transformers``' greedy tokens on the same file; bad files are
+clear errors."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
+import gguf
+import numpy as np
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from gguf_writer import write_architecture_only, write_gguf
+from gguf_writer import quantize_q6_k, write_architecture_only, write_gguf
 from helpers import make_model_with_tokenizer
 from tokenmill import LLM, SamplingParams
 from tokenmill.layers.q8_linear import Q8Linear
@@ -21,11 +24,11 @@ GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 
 
 @pytest.mark.parametrize("arch,matrix_type", [
-    ("llama3", "F16"), ("llama3", "Q8_0"), ("llama3", "Q4_0"),
+    ("llama3", "F16"), ("llama3", "Q8_0"), ("llama3", "Q4_0"), ("llama-wide", "Q6_K"),
     ("mistral-window", "F16"), ("mistral-window", "Q8_0"), ("qwen2", "BF16"), ("qwen2", "Q8_0"),
     ("gemma3-six-layers", "F16"), ("gemma3-six-layers", "Q8_0")])
 def test_a_gguf_file_gives_transformers_tokens(arch: str, matrix_type: str, tmp_path) -> None:
-    """Q8_0 stays packed; F16, BF16 and Q4_0 are dequantized as they load."""
+    """Q8_0 stays packed; F16, BF16, Q4_0 and Q6_K are dequantized as they load."""
     hf_dir = make_model_with_tokenizer(arch, tmp_path / "hf")
     path = write_gguf(hf_dir, tmp_path / "model.gguf", matrix_type)
     llm = LLM(str(path), device="cpu", dtype="float32")
@@ -74,6 +77,20 @@ def test_gemma3_reads_as_transformers_fills_it_in(tmp_path) -> None:
     assert config["rope_parameters"]["full_attention"]["rope_theta"] == 1000.0
     assert config["layer_types"] == ["sliding_attention"] * 5 + ["full_attention"]
     assert config["query_pre_attn_scalar"] == 256
+
+
+def test_the_q6_k_writer_is_the_inverse_of_ggufs_reader() -> None:
+    """Read back by ``gguf``, each value is within half a step of what was written (the step: its 16
+    values' largest magnitude over 31, plus the rounding of that to an int8 multiple of the block's
+    scale): a layout slip would be off by far more."""
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((4, 512)).astype(np.float32) * np.array([[1.0], [1e-3], [30.0], [0.0]], np.float32)
+    x[0, 7] = 50.0  # one block whose scale its outlier sets
+    back = gguf.quants.dequantize(quantize_q6_k(x), gguf.GGMLQuantizationType.Q6_K)
+    largest = np.abs(x).reshape(4, -1, 16).max(axis=-1)
+    block_scale = np.repeat(largest.reshape(4, -1, 16).max(axis=-1), 16, axis=1) / 31 / 127
+    error = np.abs(back - x).reshape(4, -1, 16).max(axis=-1)
+    assert np.all(error <= (largest / 31 + block_scale) / 2 * (1 + 1e-3))
 
 
 def test_bad_gguf_files_are_clear_errors(tmp_path) -> None:
