@@ -65,8 +65,8 @@ def _quantize(x: np.ndarray, kind: gguf.GGMLQuantizationType) -> np.ndarray:
 
 def write_gguf(model_dir: Path, out: Path, matrix_type: str, name: str | None = None) -> Path:
     """``model_dir``'s model (Llama, Mistral, Qwen2, Qwen3 or Gemma 3's text model) and tokenizer as
-    ``out``: matrices in ``matrix_type`` (F16, or a type ``gguf`` can quantize to: Q8_0, Q4_0, BF16…,
-    or Q6_K), vectors in F32. ``name`` (``general.name``) is "Tiny <model_type>" unless given: the
+    ``out``: matrices in ``matrix_type`` (F16, or a type ``gguf`` can quantize to: F32, Q8_0, Q4_0,
+    BF16…, or Q6_K), vectors in F32. ``name`` (``general.name``) is "Tiny <model_type>" unless given: the
     name alone tells a Mistral file from a Llama one."""
     cfg = json.loads((model_dir / "config.json").read_text())
     arch = _ARCHITECTURES.get(cfg["model_type"], cfg["model_type"])
@@ -123,6 +123,9 @@ def _write_hyperparameters(writer: gguf.GGUFWriter, arch: str, cfg: dict) -> Non
     writer.add_vocab_size(cfg["vocab_size"])
     if arch in _SLIDING_WINDOW_ARCHITECTURES:
         writer.add_sliding_window(cfg["sliding_window"])
+    if rope.get("rope_type") == "linear":
+        writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        writer.add_rope_scaling_factor(float(rope["factor"]))
 
 
 def _write_tokenizer(writer: gguf.GGUFWriter, tok: dict) -> None:

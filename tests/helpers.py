@@ -52,9 +52,15 @@ def gemma3_multimodal() -> Gemma3Config:
 # sixth global), its window shorter than the prompts, its global rope base not the default;
 # "llama-wide" has rows of 256 values, a K-quant's super-block.
 GGUF_CONFIGS = {
+    # Heads of 256, as the Gemma 3 sizes but the 27B have: their attention scale is the head size's.
     "gemma3-six-layers": lambda: Gemma3TextConfig(
-        **{**GEMMA3_TEXT, "num_hidden_layers": 6, "sliding_window": 8},
+        **{**GEMMA3_TEXT, "num_hidden_layers": 6, "sliding_window": 8, "head_dim": 256, "query_pre_attn_scalar": 256},
         rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 1000.0}}),
+    # The 4B-27B's linear rope scaling on the global layers, and the scale of the head size (32).
+    "gemma3-rope-scaled": lambda: Gemma3TextConfig(
+        **{**GEMMA3_TEXT, "num_hidden_layers": 6, "sliding_window": 8, "query_pre_attn_scalar": 32},
+        rope_parameters={"full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1000.0}}),
+    "gemma3-62-layers": lambda: Gemma3TextConfig(**{**GEMMA3_TEXT, "num_hidden_layers": 62}),
     "llama-wide": lambda: LlamaConfig(**{**COMMON, "hidden_size": 256, "intermediate_size": 256}, head_dim=64),
 }
 

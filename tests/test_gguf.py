@@ -67,16 +67,39 @@ def greedy_tokens(path: Path) -> list[list[int]]:
 
 
 def test_gemma3_reads_as_transformers_fills_it_in(tmp_path) -> None:
-    """A Gemma 3 file states its global rope base and its window, not its layer pattern, local rope
-    base or attention scale: the engine takes transformers' defaults for those (every sixth layer
-    global; 256 before the attention scale's square root, where the model written had 24)."""
+    """A Gemma 3 file states its global rope base and its window, not its layer pattern or local rope
+    base: the engine takes transformers' defaults for those (every sixth layer global); the
+    attention scale is llama.cpp's, the head size's (256 here, as transformers' default)."""
     path = write_gguf(make_model_with_tokenizer("gemma3-six-layers", tmp_path / "hf"), tmp_path / "model.gguf", "F16")
     config = read_gguf_config(path)
     assert config["architectures"] == ["Gemma3ForCausalLM"]
-    assert config["sliding_window"] == 8 and config["head_dim"] == 32
+    assert config["sliding_window"] == 8 and config["head_dim"] == 256
     assert config["rope_parameters"]["full_attention"]["rope_theta"] == 1000.0
     assert config["layer_types"] == ["sliding_attention"] * 5 + ["full_attention"]
     assert config["query_pre_attn_scalar"] == 256
+
+
+def test_gemma3_runs_as_llama_cpp_means_it(tmp_path) -> None:
+    """What transformers' reading of a Gemma 3 file leaves out (the global layers' linear rope scaling
+    of the 4B-27B; an attention scale of the head size, not 256): the engine runs the model that was
+    written, token for token (float32 matrices, so nothing is rounded on the way)."""
+    hf_dir = make_model_with_tokenizer("gemma3-rope-scaled", tmp_path / "hf")
+    original = AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=torch.float32)
+    path = write_gguf(hf_dir, tmp_path / "model.gguf", "F32")
+    config = read_gguf_config(path)
+    assert config["rope_parameters"]["full_attention"]["factor"] == 8.0 and config["query_pre_attn_scalar"] == 32
+    for out in LLM(str(path), device="cpu", dtype="float32").generate(PROMPTS, GREEDY, use_tqdm=False):
+        ids = torch.tensor([out.prompt_token_ids])
+        expected = original.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=12, min_new_tokens=12,
+                                     do_sample=False, eos_token_id=None, pad_token_id=0)[0, ids.shape[1]:]
+        assert out.outputs[0].token_ids == expected.tolist()
+
+
+def test_gemma3_27b_scales_queries_by_hidden_over_heads(tmp_path) -> None:
+    """llama.cpp knows the 27B by its 62 layers: 5376 / 32 = 168 before the square root."""
+    path = write_gguf(make_model_with_tokenizer("gemma3-62-layers", tmp_path / "hf"), tmp_path / "model.gguf", "F16")
+    config = read_gguf_config(path)
+    assert config["query_pre_attn_scalar"] == config["hidden_size"] // config["num_attention_heads"] == 16
 
 
 def test_the_q6_k_writer_is_the_inverse_of_ggufs_reader() -> None:

@@ -102,8 +102,33 @@ def read_gguf_config(path: str | Path) -> dict[str, Any]:
     head_dim = _field(reader, f"{architecture}.attention.key_length")
     if head_dim is not None:
         config["head_dim"] = int(head_dim)
+    if architecture == "gemma3":
+        _gemma3_as_llama_cpp_runs_it(reader, config)
     config["dtype"] = config.get("dtype") or "bfloat16"  # what "auto" runs on a GPU (the file's types vary by tensor)
     return config
+
+
+# Gemma 3 27B (62 layers) scales its queries by hidden / heads before the square root; the other sizes
+# by the head size. GGUF states neither: llama.cpp tells them apart by the layer count, as here.
+_GEMMA3_27B_LAYERS = 62
+
+
+def _gemma3_as_llama_cpp_runs_it(reader: GGUFReader, config: dict[str, Any]) -> None:
+    """What a Gemma 3 file means that transformers' reading leaves out: the global layers' linear rope
+    scaling (``rope.scaling.*``: a factor of 8 on the 4B, 12B and 27B), and the attention scale (its
+    default of 256 is wrong for the 27B)."""
+    kind, factor = _field(reader, "gemma3.rope.scaling.type"), _field(reader, "gemma3.rope.scaling.factor")
+    if kind not in (None, "none"):
+        if kind != "linear":
+            from tokenmill.loader.hf_config import ModelLoadError
+
+            raise ModelLoadError(f"Gemma 3 GGUF rope scaling {kind!r} is not supported (only linear)")
+        rope = dict(config.get("rope_parameters") or {})
+        rope["full_attention"] = {**rope.get("full_attention", {}), "rope_type": "linear", "factor": float(factor)}
+        config["rope_parameters"] = rope
+    heads = config["num_attention_heads"]
+    config["query_pre_attn_scalar"] = (config["hidden_size"] // heads if config["num_hidden_layers"] == _GEMMA3_27B_LAYERS
+                                       else config["head_dim"])
 
 
 def packs_q8_0(path: str | Path) -> bool:
