@@ -64,6 +64,11 @@ for part in "$@"; do
         timeout 190 python3 benchmarks/study_attention_tiles.py decode --shapes 4 --kv-dtype $kv --jobs 8 \
           --out "$OUT/attention-tiles-quantized.jsonl" 2>&1 | tail -5
       done ;;
+    study-q8)
+      timeout 560 python3 benchmarks/study_q8.py --out "$OUT/study-q8.json" 2>&1 | tee "$OUT/study-q8.log" | tail -30 ;;
+    kernel-profile-q8)
+      python3 benchmarks/profile_kernels.py --quantization q8_0 --out "$OUT/kernel-profile-q8.json" 2>&1 \
+        | grep -v "it/s]" | tail -40 ;;
     kernel-profile)
       python3 benchmarks/profile_kernels.py --out "$OUT/kernel-profile.json" 2>&1 | grep -v "it/s]" | tail -80 ;;
     *) echo "unknown part $part"; exit 2 ;;

@@ -1,7 +1,7 @@
 """Where a decode step's GPU time goes, kernel by kernel (kernels inside CUDA graphs
 included), next to the step's wall time.
 
-python benchmarks/profile_kernels.py [--shape llama3-8b] [--batch 1] [--out FILE]   (GPU)
+python benchmarks/profile_kernels.py [--shape llama3-8b] [--batch 1] [--quantization q8_0] [--out FILE]   (GPU)
 """
 
 import argparse
@@ -47,6 +47,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--prefill", action="store_true",
                         help="profile the first two steps of the standard workload (8192-token prefill chunks)")
+    parser.add_argument("--quantization", default=None, help="weights: e.g. q8_0 (default: the model's dtype)")
     parser.add_argument("--out")
     args = parser.parse_args()
     if args.prefill:
@@ -66,7 +67,7 @@ def main() -> None:
                 json.dump({"shape": args.shape, "prefill_steps": rows}, f, indent=1)
         return
     ceilings = measure_ceilings()
-    engine = make_engine(args.shape, max_num_seqs=max(8, args.batch))
+    engine = make_engine(args.shape, max_num_seqs=max(8, args.batch), quantization=args.quantization)
     print(f"bandwidth {ceilings.bandwidth / 1e12:.2f} TB/s")
     result = {"bandwidth": ceilings.bandwidth}
     prompt = random_prompt(random.Random(0), 128, engine.model_config.vocab_size)

@@ -70,6 +70,23 @@ def run(llm: LLM, prompts: list[tuple[str, int]]) -> list[dict]:
     return rows
 
 
+def divergence_gaps(llm: LLM, prompts: list[tuple[str, int]], plain: list[dict], spec: list[dict]) -> list[float]:
+    """For each output that differs with speculation, the gap between plain decoding's two most
+    likely tokens where the outputs part: a near tie there means the verify forward's different
+    batch shape (and so rounding in reduced precision) chose the other token, not a wrong draft."""
+    gaps = []
+    for (prompt, max_tokens), a, b in zip(prompts, plain, spec):
+        if a["tokens"] == b["tokens"]:
+            continue
+        at = next((i for i, (x, y) in enumerate(zip(a["tokens"], b["tokens"])) if x != y),
+                  min(len(a["tokens"]), len(b["tokens"])))
+        params = SamplingParams(temperature=0, max_tokens=at + 1, logprobs=2)
+        top = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0].logprobs[at]
+        first, second = sorted(top.values(), reverse=True)[:2]
+        gaps.append(first - second)
+    return gaps
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", default="auto")
@@ -88,6 +105,7 @@ def main() -> None:
     run(spec_llm, prompts[:2])
     plain, spec = run(plain_llm, prompts), run(spec_llm, prompts)
     mismatched = sum(a["tokens"] != b["tokens"] for a, b in zip(plain, spec))
+    gaps = divergence_gaps(plain_llm, prompts, plain, spec)
     tokens = sum(len(r["tokens"]) for r in spec)
     accepted = sum(r["accepted"] for r in spec)
     draft_tokens = sum(r["draft_tokens"] for r in spec)
@@ -97,11 +115,12 @@ def main() -> None:
         "name": f"spec_decode/rewrite/k{args.k}", "prompts": len(prompts), "generated_tokens": tokens,
         "tokens_per_forward": tokens / (tokens - accepted), "acceptance_rate": accepted / max(draft_tokens, 1),
         "plain_ms_per_token": plain_ms, "spec_ms_per_token": spec_ms, "speedup": plain_ms / spec_ms,
-        "outputs_mismatched": mismatched, "speculative_config": spec_config,
+        "outputs_mismatched": mismatched, "logprob_gaps_at_divergence": gaps, "speculative_config": spec_config,
     }
     print(f"{len(prompts)} prompts, {tokens} tokens: {summary['tokens_per_forward']:.2f} tokens per forward, "
           f"acceptance {summary['acceptance_rate']:.1%}; batch 1: {plain_ms:.2f} -> {spec_ms:.2f} ms per token "
-          f"({summary['speedup']:.2f}x); outputs that differ: {mismatched}")
+          f"({summary['speedup']:.2f}x); outputs that differ: {mismatched}"
+          + (f" (top-two logprob gap where they part: {', '.join(f'{g:.3g}' for g in gaps)})" if gaps else ""))
     if args.out:
         env = {**environment(None, " ".join(sys.argv)), "device": str(spec_llm.engine.core.device)}
         Path(args.out).write_text(json.dumps({"environment": env, "rows": [summary]}, indent=1))

@@ -48,6 +48,22 @@ def gemma3_multimodal() -> Gemma3Config:
                         initializer_range=COMMON["initializer_range"])
 
 
+# For GGUF files, which state less: "gemma3-six-layers" is Gemma 3 as llama.cpp lays layers out (every
+# sixth global), its window shorter than the prompts, its global rope base not the default;
+# "llama-wide" has rows of 256 values, a K-quant's super-block.
+GGUF_CONFIGS = {
+    # Heads of 256, as the Gemma 3 sizes but the 27B have: their attention scale is the head size's.
+    "gemma3-six-layers": lambda: Gemma3TextConfig(
+        **{**GEMMA3_TEXT, "num_hidden_layers": 6, "sliding_window": 8, "head_dim": 256, "query_pre_attn_scalar": 256},
+        rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 1000.0}}),
+    # The 4B-27B's linear rope scaling on the global layers, and the scale of the head size (32).
+    "gemma3-rope-scaled": lambda: Gemma3TextConfig(
+        **{**GEMMA3_TEXT, "num_hidden_layers": 6, "sliding_window": 8, "query_pre_attn_scalar": 32},
+        rope_parameters={"full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1000.0}}),
+    "gemma3-62-layers": lambda: Gemma3TextConfig(**{**GEMMA3_TEXT, "num_hidden_layers": 62}),
+    "llama-wide": lambda: LlamaConfig(**{**COMMON, "hidden_size": 256, "intermediate_size": 256}, head_dim=64),
+}
+
 # Gemma 4: sliding and global layers (window shorter than the prompts; proportional RoPE on the
 # global ones). "gemma4": global layers with wider heads and fewer KV heads than the sliding ones,
 # v = k there (attention_k_eq_v), per-layer inputs, final softcap, untied head. "gemma4-kv-shared":
@@ -104,19 +120,21 @@ TINY_CONFIGS = {
 
 
 def make_model_dir(name: str, path: Path, seed: int = 0) -> torch.nn.Module:
-    """Save a random tiny model of config ``name`` to ``path``; returns the transformers model."""
+    """Save a random tiny model of config ``name`` (of TINY_CONFIGS or GGUF_CONFIGS) to ``path``;
+    returns the transformers model."""
     torch.manual_seed(seed)
-    config = TINY_CONFIGS[name]()
+    config = (TINY_CONFIGS | GGUF_CONFIGS)[name]()
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
-    if config.model_type.startswith("gemma4"):
+    if config.model_type.startswith("gemma4") or name in GGUF_CONFIGS:
         vary_unit_weights(model)
     model.save_pretrained(path)
     return model
 
 
 def vary_unit_weights(model: torch.nn.Module) -> None:
-    """Gemma 4's norm weights and layer scalars start at one, where a norm read as ``1 + w`` or a
-    scalar left out goes unnoticed: draw them from [0.5, 1.5) instead."""
+    """Norm weights and Gemma 4's layer scalars start at one (zero for Gemma 3's ``1 + w``), where a
+    norm read wrongly (as ``1 + w``, or with a GGUF file's offset left in) or a scalar left out goes
+    unnoticed: draw them from [0.5, 1.5) instead."""
     for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
         if name.endswith(("norm.weight", "layer_scalar")):
             tensor.data.uniform_(0.5, 1.5)

@@ -227,25 +227,44 @@ def test_overlapped_steps_match_one_step_at_a_time(model_dir) -> None:
         SamplingParams(temperature=0.8, seed=3, n=2, max_tokens=12, logprobs=2),
         greedy(30, stop=[free_run[2][1][4:7]], ignore_eos=True),
         greedy(25, ignore_eos=True, min_tokens=5),
+        # Penalties sample once the step before is read: counts as of every earlier token.
+        greedy(20, ignore_eos=True, repetition_penalty=1.3, presence_penalty=0.5, frequency_penalty=0.4),
+        SamplingParams(temperature=1.0, seed=5, max_tokens=16, ignore_eos=True, frequency_penalty=1.5),
     ]
+    prompts += [[2, 3, 2, 3, 6] * 4, [9, 9, 8] * 6]
     _, one_at_a_time = run(False, params)
     _, overlapped = run(True, params)
     assert len(overlapped) == len(one_at_a_time) and all(map(same, overlapped, one_at_a_time))
     assert [o[2] for o in overlapped][:2] == ["stop", "length"]
 
 
-def test_steps_overlap_unless_penalties_need_the_tokens(llm) -> None:
+def test_steps_overlap_and_penalties_sample_once_the_tokens_are_known(llm) -> None:
+    """Penalties count every output token: a step with a penalised row is launched under the one
+    in flight, and its sampling waits for that step's tokens (``pending_sample``) rather than the
+    steps running one at a time."""
     engine = llm.engine
-    engine.add_request("plain", [1, 2, 3] * 4, greedy(8, ignore_eos=True))
-    engine.step()
-    assert engine.core._in_flight is not None  # the next step was launched before this one was read
-    while engine.has_unfinished_requests():
+    for name, params in (("plain", greedy(8, ignore_eos=True)),
+                         ("penalised", greedy(8, ignore_eos=True, repetition_penalty=1.5))):
+        engine.add_request(name, [1, 2, 3] * 4, params)
         engine.step()
+        in_flight = engine.core._in_flight
+        assert in_flight is not None  # the next step was launched before this one was read
+        assert in_flight.token_ids is not None and in_flight.pending_sample is None  # and it has sampled
+        while engine.has_unfinished_requests():
+            engine.step()
+    held_back = []
+    launch = engine.core.runner.launch
+
+    def watched(batch, previous=None):
+        step = launch(batch, previous)
+        held_back.append(step.pending_sample is not None)
+        return step
+
+    engine.core.runner.launch = watched
     engine.add_request("penalised", [1, 2, 3] * 4, greedy(8, ignore_eos=True, repetition_penalty=1.5))
-    engine.step()
-    assert engine.core._in_flight is None
     while engine.has_unfinished_requests():
         engine.step()
+    assert held_back[0] is False and len(held_back) >= 7 and all(held_back[1:])  # each after the first waited
 
 
 def test_warm_up_leaves_the_cache_and_results_alone(model_dir) -> None:

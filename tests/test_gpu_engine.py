@@ -100,7 +100,7 @@ def test_graphs_match_eager_across_context_buckets_and_decode_shaped_prefill(tmp
     eager = LLM(str(tmp_path), device="cuda", dtype="float32", enforce_eager=True)
     graphs = LLM(str(tmp_path), device="cuda", dtype="float32")
     one_token = LLM(str(tmp_path), device="cuda", dtype="float32", max_num_batched_tokens=1, max_num_seqs=4)
-    assert {ctx for _, ctx in graphs.engine.core.runner.graphs.graphs} == {256, 512}
+    assert {ctx for _, ctx, _ in graphs.engine.core.runner.graphs.graphs} == {256, 512}
     for params in (plain, with_logprobs):
         want = eager.generate(prompts, params, use_tqdm=False)
         for llm in (graphs, one_token):

@@ -106,10 +106,47 @@ def test_unconstrained_requests_in_the_same_batch_are_unchanged(llm: LLM) -> Non
     assert re.fullmatch("[a-c]+", mixed[1].outputs[0].text)
 
 
-def test_a_constrained_request_takes_no_drafts() -> None:
+def test_drafts_are_verified_against_the_grammar(llm: LLM) -> None:
+    """Prompt lookup proposes drafts for a constrained request too; each draft's row is masked as
+    the grammar stands after the drafts before it, so the output is plain constrained decoding's."""
     spec = LLM(device="cpu", max_num_seqs=8, speculative_config={"method": "ngram", "num_speculative_tokens": 4})
-    text = _texts(spec, {"regex": "(ab)+c"}, temperature=0, max_tokens=30)[0]
-    assert re.fullmatch("(ab)+c", text)
+    prompt = "x = 'abababababababababab'\ny = '"
+    for structured in ({"regex": "(ab){1,9}c"}, {"regex": "(ab|ba){1,7}'"}):
+        params = SamplingParams(temperature=0, max_tokens=40, structured_outputs=structured)
+        plain = llm.generate([prompt], params, use_tqdm=False)[0]
+        out = spec.generate([prompt], params, use_tqdm=False)[0]
+        assert re.fullmatch(structured["regex"], out.outputs[0].text), out.outputs[0].text
+        assert out.outputs[0].token_ids == plain.outputs[0].token_ids
+        assert out.metrics.spec_decode_num_drafts > 0
+    stats = spec.engine.core.stats
+    assert 0 < stats.spec_decode_num_accepted_tokens < stats.spec_decode_num_draft_tokens  # some refused
+
+
+def test_overlapped_steps_mask_once_the_previous_tokens_are_read(caplog) -> None:
+    """With steps overlapped, a constrained row's step launches under the one in flight and samples
+    once that one's tokens have advanced the matcher: outputs equal one step at a time's, and no
+    token ever breaks a grammar (a last token, cut by max_tokens, masked as every other)."""
+    overlapped = LLM(device="cpu", max_num_seqs=8)
+    one_at_a_time = LLM(device="cpu", max_num_seqs=8, async_scheduling=False)
+    held_back = []
+    launch = overlapped.engine.core.runner.launch
+
+    def watched(batch, previous=None):
+        step = launch(batch, previous)
+        held_back.append(step.pending_sample is not None)
+        return step
+
+    overlapped.engine.core.runner.launch = watched
+    params = [SamplingParams(temperature=0, max_tokens=24),
+              SamplingParams(temperature=0, max_tokens=40, structured_outputs={"json": SCHEMA}),
+              SamplingParams(temperature=0.9, seed=4, max_tokens=20, structured_outputs={"regex": "[a-z ]+[.]"}),
+              SamplingParams(temperature=0, max_tokens=20, repetition_penalty=1.2),
+              SamplingParams(temperature=0, max_tokens=6, structured_outputs={"regex": "[0-9]{40}"})]
+    outs = [run.generate([PROMPT] * len(params), params, use_tqdm=False) for run in (overlapped, one_at_a_time)]
+    assert [[c.token_ids for c in o.outputs] for o in outs[0]] == [[c.token_ids for c in o.outputs] for o in outs[1]]
+    assert re.fullmatch("[0-9]+", outs[0][-1].outputs[0].text) and outs[0][-1].outputs[0].finish_reason == "length"
+    assert sum(held_back) > 10
+    assert not [r for r in caplog.records if "broke" in r.getMessage()]
 
 
 @pytest.mark.parametrize("structured", [{"regex": "(unclosed"}, {"json": "{not json"}, {"grammar": "root ::= ("},

@@ -105,7 +105,7 @@ class EngineConfig:
         None, SPECULATIVE_CONFIG, cli_type=str,
         help='speculative decoding by prompt lookup, as JSON: {"method": "ngram", "num_speculative_tokens": 4, '
              '"prompt_lookup_max": 4, "prompt_lookup_min": 1} (optional "disable_by_batch_size": no drafts from '
-             'that many running sequences on, default 8); outputs are those of plain decoding')
+             'that many running sequences on, default 16); outputs are those of plain decoding')
     random_weights: bool = ruled(
         False, BOOLEAN, cli=False, help="real shapes with random values: for benchmarks, which need no checkpoint")
 

@@ -307,8 +307,9 @@ class EngineCore:
         """Steps overlap: the next step is scheduled and launched before this one's sampled
         ids are read, so the device runs it while the host appends tokens and checks stops
         (its inputs take the pending ids on the device). A sequence that stops here has run
-        one step too many, which is thrown away. Penalties need every output token on the
-        host, so while a running sequence uses them steps run one at a time."""
+        one step too many, which is thrown away. A grammar's mask and the penalties need
+        every output token on the host: a step with such rows runs its forward under the
+        one before, and samples once that one's tokens are read."""
         if self._compiling:
             self._admit_compiled()
         if self._in_flight is None:
@@ -319,6 +320,8 @@ class EngineCore:
         following = self._launch(self._in_flight) if self._can_overlap(self._in_flight) else None
         current, self._in_flight = self._in_flight, following
         self._complete(current)
+        if following is not None and following.pending_sample is not None:
+            self.runner.sample(following)  # its grammars and penalties now know current's tokens
 
     def _fail_step(self, exc: Exception) -> None:
         """End every request that a failed step may have touched: the running ones (each is
@@ -360,10 +363,7 @@ class EngineCore:
         a time."""
         if not self.config.async_scheduling or self._speculating():
             return False
-        # Penalties and grammars read every output token so far: the step's tokens must be known first.
-        running = self.scheduler.running
-        return not any(seq.params.uses_penalties or seq.matcher is not None for seq in running) and not any(
-            seq.draft_token_ids for seq in in_flight.batch.seqs)
+        return not any(seq.draft_token_ids for seq in in_flight.batch.seqs)
 
     def _speculating(self) -> bool:
         return self.spec is not None and len(self.scheduler.running) < self.spec.disable_by_batch_size
@@ -373,8 +373,7 @@ class EngineCore:
         limits leave room for after the token the step samples anyway."""
         spec = self.spec
         for seq in self.scheduler.running:
-            if (seq.num_pending or seq.num_computed_tokens != seq.num_tokens - 1 or seq.params.uses_penalties
-                    or seq.matcher is not None):
+            if seq.num_pending or seq.num_computed_tokens != seq.num_tokens - 1 or seq.params.uses_penalties:
                 continue
             if seq.draft_pause:
                 seq.draft_pause -= 1

@@ -61,6 +61,16 @@ class PromptLogprobRows:
 
 
 @dataclass
+class PendingSample:
+    """A launched step's sampling, held back until the tokens of the step before it are known: a
+    grammar's mask and the penalties' counts are made of every output token so far."""
+
+    logits: torch.Tensor
+    batch: SamplingBatch
+    greedy_ids: torch.Tensor | None
+
+
+@dataclass
 class InFlightStep:
     """A launched step: what ``collect`` needs to read its results once the device is done."""
 
@@ -74,6 +84,7 @@ class InFlightStep:
     done: torch.cuda.Event | None = None
     prompt_logprobs: dict[Sequence, list[Logprobs]] = field(default_factory=dict)
     pending_index: list[int] = field(default_factory=list)  # where each sampled token goes (engine)
+    pending_sample: PendingSample | None = None  # set while ``sample`` is still to run
 
 
 @dataclass
@@ -253,7 +264,7 @@ class ModelRunner:
         """Per-row parameters: the numeric ones arrive as ``columns``, already on the device. A sequence
         with drafts has a row per position, each as plain decoding would sample there (its seed's
         generator drawn on in order, its stop tokens banned while that position is short of
-        ``min_tokens``)."""
+        ``min_tokens``). The penalties' token counts are left to ``sample``."""
         owners = [(s, offset) for s, n in zip(seqs, rows_per_seq) for offset in range(n)]
         seqs = [s for s, _ in owners]
         params = [s.params for s in seqs]
@@ -281,17 +292,16 @@ class ModelRunner:
         biased = [(row, tok, value) for row, p in enumerate(params) if p.logit_bias
                   for tok, value in p.logit_bias.items()]
         batch.logit_bias = sparse(biased, torch.int64, torch.int64, torch.float32)
-        if any(p.uses_penalties for p in params):
-            batch.output_counts, batch.prompt_mask = self._token_counts(seqs)
         return batch
 
     def _token_counts(self, seqs: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor]:
-        """``[N, V]`` output-token counts and prompt-token mask, built by two scatters."""
+        """``[N, V]`` output-token counts and prompt-token mask, built by two scatters (a token still
+        pending, the one this step samples, is not counted)."""
         def flat(lists: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
             rows = np.repeat(np.arange(len(lists)), [len(x) for x in lists])
             return rows, np.fromiter(itertools.chain.from_iterable(lists), dtype=np.int64, count=len(rows))
 
-        out_rows, out_ids = flat([s.output_token_ids for s in seqs])
+        out_rows, out_ids = flat([[t for t in s.output_token_ids if t != PENDING] for s in seqs])
         prompt_rows, prompt_ids = flat([s.prompt_token_ids for s in seqs])
         t = self.staging.send({"output_rows": out_rows, "output_ids": out_ids, "prompt_rows": prompt_rows,
                                "prompt_ids": prompt_ids})
@@ -331,25 +341,40 @@ class ModelRunner:
         if prompt_rows:
             self._prompt_logprobs(logits[:num_prompt_rows], prompt_rows, step.prompt_logprobs)
         if sampled:
-            sample_logits = logits[num_prompt_rows:]
-            firsts = itertools.accumulate([0, *inputs.rows_per_seq[:-1]])
-            constrained = [(row, seq.matcher) for row, seq in zip(firsts, sampled) if seq.matcher is not None]
-            if constrained:  # structured outputs: only the tokens each grammar allows next
-                sample_logits = sample_logits.float()  # (a copy of a graph's bf16 output)
-                apply_grammars(sample_logits, constrained)
-                greedy_ids = None
-            out = self.sampler(sample_logits,
-                               self._sampling_batch(sampled, inputs.rows_per_seq, inputs.sampling_columns), greedy_ids)
-            # The device ids feed the next step's inputs; the host copies are read by ``collect``.
-            # Copied now, before another replay can overwrite a graph's static output.
-            step.token_ids = out.token_ids
-            step.generator_states = out.generator_states
-            step.host = [t.to("cpu", non_blocking=True) if t is not None else None
-                         for t in (out.token_ids, out.logprobs, out.logprob_token_ids)]
-            if self.device.type == "cuda":
-                step.done = torch.cuda.Event()
-                step.done.record()
+            batch = self._sampling_batch(sampled, inputs.rows_per_seq, inputs.sampling_columns)
+            step.pending_sample = PendingSample(logits[num_prompt_rows:], batch, greedy_ids)
+            if previous is None or not any(s.matcher is not None or s.params.uses_penalties for s in sampled):
+                self.sample(step)
         return step
+
+    @torch.inference_mode()
+    def sample(self, step: InFlightStep) -> None:
+        """Enqueue a launched step's sampling. ``launch`` holds it back (``step.pending_sample``) when a
+        row's grammar or penalties need the tokens of the step in flight before it: the engine calls
+        this once those are read, while the device still runs this step's forward."""
+        pending, step.pending_sample = step.pending_sample, None
+        logits, batch, greedy_ids = pending.logits, pending.batch, pending.greedy_ids
+        firsts = itertools.accumulate([0, *step.rows_per_seq[:-1]])
+        # (A matcher that took its stop token belongs to a sequence that ended: its row is thrown away.)
+        constrained = [(row, seq.matcher, seq.draft_token_ids) for row, seq in zip(firsts, step.sampled_seqs)
+                       if seq.matcher is not None and not seq.matcher.is_terminated()]
+        if constrained:  # structured outputs: only the tokens each grammar allows next
+            logits = logits.float()  # (a copy of a graph's bf16 output)
+            apply_grammars(logits, constrained)
+            greedy_ids = None
+        if any(s.params.uses_penalties for s in step.sampled_seqs):
+            batch.output_counts, batch.prompt_mask = self._token_counts(
+                [s for s, n in zip(step.sampled_seqs, step.rows_per_seq) for _ in range(n)])
+        out = self.sampler(logits, batch, greedy_ids)
+        # The device ids feed the next step's inputs; the host copies are read by ``collect``.
+        # Copied now, before another replay can overwrite a graph's static output.
+        step.token_ids = out.token_ids
+        step.generator_states = out.generator_states
+        step.host = [t.to("cpu", non_blocking=True) if t is not None else None
+                     for t in (out.token_ids, out.logprobs, out.logprob_token_ids)]
+        if self.device.type == "cuda":
+            step.done = torch.cuda.Event()
+            step.done.record()
 
     def collect(self, step: InFlightStep) -> StepResult:
         """Wait for a launched step's sampled ids (the step's one synchronisation) and read them."""

@@ -40,9 +40,11 @@ class SpeculativeConfig:
                         help="how drafts are proposed: ngram (prompt lookup)")
     prompt_lookup_max: int = ruled(4, integer(1, 64), help="longest n-gram matched")
     prompt_lookup_min: int = ruled(1, integer(1, 64), help="shortest n-gram matched")
+    # 16: on the H200 a verify step of 5 tokens a sequence costs 1.03-1.15x a one-token step up to 16
+    # sequences, 1.27x at 32 and 1.59x at 64 (Llama-3-8B, docs/PERFORMANCE.md).
     disable_by_batch_size: int = ruled(
-        8, integer(1), help="no drafts while this many sequences or more are running: the batch alone keeps "
-                            "the GPU busy, and a draft rejected costs more than it saves")
+        16, integer(1), help="no drafts while this many sequences or more are running: the batch alone keeps "
+                             "the GPU busy, and a draft rejected costs more than it saves")
 
     def __post_init__(self) -> None:
         check_fields(self)

@@ -4,8 +4,9 @@ sequence, and each step's token bitmask.
 A request's constraint (``SamplingParams.structured_outputs``) compiles on a worker thread, cached
 by the constraint, while the request waits outside the scheduler; an invalid one fails the request
 with xgrammar's words. Each sequence then holds a ``GrammarMatcher``: before a step samples it, its
-row of the bitmask allows only the tokens that keep the output valid, and every token it accepts
-advances it. Once the output is complete only the stop tokens remain allowed.
+row of the bitmask allows only the tokens that keep the output valid (and each draft's row, as
+the grammar stands after the drafts before it), and every token it accepts advances it. Once the
+output is complete only the stop tokens remain allowed.
 """
 
 from __future__ import annotations
@@ -105,13 +106,27 @@ class GrammarCompiler:
         self._executor.shutdown(wait=False, cancel_futures=True)
 
 
-def apply_grammars(logits: torch.Tensor, constrained: list[tuple[int, Any]]) -> None:
-    """Set to -inf, in place, every token that the matcher of each ``(row, matcher)`` forbids next in
-    that row of ``logits`` (xgrammar's packed bitmask, one row of bits per row of logits)."""
+def apply_grammars(logits: torch.Tensor, constrained: list[tuple[int, Any, list[int]]]) -> None:
+    """Set to -inf, in place, every token that a grammar forbids next (xgrammar's packed bitmask, one
+    row of bits per row of logits). Each ``(row, matcher, drafts)`` masks ``row``, then, with drafts
+    (speculative decoding), the row after each draft as the matcher stands once that draft is taken:
+    drafts are taken in turn and rolled back after. Rows after a draft the grammar refuses are left
+    as they are: the sample before them cannot be that draft, so they are never kept."""
     import xgrammar
 
     bitmask = xgrammar.allocate_token_bitmask(logits.shape[0], logits.shape[-1])
-    for row, matcher in constrained:
+    rows = []
+    for row, matcher, drafts in constrained:
         matcher.fill_next_token_bitmask(bitmask, row)
+        rows.append(row)
+        taken = 0
+        for token in drafts:
+            if matcher.is_terminated() or not matcher.accept_token(token):
+                break
+            taken += 1
+            matcher.fill_next_token_bitmask(bitmask, row + taken)
+            rows.append(row + taken)
+        if taken:
+            matcher.rollback(taken)
     xgrammar.apply_token_bitmask_inplace(logits, bitmask.to(logits.device, non_blocking=True),
-                                         vocab_size=logits.shape[-1], indices=[row for row, _ in constrained])
+                                         vocab_size=logits.shape[-1], indices=rows)

@@ -14,10 +14,12 @@ times up row ``N + n``.
 Launched with PDL, a program loads its first weight tile before it waits for the
 previous kernel, so the weight stream starts under that kernel's tail.
 
-A Q8_0 weight (``q8_0.Q8Weight``) streams as int8 with a float16 scale every 32 values, each tile
-dequantized in registers: about half the bytes of bf16.
+A Q8_0 weight (``q8_0.Q8Weight``) streams as int8 with a float16 scale every 32 values: about
+half the bytes of bf16. Each block of 32 is summed against the row in float32 and scaled once, so
+the weights are never rounded to the activations' dtype (the reference rounds its dequantized
+matrix: the two differ by that rounding).
 
-Every rounding follows the unfused torch ops: Llama's normed row and weighted
+Otherwise every rounding follows the unfused torch ops: Llama's normed row and weighted
 normed row are each rounded to the input dtype (Gemma's once, as its norms do),
 the projection is rounded before the residual add or the activation, and the
 activation before the product.
@@ -40,18 +42,22 @@ MAX_ROWS = 1
 # Tiles picked on the H200 (the tile sweep in study-gemv-90d5c8a.json, then the engine's latency with
 # 8 and 16 rows for the normed projection: 4.23 vs 4.20 ms); a gated program reads two row sets.
 BLOCK_N, NORM_BLOCK_N, GATED_BLOCK_N, BLOCK_K, NUM_WARPS = 8, 16, 4, 1024, 4
+# A Q8_0 projection alone (o, down): rows of half the bytes want narrower tiles (benchmarks/study_q8.py).
+Q8_BLOCK_N = 4
 
 
 @triton.jit
-def _weights(w, s_rows, ks, mask, dtype: tl.constexpr, Q8: tl.constexpr):
-    """A weight tile in float32: as stored, or with Q8 each value times its block's scale, rounded to
-    ``dtype`` (the activations') as the reference's dequantized matrix is (the scales of a tile,
-    read from L1/L2, cost little next to the int8 values)."""
-    wf = w.to(tl.float32)
+def _row_dots(w, xf, s_rows, k0, n_ok, K, Q8: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """The tile's ``BLOCK_N`` partial dot products with the row ``xf`` ``[1, BLOCK_K]`` (float32). With
+    Q8, each block of 32 int8 values is summed against ``x`` first and times its scale once: the
+    scales, a row's ``BLOCK_K / 32`` consecutive float16s, cost one load and one multiply a block."""
     if Q8:
-        scale = tl.load(s_rows + (ks // 32)[None, :], mask=mask, other=0.0).to(tl.float32)
-        wf = (wf * scale).to(dtype).to(tl.float32)
-    return wf
+        sums = tl.sum(tl.reshape(w.to(tl.float32), (BLOCK_N, BLOCK_K // 32, 32))
+                      * tl.reshape(xf, (1, BLOCK_K // 32, 32)), axis=2)
+        kb = k0 // 32 + tl.arange(0, BLOCK_K // 32)
+        scale = tl.load(s_rows + kb[None, :], mask=n_ok[:, None] & (kb[None, :] < K // 32), other=0.0)
+        return tl.sum(sums * scale.to(tl.float32), axis=1)
+    return tl.sum(xf * w.to(tl.float32), axis=1)
 
 
 @triton.jit
@@ -100,12 +106,11 @@ def _gemv_kernel(x_ptr, norm_w_ptr, w_ptr, w_scale_ptr, bias_ptr, res_ptr, out_p
                 nw = tl.load(norm_w_ptr + ks, mask=(ks < K) & (WEIGHTING != 3), other=0.0).to(tl.float32)
                 x = weigh(x.to(tl.float32) * rstd, nw, WEIGHTING).to(x.dtype)
         xf = x.to(tl.float32)[None, :]
-        tile_mask = n_ok[:, None] & (ks[None, :] < K)
-        acc += tl.sum(xf * _weights(w, s_rows, ks, tile_mask, x_ptr.dtype.element_ty, Q8), axis=1)
+        acc += _row_dots(w, xf, s_rows, k0, n_ok, K, Q8, BLOCK_N, BLOCK_K)
         w = w_next
         if GATED:
             u_next = tl.load(u_rows + nxt[None, :], mask=nxt_mask, other=0.0, eviction_policy="evict_first")
-            acc_u += tl.sum(xf * _weights(u, t_rows, ks, tile_mask, x_ptr.dtype.element_ty, Q8), axis=1)
+            acc_u += _row_dots(u, xf, t_rows, k0, n_ok, K, Q8, BLOCK_N, BLOCK_K)
             u = u_next
 
     out_ty = out_ptr.dtype.element_ty
@@ -146,7 +151,8 @@ def _gemv(x: torch.Tensor, weight: torch.Tensor | Q8Weight, bias: torch.Tensor |
     out = torch.empty((m, n), dtype=out_dtype, device=x.device)
     if m == 0:
         return out
-    block_n = GATED_BLOCK_N if gated else NORM_BLOCK_N if norm_weight is not None else BLOCK_N
+    block_n = (GATED_BLOCK_N if gated else NORM_BLOCK_N if norm_weight is not None
+               else Q8_BLOCK_N if scales is not None else BLOCK_N)
     block_k, num_warps = BLOCK_K, NUM_WARPS
     if tiles is not None:
         block_n, block_k, num_warps = tiles

@@ -15,25 +15,35 @@ from tokenmill.kernels.q8_0 import BLOCK, Q8Weight
 from tokenmill.kernels.triton_launch import pdl_launch_args, wait_for_previous_kernel
 
 
+# Tiles by rows (``(max rows, BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages)``, the first that
+# holds ``M``): few rows want narrow column tiles, so that enough programs stream the weight at once
+# (the sweep of benchmarks/study_q8.py on Llama-3-8B's projections, H200).
+TILES = ((16, 16, 32, 512, 4, 3), (32, 32, 32, 256, 4, 4), (128, 64, 64, 128, 4, 3), (1 << 62, 128, 64, 64, 8, 3))
+
+
 @triton.jit
 def _q8_matmul_kernel(x_ptr, w_ptr, s_ptr, bias_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_sn, stride_om,
                       HAS_BIAS: tl.constexpr, IEEE_DOT: tl.constexpr, PDL: tl.constexpr,
-                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                      NUM_STAGES: tl.constexpr):
     wait_for_previous_kernel(PDL)
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     ks0 = tl.arange(0, BLOCK_K)
+    kb0 = tl.arange(0, BLOCK_K // 32)
     x_rows = x_ptr + rows.to(tl.int64)[:, None] * stride_xm
-    w_cols = w_ptr + cols.to(tl.int64)[None, :] * stride_wn
-    s_cols = s_ptr + cols.to(tl.int64)[None, :] * stride_sn
+    w_rows = w_ptr + cols.to(tl.int64)[:, None] * stride_wn
+    s_rows = s_ptr + cols.to(tl.int64)[:, None] * stride_sn
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    for k0 in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
         ks = k0 + ks0
+        kb = k0 // 32 + kb0
         x = tl.load(x_rows + ks[None, :], mask=(rows[:, None] < M) & (ks[None, :] < K), other=0.0)
-        w_mask = (cols[None, :] < N) & (ks[:, None] < K)
-        w = tl.load(w_cols + ks[:, None], mask=w_mask, other=0)  # [BLOCK_K, BLOCK_N] int8
-        scale = tl.load(s_cols + (ks // 32)[:, None], mask=w_mask, other=0.0)
-        weights = (w.to(tl.float32) * scale.to(tl.float32)).to(x.dtype)
+        w = tl.load(w_rows + ks[None, :], mask=(cols[:, None] < N) & (ks[None, :] < K), other=0)  # [N, K] int8
+        scale = tl.load(s_rows + kb[None, :], mask=(cols[:, None] < N) & (kb[None, :] < K // 32), other=0.0)
+        # Each value times its block's scale (a [BLOCK_N, blocks, 32] view), rounded to x's dtype.
+        blocks = tl.reshape(w.to(tl.float32), (BLOCK_N, BLOCK_K // 32, 32)) * scale.to(tl.float32)[:, :, None]
+        weights = tl.trans(tl.reshape(blocks, (BLOCK_N, BLOCK_K)).to(x.dtype))
         if IEEE_DOT:
             acc += tl.dot(x, weights, input_precision="ieee")
         else:
@@ -44,8 +54,10 @@ def _q8_matmul_kernel(x_ptr, w_ptr, s_ptr, bias_ptr, out_ptr, M, N, K, stride_xm
              mask=(rows[:, None] < M) & (cols[None, :] < N))
 
 
-def q8_matmul(x: torch.Tensor, weight: Q8Weight, bias: torch.Tensor | None) -> torch.Tensor:
-    """``x`` ``[M, K]`` times the Q8_0 ``weight`` ``[N, K]`` transposed (+ ``bias``): ``[M, N]`` in x's dtype."""
+def q8_matmul(x: torch.Tensor, weight: Q8Weight, bias: torch.Tensor | None,
+              tiles: tuple[int, int, int, int, int] | None = None) -> torch.Tensor:
+    """``x`` ``[M, K]`` times the Q8_0 ``weight`` ``[N, K]`` transposed (+ ``bias``): ``[M, N]`` in x's
+    dtype. ``tiles``: force ``(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages)`` (the tile study)."""
     m, k = x.shape
     n = weight.shape[0]
     if weight.shape[1] != k or k % BLOCK:
@@ -55,14 +67,12 @@ def q8_matmul(x: torch.Tensor, weight: Q8Weight, bias: torch.Tensor | None) -> t
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0:
         return out
-    # Untuned first tiles: rows in steps of 16 up to 64, 64 features and 64 of K (two scale blocks).
-    block_m = min(64, max(16, triton.next_power_of_2(m)))
-    block_n, block_k = 64, 64
+    block_m, block_n, block_k, num_warps, num_stages = tiles or next(t[1:] for t in TILES if m <= t[0])
     _q8_matmul_kernel[(triton.cdiv(m, block_m), triton.cdiv(n, block_n))](
         x, weight.qweight, weight.scales, bias if bias is not None else x, out, m, n, k,
         x.stride(0), weight.qweight.stride(0), weight.scales.stride(0), out.stride(0),
         HAS_BIAS=bias is not None, IEEE_DOT=x.dtype == torch.float32,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4, num_stages=3,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, NUM_STAGES=num_stages, num_warps=num_warps,
         **pdl_launch_args(x.device),
     )
     return out

@@ -1,0 +1,140 @@
+"""Q8_0 projections (tokenmill/kernels/q8_0.py) against bf16 on Llama-3-8B's shapes, over tiles:
+the fused one-row GEMV (with its neighbours: the norm in front of qkv and gate|up, the activation
+behind gate|up, the residual add behind o and down) and the Q8_0 matmul at 2-512 rows, beside
+cuBLAS on the bf16 weight and the floor (the packed bytes, int8 values and a float16 scale every 32,
+over the copy bandwidth measured in the same call; with many rows, or their FLOPs at the measured
+matmul rate where that is longer).
+
+Each runs inside a CUDA graph over enough distinct weight sets that nothing is served from L2
+(``study_gemv.time_graph``); each variant is first checked against the torch reference.
+
+    python benchmarks/study_q8.py [--rows 1,8,32,128,512] --out study-q8.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import torch
+import triton
+import torch.nn.functional as F
+
+from study_gemv import EPS, L2_BYTES, MODELS, time_graph
+from tokenmill.bench.hardware import Ceilings, environment, measure_ceilings
+from tokenmill.kernels import q8_0, reference
+from tokenmill.kernels.triton_gemv import _gemv
+from tokenmill.kernels.triton_q8_matmul import TILES, q8_matmul
+
+DT = torch.bfloat16
+GEMV_SWEEP = [(block_n, block_k, warps) for block_n in (4, 8, 16, 32) for block_k in (1024, 2048, 4096)
+              for warps in (4, 8)]
+# (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) by the largest row count they are tried at.
+MATMUL_SWEEP = {
+    16: [(16, bn, bk, w, s) for bn in (16, 32, 64) for bk in (128, 256, 512) for w in (4,) for s in (3, 4)],
+    64: [(bm, bn, bk, w, 4) for bm in (32, 64) for bn in (32, 64, 128) for bk in (128, 256) for w in (4, 8)],
+    1 << 62: [(bm, bn, bk, w, s) for bm in (64, 128) for bn in (64, 128, 256) for bk in (64, 128) for w in (4, 8)
+              for s in (3, 4) if bm * bn <= 128 * 128],
+}
+
+
+def packed_weights(n: int, k: int) -> list[q8_0.Q8Weight]:
+    copies = max(4, -(-L2_BYTES // (n * k)))
+    return [q8_0.quantize(torch.randn(n, k, device="cuda") / k**0.5) for _ in range(copies)]
+
+
+def rel_err(got: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((got.float() - ref.float()).norm() / ref.float().norm()).item()
+
+
+def gemv_rows(bandwidth: float) -> list[dict]:
+    """One row: the bf16 fused GEMV (its default tiles) and the Q8_0 one over ``GEMV_SWEEP``."""
+    rows = []
+    for name, n, k, kind in MODELS["llama3-8b"][2]:
+        packed = packed_weights(n, k)
+        dense = [w.dequantize(DT) for w in packed[:max(4, -(-L2_BYTES // (n * k * 2)))]]
+        x = torch.randn(1, k, device="cuda", dtype=DT)
+        norm_w = (1.0 + 0.1 * torch.randn(k, device="cuda")).to(DT)
+        res = torch.randn(1, n // 2 if kind == "gated" else n, device="cuda", dtype=DT)
+
+        def run(w, tiles=None, kind=kind, x=x, norm_w=norm_w, res=res) -> torch.Tensor:
+            if kind == "residual":
+                return _gemv(x, w, None, residual=res, tiles=tiles)
+            return _gemv(x, w, None, norm_weight=norm_w, eps=EPS, gated=kind == "gated", tiles=tiles)
+
+        def ref(w, kind=kind, x=x, norm_w=norm_w, res=res) -> torch.Tensor:
+            if kind == "residual":
+                return reference.linear_residual(x, w, None, res)
+            return reference.norm_linear(x, norm_w, EPS, w, None, kind == "gated")
+
+        bf16_us = time_graph(lambda: [run(w) for w in dense]) * 1e3 / len(dense)
+        timed = []
+        for tiles in GEMV_SWEEP:
+            err = rel_err(run(packed[0], tiles), ref(packed[0]))
+            us = time_graph(lambda tiles=tiles: [run(w, tiles) for w in packed]) * 1e3 / len(packed)
+            timed.append({"block_n": tiles[0], "block_k": tiles[1], "num_warps": tiles[2], "us": us, "rel_err": err})
+        default_us = time_graph(lambda: [run(w) for w in packed]) * 1e3 / len(packed)
+        timed.sort(key=lambda t: t["us"])
+        floor_us = n * k * (1 + 2 / 32) / bandwidth * 1e6
+        best = timed[0]
+        rows.append({"name": f"q8_gemv/llama3-8b/{name}/m1", "n": n, "k": k, "kind": kind, "floor_us": floor_us,
+                     "bf16_us": bf16_us, "bf16_floor_us": n * k * 2 / bandwidth * 1e6, "default_us": default_us,
+                     "best_us": best["us"], "fraction_of_floor": floor_us / best["us"], "tiles": timed})
+        print(f"gemv {name:<8} floor {floor_us:7.2f} us  bf16 {bf16_us:7.2f}  q8 default {default_us:7.2f}  "
+              f"best {best['us']:7.2f} (BLOCK_N {best['block_n']}, BLOCK_K {best['block_k']}, "
+              f"{best['num_warps']} warps; err {best['rel_err']:.1e})")
+        del packed, dense
+        torch.cuda.empty_cache()
+    return rows
+
+
+def matmul_rows(ceilings: Ceilings, row_counts: list[int]) -> list[dict]:
+    """``m`` rows: cuBLAS on the bf16 weight against the Q8_0 matmul over its sweep's tiles."""
+    rows = []
+    for name, n, k, _ in MODELS["llama3-8b"][2]:
+        packed = packed_weights(n, k)
+        dense = [w.dequantize(DT) for w in packed[:max(4, -(-L2_BYTES // (n * k * 2)))]]
+        for m in row_counts:
+            x = torch.randn(m, k, device="cuda", dtype=DT)
+            cublas_us = time_graph(lambda x=x: [F.linear(x, w) for w in dense]) * 1e3 / len(dense)
+            candidates = next(v for bound, v in sorted(MATMUL_SWEEP.items()) if m <= bound)
+            timed = []
+            for tiles in candidates:
+                try:
+                    q8_matmul(x, packed[0], None, tiles)
+                except triton.runtime.errors.OutOfResources:
+                    continue
+                err = rel_err(q8_matmul(x, packed[0], None, tiles), reference.linear(x, packed[0], None))
+                us = time_graph(lambda x=x, tiles=tiles: [q8_matmul(x, w, None, tiles) for w in packed]) * 1e3 / len(packed)
+                timed.append({"tiles": list(tiles), "us": us, "rel_err": err})
+            default_us = time_graph(lambda x=x: [q8_matmul(x, w, None) for w in packed]) * 1e3 / len(packed)
+            timed.sort(key=lambda t: t["us"])
+            floor_us = ceilings.floor(n * k * (1 + 2 / 32) + 2 * m * (n + k), 2 * m * n * k) * 1e6
+            best = timed[0]
+            rows.append({"name": f"q8_matmul/llama3-8b/{name}/m{m}", "m": m, "n": n, "k": k, "floor_us": floor_us,
+                         "cublas_bf16_us": cublas_us, "default_us": default_us, "best_us": best["us"],
+                         "fraction_of_floor": floor_us / best["us"], "tiles": timed})
+            print(f"matmul {name:<8} m={m:<4} floor {floor_us:7.2f} us  cuBLAS bf16 {cublas_us:7.2f}  "
+                  f"q8 default {default_us:7.2f}  best {best['us']:7.2f} {best['tiles']} err {best['rel_err']:.1e}")
+        del packed, dense
+        torch.cuda.empty_cache()
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--rows", default="8,32,128,512", help="row counts for the matmul (the GEMV takes one)")
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    ceilings = measure_ceilings()
+    print(f"copy bandwidth {ceilings.bandwidth / 1e12:.2f} TB/s; matmul tiles now {TILES}")
+    result = {"environment": environment(ceilings, " ".join(sys.argv)), "gemv": gemv_rows(ceilings.bandwidth)}
+    result["matmul"] = matmul_rows(ceilings, [int(m) for m in args.rows.split(",")])
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
