@@ -5,7 +5,8 @@
 #  `serve-qwen3-0.6b`, `serve-llama3-8b` = the server against the engine, benchmarks/serve_vs_engine.py;
 #  `models-<shape>[,<shape>]` = `tokenmill bench models` on those shapes, e.g. models-gemma3-4b;
 #  `spec-rewrite` = speculative decoding on the rewrite workload, benchmarks/spec_decode_rewrite.py;
-#  `spec` = the verify step against decode per batch size, and the standard workload with it on/off.)
+#  `spec` = the verify step against decode per batch size, and the standard workload with it on/off;
+#  `tp` = on two GPUs, the tensor-parallel GPU tests and benchmarks/tp_bench.py.)
 # Results and logs go to $OUT (the device tool brings them back).
 set -o pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
@@ -69,6 +70,12 @@ for part in "$@"; do
     kernel-profile-q8)
       python3 benchmarks/profile_kernels.py --quantization q8_0 --out "$OUT/kernel-profile-q8.json" 2>&1 \
         | grep -v "it/s]" | tail -40 ;;
+    tp)
+      # Two GPUs: tensor-parallel parity (bf16) against one GPU, then all-reduces and TP=2 decode.
+      python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_tensor_parallel.py 2>&1 \
+        | tee "$OUT/gpu-tp-tests.log" | tail -15
+      timeout 590 python3 benchmarks/tp_bench.py all --out "$OUT/tp.json" 2>&1 | grep -v -e "it/s]" -e "^Loading" \
+        | tail -30 ;;
     kernel-profile)
       python3 benchmarks/profile_kernels.py --out "$OUT/kernel-profile.json" 2>&1 | grep -v "it/s]" | tail -80 ;;
     *) echo "unknown part $part"; exit 2 ;;

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers import SPEC, TINY_CONFIGS, echo_prompts, make_model_dir
+from helpers import SPEC, TINY_CONFIGS, assert_equal_up_to_a_near_tie, echo_prompts, make_model_dir
 from test_parity import MAX_TOKENS, assert_matches_reference, parity_prompts, preempting_pool, reference_generate
 from tokenmill import LLM, SamplingParams
 
@@ -170,16 +170,3 @@ def test_q8_0_weights_on_cuda_match_the_cpu_path(arch: str, tmp_path) -> None:
     cpu = LLM(str(tmp_path), device="cpu", **options).generate(prompts, GREEDY, use_tqdm=False)
     gpu = LLM(str(tmp_path), device="cuda", **options).generate(prompts, GREEDY, use_tqdm=False)
     assert_equal_up_to_a_near_tie(cpu, gpu, logprob_tol=1e-3, tie=0.05)
-
-
-def assert_equal_up_to_a_near_tie(expected: list, got: list, logprob_tol: float, tie: float) -> None:
-    """Greedy outputs the same, each token's logprob within ``logprob_tol``, up to a first difference
-    that only a near-tie explains (the two tokens within ``tie`` of each other where it happens)."""
-    for a, b in zip(expected, got):
-        ours, theirs = a.outputs[0], b.outputs[0]
-        n = next((i for i, (x, y) in enumerate(zip(ours.token_ids, theirs.token_ids)) if x != y), len(ours.token_ids))
-        for i in range(n):
-            assert abs(ours.logprobs[i][ours.token_ids[i]] - theirs.logprobs[i][theirs.token_ids[i]]) < logprob_tol
-        if n < len(ours.token_ids):
-            lp = ours.logprobs[n]
-            assert lp[ours.token_ids[n]] - lp.get(theirs.token_ids[n], float("-inf")) < tie

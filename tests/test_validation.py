@@ -105,7 +105,8 @@ def test_sampling_edges_that_are_allowed() -> None:
     ("enforce_eager", 1), ("async_scheduling", None), ("static_batching", 0), ("random_weights", "true"),
     ("scheduling_policy", "lifo"), ("scheduling_policy", None), ("kv_cache_dtype", "fp16"),
     ("kv_cache_dtype", "FP8"), ("kv_cache_dtype", None), ("kv_cache_dtype", 8), ("quantization", "int4"),
-    ("quantization", 8), ("quantization", ""),
+    ("quantization", 8), ("quantization", ""), ("tensor_parallel_size", 0), ("tensor_parallel_size", 2.0),
+    ("tensor_parallel_size", None),
 ])
 def test_bad_engine_value_is_a_value_error_naming_the_field(field: str, value: object) -> None:
     _raises_naming(EngineConfig, field, **{field: value})
@@ -186,6 +187,7 @@ ENGINE_VALID = {
     "kv_cache_dtype": st.sampled_from(["auto", "fp8", "fp8_e4m3", "fp8_e5m2", "int8"]),
     "speculative_config": st.none() | _SPEC | _SPEC.map(json.dumps),
     "quantization": st.none() | st.just("q8_0"),
+    "tensor_parallel_size": _SIZE,
 }
 
 
@@ -253,7 +255,8 @@ def _check_engine_invariants(c: EngineConfig) -> None:
     assert c.dtype in ("auto", "bfloat16", "float16", "float32")
     assert c.device in ("auto", "cpu", "cuda") or (c.device.startswith("cuda:") and c.device[5:].isdigit())
     assert _is_int(c.seed, SEED_MIN, SEED_MAX)
-    assert all(_is_int(v, 1) for v in (c.block_size, c.max_num_seqs, c.max_num_batched_tokens))
+    assert all(_is_int(v, 1) for v in (c.block_size, c.max_num_seqs, c.max_num_batched_tokens,
+                                       c.tensor_parallel_size))
     assert c.max_model_len is None or _is_int(c.max_model_len, 1)
     assert c.num_kv_blocks is None or _is_int(c.num_kv_blocks, 1)
     assert _is_float(c.gpu_memory_utilization, 0, 1, lo_open=True)

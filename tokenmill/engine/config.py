@@ -106,6 +106,11 @@ class EngineConfig:
         help='speculative decoding by prompt lookup, as JSON: {"method": "ngram", "num_speculative_tokens": 4, '
              '"prompt_lookup_max": 4, "prompt_lookup_min": 1} (optional "disable_by_batch_size": no drafts from '
              'that many running sequences on, default 16); outputs are those of plain decoding')
+    tensor_parallel_size: int = ruled(
+        1, _POSITIVE,
+        help="split every layer over this many GPUs (processes on the CPU), one process each: the model's "
+             "attention heads (and KV heads, or else it is a multiple of them) must divide evenly; 1 runs in "
+             "one process")
     random_weights: bool = ruled(
         False, BOOLEAN, cli=False, help="real shapes with random values: for benchmarks, which need no checkpoint")
 

@@ -17,6 +17,7 @@ import gc
 import itertools
 import logging
 import time
+import weakref
 from concurrent.futures import FIRST_COMPLETED, wait
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,8 +27,9 @@ import msgspec
 import torch
 
 from tokenmill.default_model import DEFAULT_MODEL_DIR
+from tokenmill.distributed import SINGLE, destroy_group, init_group
 from tokenmill.engine.config import EngineConfig
-from tokenmill.engine.kv_cache_manager import KVCacheManager, kv_block_counts
+from tokenmill.engine.kv_cache_manager import KVCacheManager
 from tokenmill.engine.messages import (
     AbortRequests,
     AbortSequence,
@@ -39,11 +41,20 @@ from tokenmill.engine.messages import (
     RequestDelta,
     SeqDelta,
 )
-from tokenmill.engine.model_runner import InFlightStep, ModelRunner, build_model
+from tokenmill.engine.model_runner import InFlightStep, build_model
+from tokenmill.engine.rank import (
+    RankSetup,
+    check_tensor_parallel,
+    kv_cache_blocks,
+    make_runner,
+    rank_device,
+    resolve_device,
+)
 from tokenmill.engine.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
 from tokenmill.engine.sequence import PENDING, Sequence, SequenceStatus
 from tokenmill.engine.spec_decode import MAX_FAILED_DRAFTS, TokenHistory, accepted_length, propose_ngram
 from tokenmill.engine.structured_outputs import GRAMMAR_TIMEOUT_S, GrammarCompiler
+from tokenmill.engine.tp_workers import COLLECTIVE_TIMEOUT, WorkerError, WorkerGroup
 from tokenmill.layers.q8_linear import quantize_linears
 from tokenmill.loader.gguf_checkpoint import is_gguf_file, packs_q8_0
 from tokenmill.loader.hf_config import ModelConfig, load_model_config, resolve_dtype
@@ -54,14 +65,11 @@ from tokenmill.sampling_params import SamplingParams
 logger = logging.getLogger(__name__)
 
 
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name.startswith("cuda") and not torch.cuda.is_available():
-        raise ValueError("device 'cuda' was asked for, but no CUDA device is available")
-    if name not in ("cpu",) and not name.startswith("cuda"):
-        raise ValueError(f"device must be auto, cpu or cuda[:N], got {name!r}")
-    return torch.device(name)
+def _stop_tensor_parallel(workers: WorkerGroup, abort: bool = False) -> None:
+    """Stop the workers, then leave the process group: also run when an engine nobody shut down is
+    collected, so that its workers do not outlive it."""
+    workers.close()
+    destroy_group(abort)
 
 
 def freeze_startup_objects() -> None:
@@ -85,19 +93,42 @@ class CoreRequest:
 
 
 class EngineCore:
+    """Under tensor parallelism (``tensor_parallel_size`` > 1) the core is rank 0: it holds the first
+    share of the model and drives the other ranks' worker processes (``engine/tp_workers.py``)."""
+
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         model_dir = model_dir_of(config)
         self.model_config: ModelConfig = load_model_config(model_dir)
         cfg = self.model_config
         self.device = resolve_device(config.device)
+        check_tensor_parallel(config, cfg, self.device, model_dir)
+        self.device = rank_device(self.device, 0) if config.tensor_parallel_size > 1 else self.device
         self.dtype = resolve_dtype(config.dtype, cfg, self.device)
         self.kv_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, self.dtype, self.device)
+        self.workers: WorkerGroup | None = None
+        self.tp = SINGLE
+        if config.tensor_parallel_size == 1:
+            self._start(config, cfg, model_dir)
+            return
+        self.workers = WorkerGroup(config, model_dir)  # they load their shards while this rank loads its own
+        self._stop_workers = weakref.finalize(self, _stop_tensor_parallel, self.workers)
+        try:
+            self.workers.receive("start-up message")
+            self.tp = init_group(self.device, 0, config.tensor_parallel_size, self.workers.init_method,
+                                 COLLECTIVE_TIMEOUT)
+            self._start(config, cfg, model_dir)
+            self.workers.receive("ready message")
+        except BaseException:
+            self.shutdown(abort=True)
+            raise
+
+    def _start(self, config: EngineConfig, cfg: ModelConfig, model_dir: Path) -> None:
         torch.manual_seed(config.seed)
         max_len = config.max_model_len or cfg.max_position_embeddings
         started = time.monotonic()
         model = build_model(cfg, None if config.random_weights else model_dir, self.dtype, self.device,
-                            max_len, config.seed)
+                            max_len, config.seed, self.tp)
         self.quantization = config.quantization or ("q8_0" if is_gguf_file(model_dir) and packs_q8_0(model_dir)
                                                     else None)
         if self.quantization == "q8_0":
@@ -109,8 +140,10 @@ class EngineCore:
         if any(getattr(m, "kv_amax", None) is not None for m in model.modules()):
             logger.info("the checkpoint's k_scale/v_scale %s", "set the KV cache's scales" if is_quantized(self.kv_dtype)
                         else "are unused: kv_cache_dtype is auto")
-        layout = cfg.kv_layout()
-        num_blocks = self._num_kv_blocks(max_len)
+        layout = cfg.kv_layout().sharded(config.tensor_parallel_size)
+        num_blocks = kv_cache_blocks(config, cfg, self.device, self.dtype, self.kv_dtype, max_len)
+        if self.workers is not None:  # every rank's pools must hold the same blocks: the smallest wins
+            num_blocks = [min(counts) for counts in zip(num_blocks, *self.workers.receive("KV cache size"))]
         windows = [spec.sliding_window for spec in layout.groups]
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching, windows)
         longest = self.kv.longest_sequence(config.max_num_batched_tokens)
@@ -123,10 +156,11 @@ class EngineCore:
             SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, config.static_batching,
                             config.scheduling_policy), self.kv)
         started = time.monotonic()
-        self.runner = ModelRunner(cfg, model, num_blocks, config.block_size, self.device, self.dtype,
-                                  max_num_seqs=config.max_num_seqs, max_model_len=max_len,
-                                  cuda_graphs=not config.enforce_eager, kv_cache_dtype=self.kv_dtype,
-                                  **self._verify_graph_shape(config))
+        setup = RankSetup(num_blocks, max_len)
+        if self.workers is not None:
+            self.workers.send(setup)
+        self.runner = make_runner(config, cfg, model, setup, self.device, self.dtype, self.kv_dtype, self.tp,
+                                  self.workers)
         self.startup_seconds = {"load": load_seconds, "kv_cache_and_graphs": time.monotonic() - started}
         if self.device.type == "cuda":  # nothing is compiled on the CPU path
             started = time.monotonic()
@@ -146,48 +180,21 @@ class EngineCore:
             f"{len(layout.owners(g))} layers of {spec.num_kv_heads}x{spec.head_dim}"
             f"{'' if spec.sliding_window is None else f' (window {spec.sliding_window})'}: {n} blocks"
             for g, (spec, n) in enumerate(zip(layout.groups, num_blocks)))
-        logger.info("engine ready: %s on %s (%s), max_model_len %d, KV cache %s in blocks of %d tokens: %s; %d bytes "
-                    "per token (%d if every layer kept its own full-length cache)", model_dir, self.device,
-                    str(self.dtype).removeprefix("torch."), max_len, config.kv_cache_dtype, config.block_size, groups,
-                    layout.bytes_per_token(self.kv_dtype), layout.full_length_bytes_per_token(self.kv_dtype))
+        logger.info("engine ready: %s on %s (%s%s), max_model_len %d, KV cache %s in blocks of %d tokens: %s; %d bytes "
+                    "per token (%d if every layer kept its own full-length cache)%s", model_dir, self.device,
+                    str(self.dtype).removeprefix("torch."),
+                    f", tensor parallel over {self.tp.size} ranks" if self.tp.size > 1 else "", max_len,
+                    config.kv_cache_dtype, config.block_size, groups, layout.bytes_per_token(self.kv_dtype),
+                    layout.full_length_bytes_per_token(self.kv_dtype), " on each rank" if self.tp.size > 1 else "")
         freeze_startup_objects()
 
-    # ----------------------------------------------------------------- sizing
-    def _num_kv_blocks(self, max_len: int) -> list[int]:
-        """Each KV group's block count: ``num_kv_blocks`` if set, else what the memory left allows."""
-        cfg, config = self.model_config, self.config
-        layout = cfg.kv_layout()
-        budget = None
-        if config.num_kv_blocks is None and self.device.type == "cuda":
-            free, total = torch.cuda.mem_get_info(self.device)
-            used_elsewhere = total - free
-            elem = torch.tensor([], dtype=self.dtype).element_size()
-            tokens = config.max_num_batched_tokens
-            activations = tokens * elem * (6 * cfg.hidden_size + 4 * cfg.intermediate_size
-                                           + 3 * cfg.num_heads * cfg.head_dim)
-            logits = config.max_num_seqs * cfg.vocab_size * 4 * 4
-            budget = total * config.gpu_memory_utilization - used_elsewhere - activations - logits - (1 << 30)
-        elif config.num_kv_blocks is None:
-            budget = config.cpu_kv_cache_gib * (1 << 30)
-        counts = kv_block_counts(layout, self.kv_dtype, config.block_size, budget, config.num_kv_blocks,
-                                 config.max_num_seqs, config.max_num_batched_tokens, max_len)
-        for spec, count in zip(layout.groups, counts):
-            if count < 1 + (spec.sliding_window is not None):
-                where = "gpu_memory_utilization" if self.device.type == "cuda" else "cpu_kv_cache_gib"
-                raise ValueError(f"no memory is left for the KV cache (one block of {config.block_size} tokens takes "
-                                 f"{layout.bytes_per_token(self.kv_dtype) * config.block_size} bytes): raise {where}, "
-                                 "or lower max_num_batched_tokens")
-        return counts
-
-    @staticmethod
-    def _verify_graph_shape(config: EngineConfig) -> dict[str, int]:
-        """The speculative verify steps worth a CUDA graph: every batch that speculates, each sequence
-        with its known token and every draft."""
-        spec = config.speculative_config
-        if spec is None:
-            return {}
-        return {"verify_len": spec.num_speculative_tokens + 1,
-                "max_verify_seqs": min(config.max_num_seqs, spec.disable_by_batch_size - 1)}
+    def shutdown(self, abort: bool = False) -> None:
+        """Stop the tensor-parallel workers and leave the process group (nothing to do with one rank).
+        ``abort``: a rank failed, so collectives may never finish."""
+        if self.workers is not None:
+            self._stop_workers.detach()
+            _stop_tensor_parallel(self.workers, abort)
+            self.workers = None
 
     def ready_message(self) -> CoreReady:
         cfg = self.model_config
@@ -295,6 +302,12 @@ class EngineCore:
         try:
             self._step()
         except Exception as exc:  # a bug or a device fault inside the step
+            if self.workers is not None:  # the ranks may be out of step: the engine cannot go on
+                error = exc if isinstance(exc, WorkerError) else self.workers.failure(exc)
+                self.shutdown(abort=True)
+                if error is exc:
+                    raise
+                raise error from exc
             logger.exception("engine step failed; failing the requests in it")
             self._fail_step(exc)
         return self.take_outputs()

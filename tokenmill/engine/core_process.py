@@ -104,6 +104,7 @@ def _serve_core(config: EngineConfig, input_address: str, output_address: str, c
     outputs.setsockopt(zmq.LINGER, 1000)
     outputs.connect(output_address)
     encoder = msgspec.msgpack.Encoder()
+    core = None
     try:
         try:
             core = EngineCore(config)
@@ -116,6 +117,8 @@ def _serve_core(config: EngineConfig, input_address: str, output_address: str, c
         outputs.send(encoder.encode(core.ready_message()))
         CoreLoop(core, inputs, outputs, parent_pid).run()
     finally:
+        if core is not None:
+            core.shutdown()
         inputs.close(linger=0)
         outputs.close()
 

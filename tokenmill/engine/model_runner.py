@@ -7,6 +7,12 @@ the sampler. It turns the scheduler's choice into ``input_ids``,
 returns the sampled token of every sequence that reached the end of its known
 tokens this step; a sequence with drafts (speculative decoding) gets a sample at
 its last known token and after each draft, for the engine to verify them.
+
+Under tensor parallelism the engine's runner is rank 0's: it sends each step's
+``StepPlan`` (the flat batch's host arrays and the forward's path) to the other
+ranks' runners, which ``follow`` it through the same forward, and after sampling
+it broadcasts the sampled ids, which every rank's next step reads on the device.
+Sampling, and every sequence's sampling state, stay on rank 0.
 """
 
 from __future__ import annotations
@@ -15,10 +21,12 @@ import itertools
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Protocol
 
 import numpy as np
 import torch
 
+from tokenmill.distributed import SINGLE, TPGroup, broadcast, sharding_for
 from tokenmill.engine.cuda_graphs import DecodeGraphs
 from tokenmill.engine.host_staging import HostStaging
 from tokenmill.engine.scheduler import ScheduledBatch
@@ -87,15 +95,42 @@ class InFlightStep:
     pending_sample: PendingSample | None = None  # set while ``sample`` is still to run
 
 
+# The paths a step's forward takes (every rank takes the one rank 0 chose).
+DECODE_GRAPH, VERIFY_GRAPH, EAGER = "decode_graph", "verify_graph", "eager"
+
+
+@dataclass
+class StepPlan:
+    """A step's forward as every rank runs it, in a form that crosses processes: the flat batch's
+    host arrays (ids, positions, slots, block tables, logits rows, pending rows and their sources),
+    the path, and the sampled rows whose ids rank 0 broadcasts after it."""
+
+    arrays: dict[str, np.ndarray]
+    max_query_len: int
+    max_seq_len: int
+    path: str
+    picks_rows: bool  # a decode graph scores every row; the logits rows are picked out after it
+    num_sampled_rows: int
+
+
+class Peers(Protocol):
+    """The other ranks of a tensor-parallel engine, as rank 0's runner sees them."""
+
+    def send(self, plan: StepPlan) -> None:
+        """Have every other rank run ``plan`` (without waiting for them)."""
+
+    def wait(self, event: torch.cuda.Event) -> None:
+        """Wait for ``event`` as ``event.synchronize()`` would, raising if another rank has died."""
+
+
 @dataclass
 class StepInputs:
-    """The flat ragged batch of one step, on the device, and which rows need the LM head."""
+    """The flat ragged batch of one step: its plan, the plan's arrays and the sampling columns on the
+    device, and which rows need the LM head."""
 
-    input_ids: torch.Tensor
-    positions: torch.Tensor
-    meta: AttentionMetadata
+    plan: StepPlan
+    tensors: dict[str, torch.Tensor]
     logits_rows: list[int]  # prompt-logprob rows first, then each sampled sequence's rows
-    logits_rows_device: torch.Tensor
     sampled: list[Sequence]
     rows_per_seq: list[int]  # sampled rows of each sampled sequence: 1 + its drafts
     sampling_columns: dict[str, torch.Tensor]  # per sampled row, named as SamplingBatch's fields
@@ -103,13 +138,13 @@ class StepInputs:
 
 
 def build_model(cfg: ModelConfig, model_dir: Path | None, dtype: torch.dtype, device: torch.device,
-                max_positions: int, seed: int = 0) -> torch.nn.Module:
-    """The model on ``device`` in ``dtype``, with the checkpoint's weights, or random
-    ones (std 0.02) when ``model_dir`` is None (benchmarks in real shapes)."""
+                max_positions: int, seed: int = 0, tp: TPGroup = SINGLE) -> torch.nn.Module:
+    """The model (``tp.rank``'s share of it) on ``device`` in ``dtype``, with the checkpoint's weights, or
+    random ones (std 0.02) when ``model_dir`` is None (benchmarks in real shapes)."""
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
-        with torch.device(device):
+        with torch.device(device), sharding_for(tp):
             model = model_class(cfg)(cfg, max_positions)
     finally:
         torch.set_default_dtype(previous)
@@ -148,18 +183,22 @@ class ModelRunner:
     def __init__(self, cfg: ModelConfig, model: torch.nn.Module, num_blocks: list[int], block_size: int,
                  device: torch.device, dtype: torch.dtype, max_num_seqs: int = 256, max_model_len: int = 2048,
                  cuda_graphs: bool = True, kv_cache_dtype: torch.dtype | None = None, verify_len: int = 0,
-                 max_verify_seqs: int = 0) -> None:
+                 max_verify_seqs: int = 0, tp: TPGroup = SINGLE, peers: Peers | None = None) -> None:
         """``num_blocks``: the block count of each KV group (``cfg.kv_layout().groups``);
         ``kv_cache_dtype``: what K and V are stored in (None: ``dtype``); ``verify_len``: query tokens
-        a sequence of the speculative verify steps captured as graphs, for up to ``max_verify_seqs``."""
+        a sequence of the speculative verify steps captured as graphs, for up to ``max_verify_seqs``;
+        ``tp``: the rank's place (its KV heads), ``peers``: on rank 0, the other ranks."""
         self.cfg = cfg
         self.model = model
         self.block_size = block_size
         self.device = device
         self.dtype = dtype
+        self.tp = tp
+        self.peers = peers
+        self._followed_ids: torch.Tensor | None = None  # a following rank's last broadcast ids
         self.num_kv_groups = len(num_blocks)
-        self.kv_tensors, self.kv_caches = allocate_kv_caches(cfg.kv_layout(), num_blocks, block_size,
-                                                             kv_cache_dtype or dtype, device)
+        self.kv_tensors, self.kv_caches = allocate_kv_caches(cfg.kv_layout().sharded(tp.size), num_blocks,
+                                                             block_size, kv_cache_dtype or dtype, device)
         self.sampler = Sampler()
         self.staging = HostStaging(device)
         self.graphs: DecodeGraphs | None = None
@@ -246,18 +285,51 @@ class ModelRunner:
                                       count=len(pending_rows))
         sampling = sampling_columns([s.params for s, n in zip(sampled, rows_per_seq) for _ in range(n)],
                                     self.cfg.vocab_size)
-        t = self.staging.send({
-            "input_ids": ids, "positions": positions, "slot_mapping": slots, "query_start_loc": query_start,
-            "seq_lens": seq_lens, "block_tables": tables, "logits_rows": np.asarray(logits_rows, dtype=np.int64),
-            "pending_rows": pending_rows.astype(np.int64), "pending_sources": pending_sources,
-            **{f"sampling.{name}": column for name, column in sampling.items()}})
-        if len(pending_rows):
-            t["input_ids"][t["pending_rows"]] = previous.token_ids[t["pending_sources"]]
+        max_query_len = int(counts.max())
+        path, picks_rows = EAGER, False
+        if self.graphs is not None and max_query_len == 1 and self.graphs.padded_size(len(seqs)):
+            # The graph runs the LM head on every row; a row that does not sample (a one-token
+            # prefill chunk mid-prompt) or gives prompt logprobs is picked out afterwards.
+            path, picks_rows = DECODE_GRAPH, bool(prompt_rows) or len(logits_rows) != len(seqs)
+        elif (self.graphs is not None and self.graphs.can_verify(len(seqs), max_query_len)
+              and not prompt_rows and len(logits_rows) == total):
+            path = VERIFY_GRAPH  # every row is a known token or a draft, and every row samples
+        plan = StepPlan({"input_ids": ids, "positions": positions, "slot_mapping": slots,
+                         "query_start_loc": query_start, "seq_lens": seq_lens, "block_tables": tables,
+                         "logits_rows": np.asarray(logits_rows, dtype=np.int64),
+                         "pending_rows": pending_rows.astype(np.int64), "pending_sources": pending_sources},
+                        max_query_len, int(seq_lens.max()), path, picks_rows, sum(rows_per_seq))
+        if self.peers is not None:
+            self.peers.send(plan)
+        t = self._stage(plan, previous.token_ids if len(pending_rows) else None,
+                        {f"sampling.{name}": column for name, column in sampling.items()})
+        return StepInputs(plan, t, logits_rows, sampled, rows_per_seq,
+                          {name: t[f"sampling.{name}"] for name in sampling}, prompt_rows)
+
+    def _stage(self, plan: StepPlan, previous_ids: torch.Tensor | None,
+               extra: dict[str, np.ndarray] | None = None) -> dict[str, torch.Tensor]:
+        """The plan's arrays (and ``extra``) on the device in one copy, pending ids filled in from
+        ``previous_ids`` (the step before's samples, on the device)."""
+        t = self.staging.send({**plan.arrays, **(extra or {})})
+        if len(plan.arrays["pending_rows"]):
+            t["input_ids"][t["pending_rows"]] = previous_ids[t["pending_sources"]]
+        return t
+
+    def _forward(self, plan: StepPlan, t: dict[str, torch.Tensor]) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """The step's forward on the path ``plan`` names (the same on every rank): the logits of its
+        logits rows (None if it has none), and their greedy ids where a graph computed them."""
         meta = AttentionMetadata(slot_mapping=tuple(t["slot_mapping"]), query_start_loc=t["query_start_loc"],
                                  seq_lens=t["seq_lens"], block_tables=tuple(t["block_tables"]),
-                                 max_query_len=int(counts.max()), max_seq_len=int(seq_lens.max()))
-        return StepInputs(t["input_ids"], t["positions"], meta, logits_rows, t["logits_rows"], sampled, rows_per_seq,
-                          {name: t[f"sampling.{name}"] for name in sampling}, prompt_rows)
+                                 max_query_len=plan.max_query_len, max_seq_len=plan.max_seq_len)
+        if plan.path == DECODE_GRAPH:
+            logits, greedy_ids = self.graphs.run(t["input_ids"], t["positions"], meta)
+            return (logits[t["logits_rows"]], None) if plan.picks_rows else (logits, greedy_ids)
+        if plan.path == VERIFY_GRAPH:
+            return self.graphs.run_verify(t["input_ids"], t["positions"], meta)
+        hidden = self.model(t["input_ids"], t["positions"], self.kv_caches, meta)
+        if not len(plan.arrays["logits_rows"]):
+            return None, None  # pure prefill chunks: no LM-head work at all
+        return self.model.compute_logits(hidden[t["logits_rows"]]), None
 
     def _sampling_batch(self, seqs: list[Sequence], rows_per_seq: list[int],
                         columns: dict[str, torch.Tensor]) -> SamplingBatch:
@@ -319,24 +391,11 @@ class ModelRunner:
         """Enqueue the step on the device and return without waiting for it. Tokens still
         pending on the host (``PENDING``) are the sampled ids of ``previous``, taken on the device."""
         inputs = self._prepare(batch, previous)
-        meta, logits_rows, sampled, prompt_rows = inputs.meta, inputs.logits_rows, inputs.sampled, inputs.prompt_rows
+        logits_rows, sampled, prompt_rows = inputs.logits_rows, inputs.sampled, inputs.prompt_rows
         step = InFlightStep(batch, sampled_seqs=sampled, rows_per_seq=inputs.rows_per_seq, prompt_rows=prompt_rows)
-        greedy_ids = None
-        if self.graphs is not None and meta.max_query_len == 1 and self.graphs.padded_size(len(batch)):
-            # The graph runs the LM head on every row; a row that does not sample (a one-token
-            # prefill chunk mid-prompt) or gives prompt logprobs is picked out afterwards.
-            logits, greedy_ids = self.graphs.run(inputs.input_ids, inputs.positions, meta)
-            if prompt_rows or len(logits_rows) != len(batch.seqs):
-                logits, greedy_ids = logits[inputs.logits_rows_device], None
-        elif (self.graphs is not None and self.graphs.can_verify(len(batch), meta.max_query_len)
-              and not prompt_rows and len(logits_rows) == batch.total_tokens):
-            # A verify step: every row is a known token or a draft, and every row samples.
-            logits, greedy_ids = self.graphs.run_verify(inputs.input_ids, inputs.positions, meta)
-        else:
-            hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, meta)
-            if not logits_rows:
-                return step  # pure prefill chunks: no LM-head work at all
-            logits = self.model.compute_logits(hidden[inputs.logits_rows_device])
+        logits, greedy_ids = self._forward(inputs.plan, inputs.tensors)
+        if logits is None:
+            return step
         num_prompt_rows = len(logits_rows) - sum(inputs.rows_per_seq)
         if prompt_rows:
             self._prompt_logprobs(logits[:num_prompt_rows], prompt_rows, step.prompt_logprobs)
@@ -366,9 +425,9 @@ class ModelRunner:
             batch.output_counts, batch.prompt_mask = self._token_counts(
                 [s for s, n in zip(step.sampled_seqs, step.rows_per_seq) for _ in range(n)])
         out = self.sampler(logits, batch, greedy_ids)
-        # The device ids feed the next step's inputs; the host copies are read by ``collect``.
-        # Copied now, before another replay can overwrite a graph's static output.
-        step.token_ids = out.token_ids
+        # The device ids feed the next step's inputs (every rank's); the host copies are read by
+        # ``collect``. Copied now, before another replay can overwrite a graph's static output.
+        step.token_ids = broadcast(out.token_ids, self.tp)
         step.generator_states = out.generator_states
         step.host = [t.to("cpu", non_blocking=True) if t is not None else None
                      for t in (out.token_ids, out.logprobs, out.logprob_token_ids)]
@@ -381,7 +440,9 @@ class ModelRunner:
         result = StepResult(sampled_seqs=step.sampled_seqs, prompt_logprobs=step.prompt_logprobs)
         if not step.sampled_seqs:
             return result
-        if step.done is not None:
+        if step.done is not None and self.peers is not None:
+            self.peers.wait(step.done)
+        elif step.done is not None:
             step.done.synchronize()
         token_ids, logprobs, logprob_ids = step.host
         flat_ids = token_ids.tolist()
@@ -398,6 +459,15 @@ class ModelRunner:
                 result.logprobs.append([_logprob_dict(ids[r], values[r], keep) for r in range(row, row + n)])
             row += n
         return result
+
+    @torch.inference_mode()
+    def follow(self, plan: StepPlan) -> None:
+        """A rank other than 0 runs rank 0's step: the same forward on its shard, then the sampled ids
+        rank 0 broadcasts, which its next step's pending rows read."""
+        self._forward(plan, self._stage(plan, self._followed_ids))
+        if plan.num_sampled_rows:
+            ids = torch.empty(plan.num_sampled_rows, dtype=torch.int64, device=self.device)
+            self._followed_ids = broadcast(ids, self.tp)
 
     def _prompt_logprobs(self, logits: torch.Tensor, prompt_rows: list[PromptLogprobRows],
                          into: dict[Sequence, list[Logprobs]]) -> None:

@@ -144,10 +144,15 @@ def linear_into_stream(x: torch.Tensor, weight: torch.Tensor | Q8Weight, bias: t
     """Project ``x`` into the residual stream: returns ``(delta, residual)`` whose sum is the new
     stream. Where a kernel fuses the add (one-token decode on the GPU) the sum comes back whole, as
     ``(stream, None)``; elsewhere the add is left to the next RMSNorm, which fuses it."""
-    backend = backend_for(x)
-    if _fused_gemv(backend, x):
-        return backend.linear_residual(x, weight, bias, residual), None
+    if fuses_residual(x):
+        return backend_for(x).linear_residual(x, weight, bias, residual), None
     return linear(x, weight, bias), residual
+
+
+def fuses_residual(x: torch.Tensor) -> bool:
+    """Whether ``linear_into_stream`` adds the residual inside its kernel for ``x`` (one-token decode on
+    the GPU), returning the stream whole."""
+    return _fused_gemv(backend_for(x), x)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor | Q8Weight, bias: torch.Tensor | None) -> torch.Tensor:

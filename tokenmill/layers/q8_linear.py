@@ -36,6 +36,10 @@ class Q8Linear(nn.Module):
         shape = x.shape
         return ops.linear(x.reshape(-1, shape[-1]), self.weight, self.bias).reshape(*shape[:-1], -1)
 
+    def into_stream(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """As ``RowParallelLinear.into_stream`` of one rank (Q8_0 weights are not split across ranks)."""
+        return ops.linear_into_stream(x, self.weight, self.bias, residual)
+
 
 def quantize_linears(model: nn.Module, keep: tuple[str, ...] = ("lm_head",)) -> int:
     """Replace every ``nn.Linear`` of ``model`` whose rows are a multiple of 32 long (but those named in

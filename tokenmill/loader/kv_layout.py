@@ -11,9 +11,11 @@ group can free the blocks its window has passed while a full group keeps them al
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
+
+from tokenmill.distributed import units_per_rank
 
 
 # ``kv_cache_dtype`` names (vLLM's) → the dtype K and V are stored in; ``auto`` is the model's dtype.
@@ -60,6 +62,18 @@ class KVLayout:
                 sliding_windows: Sequence[int | None]) -> KVLayout:
         """Every layer owns its cache, all of one head shape (windows may differ per layer)."""
         return cls(tuple(KVSpec(num_kv_heads, head_dim, w) for w in sliding_windows), tuple(range(num_layers)))
+
+    def sharded(self, size: int) -> KVLayout:
+        """One rank's share under tensor parallelism over ``size`` ranks: each spec with the KV heads a
+        rank holds (one, replicated, where a spec has fewer heads than ranks), the groups unchanged."""
+        if size == 1:
+            return self
+        local = KVLayout(tuple(replace(spec, num_kv_heads=units_per_rank(spec.num_kv_heads, size))
+                               for spec in self.layers), self.source)
+        if len(local.groups) != len(self.groups):
+            raise ValueError(f"KV cache groups {self.groups} would merge when split over {size} ranks: "
+                             "tensor parallelism does not support this layout")
+        return local
 
     @property
     def groups(self) -> tuple[KVSpec, ...]:

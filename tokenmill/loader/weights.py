@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import safe_open
@@ -29,13 +30,14 @@ def checkpoint_files(model_dir: Path) -> list[Path]:
     return files
 
 
-def iter_checkpoint(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
-    """Every tensor of the checkpoint (a directory of safetensors, or a GGUF file), one at a time,
-    so peak memory stays one tensor (for safetensors)."""
+def iter_checkpoint(model_dir: Path) -> Iterator[tuple[str, torch.Tensor | Any]]:
+    """Every tensor of the checkpoint (a directory of safetensors, or a GGUF file), one at a time.
+    A safetensors tensor comes as a slice not read yet (``get_shape()``, indexing reads): a rank of a
+    tensor-parallel engine reads only its share, and peak memory stays one tensor."""
     if is_gguf_file(model_dir):
         yield from iter_gguf_checkpoint(model_dir)
         return
     for path in checkpoint_files(model_dir):
         with safe_open(str(path), framework="pt") as f:
             for name in f.keys():
-                yield name, f.get_tensor(name)
+                yield name, f.get_slice(name)

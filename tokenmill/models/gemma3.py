@@ -23,6 +23,7 @@ from torch import nn
 from tokenmill.kernels.reference import softcap_
 from tokenmill.layers import ops
 from tokenmill.layers.attention import AttentionMetadata, KVCache
+from tokenmill.layers.linear import ColumnParallelLinear, RowParallelLinear, Split, VocabParallelEmbedding
 from tokenmill.layers.norm import OffsetRMSNorm
 from tokenmill.layers.rotary import RotaryEmbedding
 from tokenmill.loader.hf_config import ModelConfig, ModelLoadError, rope_parameters
@@ -115,11 +116,9 @@ class Gemma3Attention(DecoderAttention):
 class GeGLUMLP(nn.Module):
     def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False) -> None:
         super().__init__()
-        self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=bias)
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(ops.gelu_tanh_and_mul(self.gate_up_proj(x)))
+        rows = Split(intermediate_size)
+        self.gate_up_proj = ColumnParallelLinear(hidden_size, [rows, rows], bias=bias)
+        self.down_proj = RowParallelLinear(rows, hidden_size, bias=bias)
 
 
 class Gemma3DecoderLayer(nn.Module):
@@ -171,7 +170,7 @@ def add_norm_linear(pending: PendingOutput, stream: torch.Tensor, norm: nn.Modul
 class Gemma3Model(nn.Module):
     def __init__(self, cfg: Gemma3Config, max_positions: int) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
         # Held in the model's dtype: transformers rounds sqrt(hidden_size) to it before the multiply.
         self.register_buffer("embed_scale", torch.tensor(cfg.hidden_size ** 0.5), persistent=False)
         global_rotary = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling)
@@ -200,19 +199,19 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
         nn.Module.__init__(self)
         self.config = cfg
         self.model = Gemma3Model(cfg, max_positions)
-        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = None if cfg.tie_word_embeddings else VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
 
     def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         logits = super().compute_logits(hidden, out)
         cap = self.config.final_softcap
         return logits if cap is None else softcap_(logits, cap)
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+    def load_weights(self, weights: Iterable[tuple[str, Any]]) -> None:
         super().load_weights(language_model_weights(weights, *self.towers))
 
 
-def language_model_weights(weights: Iterable[tuple[str, torch.Tensor]], towers: str,
-                           tower_prefixes: tuple[str, ...]) -> Iterator[tuple[str, torch.Tensor]]:
+def language_model_weights(weights: Iterable[tuple[str, Any]], towers: str,
+                           tower_prefixes: tuple[str, ...]) -> Iterator[tuple[str, Any]]:
     """A ...ForConditionalGeneration checkpoint's tensors renamed as its ...ForCausalLM's; the
     towers' (``tower_prefixes``) dropped, with one log line naming them ``towers``."""
     skipped = 0

@@ -30,6 +30,7 @@ from torch import nn
 
 from tokenmill.layers import ops
 from tokenmill.layers.attention import AttentionMetadata, KVCache, PagedAttention
+from tokenmill.layers.linear import ColumnParallelLinear, RowParallelLinear, Split, VocabParallelEmbedding
 from tokenmill.layers.rotary import RotaryEmbedding
 from tokenmill.loader.hf_config import ModelConfig, ModelLoadError, rope_parameters
 from tokenmill.loader.kv_layout import KVLayout, KVSpec
@@ -219,20 +220,22 @@ class Gemma4Attention(nn.Module):
     def __init__(self, cfg: Gemma4Config, layer: int, rotary: RotaryEmbedding) -> None:
         super().__init__()
         self.head_dim = cfg.layer_head_dims[layer]
-        self.q_size = cfg.num_heads * self.head_dim
-        self.kv_size = cfg.layer_kv_heads[layer] * self.head_dim
+        heads, kv_heads = Split(cfg.num_heads, self.head_dim), Split(cfg.layer_kv_heads[layer], self.head_dim)
         self.shared = cfg.is_kv_shared(layer)
         self.k_eq_v = cfg.k_eq_v(layer)
         self.q_norm = Gemma4RMSNorm(self.head_dim, cfg.rms_norm_eps)
-        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=cfg.o_bias)
+        self.o_proj = RowParallelLinear(heads, cfg.hidden_size, bias=cfg.o_bias)
+        parts = [heads] if self.shared else [heads, kv_heads] if self.k_eq_v else [heads, kv_heads, kv_heads]
+        projection = ColumnParallelLinear(cfg.hidden_size, parts, bias=cfg.qkv_bias)
+        self.q_size, self.kv_size = projection.part_sizes[0], kv_heads.local_size(projection.tp)  # this rank's
         attention = SharedKVAttention if self.shared else PagedAttention
-        self.attn = attention(cfg.num_heads, cfg.layer_kv_heads[layer], self.head_dim, cfg.sliding_windows[layer],
-                              rotary, scale=1.0, kv_group=cfg.kv_layout().layer_group[layer])
+        self.attn = attention(self.q_size // self.head_dim, self.kv_size // self.head_dim, self.head_dim,
+                              cfg.sliding_windows[layer], rotary, scale=1.0,
+                              kv_group=cfg.kv_layout().layer_group[layer])
         if self.shared:
-            self.q_proj = nn.Linear(cfg.hidden_size, self.q_size, bias=cfg.qkv_bias)
+            self.q_proj = projection
             return
-        num_kv = 1 if self.k_eq_v else 2
-        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + num_kv * self.kv_size, bias=cfg.qkv_bias)
+        self.qkv_proj = projection
         self.k_norm = Gemma4RMSNorm(self.head_dim, cfg.rms_norm_eps)
         self.v_norm = Gemma4RMSNorm(self.head_dim, cfg.rms_norm_eps, scale=False)
 
@@ -297,7 +300,7 @@ class Gemma4Model(nn.Module):
     def __init__(self, cfg: Gemma4Config, max_positions: int) -> None:
         super().__init__()
         self.config = cfg
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
         # Held in the model's dtype: transformers rounds sqrt(hidden_size) to it before the multiply.
         self.register_buffer("embed_scale", torch.tensor(cfg.hidden_size ** 0.5), persistent=False)
         rotary = self._rotary_by_type(cfg, max_positions)
@@ -306,7 +309,7 @@ class Gemma4Model(nn.Module):
         self.norm = Gemma4RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         if cfg.per_layer_input_size:
             packed = cfg.num_layers * cfg.per_layer_input_size
-            self.embed_tokens_per_layer = nn.Embedding(cfg.per_layer_vocab_size, packed)
+            self.embed_tokens_per_layer = VocabParallelEmbedding(cfg.per_layer_vocab_size, packed)
             self.register_buffer("per_layer_embed_scale", torch.tensor(cfg.per_layer_input_size ** 0.5),
                                  persistent=False)
             self.per_layer_model_projection = nn.Linear(cfg.hidden_size, packed, bias=False)
@@ -353,24 +356,21 @@ class Gemma4ForCausalLM(Gemma3ForCausalLM):
         nn.Module.__init__(self)
         self.config = cfg
         self.model = Gemma4Model(cfg, max_positions)
-        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = None if cfg.tie_word_embeddings else VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
 
-    def fused_projections(self, layer: int) -> dict[str, tuple[str, int, int]]:
-        cfg = self.config
-        width = cfg.layer_intermediate_size(layer)
-        slots = {"gate_proj": ("gate_up_proj", 0, width), "up_proj": ("gate_up_proj", width, width)}
-        if cfg.is_kv_shared(layer):
+    def fused_projections(self, layer: int) -> dict[str, tuple[str, int]]:
+        slots = {"gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
+        if self.config.is_kv_shared(layer):
             return slots
-        q, kv = cfg.num_heads * cfg.layer_head_dims[layer], cfg.layer_kv_heads[layer] * cfg.layer_head_dims[layer]
-        slots |= {"q_proj": ("qkv_proj", 0, q), "k_proj": ("qkv_proj", q, kv)}
-        if not cfg.k_eq_v(layer):
-            slots["v_proj"] = ("qkv_proj", q + kv, kv)
+        slots |= {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1)}
+        if not self.config.k_eq_v(layer):
+            slots["v_proj"] = ("qkv_proj", 2)
         return slots
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+    def load_weights(self, weights: Iterable[tuple[str, Any]]) -> None:
         super().load_weights(self._without_shared_kv(weights))
 
-    def _without_shared_kv(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+    def _without_shared_kv(self, weights: Iterable[tuple[str, Any]]) -> Iterator[tuple[str, Any]]:
         for name, tensor in weights:
             match = _LAYER_KV_TENSOR.match(name)
             if match is None or not self.config.is_kv_shared(int(match.group(1))):

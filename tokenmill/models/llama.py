@@ -3,8 +3,11 @@
 The decoder reads only switches carried by ModelConfig: q/k/v and output bias,
 per-head RMSNorm on q and k before RoPE, per-layer sliding windows, llama3 rope
 scaling, tied embeddings. q/k/v and gate/up are fused into one matmul each at
-load time. Other families with the same block layout (Qwen) reuse the decoder
-and ``decoder_config``, mapping their own config keys onto those switches.
+load time. Its projections and embeddings are the tensor-parallel layers of
+``layers/linear.py``, so under tensor parallelism each rank builds and loads its
+own share (its heads, its MLP rows, its vocabulary rows). Other families with the
+same block layout (Qwen) reuse the decoder and ``decoder_config``, mapping their
+own config keys onto those switches.
 """
 
 from __future__ import annotations
@@ -17,6 +20,14 @@ from torch import nn
 
 from tokenmill.layers import ops
 from tokenmill.layers.attention import AttentionMetadata, KVCache, PagedAttention
+from tokenmill.layers.linear import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    Split,
+    VocabParallelEmbedding,
+    checkpoint_shape,
+    shard_read,
+)
 from tokenmill.layers.norm import OffsetRMSNorm, RMSNorm
 from tokenmill.layers.rotary import RotaryEmbedding
 from tokenmill.loader.hf_config import ModelConfig, ModelLoadError, checkpoint_dtype, rope_parameters
@@ -79,15 +90,16 @@ class DecoderAttention(nn.Module):
         """``norm`` (the per-head q/k norm's class), ``scale`` and ``softcap``: where a family
         (Gemma 3) departs from Llama's RMSNorm and ``head_dim ** -0.5``, uncapped."""
         super().__init__()
-        self.q_size = cfg.num_heads * cfg.head_dim
-        self.kv_size = cfg.num_kv_heads * cfg.head_dim
+        heads, kv_heads = Split(cfg.num_heads, cfg.head_dim), Split(cfg.num_kv_heads, cfg.head_dim)
         self.head_dim = cfg.head_dim
-        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias)
-        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=cfg.o_bias)
+        self.qkv_proj = ColumnParallelLinear(cfg.hidden_size, [heads, kv_heads, kv_heads], bias=cfg.qkv_bias)
+        self.q_size, self.kv_size, _ = self.qkv_proj.part_sizes  # this rank's
+        self.o_proj = RowParallelLinear(heads, cfg.hidden_size, bias=cfg.o_bias)
         self.q_norm = norm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = norm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
-        self.attn = PagedAttention(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.sliding_windows[layer], rotary,
-                                   scale, softcap, kv_group=cfg.kv_layout().layer_group[layer])
+        self.attn = PagedAttention(self.q_size // cfg.head_dim, self.kv_size // cfg.head_dim, cfg.head_dim,
+                                   cfg.sliding_windows[layer], rotary, scale, softcap,
+                                   kv_group=cfg.kv_layout().layer_group[layer])
 
     def forward(self, positions: torch.Tensor, qkv: torch.Tensor, residual: torch.Tensor, kv_cache: KVCache,
                 meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -99,20 +111,20 @@ class DecoderAttention(nn.Module):
         k = k.reshape(tokens, -1, self.head_dim)
         v = v.reshape(tokens, -1, self.head_dim)
         out = self.attn(positions, q, k, v, kv_cache, meta, self.q_norm, self.k_norm)
-        return ops.linear_into_stream(out.reshape(tokens, self.q_size), self.o_proj.weight, self.o_proj.bias,
-                                      residual)
+        return self.o_proj.into_stream(out.reshape(tokens, self.q_size), residual)
 
 
 class GatedMLP(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+        rows = Split(cfg.intermediate_size)
+        self.gate_up_proj = ColumnParallelLinear(cfg.hidden_size, [rows, rows], bias=cfg.mlp_bias)
+        self.down_proj = RowParallelLinear(rows, cfg.hidden_size, bias=cfg.mlp_bias)
 
     def forward(self, activation: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``activation``: SiLU-and-multiply of ``gate_up_proj`` of the normed input, which the layer
         runs fused with the norm."""
-        return ops.linear_into_stream(activation, self.down_proj.weight, self.down_proj.bias, residual)
+        return self.down_proj.into_stream(activation, residual)
 
 
 def norm_linear(norm: RMSNorm | OffsetRMSNorm, x: torch.Tensor, residual: torch.Tensor | None, linear: nn.Linear,
@@ -142,7 +154,7 @@ class DecoderLayer(nn.Module):
 class DecoderModel(nn.Module):
     def __init__(self, cfg: ModelConfig, max_positions: int) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
         rotary = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i, rotary) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -164,7 +176,7 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = cfg
         self.model = DecoderModel(cfg, max_positions)
-        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = None if cfg.tie_word_embeddings else VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],
                 meta: AttentionMetadata) -> torch.Tensor:
@@ -172,26 +184,19 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """``out``: a preallocated ``[rows, vocab]`` buffer (a CUDA graph's static output)."""
-        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        if out is None:
-            return torch.nn.functional.linear(hidden, weight)
-        return torch.mm(hidden, weight.t(), out=out)
+        head = self.model.embed_tokens if self.lm_head is None else self.lm_head
+        return head.logits(hidden, out)
 
-    def fused_projections(self, layer: int) -> dict[str, tuple[str, int, int]]:
-        """Where decoder layer ``layer``'s checkpoint projections sit in its fused parameters:
-        ``name -> (fused name, first row, rows)``. The same for every layer here; families whose
-        layers differ in shape (Gemma 4) override this."""
-        cfg = self.config
-        q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-        return {
-            "q_proj": ("qkv_proj", 0, q), "k_proj": ("qkv_proj", q, kv), "v_proj": ("qkv_proj", q + kv, kv),
-            "gate_proj": ("gate_up_proj", 0, cfg.intermediate_size),
-            "up_proj": ("gate_up_proj", cfg.intermediate_size, cfg.intermediate_size),
-        }
+    def fused_projections(self, layer: int) -> dict[str, tuple[str, int]]:
+        """Which fused parameter, and which of its parts, each of decoder layer ``layer``'s checkpoint
+        projections fills: ``name -> (fused name, part)``. The same for every layer here; families whose
+        layers differ (Gemma 4) override this."""
+        return {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
+                "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy checkpoint tensors into the parameters, fusing q/k/v and gate/up;
-        raises if any parameter is left without a value."""
+    def load_weights(self, weights: Iterable[tuple[str, Any]]) -> None:
+        """Copy checkpoint tensors (tensors, or safetensors slices, of which only this rank's share is
+        read) into the parameters, fusing q/k/v and gate/up; raises if any parameter is left without a value."""
         cfg = self.config
         params = dict(self.named_parameters())
         modules = dict(self.named_modules())
@@ -203,25 +208,25 @@ class LlamaForCausalLM(nn.Module):
                 attention = modules.get(name.rsplit(".", 1)[0] + ".attn")
                 if attention is None:
                     raise ModelLoadError(f"checkpoint tensor {name!r} has no place in {cfg.architecture}")
-                attention.load_checkpoint_scale(name.rsplit(".", 1)[1], tensor)
+                attention.load_checkpoint_scale(name.rsplit(".", 1)[1], tensor[...])
                 continue
             if name == "lm_head.weight" and self.lm_head is None:
                 continue
             parts = name.split(".")
-            target, start, size = name, 0, None
+            target, part = name, None
             slot = self.fused_projections(int(parts[2])).get(parts[-2]) if parts[1:2] == ["layers"] else None
             if slot is not None:
-                fused_name, start, size = slot
+                fused_name, part = slot
                 target = ".".join(parts[:-2] + [fused_name, parts[-1]])
-            param = params.get(target)
-            if param is None:
+            if target not in params:
                 raise ModelLoadError(f"checkpoint tensor {name!r} has no place in {cfg.architecture}")
-            dest = param.data if size is None else param.data.narrow(0, start, size)
-            if dest.shape != tensor.shape:
-                raise ModelLoadError(f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, "
-                                     f"expected {tuple(dest.shape)}")
-            dest.copy_(tensor)
-            filled[target] = filled.get(target, 0) + (dest.shape[0] if size is not None else param.shape[0])
+            module_name, _, param_name = target.rpartition(".")
+            read = shard_read(modules[module_name], param_name, part)
+            shape = checkpoint_shape(tensor)
+            if shape != read.full_shape:
+                raise ModelLoadError(f"checkpoint tensor {name!r} has shape {shape}, expected {read.full_shape}")
+            read.dest.copy_(read.read(tensor))
+            filled[target] = filled.get(target, 0) + read.rows
         missing = [n for n, p in params.items() if filled.get(n, 0) < p.shape[0]]
         missing += [f"{n}: k_scale or v_scale" for n, m in modules.items()
                     if isinstance(m, PagedAttention) and m.kv_amax is not None and m.kv_amax.isnan().any()]

@@ -1,0 +1,117 @@
+"""What every rank of an engine sets up alike: its device, the KV blocks its memory holds, its
+model runner; and the start-up checks of a tensor-parallel engine.
+
+With one rank all of it happens in the engine core. Under tensor parallelism rank 0 does it in the
+core and each other rank in its worker process (``engine/tp_workers.py``), from the same config,
+so the ranks agree by construction on everything but what rank 0 settles for them (``RankSetup``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from tokenmill.distributed import SINGLE, TPGroup, check_divides
+from tokenmill.engine.config import EngineConfig
+from tokenmill.engine.kv_cache_manager import kv_block_counts
+from tokenmill.engine.model_runner import ModelRunner, Peers
+from tokenmill.loader.gguf_checkpoint import is_gguf_file
+from tokenmill.loader.hf_config import ModelConfig
+
+
+@dataclass(frozen=True)
+class RankSetup:
+    """What rank 0 settles for every rank before the runners are built: each KV group's block count
+    (the smallest any rank can hold, so a block id means the same tokens everywhere) and the longest
+    sequence those pools allow."""
+
+    num_blocks: list[int]
+    max_model_len: int
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError("device 'cuda' was asked for, but no CUDA device is available")
+    if name not in ("cpu",) and not name.startswith("cuda"):
+        raise ValueError(f"device must be auto, cpu or cuda[:N], got {name!r}")
+    return torch.device(name)
+
+
+def rank_device(device: torch.device, rank: int) -> torch.device:
+    """Rank ``rank``'s device under tensor parallelism: GPU ``rank``, or the CPU."""
+    return torch.device("cuda", rank) if device.type == "cuda" else device
+
+
+def check_tensor_parallel(config: EngineConfig, cfg: ModelConfig, device: torch.device, model_dir: Path) -> None:
+    """ValueErrors, at start-up, for a ``tensor_parallel_size`` the model or the machine cannot take."""
+    size = config.tensor_parallel_size
+    if size == 1:
+        return
+    if device.type == "cuda":
+        if device.index is not None:
+            raise ValueError(f"device {config.device!r} names one GPU, but tensor_parallel_size {size} runs on GPUs "
+                             f"0 to {size - 1}: use device 'cuda' (CUDA_VISIBLE_DEVICES picks which GPUs)")
+        visible = torch.cuda.device_count()
+        if size > visible:
+            raise ValueError(f"tensor_parallel_size {size} needs {size} GPUs, but {visible} "
+                             f"{'is' if visible == 1 else 'are'} visible")
+    if config.quantization is not None or is_gguf_file(model_dir):
+        raise ValueError("tensor parallelism does not support Q8_0 weights or GGUF files yet: use "
+                         "tensor_parallel_size 1, or a safetensors checkpoint without quantization")
+    check_divides("attention heads", cfg.num_heads, size)
+    for kv_heads in sorted({spec.num_kv_heads for spec in cfg.kv_layout().groups}, reverse=True):
+        check_divides("KV heads", kv_heads, size)
+    check_divides("MLP rows (intermediate_size)", cfg.intermediate_size, size)
+
+
+def kv_cache_blocks(config: EngineConfig, cfg: ModelConfig, device: torch.device, dtype: torch.dtype,
+                    kv_dtype: torch.dtype, max_len: int) -> list[int]:
+    """Each KV group's block count on this rank: ``num_kv_blocks`` if set, else what its memory left allows
+    for its share of the KV heads."""
+    layout = cfg.kv_layout().sharded(config.tensor_parallel_size)
+    budget = None
+    if config.num_kv_blocks is None and device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        used_elsewhere = total - free
+        elem = torch.tensor([], dtype=dtype).element_size()
+        tokens = config.max_num_batched_tokens
+        activations = tokens * elem * (6 * cfg.hidden_size + 4 * cfg.intermediate_size
+                                       + 3 * cfg.num_heads * cfg.head_dim)
+        logits = config.max_num_seqs * cfg.vocab_size * 4 * 4
+        budget = total * config.gpu_memory_utilization - used_elsewhere - activations - logits - (1 << 30)
+    elif config.num_kv_blocks is None:
+        budget = config.cpu_kv_cache_gib * (1 << 30)
+    counts = kv_block_counts(layout, kv_dtype, config.block_size, budget, config.num_kv_blocks,
+                             config.max_num_seqs, config.max_num_batched_tokens, max_len)
+    for spec, count in zip(layout.groups, counts):
+        if count < 1 + (spec.sliding_window is not None):
+            where = "gpu_memory_utilization" if device.type == "cuda" else "cpu_kv_cache_gib"
+            raise ValueError(f"no memory is left for the KV cache (one block of {config.block_size} tokens takes "
+                             f"{layout.bytes_per_token(kv_dtype) * config.block_size} bytes): raise {where}, "
+                             "or lower max_num_batched_tokens")
+    return counts
+
+
+def verify_graph_shape(config: EngineConfig) -> dict[str, int]:
+    """The speculative verify steps worth a CUDA graph: every batch that speculates, each sequence
+    with its known token and every draft."""
+    spec = config.speculative_config
+    if spec is None:
+        return {}
+    return {"verify_len": spec.num_speculative_tokens + 1,
+            "max_verify_seqs": min(config.max_num_seqs, spec.disable_by_batch_size - 1)}
+
+
+def make_runner(config: EngineConfig, cfg: ModelConfig, model: torch.nn.Module, setup: RankSetup,
+                device: torch.device, dtype: torch.dtype, kv_dtype: torch.dtype, tp: TPGroup = SINGLE,
+                peers: Peers | None = None) -> ModelRunner:
+    """The rank's runner: its KV cache shard and, on the GPU, its captured graphs (every rank captures
+    the same graphs in the same order, since their collectives must meet)."""
+    return ModelRunner(cfg, model, setup.num_blocks, config.block_size, device, dtype,
+                       max_num_seqs=config.max_num_seqs, max_model_len=setup.max_model_len,
+                       cuda_graphs=not config.enforce_eager, kv_cache_dtype=kv_dtype, **verify_graph_shape(config),
+                       tp=tp, peers=peers)
