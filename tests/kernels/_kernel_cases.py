@@ -30,6 +30,7 @@ except ImportError:  # the checks need triton; importing this module does not
 ATTN_TOL = {torch.float32: 1e-4, torch.float16: 2e-3, torch.bfloat16: 1e-2}
 # Elementwise kernels replicate the reference's roundings: differences are a few ulps.
 ELEMWISE_TOL = {torch.float32: 1e-5, torch.float16: 1e-3, torch.bfloat16: 8e-3}
+Q8_FP16_TOL = 6e-3
 # The attention kernel's float32 tanh (softcapping), against float64: absolute error anywhere
 # (it cancels to a few ulps of 1 near 0), relative error from |x| = 0.5 on.
 TANH_ABS_TOL, TANH_REL_TOL = 5e-7, 1e-6
@@ -415,7 +416,10 @@ def check_gemv(ops, *, kind: str, n: int, k: int, dtype: torch.dtype, device: st
     where = f"seed={seed} {kind} n={n} k={k} bias={bias} {dtype} q8={q8}"
     assert got.shape == ref.shape and got.dtype == ref.dtype, where
     err = rel_err(got, ref)
-    assert err < ELEMWISE_TOL[dtype], f"rel err {err:.2e}: {where}"
+    # The reference rounds its dequantized Q8_0 matrix to the activations' dtype; the kernel sums each
+    # block in float32 unrounded: in float16 that is up to a few parts in 1e3 after the gate.
+    tol = max(ELEMWISE_TOL[dtype], Q8_FP16_TOL) if q8 and dtype == torch.float16 else ELEMWISE_TOL[dtype]
+    assert err < tol, f"rel err {err:.2e}: {where}"
 
 
 def _interpret_attention(ops) -> None:
