@@ -6,6 +6,7 @@
 #  `models-<shape>[,<shape>]` = `tokenmill bench models` on those shapes, e.g. models-gemma3-4b;
 #  `spec-rewrite` = speculative decoding on the rewrite workload, benchmarks/spec_decode_rewrite.py;
 #  `spec` = the verify step against decode per batch size, and the standard workload with it on/off;
+#  `structured` = structured outputs, benchmarks/structured_outputs_bench.py;
 #  `tp` = on two GPUs, the tensor-parallel GPU tests and benchmarks/tp_bench.py.)
 # Results and logs go to $OUT (the device tool brings them back).
 set -o pipefail
@@ -70,6 +71,13 @@ for part in "$@"; do
     kernel-profile-q8)
       python3 benchmarks/profile_kernels.py --quantization q8_0 --out "$OUT/kernel-profile-q8.json" 2>&1 \
         | grep -v "it/s]" | tail -40 ;;
+    structured)
+      # JSON-schema requests against unconstrained ones, compile times and the masks' cost: the
+      # embedded model, then a Llama-3-8B shape (Llama 3's vocabulary width) with its tokenizer.
+      timeout 200 python3 benchmarks/structured_outputs_bench.py --out "$OUT/structured-embedded.json" 2>&1 \
+        | grep -v "it/s]" | tail -8
+      timeout 380 python3 benchmarks/structured_outputs_bench.py --shape llama3-8b --out "$OUT/structured-llama3-8b.json" \
+        2>&1 | grep -v -e "it/s]" -e "^Loading" | tail -8 ;;
     tp)
       # Two GPUs: tensor-parallel parity (bf16) against one GPU, then all-reduces and TP=2 decode.
       python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_tensor_parallel.py 2>&1 \

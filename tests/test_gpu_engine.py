@@ -170,3 +170,27 @@ def test_q8_0_weights_on_cuda_match_the_cpu_path(arch: str, tmp_path) -> None:
     cpu = LLM(str(tmp_path), device="cpu", **options).generate(prompts, GREEDY, use_tqdm=False)
     gpu = LLM(str(tmp_path), device="cuda", **options).generate(prompts, GREEDY, use_tqdm=False)
     assert_equal_up_to_a_near_tie(cpu, gpu, logprob_tol=1e-3, tie=0.05)
+
+
+def test_structured_outputs_on_cuda() -> None:
+    """The embedded model on the GPU (CUDA graphs, sampling held back for the grammars while the
+    next forward runs): 30 random schemas in one batch all validate, and a greedy unconstrained
+    request in that batch gives its solo tokens."""
+    import json
+    import random
+
+    import jsonschema
+    from test_structured_outputs import PROMPT, _random_object
+
+    llm = LLM(device="cuda", dtype="float32", max_num_seqs=32)
+    greedy = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
+    alone = llm.generate([PROMPT], greedy, use_tqdm=False)[0].outputs[0].token_ids
+    rng = random.Random(7)
+    schemas = [_random_object(rng) for _ in range(30)]
+    params = [SamplingParams(structured_outputs={"json": s}, max_tokens=400, temperature=0.8, seed=i)
+              for i, s in enumerate(schemas)]
+    outputs = llm.generate([PROMPT] * 31, [greedy, *params], use_tqdm=False)
+    assert outputs[0].outputs[0].token_ids == alone
+    for schema, out in zip(schemas, outputs[1:]):
+        assert out.outputs[0].finish_reason == "stop", (schema, out.outputs[0].text)
+        jsonschema.validate(json.loads(out.outputs[0].text), schema)

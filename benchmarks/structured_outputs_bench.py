@@ -1,0 +1,197 @@
+"""Structured outputs: what a JSON schema costs a batch of requests.
+
+Three figures, for one typical schema (an order: nested objects, an array of items, an enum,
+bounded numbers, required fields):
+
+- compile: the first schema compiled for a vocabulary (xgrammar's tokenizer tables built, then the
+  schema), another schema cold, and the same schema again (the engine's cache);
+- mask: the host and device time of ``apply_grammars`` for 1, 8 and 64 rows in the model's
+  vocabulary (matchers part-way through valid documents), xgrammar's thread pool against filling
+  row by row, beside the decode step it hides behind;
+- throughput: 64 requests through ``LLM.generate``, each with the schema against the same
+  requests unconstrained (``ignore_eos``, as many tokens), output tokens per second both ways.
+
+``--shape llama3-8b`` runs a random-weight model of that shape with the embedded model's
+tokenizer (8,192 tokens; the vocabulary's other rows are never allowed by a grammar), so the
+mask is as wide as Llama 3's; without it, the embedded model itself.
+
+    python benchmarks/structured_outputs_bench.py [--shape llama3-8b] [--out FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from tokenmill import LLM, SamplingParams
+from tokenmill.bench.hardware import environment
+from tokenmill.bench.shapes import shape_dir
+from tokenmill.default_model import DEFAULT_MODEL_DIR
+from tokenmill.engine.structured_outputs import GrammarCompiler, apply_grammars
+from tokenmill.sampling_params import StructuredOutputsParams
+from tokenmill.tokenizer import load_tokenizer
+
+ORDER_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "order_id": {"type": "integer", "minimum": 1},
+        "customer": {"type": "object", "properties": {"name": {"type": "string"}, "email": {"type": "string"}},
+                     "required": ["name", "email"]},
+        "items": {"type": "array", "minItems": 1, "items": {
+            "type": "object",
+            "properties": {"sku": {"type": "string"}, "quantity": {"type": "integer", "minimum": 1, "maximum": 99},
+                           "price": {"type": "number", "minimum": 0}},
+            "required": ["sku", "quantity", "price"]}},
+        "status": {"enum": ["pending", "paid", "shipped", "cancelled"]},
+        "notes": {"type": "string"},
+    },
+    "required": ["order_id", "customer", "items", "status"],
+}
+ORDER = {"order_id": 1042, "customer": {"name": "Ada Lovelace", "email": "ada@example.com"},
+         "items": [{"sku": "A-17", "quantity": 2, "price": 9.5}, {"sku": "B-3", "quantity": 1, "price": 120.0}],
+         "status": "paid", "notes": "leave at the door"}
+OTHER_SCHEMA = {"type": "object", "properties": {"city": {"type": "string"}, "population": {"type": "integer"},
+                                                "tags": {"type": "array", "items": {"type": "string"}}},
+                "required": ["city", "population"]}
+
+
+def model_dir(shape: str | None) -> Path:
+    if shape is None:
+        return DEFAULT_MODEL_DIR
+    path = shape_dir(shape)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(DEFAULT_MODEL_DIR / name, path / name)
+    return path
+
+
+def compile_times(path: Path, vocab_size: int) -> dict:
+    """Seconds to compile on a fresh compiler: the first schema (with the vocabulary's tables),
+    a second schema, and the first again (answered from the cache)."""
+    compiler = GrammarCompiler(path, vocab_size, ())
+    timed = []
+    for schema in (ORDER_SCHEMA, OTHER_SCHEMA, ORDER_SCHEMA):
+        started = time.perf_counter()
+        compiler.submit(StructuredOutputsParams(json=schema)).result()
+        timed.append(time.perf_counter() - started)
+    compiler.close()
+    return {"first_schema_s": timed[0], "cold_s": timed[1], "cached_s": timed[2]}
+
+
+def mask_times(path: Path, vocab_size: int, device: str, batches: tuple[int, ...]) -> list[dict]:
+    """Per-step cost of the masks for matchers at different points of a valid order."""
+    import xgrammar
+
+    compiler = GrammarCompiler(path, vocab_size, ())
+    compiled = compiler.submit(StructuredOutputsParams(json=ORDER_SCHEMA)).result()
+    tokens = load_tokenizer(path)(json.dumps(ORDER, separators=(", ", ": ")), add_special_tokens=False)["input_ids"]
+    rows = []
+    for batch in batches:
+        matchers = []
+        for i in range(batch):
+            matcher = compiler.matcher(compiled)
+            for token in tokens[:(i * 7) % (len(tokens) - 1)]:
+                assert matcher.accept_token(token), "the example order must follow its schema"
+            matchers.append(matcher)
+        constrained = [(i, m, []) for i, m in enumerate(matchers)]
+        logits = torch.randn(batch, vocab_size, device=device)
+
+        def engine_path() -> None:
+            apply_grammars(logits, constrained)
+            if device == "cuda":
+                torch.cuda.synchronize()
+
+        bitmask = xgrammar.allocate_token_bitmask(batch, vocab_size)
+
+        def row_by_row() -> None:
+            for i, m in enumerate(matchers):
+                m.fill_next_token_bitmask(bitmask, i)
+
+        batched = xgrammar.BatchGrammarMatcher()
+        figures = {"name": f"structured_outputs/mask_b{batch}", "batch": batch, "vocab_size": vocab_size}
+        for key, fn in (("apply_grammars_us", engine_path), ("fill_row_by_row_us", row_by_row),
+                        ("fill_thread_pool_us", lambda: batched.batch_fill_next_token_bitmask(matchers, bitmask))):
+            for _ in range(5):
+                fn()
+            samples = []
+            for _ in range(50):
+                started = time.perf_counter()
+                fn()
+                samples.append(time.perf_counter() - started)
+            figures[key] = statistics.median(samples) * 1e6
+        rows.append(figures)
+    compiler.close()
+    return rows
+
+
+def throughput(path: Path, device: str, requests: int, max_tokens: int) -> dict:
+    llm = LLM(model=str(path), device=device, dtype="bfloat16", random_weights=path != DEFAULT_MODEL_DIR,
+              max_num_seqs=requests, max_model_len=2048)
+    prompts = [f"Order {1000 + i} as JSON, with its customer, items and status:\n" for i in range(requests)]
+    plain = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    constrained = SamplingParams(temperature=0, max_tokens=max_tokens,
+                                 structured_outputs=StructuredOutputsParams(json=ORDER_SCHEMA))
+    result = {}
+    for key, params in (("unconstrained", plain), ("json_schema", constrained)):
+        llm.generate(prompts[:8], params, use_tqdm=False)  # warm-up (and the schema compiled once)
+        started = time.perf_counter()
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        seconds = time.perf_counter() - started
+        tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
+        result[key] = {"seconds": seconds, "output_tokens": tokens, "tokens_per_s": tokens / seconds}
+        if key == "json_schema":
+            texts = [o.outputs[0].text for o in outputs]
+            finished = [t for t, o in zip(texts, outputs) if o.outputs[0].finish_reason == "stop"]
+            result[key]["finished_documents"] = len(finished)
+            result[key]["valid_json"] = sum(_parses(t) for t in finished)
+    ratio = result["json_schema"]["tokens_per_s"] / result["unconstrained"]["tokens_per_s"]
+    return {"name": f"structured_outputs/throughput_b{requests}", "requests": requests, "max_tokens": max_tokens,
+            **result, "floor": result["unconstrained"]["tokens_per_s"], "fraction_of_floor": ratio,
+            "model_config": llm.engine.model_config.architecture}
+
+
+def _parses(text: str) -> bool:
+    try:
+        json.loads(text)
+    except ValueError:
+        return False
+    return True
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--shape", default=None, help="a random-weight shape (tokenmill/bench/shapes.py)")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--requests", type=int, default=64)
+    parser.add_argument("--max-tokens", type=int, default=256)
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    path = model_dir(args.shape)
+    vocab_size = json.loads((path / "config.json").read_text())["vocab_size"]
+    compile_row = {"name": "structured_outputs/compile", "vocab_size": vocab_size, **compile_times(path, vocab_size)}
+    print(f"compile: first schema {compile_row['first_schema_s'] * 1e3:.1f} ms (with the vocabulary's tables), "
+          f"another cold {compile_row['cold_s'] * 1e3:.1f} ms, cached {compile_row['cached_s'] * 1e6:.0f} us")
+    mask_rows = mask_times(path, vocab_size, args.device, (1, 8, 64))
+    for row in mask_rows:
+        print(f"mask B={row['batch']}: apply_grammars {row['apply_grammars_us']:.0f} us; fill row by row "
+              f"{row['fill_row_by_row_us']:.0f} us, thread pool {row['fill_thread_pool_us']:.0f} us")
+    run = throughput(path, args.device, args.requests, args.max_tokens)
+    step_ms = run["unconstrained"]["seconds"] / args.max_tokens * 1e3
+    run["unconstrained_step_ms"] = step_ms
+    print(f"throughput B={args.requests}: unconstrained {run['unconstrained']['tokens_per_s']:,.0f} tok/s "
+          f"({step_ms:.2f} ms/step), JSON schema {run['json_schema']['tokens_per_s']:,.0f} tok/s "
+          f"({run['fraction_of_floor']:.1%}); {run['json_schema']['valid_json']} of "
+          f"{run['json_schema']['finished_documents']} finished documents parse")
+    if args.out:
+        env = environment(None, " ".join(sys.argv))
+        Path(args.out).write_text(json.dumps({"environment": env, "rows": [compile_row, *mask_rows, run]}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
