@@ -74,8 +74,8 @@ for part in "$@"; do
     structured)
       # JSON-schema requests against unconstrained ones, compile times and the masks' cost: the
       # embedded model, then a Llama-3-8B shape (Llama 3's vocabulary width) with its tokenizer.
-      timeout 200 python3 benchmarks/structured_outputs_bench.py --out "$OUT/structured-embedded.json" 2>&1 \
-        | grep -v "it/s]" | tail -8
+      timeout 200 python3 benchmarks/structured_outputs_bench.py --out "$OUT/structured-embedded.json" \
+        --profile "$OUT/structured-embedded.prof" 2>&1 | grep -v "it/s]" | tee "$OUT/structured-embedded.log" | tail -8
       timeout 380 python3 benchmarks/structured_outputs_bench.py --shape llama3-8b --out "$OUT/structured-llama3-8b.json" \
         2>&1 | grep -v -e "it/s]" -e "^Loading" | tail -8 ;;
     tp)

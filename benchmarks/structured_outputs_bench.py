@@ -21,7 +21,10 @@ mask is as wide as Llama 3's; without it, the embedded model itself.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import cProfile
 import json
+import pstats
 import shutil
 import statistics
 import sys
@@ -101,22 +104,26 @@ def mask_times(path: Path, vocab_size: int, device: str, batches: tuple[int, ...
             matchers.append(matcher)
         constrained = [(i, m, []) for i, m in enumerate(matchers)]
         logits = torch.randn(batch, vocab_size, device=device)
+        bitmask = xgrammar.allocate_token_bitmask(batch, vocab_size)
+        on_device = bitmask.to(device)
+        batched = xgrammar.BatchGrammarMatcher()
 
-        def engine_path() -> None:
-            apply_grammars(logits, constrained)
+        def sync() -> None:
             if device == "cuda":
                 torch.cuda.synchronize()
-
-        bitmask = xgrammar.allocate_token_bitmask(batch, vocab_size)
 
         def row_by_row() -> None:
             for i, m in enumerate(matchers):
                 m.fill_next_token_bitmask(bitmask, i)
 
-        batched = xgrammar.BatchGrammarMatcher()
+        parts = {"apply_grammars_us": lambda: (apply_grammars(logits, constrained), sync()),
+                 "fill_row_by_row_us": row_by_row,
+                 "fill_thread_pool_us": lambda: batched.batch_fill_next_token_bitmask(matchers, bitmask),
+                 "bitmask_to_device_us": lambda: (bitmask.to(device, non_blocking=True), sync()),
+                 "xgrammar_apply_us": lambda: (xgrammar.apply_token_bitmask_inplace(
+                     logits, on_device, vocab_size=vocab_size, indices=list(range(batch))), sync())}
         figures = {"name": f"structured_outputs/mask_b{batch}", "batch": batch, "vocab_size": vocab_size}
-        for key, fn in (("apply_grammars_us", engine_path), ("fill_row_by_row_us", row_by_row),
-                        ("fill_thread_pool_us", lambda: batched.batch_fill_next_token_bitmask(matchers, bitmask))):
+        for key, fn in parts.items():
             for _ in range(5):
                 fn()
             samples = []
@@ -130,30 +137,38 @@ def mask_times(path: Path, vocab_size: int, device: str, batches: tuple[int, ...
     return rows
 
 
-def throughput(path: Path, device: str, requests: int, max_tokens: int) -> dict:
+def throughput(path: Path, device: str, requests: int, max_tokens: int, profile: str | None) -> dict:
+    """The JSON-schema requests first; then the same requests unconstrained, each made to give as
+    many tokens as its constrained run did, so that both do the same work."""
     llm = LLM(model=str(path), device=device, dtype="bfloat16", random_weights=path != DEFAULT_MODEL_DIR,
               max_num_seqs=requests, max_model_len=2048)
     prompts = [f"Order {1000 + i} as JSON, with its customer, items and status:\n" for i in range(requests)]
-    plain = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     constrained = SamplingParams(temperature=0, max_tokens=max_tokens,
                                  structured_outputs=StructuredOutputsParams(json=ORDER_SCHEMA))
-    result = {}
-    for key, params in (("unconstrained", plain), ("json_schema", constrained)):
-        llm.generate(prompts[:8], params, use_tqdm=False)  # warm-up (and the schema compiled once)
-        started = time.perf_counter()
-        outputs = llm.generate(prompts, params, use_tqdm=False)
-        seconds = time.perf_counter() - started
-        tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
-        result[key] = {"seconds": seconds, "output_tokens": tokens, "tokens_per_s": tokens / seconds}
-        if key == "json_schema":
-            texts = [o.outputs[0].text for o in outputs]
-            finished = [t for t, o in zip(texts, outputs) if o.outputs[0].finish_reason == "stop"]
-            result[key]["finished_documents"] = len(finished)
-            result[key]["valid_json"] = sum(_parses(t) for t in finished)
+    llm.generate(prompts[:8], constrained, use_tqdm=False)  # warm-up (and the schema compiled once)
+    profiler = cProfile.Profile() if profile else None
+    started = time.perf_counter()
+    with profiler or contextlib.nullcontext():
+        outputs = llm.generate(prompts, constrained, use_tqdm=False)
+    seconds = time.perf_counter() - started
+    if profiler:
+        profiler.dump_stats(profile)
+        pstats.Stats(profiler).sort_stats("tottime").print_stats(25)
+    lengths = [len(o.outputs[0].token_ids) for o in outputs]
+    finished = [o.outputs[0].text for o in outputs if o.outputs[0].finish_reason == "stop"]
+    result = {"json_schema": {"seconds": seconds, "output_tokens": sum(lengths), "finished_documents": len(finished),
+                              "valid_json": sum(map(_parses, finished)), "longest": max(lengths)}}
+    plain = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in lengths]
+    llm.generate(prompts[:8], plain[:8], use_tqdm=False)
+    started = time.perf_counter()
+    llm.generate(prompts, plain, use_tqdm=False)
+    result["unconstrained"] = {"seconds": time.perf_counter() - started, "output_tokens": sum(lengths)}
+    for run in result.values():
+        run["tokens_per_s"] = run["output_tokens"] / run["seconds"]
+        run["ms_per_step"] = run["seconds"] / max(lengths) * 1e3
     ratio = result["json_schema"]["tokens_per_s"] / result["unconstrained"]["tokens_per_s"]
     return {"name": f"structured_outputs/throughput_b{requests}", "requests": requests, "max_tokens": max_tokens,
-            **result, "floor": result["unconstrained"]["tokens_per_s"], "fraction_of_floor": ratio,
-            "model_config": llm.engine.model_config.architecture}
+            **result, "floor": result["unconstrained"]["tokens_per_s"], "fraction_of_floor": ratio}
 
 
 def _parses(text: str) -> bool:
@@ -170,22 +185,27 @@ def main() -> None:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--requests", type=int, default=64)
     parser.add_argument("--max-tokens", type=int, default=256)
+    parser.add_argument("--profile", default=None, help="write a cProfile of the JSON-schema run here")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     path = model_dir(args.shape)
     vocab_size = json.loads((path / "config.json").read_text())["vocab_size"]
-    compile_row = {"name": "structured_outputs/compile", "vocab_size": vocab_size, **compile_times(path, vocab_size)}
-    print(f"compile: first schema {compile_row['first_schema_s'] * 1e3:.1f} ms (with the vocabulary's tables), "
+    started = time.perf_counter()
+    load_tokenizer(path)
+    compile_row = {"name": "structured_outputs/compile", "vocab_size": vocab_size,
+                   "tokenizer_load_s": time.perf_counter() - started, **compile_times(path, vocab_size)}
+    print(f"compile: tokenizer loaded in {compile_row['tokenizer_load_s'] * 1e3:.0f} ms; first schema {compile_row['first_schema_s'] * 1e3:.1f} ms (with the vocabulary's tables), "
           f"another cold {compile_row['cold_s'] * 1e3:.1f} ms, cached {compile_row['cached_s'] * 1e6:.0f} us")
     mask_rows = mask_times(path, vocab_size, args.device, (1, 8, 64))
     for row in mask_rows:
-        print(f"mask B={row['batch']}: apply_grammars {row['apply_grammars_us']:.0f} us; fill row by row "
-              f"{row['fill_row_by_row_us']:.0f} us, thread pool {row['fill_thread_pool_us']:.0f} us")
-    run = throughput(path, args.device, args.requests, args.max_tokens)
-    step_ms = run["unconstrained"]["seconds"] / args.max_tokens * 1e3
-    run["unconstrained_step_ms"] = step_ms
-    print(f"throughput B={args.requests}: unconstrained {run['unconstrained']['tokens_per_s']:,.0f} tok/s "
-          f"({step_ms:.2f} ms/step), JSON schema {run['json_schema']['tokens_per_s']:,.0f} tok/s "
+        print(f"mask B={row['batch']}: apply_grammars {row['apply_grammars_us']:.0f} us = fill row by row "
+              f"{row['fill_row_by_row_us']:.0f} us (thread pool {row['fill_thread_pool_us']:.0f} us) + copy "
+              f"{row['bitmask_to_device_us']:.0f} us + xgrammar apply {row['xgrammar_apply_us']:.0f} us")
+    run = throughput(path, args.device, args.requests, args.max_tokens, args.profile)
+    plain, schema = run["unconstrained"], run["json_schema"]
+    print(f"throughput B={args.requests}: unconstrained {plain['tokens_per_s']:,.0f} tok/s "
+          f"({plain['ms_per_step']:.2f} ms/step), JSON schema {schema['tokens_per_s']:,.0f} tok/s "
+          f"({schema['ms_per_step']:.2f} ms/step) "
           f"({run['fraction_of_floor']:.1%}); {run['json_schema']['valid_json']} of "
           f"{run['json_schema']['finished_documents']} finished documents parse")
     if args.out:

@@ -131,7 +131,7 @@ class AsyncLLM:
         self.vocab_size = ready.vocab_size
         self.kv_cache_dtype = ready.kv_cache_dtype
         self.kv_capacity_tokens = ready.kv_capacity_tokens
-        self.tokenizer = None if config.random_weights else load_tokenizer(model_dir_of(config))
+        self.tokenizer = load_tokenizer(model_dir_of(config))
         self.inputs = InputProcessor(self.tokenizer, ModelLimits(ready.vocab_size, ready.max_model_len))
         self.outputs = OutputProcessor(self.tokenizer)
         self.stats = CoreStats()

@@ -27,7 +27,7 @@ class LLMEngine:
         self.core = EngineCore(config)
         self.model_config = self.core.model_config
         self.max_model_len = self.core.max_model_len
-        self.tokenizer = None if config.random_weights else load_tokenizer(model_dir_of(config))
+        self.tokenizer = load_tokenizer(model_dir_of(config))
         self.inputs = InputProcessor(self.tokenizer, ModelLimits(self.model_config.vocab_size, self.max_model_len))
         self.outputs = OutputProcessor(self.tokenizer)
 

@@ -11,7 +11,6 @@ output is complete only the stop tokens remain allowed.
 
 from __future__ import annotations
 
-import functools
 import json
 import logging
 import re
@@ -107,13 +106,6 @@ class GrammarCompiler:
         self._executor.shutdown(wait=False, cancel_futures=True)
 
 
-@functools.cache
-def _batch_matcher() -> Any:
-    import xgrammar
-
-    return xgrammar.BatchGrammarMatcher()
-
-
 def apply_grammars(logits: torch.Tensor, constrained: list[tuple[int, Any, list[int]]]) -> None:
     """Set to -inf, in place, every token that a grammar forbids next (xgrammar's packed bitmask, one
     row of bits per row of logits). Each ``(row, matcher, drafts)`` masks ``row``, then, with drafts
@@ -121,15 +113,17 @@ def apply_grammars(logits: torch.Tensor, constrained: list[tuple[int, Any, list[
     drafts are taken in turn and rolled back after. Rows after a draft the grammar refuses are left
     as they are: the sample before them cannot be that draft, so they are never kept.
 
-    The first rows are filled by xgrammar's thread pool, since a batch of grammars costs the host
-    tens of microseconds a row; the bitmask is pinned so its copy to the device does not wait."""
+    Rows are filled one by one: xgrammar's thread pool (``BatchGrammarMatcher``) measured slower
+    for every batch up to 64 (benchmarks/structured_outputs_bench.py). The bitmask is pinned so
+    that its copy to the device does not wait for the device."""
     import xgrammar
 
     bitmask = torch.full(xgrammar.get_bitmask_shape(logits.shape[0], logits.shape[-1]), -1,
                          dtype=xgrammar.bitmask_dtype, pin_memory=logits.is_cuda)
-    rows = [row for row, _, _ in constrained]
-    _batch_matcher().batch_fill_next_token_bitmask([matcher for _, matcher, _ in constrained], bitmask, rows)
+    rows = []
     for row, matcher, drafts in constrained:
+        matcher.fill_next_token_bitmask(bitmask, row)
+        rows.append(row)
         taken = 0
         for token in drafts:
             if matcher.is_terminated() or not matcher.accept_token(token):
