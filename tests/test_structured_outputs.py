@@ -149,6 +149,34 @@ def test_overlapped_steps_mask_once_the_previous_tokens_are_read(caplog) -> None
     assert not [r for r in caplog.records if "broke" in r.getMessage()]
 
 
+def test_masks_filled_by_the_thread_pool_equal_those_filled_in_turn(monkeypatch) -> None:
+    """The filler hands rows to xgrammar's thread pool once filling them in turn has cost more than
+    the pool's start: forced either way, every row's mask is the same, and masks differ by state."""
+    import torch
+    import xgrammar
+
+    from tokenmill.default_model import DEFAULT_MODEL_DIR
+    from tokenmill.engine import structured_outputs
+    from tokenmill.tokenizer import load_tokenizer
+
+    compiler = structured_outputs.GrammarCompiler(DEFAULT_MODEL_DIR, 8192, ())
+    compiled = compiler.submit(StructuredOutputsParams(json=SCHEMA)).result()
+    document = load_tokenizer(DEFAULT_MODEL_DIR)('{"name": "Ada", "age": 36}', add_special_tokens=False)["input_ids"]
+    rows = []
+    for i in range(len(document)):
+        matcher = compiler.matcher(compiled)
+        assert all(matcher.accept_token(token) for token in document[:i])
+        rows.append((i, matcher))
+    masks = []
+    for start in (float("inf"), -1.0):
+        monkeypatch.setattr(structured_outputs, "POOL_START_S", start)
+        bitmask = xgrammar.allocate_token_bitmask(len(rows), 8192)
+        structured_outputs.fill_masks(bitmask, rows)
+        masks.append(bitmask)
+    assert torch.equal(masks[0], masks[1])
+    assert len({tuple(row.tolist()) for row in masks[0]}) > 3
+
+
 @pytest.mark.parametrize("structured", [{"regex": "(unclosed"}, {"json": "{not json"}, {"grammar": "root ::= ("},
                                         {"json": {"type": "no-such-type"}}])
 def test_a_constraint_that_does_not_parse_is_refused_before_it_runs(llm: LLM, structured: dict) -> None:

@@ -11,9 +11,11 @@ output is complete only the stop tokens remain allowed.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import re
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -106,24 +108,46 @@ class GrammarCompiler:
         self._executor.shutdown(wait=False, cancel_futures=True)
 
 
+# What starting xgrammar's thread pool costs the host (H200 host, 8 threads: about 250 us for any
+# batch; benchmarks/structured_outputs_bench.py measures it).
+POOL_START_S = 250e-6
+
+
+@functools.cache
+def _thread_pool() -> Any:
+    import xgrammar
+
+    return xgrammar.BatchGrammarMatcher()
+
+
+def fill_masks(bitmask: torch.Tensor, rows: list[tuple[int, Any]]) -> None:
+    """Fill each ``(row, matcher)``'s bitmask row. One row costs from microseconds to a millisecond
+    (the grammar's state and the vocabulary's size decide), so rows are filled in turn for as long
+    as that has cost less than starting the thread pool, and the rest by the pool: never more than
+    twice the better of the two, without knowing the costs beforehand."""
+    started = time.perf_counter()
+    for i, (row, matcher) in enumerate(rows):
+        if len(rows) - i > 1 and time.perf_counter() - started > POOL_START_S:
+            rest = rows[i:]
+            _thread_pool().batch_fill_next_token_bitmask([m for _, m in rest], bitmask, [r for r, _ in rest])
+            return
+        matcher.fill_next_token_bitmask(bitmask, row)
+
+
 def apply_grammars(logits: torch.Tensor, constrained: list[tuple[int, Any, list[int]]]) -> None:
     """Set to -inf, in place, every token that a grammar forbids next (xgrammar's packed bitmask, one
     row of bits per row of logits). Each ``(row, matcher, drafts)`` masks ``row``, then, with drafts
     (speculative decoding), the row after each draft as the matcher stands once that draft is taken:
     drafts are taken in turn and rolled back after. Rows after a draft the grammar refuses are left
-    as they are: the sample before them cannot be that draft, so they are never kept.
-
-    Rows are filled one by one: xgrammar's thread pool (``BatchGrammarMatcher``) measured slower
-    for every batch up to 64 (benchmarks/structured_outputs_bench.py). The bitmask is pinned so
-    that its copy to the device does not wait for the device."""
+    as they are: the sample before them cannot be that draft, so they are never kept. The bitmask
+    is pinned so that its copy to the device does not wait for the device."""
     import xgrammar
 
     bitmask = torch.full(xgrammar.get_bitmask_shape(logits.shape[0], logits.shape[-1]), -1,
                          dtype=xgrammar.bitmask_dtype, pin_memory=logits.is_cuda)
-    rows = []
+    fill_masks(bitmask, [(row, matcher) for row, matcher, _ in constrained])
+    rows = [row for row, _, _ in constrained]
     for row, matcher, drafts in constrained:
-        matcher.fill_next_token_bitmask(bitmask, row)
-        rows.append(row)
         taken = 0
         for token in drafts:
             if matcher.is_terminated() or not matcher.accept_token(token):
