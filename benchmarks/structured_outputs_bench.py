@@ -38,7 +38,7 @@ from tokenmill import LLM, SamplingParams
 from tokenmill.bench.hardware import environment
 from tokenmill.bench.shapes import shape_dir
 from tokenmill.default_model import DEFAULT_MODEL_DIR
-from tokenmill.engine.structured_outputs import GrammarCompiler, apply_grammars, fill_masks
+from tokenmill.engine.structured_outputs import GrammarCompiler, HostBitmask, apply_grammars, fill_masks
 from tokenmill.sampling_params import StructuredOutputsParams
 from tokenmill.tokenizer import load_tokenizer
 
@@ -79,13 +79,14 @@ def model_dir(shape: str | None, tokenizer_vocab: int | None) -> Path:
 
 
 def train_tokenizer(path: Path, vocab_size: int) -> None:
-    """A byte-level BPE tokenizer of ``vocab_size`` tokens learnt from the Python standard library's
-    sources on this machine: a vocabulary as large as Llama 3's, which is what a grammar's mask
+    """A byte-level BPE tokenizer of ``vocab_size`` tokens learnt from the Python sources on this machine
+    (standard library and installed packages): a vocabulary as large as Llama 3's, which is what a grammar's mask
     costs scale with (the embedded model's has 8,192 tokens)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     def texts():
-        for file in sorted(Path(sysconfig.get_paths()["stdlib"]).rglob("*.py")):
+        roots = {sysconfig.get_paths()[key] for key in ("stdlib", "purelib", "platlib")}
+        for file in sorted(f for root in roots for f in Path(root).rglob("*.py")):
             try:
                 yield file.read_text(encoding="utf-8")
             except (UnicodeDecodeError, OSError):
@@ -137,6 +138,7 @@ def mask_times(path: Path, vocab_size: int, device: str, batches: tuple[int, ...
         bitmask = xgrammar.allocate_token_bitmask(batch, vocab_size)
         on_device = bitmask.to(device)
         batched = xgrammar.BatchGrammarMatcher()
+        host = HostBitmask()
 
         def sync() -> None:
             if device == "cuda":
@@ -146,7 +148,7 @@ def mask_times(path: Path, vocab_size: int, device: str, batches: tuple[int, ...
             for i, m in enumerate(matchers):
                 m.fill_next_token_bitmask(bitmask, i)
 
-        parts = {"apply_grammars_us": lambda: (apply_grammars(logits, constrained), sync()),
+        parts = {"apply_grammars_us": lambda: (apply_grammars(logits, constrained, host), sync()),
                  "fill_masks_us": lambda: fill_masks(bitmask, [(i, m) for i, m, _ in constrained]),
                  "fill_row_by_row_us": row_by_row,
                  "fill_thread_pool_us": lambda: batched.batch_fill_next_token_bitmask(matchers, bitmask),

@@ -31,7 +31,7 @@ from tokenmill.engine.cuda_graphs import DecodeGraphs
 from tokenmill.engine.host_staging import HostStaging
 from tokenmill.engine.scheduler import ScheduledBatch
 from tokenmill.engine.sequence import PENDING, Sequence
-from tokenmill.engine.structured_outputs import apply_grammars
+from tokenmill.engine.structured_outputs import HostBitmask, apply_grammars
 from tokenmill.layers.attention import AttentionMetadata, KVCache
 from tokenmill.layers.sampler import Sampler, SamplingBatch, gather_logprobs
 from tokenmill.loader.hf_config import ModelConfig
@@ -200,6 +200,7 @@ class ModelRunner:
         self.kv_tensors, self.kv_caches = allocate_kv_caches(cfg.kv_layout().sharded(tp.size), num_blocks,
                                                              block_size, kv_cache_dtype or dtype, device)
         self.sampler = Sampler()
+        self.host_bitmask = HostBitmask()  # structured outputs: the grammars' masks
         self.staging = HostStaging(device)
         self.graphs: DecodeGraphs | None = None
         if cuda_graphs and device.type == "cuda":
@@ -419,7 +420,7 @@ class ModelRunner:
                        if seq.matcher is not None and not seq.matcher.is_terminated()]
         if constrained:  # structured outputs: only the tokens each grammar allows next
             logits = logits.float()  # (a copy of a graph's bf16 output)
-            apply_grammars(logits, constrained)
+            apply_grammars(logits, constrained, self.host_bitmask)
             greedy_ids = None
         if any(s.params.uses_penalties for s in step.sampled_seqs):
             batch.output_counts, batch.prompt_mask = self._token_counts(

@@ -134,17 +134,43 @@ def fill_masks(bitmask: torch.Tensor, rows: list[tuple[int, Any]]) -> None:
         matcher.fill_next_token_bitmask(bitmask, row)
 
 
-def apply_grammars(logits: torch.Tensor, constrained: list[tuple[int, Any, list[int]]]) -> None:
+class HostBitmask:
+    """The grammars' bitmask on the host, pinned and reused from step to step: pinning memory each
+    step cost 0.45 ms on the H200's host. Each fill writes whole rows and only filled rows are
+    applied, so nothing is cleared; before refilling, it waits for the last copy out of it (long
+    done by then: the engine reads a step's tokens, after that copy, before it samples again)."""
+
+    def __init__(self) -> None:
+        self._buffer: torch.Tensor | None = None
+        self._copied: torch.cuda.Event | None = None
+
+    def rows(self, count: int, vocab_size: int, pinned: bool) -> torch.Tensor:
+        import xgrammar
+
+        shape = xgrammar.get_bitmask_shape(count, vocab_size)
+        if self._buffer is None or self._buffer.shape[0] < count or self._buffer.shape[1] != shape[1]:
+            self._buffer = torch.empty(shape, dtype=xgrammar.bitmask_dtype, pin_memory=pinned)
+        elif self._copied is not None:
+            self._copied.synchronize()
+        return self._buffer[:count]
+
+    def to(self, bitmask: torch.Tensor, device: torch.device) -> torch.Tensor:
+        on_device = bitmask.to(device, non_blocking=True)
+        if device.type == "cuda":
+            self._copied = torch.cuda.Event()
+            self._copied.record()
+        return on_device
+
+
+def apply_grammars(logits: torch.Tensor, constrained: list[tuple[int, Any, list[int]]], host: HostBitmask) -> None:
     """Set to -inf, in place, every token that a grammar forbids next (xgrammar's packed bitmask, one
     row of bits per row of logits). Each ``(row, matcher, drafts)`` masks ``row``, then, with drafts
     (speculative decoding), the row after each draft as the matcher stands once that draft is taken:
     drafts are taken in turn and rolled back after. Rows after a draft the grammar refuses are left
-    as they are: the sample before them cannot be that draft, so they are never kept. The bitmask
-    is pinned so that its copy to the device does not wait for the device."""
+    as they are: the sample before them cannot be that draft, so they are never kept."""
     import xgrammar
 
-    bitmask = torch.full(xgrammar.get_bitmask_shape(logits.shape[0], logits.shape[-1]), -1,
-                         dtype=xgrammar.bitmask_dtype, pin_memory=logits.is_cuda)
+    bitmask = host.rows(logits.shape[0], logits.shape[-1], pinned=logits.is_cuda)
     fill_masks(bitmask, [(row, matcher) for row, matcher, _ in constrained])
     rows = [row for row, _, _ in constrained]
     for row, matcher, drafts in constrained:
@@ -157,5 +183,5 @@ def apply_grammars(logits: torch.Tensor, constrained: list[tuple[int, Any, list[
             rows.append(row + taken)
         if taken:
             matcher.rollback(taken)
-    xgrammar.apply_token_bitmask_inplace(logits, bitmask.to(logits.device, non_blocking=True),
+    xgrammar.apply_token_bitmask_inplace(logits, host.to(bitmask, logits.device),
                                          vocab_size=logits.shape[-1], indices=rows)
