@@ -177,6 +177,25 @@ def test_masks_filled_by_the_thread_pool_equal_those_filled_in_turn(monkeypatch)
     assert len({tuple(row.tolist()) for row in masks[0]}) > 3
 
 
+@pytest.mark.parametrize("vocab_size", [64, 8192, 1000])
+def test_masking_logits_matches_xgrammar(vocab_size: int) -> None:
+    import torch
+    import xgrammar
+
+    from tokenmill.engine.structured_outputs import mask_logits
+
+    generator = torch.Generator().manual_seed(vocab_size)
+    bitmask = torch.randint(-2**31, 2**31 - 1, xgrammar.get_bitmask_shape(5, vocab_size), dtype=torch.int32,
+                            generator=generator)
+    bitmask[1] = -1  # a row that allows everything
+    logits = torch.randn(5, vocab_size, generator=generator)
+    expected = logits.clone()
+    xgrammar.apply_token_bitmask_inplace(expected, bitmask, vocab_size=vocab_size)
+    mask_logits(logits, bitmask)
+    assert torch.equal(logits, expected)
+    assert logits[1].isfinite().all() and 0.3 < logits.isinf().float().mean() < 0.7
+
+
 @pytest.mark.parametrize("structured", [{"regex": "(unclosed"}, {"json": "{not json"}, {"grammar": "root ::= ("},
                                         {"json": {"type": "no-such-type"}}])
 def test_a_constraint_that_does_not_parse_is_refused_before_it_runs(llm: LLM, structured: dict) -> None:

@@ -136,9 +136,10 @@ def fill_masks(bitmask: torch.Tensor, rows: list[tuple[int, Any]]) -> None:
 
 class HostBitmask:
     """The grammars' bitmask on the host, pinned and reused from step to step: pinning memory each
-    step cost 0.45 ms on the H200's host. Each fill writes whole rows and only filled rows are
-    applied, so nothing is cleared; before refilling, it waits for the last copy out of it (long
-    done by then: the engine reads a step's tokens, after that copy, before it samples again)."""
+    step cost 0.45 ms on the H200's host. Fills write whole rows and the rows no grammar fills are
+    set to allow every token, so nothing is cleared; before refilling, it waits for the last copy
+    out of it (long done by then: the engine reads a step's tokens, after that copy, before it
+    samples again)."""
 
     def __init__(self) -> None:
         self._buffer: torch.Tensor | None = None
@@ -168,20 +169,27 @@ def apply_grammars(logits: torch.Tensor, constrained: list[tuple[int, Any, list[
     (speculative decoding), the row after each draft as the matcher stands once that draft is taken:
     drafts are taken in turn and rolled back after. Rows after a draft the grammar refuses are left
     as they are: the sample before them cannot be that draft, so they are never kept."""
-    import xgrammar
-
     bitmask = host.rows(logits.shape[0], logits.shape[-1], pinned=logits.is_cuda)
     fill_masks(bitmask, [(row, matcher) for row, matcher, _ in constrained])
-    rows = [row for row, _, _ in constrained]
+    masked = torch.zeros(logits.shape[0], dtype=torch.bool)
     for row, matcher, drafts in constrained:
+        masked[row] = True
         taken = 0
         for token in drafts:
             if matcher.is_terminated() or not matcher.accept_token(token):
                 break
             taken += 1
             matcher.fill_next_token_bitmask(bitmask, row + taken)
-            rows.append(row + taken)
+            masked[row + taken] = True
         if taken:
             matcher.rollback(taken)
-    xgrammar.apply_token_bitmask_inplace(logits, host.to(bitmask, logits.device),
-                                         vocab_size=logits.shape[-1], indices=rows)
+    bitmask[~masked] = -1  # every token allowed
+    mask_logits(logits, host.to(bitmask, logits.device))
+
+
+def mask_logits(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
+    """``logits[i, t] = -inf`` where bit ``t % 32`` of ``bitmask[i, t // 32]`` is 0, in plain torch:
+    xgrammar's Triton kernel compiles again for each new batch-size class, on the request path."""
+    shifts = torch.arange(32, dtype=bitmask.dtype, device=bitmask.device)
+    bits = (bitmask.unsqueeze(-1) >> shifts) & 1
+    logits.masked_fill_(bits.view(bitmask.shape[0], -1)[:, :logits.shape[-1]] == 0, float("-inf"))
