@@ -171,19 +171,19 @@ def apply_grammars(logits: torch.Tensor, constrained: list[tuple[int, Any, list[
     as they are: the sample before them cannot be that draft, so they are never kept."""
     bitmask = host.rows(logits.shape[0], logits.shape[-1], pinned=logits.is_cuda)
     fill_masks(bitmask, [(row, matcher) for row, matcher, _ in constrained])
-    masked = torch.zeros(logits.shape[0], dtype=torch.bool)
+    masked = [row for row, _, _ in constrained]
     for row, matcher, drafts in constrained:
-        masked[row] = True
         taken = 0
         for token in drafts:
             if matcher.is_terminated() or not matcher.accept_token(token):
                 break
             taken += 1
             matcher.fill_next_token_bitmask(bitmask, row + taken)
-            masked[row + taken] = True
+            masked.append(row + taken)
         if taken:
             matcher.rollback(taken)
-    bitmask[~masked] = -1  # every token allowed
+    if len(masked) < len(bitmask):  # (one index op: a tensor's item assignments cost microseconds each)
+        bitmask[sorted(set(range(len(bitmask))) - set(masked))] = -1  # every token allowed
     mask_logits(logits, host.to(bitmask, logits.device))
 
 
