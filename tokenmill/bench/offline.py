@@ -170,15 +170,18 @@ def standard_workload(num_requests: int = 256, low: int = 100, high: int = 1024,
             for _ in range(num_requests)]
 
 
-def add_workload(engine: LLMEngine, workload: list[tuple[list[int], int]], prefix: str = "w") -> None:
-    """Queue (prompt, output length) pairs as greedy ``ignore_eos`` requests."""
+def add_workload(engine: LLMEngine, workload: list[tuple[list[int], int]], prefix: str = "w",
+                 sampling: dict[str, Any] | None = None) -> None:
+    """Queue (prompt, output length) pairs as ``ignore_eos`` requests, greedy unless ``sampling``
+    gives other ``SamplingParams`` fields."""
     for i, (prompt, out_len) in enumerate(workload):
-        engine.add_request(f"{prefix}{i}", prompt, SamplingParams(temperature=0, max_tokens=out_len, ignore_eos=True),
-                           stream=False)
+        params = SamplingParams(**{"temperature": 0, **(sampling or {})}, max_tokens=out_len, ignore_eos=True)
+        engine.add_request(f"{prefix}{i}", prompt, params, stream=False)
 
 
-def run_workload(engine: LLMEngine, ceilings: Ceilings, workload: list[tuple[list[int], int]]) -> dict:
-    add_workload(engine, workload)
+def run_workload(engine: LLMEngine, ceilings: Ceilings, workload: list[tuple[list[int], int]],
+                 sampling: dict[str, Any] | None = None) -> dict:
+    add_workload(engine, workload, sampling=sampling)
     records, wall, peak = run_metered(engine, ceilings)
     out_tokens = sum(n for _, n in workload)
     total_tokens = out_tokens + sum(len(p) for p, _ in workload)

@@ -14,6 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
+from tokenmill.layers import ops
+
 
 @dataclass
 class SamplingBatch:
@@ -68,19 +70,12 @@ def apply_penalties(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
 
 
 def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
-    """Mask to -inf every token outside the row's top-k and outside the smallest set whose
-    probability reaches top-p (the token that crosses top-p is kept)."""
-    sorted_logits, order = logits.sort(dim=-1, descending=True)
-    vocab = logits.shape[-1]
-    ranks = torch.arange(vocab, device=logits.device)[None, :]
-    k = torch.where(top_k > 0, top_k, vocab)[:, None]
-    drop = ranks >= k
-    probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(dim=-1)
-    before = probs.cumsum(dim=-1) - probs  # mass strictly before each token
-    drop |= before >= top_p[:, None]
-    drop[:, 0] = False
-    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
-    return torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
+    """Mask to -inf every token outside the row's top-k and outside the smallest set of its most
+    likely tokens whose probability (renormalised over the top-k) reaches top-p: the token that
+    crosses top-p is kept, and so is any token tied with the last one kept. No sort on the GPU
+    (a threshold search per row, ``kernels/triton_sampling.py``)."""
+    threshold = ops.top_k_top_p_threshold(logits, top_k, top_p)
+    return logits.masked_fill(logits < threshold[:, None], float("-inf"))
 
 
 def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,87 @@
+"""Sampled requests against greedy ones: the top-k/top-p threshold kernel against sorting, and
+the standard workload through the engine with each kind of sampling.
+
+- threshold: ``top_k_top_p_threshold`` over Qwen3's vocabulary (151,936) for 1, 64 and 256 rows,
+  the Triton kernel against the sort-based reference, on flat logits (random: the nucleus holds
+  most of the vocabulary) and peaked ones (×8: a nucleus of a few tokens);
+- workload: Qwen3-0.6B's shape (random weights), 256 requests with prompt and output lengths
+  uniform in [100, 1024], greedy, ``temperature=1``, ``top_p=0.9``, ``top_k=50`` and both, in one
+  engine, each beside its step floors (``tokenmill/bench/offline.py``).
+
+    python benchmarks/sampling_bench.py [--shape qwen3-0.6b] [--out FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+from tokenmill.bench.hardware import environment, measure_ceilings, time_cuda
+from tokenmill.bench.offline import make_engine, run_workload, standard_workload
+from tokenmill.kernels import reference, triton_ops
+
+VOCAB = 151936
+SAMPLINGS = {"greedy": {}, "temperature": {"temperature": 1.0}, "top_p": {"temperature": 1.0, "top_p": 0.9},
+             "top_k": {"temperature": 1.0, "top_k": 50},
+             "top_k_top_p": {"temperature": 1.0, "top_k": 50, "top_p": 0.9}}
+
+
+def threshold_rows(ceilings) -> list[dict]:
+    rows = []
+    for batch in (1, 64, 256):
+        for spread in ("flat", "peaked"):
+            logits = torch.randn(batch, VOCAB, device="cuda") * (8.0 if spread == "peaked" else 1.0)
+            for name, k, p in (("top_p", 0, 0.9), ("top_k", 50, 1.0), ("top_k_top_p", 50, 0.9)):
+                top_k = torch.full((batch,), k, dtype=torch.int64, device="cuda")
+                top_p = torch.full((batch,), p, device="cuda")
+                same = torch.equal(triton_ops.top_k_top_p_threshold(logits, top_k, top_p),
+                                   reference.top_k_top_p_threshold(logits, top_k, top_p))
+                kernel = time_cuda(lambda: triton_ops.top_k_top_p_threshold(logits, top_k, top_p))
+                sort = time_cuda(lambda: reference.top_k_top_p_threshold(logits, top_k, top_p))
+                # The floor: the logits read once (the kernel rereads each row from L2 every step).
+                floor = ceilings.floor(logits.numel() * 4, 0.0)
+                rows.append({"name": f"sampling/threshold/{name}/{spread}/b{batch}", "batch": batch, "vocab": VOCAB,
+                             "kernel_us": kernel * 1e6, "sort_us": sort * 1e6, "equal_to_reference": same,
+                             "floor_us": floor * 1e6, "fraction_of_floor": floor / kernel})
+    return rows
+
+
+def workload_rows(shape: str, ceilings) -> list[dict]:
+    engine = make_engine(shape, max_num_seqs=256, max_num_batched_tokens=8192)
+    workload = standard_workload(vocab=engine.model_config.vocab_size)
+    run_workload(engine, ceilings, workload[:32])  # warm-up
+    rows = []
+    for name, sampling in SAMPLINGS.items():
+        result = run_workload(engine, ceilings, workload, sampling)
+        rows.append({"name": f"sampling/workload/{shape}/{name}", "sampling": sampling, **result})
+    greedy = rows[0]["output_tok_per_s"]
+    for row in rows:
+        row["of_greedy"] = row["output_tok_per_s"] / greedy
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--shape", default="qwen3-0.6b")
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    ceilings = measure_ceilings()
+    rows = threshold_rows(ceilings)
+    for row in rows:
+        print(f"{row['name']:40s} kernel {row['kernel_us']:8.1f} us  sort {row['sort_us']:8.1f} us"
+              f"  equal {row['equal_to_reference']}")
+    rows += workload_rows(args.shape, ceilings)
+    for row in rows[-len(SAMPLINGS):]:
+        print(f"{row['name']:40s} {row['output_tok_per_s']:9,.0f} out tok/s ({row['of_greedy']:.1%} of greedy, "
+              f"{row['fraction_of_floor']:.0%} of floor)")
+    if args.out:
+        Path(args.out).write_text(json.dumps({"environment": environment(ceilings, " ".join(sys.argv)),
+                                              "rows": rows}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
