@@ -1,9 +1,8 @@
-"""Sampled requests against greedy ones: the top-k/top-p threshold kernel against sorting, and
-the standard workload through the engine with each kind of sampling.
+"""Sampled requests against greedy ones: what top-k/top-p cost a step, and the standard workload
+through the engine with each kind of sampling.
 
-- threshold: ``top_k_top_p_threshold`` over Qwen3's vocabulary (151,936) for 1, 64 and 256 rows,
-  the Triton kernel against the sort-based reference, on flat logits (random: the nucleus holds
-  most of the vocabulary) and peaked ones (×8: a nucleus of a few tokens);
+- masks: ``apply_top_k_top_p`` over Qwen3's vocabulary (151,936) for 1, 64 and 256 rows, on flat
+  logits (random: the nucleus holds most of the vocabulary) and peaked ones (×8: a few tokens);
 - workload: Qwen3-0.6B's shape (random weights), 256 requests with prompt and output lengths
   uniform in [100, 1024], greedy, ``temperature=1``, ``top_p=0.9``, ``top_k=50`` and both, in one
   engine, each beside its step floors (``tokenmill/bench/offline.py``).
@@ -22,7 +21,7 @@ import torch
 
 from tokenmill.bench.hardware import environment, measure_ceilings, time_cuda
 from tokenmill.bench.offline import make_engine, run_workload, standard_workload
-from tokenmill.kernels import reference, triton_ops
+from tokenmill.layers.sampler import apply_top_k_top_p
 
 VOCAB = 151936
 SAMPLINGS = {"greedy": {}, "temperature": {"temperature": 1.0}, "top_p": {"temperature": 1.0, "top_p": 0.9},
@@ -30,7 +29,7 @@ SAMPLINGS = {"greedy": {}, "temperature": {"temperature": 1.0}, "top_p": {"tempe
              "top_k_top_p": {"temperature": 1.0, "top_k": 50, "top_p": 0.9}}
 
 
-def threshold_rows(ceilings) -> list[dict]:
+def mask_rows(ceilings) -> list[dict]:
     rows = []
     for batch in (1, 64, 256):
         for spread in ("flat", "peaked"):
@@ -38,15 +37,10 @@ def threshold_rows(ceilings) -> list[dict]:
             for name, k, p in (("top_p", 0, 0.9), ("top_k", 50, 1.0), ("top_k_top_p", 50, 0.9)):
                 top_k = torch.full((batch,), k, dtype=torch.int64, device="cuda")
                 top_p = torch.full((batch,), p, device="cuda")
-                same = torch.equal(triton_ops.top_k_top_p_threshold(logits, top_k, top_p),
-                                   reference.top_k_top_p_threshold(logits, top_k, top_p))
-                kernel = time_cuda(lambda: triton_ops.top_k_top_p_threshold(logits, top_k, top_p))
-                sort = time_cuda(lambda: reference.top_k_top_p_threshold(logits, top_k, top_p))
-                # The floor: the logits read once (the kernel rereads each row from L2 every step).
-                floor = ceilings.floor(logits.numel() * 4, 0.0)
-                rows.append({"name": f"sampling/threshold/{name}/{spread}/b{batch}", "batch": batch, "vocab": VOCAB,
-                             "kernel_us": kernel * 1e6, "sort_us": sort * 1e6, "equal_to_reference": same,
-                             "floor_us": floor * 1e6, "fraction_of_floor": floor / kernel})
+                seconds = time_cuda(lambda: apply_top_k_top_p(logits, top_k, top_p))
+                floor = ceilings.floor(2 * logits.numel() * 4, 0.0)  # the logits read and the masked ones written
+                rows.append({"name": f"sampling/mask/{name}/{spread}/b{batch}", "batch": batch, "vocab": VOCAB,
+                             "us": seconds * 1e6, "floor_us": floor * 1e6, "fraction_of_floor": floor / seconds})
     return rows
 
 
@@ -70,10 +64,9 @@ def main() -> None:
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     ceilings = measure_ceilings()
-    rows = threshold_rows(ceilings)
+    rows = mask_rows(ceilings)
     for row in rows:
-        print(f"{row['name']:40s} kernel {row['kernel_us']:8.1f} us  sort {row['sort_us']:8.1f} us"
-              f"  equal {row['equal_to_reference']}")
+        print(f"{row['name']:40s} {row['us']:8.1f} us (floor {row['floor_us']:.1f} us)")
     rows += workload_rows(args.shape, ceilings)
     for row in rows[-len(SAMPLINGS):]:
         print(f"{row['name']:40s} {row['output_tok_per_s']:9,.0f} out tok/s ({row['of_greedy']:.1%} of greedy, "

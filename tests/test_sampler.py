@@ -53,6 +53,33 @@ def test_top_k_then_top_p_renormalises_over_the_top_k() -> None:
     assert kept(apply_top_k_top_p(LOGITS, torch.tensor([2]), torch.tensor([0.5]))) == {1}
 
 
+def test_ties_at_the_edge_are_kept_whole() -> None:
+    logits = torch.tensor([[0.4, 0.2, 0.2, 0.2, 0.1]]).log()
+    assert kept(apply_top_k_top_p(logits, torch.tensor([2]), torch.tensor([1.0]))) == {0, 1, 2, 3}
+    assert kept(apply_top_k_top_p(logits, torch.tensor([0]), torch.tensor([0.5]))) == {0, 1, 2, 3}
+    assert kept(apply_top_k_top_p(logits, torch.tensor([0]), torch.tensor([0.3]))) == {0}
+
+
+def test_top_k_top_p_keeps_what_the_definition_keeps() -> None:
+    """Against the rule token by token (float64, random rows with ties): a token stays when fewer
+    than k tokens are more likely and they hold less than p of the top-k's renormalised mass."""
+    gen = torch.Generator().manual_seed(11)
+    logits = (torch.randn(40, 60, generator=gen, dtype=torch.float64) * 3).round()  # many ties
+    logits[::4] *= 25  # extreme temperatures
+    top_k = torch.randint(0, 70, (40,), generator=gen)
+    top_p = torch.rand(40, generator=gen, dtype=torch.float64).clamp_min(1e-3)
+    top_p[::3] = 1.0
+    out = apply_top_k_top_p(logits, top_k, top_p)
+    for row in range(40):
+        z = logits[row]
+        larger = (z[None, :] > z[:, None]).sum(dim=1)
+        in_top_k = larger < (top_k[row] if top_k[row] > 0 else len(z))
+        probs = torch.where(in_top_k, z, float("-inf")).softmax(dim=0)
+        mass_larger = ((z[None, :] > z[:, None]) * probs[None, :]).sum(dim=1)
+        expected = in_top_k & (mass_larger < top_p[row])
+        assert torch.equal(out[row].isfinite(), expected), row
+
+
 @pytest.mark.parametrize("min_p, expected", [(0.2, {0, 1, 3, 4}), (0.3, {1, 3, 4}), (0.8, {1}), (0.0, {0, 1, 2, 3, 4})])
 def test_min_p_drops_tokens_below_a_fraction_of_the_best(min_p: float, expected: set[int]) -> None:
     assert kept(apply_min_p(LOGITS, torch.tensor([min_p]))) == expected

@@ -616,52 +616,6 @@ def _interpret_q8_matmul(ops) -> None:
         check_q8_matmul(ops, m=37, n=130, k=160, dtype=dtype, device="cpu", bias=False)
 
 
-def _nucleus_between(values: torch.Tensor, k: int, gen: torch.Generator) -> float:
-    """A top-p for one row halfway between two of its achievable masses (renormalised over the top-k,
-    in float64), so that float32 rounding cannot move the kept set: the test then asks for equality."""
-    ordered = values.double().sort(descending=True).values
-    larger = torch.searchsorted(-ordered, -ordered, side="left")
-    in_top_k = larger < (k if k > 0 else len(ordered))
-    probs = ordered.masked_fill(~in_top_k, float("-inf")).softmax(dim=-1)
-    masses = torch.unique((probs.cumsum(0) - probs)[larger][in_top_k])  # sorted, 0 first
-    gaps = torch.nonzero(masses[1:] - masses[:-1] > 1e-4).flatten()
-    if not len(gaps):
-        return 0.5  # one tie-run holds the whole top-k: any p keeps exactly it
-    i = gaps[torch.randint(len(gaps), (1,), generator=gen).item()].item()
-    return float((masses[i] + masses[i + 1]) / 2)
-
-
-def check_top_k_top_p(ops, *, rows: int, vocab: int, device: str) -> None:
-    """Each row's threshold for its top-k and top-p against the sort-based reference, exactly: logits
-    at temperatures from 1/1000 to 1000 (scaled), ties (values on a coarse grid), banned tokens
-    (-inf), top-k off, small, beyond the vocabulary, with top-p off, tiny, or between two masses."""
-    gen, seed = fresh_generator("cpu")
-    logits = torch.randn(rows, vocab, generator=gen)
-    scale = torch.tensor([1e-3, 1.0, 30.0, 1e3])[torch.arange(rows) % 4]
-    logits = logits * scale[:, None]
-    logits[1::3] = (logits[1::3] * 2).round() / 2  # ties
-    logits[2::5, ::7] = float("-inf")
-    top_k = torch.tensor([[0, 1, 2, 7, 50, vocab + 5][i % 6] for i in range(rows)])
-    top_p = torch.ones(rows)
-    for row in range(rows):
-        if row % 4 == 1:
-            top_p[row] = 1e-6
-        elif row % 4 != 0:
-            top_p[row] = _nucleus_between(logits[row], int(top_k[row]), gen)
-    logits, top_k, top_p = logits.to(device), top_k.to(device), top_p.to(device)
-    ref = reference.top_k_top_p_threshold(logits, top_k, top_p)
-    got = ops.top_k_top_p_threshold(logits, top_k, top_p)
-    where = f"seed={seed} top_k_top_p rows={rows} vocab={vocab}"
-    assert got.shape == ref.shape and got.dtype == torch.float32, where
-    assert torch.equal(logits >= got[:, None], logits >= ref[:, None]), where
-    assert torch.equal(got, ref), where
-
-
-def _interpret_top_k_top_p(ops) -> None:
-    check_top_k_top_p(ops, rows=12, vocab=300, device="cpu")
-    check_top_k_top_p(ops, rows=4, vocab=5000, device="cpu")  # several blocks a row
-
-
 INTERPRET_CASES = {
     "gemv": _interpret_gemv,
     "q8_matmul": _interpret_q8_matmul,
@@ -674,7 +628,6 @@ INTERPRET_CASES = {
     "rotary_embedding_and_write_kv": _interpret_rope_write_kv,
     "silu_and_mul": _interpret_act_and_mul("silu_and_mul"),
     "gelu_tanh_and_mul": _interpret_act_and_mul("gelu_tanh_and_mul"),
-    "top_k_top_p": _interpret_top_k_top_p,
 }
 
 if __name__ == "__main__":

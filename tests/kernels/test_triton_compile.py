@@ -170,8 +170,6 @@ def _launches(monkeypatch: pytest.MonkeyPatch) -> list[Launch]:
                                            torch.tensor([40], dtype=torch.int32), torch.zeros(1, 4, dtype=torch.int32),
                                            0.1, max_query_len=query_len, k_scale=ks, v_scale=vs)
         triton_ops.silu_and_mul(rand(3, 512))
-        if dtype == torch.float32:  # the sampler's logits
-            triton_ops.top_k_top_p_threshold(rand(3, 5000), torch.tensor([0, 5, 50]), torch.tensor([0.9, 1.0, 0.5]))
         triton_ops.gelu_tanh_and_mul(rand(3, 512))
         row, proj = rand(1, 4096), rand(64, 4096)
         triton_ops.linear_residual(row, proj, None, rand(1, 64))
@@ -196,7 +194,7 @@ def test_every_kernel_compiles_for_hopper(monkeypatch: pytest.MonkeyPatch) -> No
     monkeypatch.undo()
     names = {launch.fn.__name__ for launch in launches}
     assert {"_paged_attention_kernel", "_merge_splits_kernel", "_rms_norm_kernel", "_rope_write_kv_kernel",
-            "_act_and_mul_kernel", "_gemv_kernel", "_q8_matmul_kernel", "_top_k_top_p_threshold_kernel"} <= names, names
+            "_act_and_mul_kernel", "_gemv_kernel", "_q8_matmul_kernel"} <= names, names
     variants = {(launch.fn.__name__, key, launch.constexprs.get(key)) for launch in launches for key in
                 ("SOFTCAP", "WEIGHTING", "GELU_TANH", "BLOCK_D", "ADD_AFTER", "GELU")}
     assert {("_paged_attention_kernel", "SOFTCAP", True), ("_paged_attention_kernel", "BLOCK_D", 512),

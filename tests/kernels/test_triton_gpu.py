@@ -295,11 +295,6 @@ def test_gelu_tanh_and_mul(dtype, num_tokens, d) -> None:
                             device="cuda")
 
 
-@pytest.mark.parametrize("rows,vocab", [(64, 151936), (5, 128256), (12, 1000)])
-def test_top_k_top_p_threshold(rows, vocab) -> None:
-    cases.check_top_k_top_p(triton_ops, rows=rows, vocab=vocab, device="cuda")
-
-
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("kind", cases.GEMV_KINDS)
 @pytest.mark.parametrize("n,k,bias", [(4096, 4096, False), (2560, 10240, False), (1000, 300, True)])

@@ -296,19 +296,3 @@ GATED_ACTIVATIONS = {"silu": silu_and_mul, "gelu_tanh": gelu_tanh_and_mul}
 # How a family's RMSNorm applies its weight, by the name its norm modules give (``weighting``):
 # Llama's ``w * norm(x)`` rounded first, Gemma 3's ``(1 + w)`` and Gemma 4's ``w`` in float32.
 NORMS = {"llama": rms_norm, "offset": offset_rms_norm, "fp32": fp32_weight_rms_norm}
-
-
-def top_k_top_p_threshold(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
-    """Each row's smallest kept value for its top-k (``top_k`` [N] int, 0 = off) and then top-p
-    (``top_p`` [N] float, 1 = off) over the top-k's renormalised probabilities: a value is kept
-    when fewer than k values are larger and the larger ones hold less than p of the mass, so a
-    tie at the threshold is kept whole. -inf where both are off. Sort-based: the ground truth."""
-    values = logits.float().sort(dim=-1, descending=True).values
-    vocab = values.shape[-1]
-    larger = torch.searchsorted(-values, -values, side="left")  # how many values are strictly larger
-    in_top_k = larger < torch.where(top_k > 0, top_k, vocab)[:, None]
-    probs = values.masked_fill(~in_top_k, float("-inf")).softmax(dim=-1)
-    mass_larger = (probs.cumsum(dim=-1) - probs).gather(-1, larger)
-    kept = in_top_k & (mass_larger < top_p[:, None])
-    threshold = values.gather(-1, kept.sum(dim=-1, keepdim=True) - 1).squeeze(-1)
-    return torch.where((top_k > 0) | (top_p < 1), threshold, float("-inf"))

@@ -174,8 +174,3 @@ def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
 
 _GATED = {"silu": silu_and_mul, "gelu_tanh": gelu_tanh_and_mul}
 _NORMS = {"llama": rms_norm, "offset": offset_rms_norm, "fp32": fp32_weight_rms_norm}
-
-
-def top_k_top_p_threshold(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
-    """Each row's smallest value kept by its top-k and top-p (``reference.top_k_top_p_threshold``)."""
-    return backend_for(logits).top_k_top_p_threshold(logits, top_k, top_p)

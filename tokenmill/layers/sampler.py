@@ -14,8 +14,6 @@ from dataclasses import dataclass
 
 import torch
 
-from tokenmill.layers import ops
-
 
 @dataclass
 class SamplingBatch:
@@ -70,12 +68,19 @@ def apply_penalties(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
 
 
 def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
-    """Mask to -inf every token outside the row's top-k and outside the smallest set of its most
-    likely tokens whose probability (renormalised over the top-k) reaches top-p: the token that
-    crosses top-p is kept, and so is any token tied with the last one kept. No sort on the GPU
-    (a threshold search per row, ``kernels/triton_sampling.py``)."""
-    threshold = ops.top_k_top_p_threshold(logits, top_k, top_p)
-    return logits.masked_fill(logits < threshold[:, None], float("-inf"))
+    """Mask to -inf every token outside the row's top-k (``top_k`` 0 = off) and outside the smallest
+    set of its most likely tokens whose probability, renormalised over the top-k, reaches top-p
+    (1 = off): a token is kept when fewer than k tokens are more likely and those hold less than p
+    of the mass, so the token that crosses top-p is kept, and ties at the edge are kept whole."""
+    values = logits.sort(dim=-1, descending=True).values
+    vocab = values.shape[-1]
+    larger = torch.searchsorted(-values, -values, side="left")  # how many values are strictly larger
+    in_top_k = larger < torch.where(top_k > 0, top_k, vocab)[:, None]
+    probs = values.masked_fill(~in_top_k, float("-inf")).softmax(dim=-1)
+    mass_larger = (probs.cumsum(dim=-1) - probs).gather(-1, larger)
+    kept = in_top_k & (mass_larger < top_p[:, None])
+    threshold = values.gather(-1, kept.sum(dim=-1, keepdim=True) - 1)
+    return logits.masked_fill(logits < threshold, float("-inf"))
 
 
 def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
