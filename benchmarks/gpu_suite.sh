@@ -8,7 +8,8 @@
 #  `spec` = the verify step against decode per batch size, and the standard workload with it on/off;
 #  `sampling` = top-k/top-p kernel and sampled workloads, benchmarks/sampling_bench.py;
 #  `structured` = structured outputs, benchmarks/structured_outputs_bench.py;
-#  `tp` = on two GPUs, the tensor-parallel GPU tests and benchmarks/tp_bench.py.)
+#  `tp` = on two GPUs, the tensor-parallel GPU tests and benchmarks/tp_bench.py (all-reduces, 8B decode);
+#  `tp70b` = on two GPUs, Llama-3-70B split over both: batch sweep and standard workload.)
 # Results and logs go to $OUT (the device tool brings them back).
 set -o pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
@@ -18,6 +19,11 @@ nvidia-smi --query-gpu=name,memory.total,memory.used,clocks.sm,clocks.mem --form
 # Kernel tests are bound by Triton compiling on the host: spread them over processes when pytest-xdist is there.
 parallel=""
 python3 -c "import xdist" 2>/dev/null && parallel="-n ${PYTEST_WORKERS:-8}"
+# The 8 KB NCCL all-reduce time a `tp` part measured, as tp_bench.py's option (nothing if none ran).
+allreduce_arg() {
+  python3 -c "import json; print('--allreduce-us', next(r['graph_us'] for r in json.load(open('$OUT/tp-allreduce.json'))['rows']
+              if r['implementation'] == 'nccl'))" 2>/dev/null
+}
 for part in "$@"; do
   case $part in
     tests)
@@ -87,8 +93,16 @@ for part in "$@"; do
       # Two GPUs: tensor-parallel parity (bf16) against one GPU, then all-reduces and TP=2 decode.
       python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_tensor_parallel.py 2>&1 \
         | tee "$OUT/gpu-tp-tests.log" | tail -15
-      timeout 590 python3 benchmarks/tp_bench.py all --out "$OUT/tp.json" 2>&1 | grep -v -e "it/s]" -e "^Loading" \
-        | tail -30 ;;
+      timeout 590 python3 benchmarks/tp_bench.py allreduce --out "$OUT/tp-allreduce.json" 2>&1 | tail -20
+      timeout 590 python3 benchmarks/tp_bench.py decode --out "$OUT/tp-decode.json" \
+        $(allreduce_arg) \
+        2>&1 | grep -v -e "it/s]" -e "^Loading" | tail -10 ;;
+    tp70b)
+      # Two GPUs: Llama-3-70B split over both (batch sweep, standard workload), the all-reduce time
+      # in its floor from a tp part run before (else the benchmark's default).
+      timeout 590 python3 benchmarks/tp_bench.py 70b --out "$OUT/tp-70b.json" \
+        $(allreduce_arg) \
+        2>&1 | grep -v -e "it/s]" -e "^Loading" | tail -10 ;;
     kernel-profile)
       python3 benchmarks/profile_kernels.py --out "$OUT/kernel-profile.json" 2>&1 | grep -v "it/s]" | tail -80 ;;
     *) echo "unknown part $part"; exit 2 ;;

@@ -1,5 +1,5 @@
 """Tensor parallelism on two GPUs (``tokenmill/bench/tensor_parallel.py``):
-python benchmarks/tp_bench.py allreduce|decode|all [--out F]."""
+python benchmarks/tp_bench.py allreduce|decode|70b|all [--out F]."""
 
 import sys
 

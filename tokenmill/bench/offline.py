@@ -56,10 +56,11 @@ def release() -> None:
     torch.cuda.empty_cache()
 
 
-def run_metered(engine: LLMEngine, ceilings: Ceilings) -> tuple[list[StepRecord], float, int]:
-    """Step the engine until idle, recording each step's time and floor.
-    Returns (steps, wall seconds, peak KV blocks in use)."""
-    cost = StepCostModel.of(engine.core.runner.model, engine.model_config)
+def run_metered(engine: LLMEngine, ceilings: Ceilings,
+                cost: StepCostModel | None = None) -> tuple[list[StepRecord], float, int]:
+    """Step the engine until idle, recording each step's time and floor (of ``cost``, by default
+    the engine's own model's). Returns (steps, wall seconds, peak KV blocks in use)."""
+    cost = cost or StepCostModel.of(engine.core.runner.model, engine.model_config)
     schedule = engine.core.scheduler.schedule
     shapes: list[tuple[list[int], list[int], int]] = []
 
@@ -180,9 +181,9 @@ def add_workload(engine: LLMEngine, workload: list[tuple[list[int], int]], prefi
 
 
 def run_workload(engine: LLMEngine, ceilings: Ceilings, workload: list[tuple[list[int], int]],
-                 sampling: dict[str, Any] | None = None) -> dict:
+                 sampling: dict[str, Any] | None = None, cost: StepCostModel | None = None) -> dict:
     add_workload(engine, workload, sampling=sampling)
-    records, wall, peak = run_metered(engine, ceilings)
+    records, wall, peak = run_metered(engine, ceilings, cost)
     out_tokens = sum(n for _, n in workload)
     total_tokens = out_tokens + sum(len(p) for p, _ in workload)
     floor = sum(r.floor for r in records)

@@ -28,6 +28,10 @@ SHAPES: dict[str, dict[str, Any]] = {
     "llama3-8b": dict(architectures=["LlamaForCausalLM"], model_type="llama", hidden_size=4096, intermediate_size=14336,
                       num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, vocab_size=128256,
                       max_position_embeddings=131072, rope_parameters=_LLAMA3_ROPE, tie_word_embeddings=False),
+    "llama3-70b": dict(architectures=["LlamaForCausalLM"], model_type="llama", hidden_size=8192,
+                       intermediate_size=28672, num_hidden_layers=80, num_attention_heads=64, num_key_value_heads=8,
+                       vocab_size=128256, max_position_embeddings=131072, rope_parameters=_LLAMA3_ROPE,
+                       tie_word_embeddings=False),
     "llama3.2-1b": dict(architectures=["LlamaForCausalLM"], model_type="llama", hidden_size=2048, intermediate_size=8192,
                         num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8, head_dim=64,
                         vocab_size=128256, max_position_embeddings=131072,
@@ -89,6 +93,7 @@ class StepCostModel:
     num_heads: int
     layout: KVLayout
     q8_params: int = 0  # of body_params, those kept in Q8_0 (1 byte and 1/16 of a scale's 2 each)
+    split: int = 1  # the GPUs a tensor-parallel step is spread over: each moves and computes its share
 
     @classmethod
     def of(cls, model: torch.nn.Module, cfg: ModelConfig) -> StepCostModel:
@@ -120,4 +125,4 @@ class StepCostModel:
                 attn += q * (mean_context if window is None else min(mean_context, window)) * spec.head_dim
         flops = 2.0 * tokens * self.body_params + 2.0 * sampled_rows * self.head_params
         flops += 4.0 * attn * self.num_heads
-        return self.weight_bytes(dtype.itemsize) + kv_bytes, flops
+        return (self.weight_bytes(dtype.itemsize) + kv_bytes) / self.split, flops / self.split

@@ -6,10 +6,13 @@
   processes, one per GPU. NVLink multicast is never asked for (multimem all-reduce is not measured,
   and no variable enables it): the machines keep it off.
 - ``decode``: Llama-3-8B shape (random weights), batch 1, a 128-token prompt, 64 new tokens: the
-  median decode step with one GPU and with two, beside the two-GPU floor, half the one-GPU floor
-  plus two all-reduces a layer at the measured 8 KB NCCL time in a graph.
+  median decode step with one GPU and with two, beside the floor: each GPU's share of the step's
+  bytes and FLOPs, plus two all-reduces a layer at the measured 8 KB NCCL time in a graph.
+- ``70b``: Llama-3-70B shape (random weights; it does not fit one GPU in bf16) on two GPUs: decode
+  steps at batch 1, 8, 32 and 64, and the standard workload (256 requests, prompt and output
+  lengths uniform in [100, 1024]), beside the same floors.
 
-``python benchmarks/tp_bench.py allreduce|decode|all [--out FILE]`` on a machine with two GPUs.
+``python benchmarks/tp_bench.py allreduce|decode|70b|all [--out FILE]`` on a machine with two GPUs.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import statistics
 import sys
 import tempfile
 from collections.abc import Callable
+from dataclasses import replace
 from datetime import timedelta
 from pathlib import Path
 
@@ -102,43 +106,76 @@ def bench_allreduce() -> list[dict]:
     return rows
 
 
-def _median_decode_ms(tensor_parallel_size: int, ceilings: Ceilings) -> tuple[float, float]:
-    """(median decode step, its one-GPU floor) in ms at batch 1."""
-    from tokenmill.bench.offline import make_engine, random_prompt, release, run_metered
-    from tokenmill.sampling_params import SamplingParams
+def _engine_and_cost(shape: str, tensor_parallel_size: int, max_num_seqs: int):
+    """A random-weight engine and the cost model of one GPU's share of its steps: every projection
+    splits evenly over the ranks, so the whole model's are rank 0's times the ranks."""
+    from tokenmill.bench.offline import make_engine
+    from tokenmill.bench.shapes import StepCostModel
 
-    engine = make_engine(SHAPE, max_num_seqs=8, tensor_parallel_size=tensor_parallel_size)
-    try:
-        prompt = random_prompt(random.Random(0), 128, engine.model_config.vocab_size)
-        engine.add_request("r0", prompt, SamplingParams(temperature=0, max_tokens=64, ignore_eos=True), stream=False)
-        records, _, _ = run_metered(engine, ceilings)
-        decode = [r for r in records if r.decode]
-        return statistics.median(r.seconds for r in decode) * 1e3, statistics.median(r.floor for r in decode) * 1e3
-    finally:
-        engine.core.shutdown()
-        del engine
-        release()
+    engine = make_engine(shape, max_num_seqs=max_num_seqs, max_num_batched_tokens=8192,
+                         tensor_parallel_size=tensor_parallel_size)
+    shard = StepCostModel.of(engine.core.runner.model, engine.model_config)
+    return engine, replace(shard, body_params=shard.body_params * tensor_parallel_size, split=tensor_parallel_size)
 
 
-def bench_decode(ceilings: Ceilings, allreduce_us: float) -> list[dict]:
-    """TP=1 then TP=2; the TP=2 floor is half the TP=1 floor (each GPU reads half the weights and half the
-    KV) plus two all-reduces a layer of ``allreduce_us``."""
+def _allreduce_ms_per_step(shape: str, tensor_parallel_size: int, allreduce_us: float) -> float:
+    """Two all-reduces a layer (after attention and after the MLP), each at least ``allreduce_us``."""
     from tokenmill.bench.shapes import SHAPES
 
-    one_ms, one_floor = _median_decode_ms(1, ceilings)
-    two_ms, _ = _median_decode_ms(2, ceilings)
-    layers = SHAPES[SHAPE]["num_hidden_layers"]
-    two_floor = one_floor / 2 + 2 * layers * allreduce_us / 1e3
-    return [{"name": f"decode/{SHAPE}/tp1", "batch": 1, "context": 128, "ms_per_step": one_ms,
-             "floor_ms": one_floor, "fraction_of_floor": one_floor / one_ms},
-            {"name": f"decode/{SHAPE}/tp2", "batch": 1, "context": 128, "ms_per_step": two_ms,
-             "floor_ms": two_floor, "fraction_of_floor": two_floor / two_ms, "allreduce_us_in_floor": allreduce_us,
-             "speedup_over_tp1": one_ms / two_ms}]
+    return 2 * SHAPES[shape]["num_hidden_layers"] * allreduce_us / 1e3 if tensor_parallel_size > 1 else 0.0
+
+
+def bench_decode(ceilings: Ceilings, allreduce_us: float, shape: str = SHAPE, sizes: tuple[int, ...] = (1,),
+                 splits: tuple[int, ...] = (1, 2), workload: bool = False) -> list[dict]:
+    """Decode steps of ``sizes`` sequences (128-token prompts, 64 new tokens) with the model split
+    over each of ``splits`` GPUs, then (``workload``) the standard workload on the widest split.
+    Floors: each GPU's share of the bytes and FLOPs, plus two all-reduces a layer at ``allreduce_us``."""
+    from tokenmill.bench.offline import add_workload, random_prompt, release, run_metered, run_workload
+    from tokenmill.bench.offline import standard_workload
+    from tokenmill.sampling_params import SamplingParams
+
+    rows, by_split = [], {}
+    for tp in splits:
+        engine, cost = _engine_and_cost(shape, tp, max(256 if workload else 1, *sizes))
+        allreduce_ms = _allreduce_ms_per_step(shape, tp, allreduce_us)
+        try:
+            rng = random.Random(0)
+            for batch in sizes:
+                prompts = [random_prompt(rng, 128, engine.model_config.vocab_size) for _ in range(batch)]
+                for i, prompt in enumerate(prompts):
+                    engine.add_request(f"b{batch}-{i}", prompt,
+                                       SamplingParams(temperature=0, max_tokens=64, ignore_eos=True), stream=False)
+                records, _, _ = run_metered(engine, ceilings, cost)
+                decode = [r for r in records if r.decode and r.batch_size == batch]
+                ms = statistics.median(r.seconds for r in decode) * 1e3
+                floor = statistics.median(r.floor for r in decode) * 1e3 + allreduce_ms
+                by_split[(tp, batch)] = ms
+                row = {"name": f"decode/{shape}/tp{tp}/b{batch}", "batch": batch, "context": 128,
+                       "tensor_parallel_size": tp, "ms_per_step": ms, "floor_ms": floor,
+                       "fraction_of_floor": floor / ms, "allreduce_us_in_floor": allreduce_us if tp > 1 else 0.0}
+                if (1, batch) in by_split and tp > 1:
+                    row["speedup_over_tp1"] = by_split[(1, batch)] / ms
+                rows.append(row)
+            if workload and tp == max(splits):
+                requests = standard_workload(vocab=engine.model_config.vocab_size)
+                add_workload(engine, requests[:16], prefix="warm")
+                run_metered(engine, ceilings, cost)
+                result = run_workload(engine, ceilings, requests, cost=cost)
+                result["floor_seconds"] += result["steps"] * allreduce_ms / 1e3
+                result["fraction_of_floor"] = result["floor_seconds"] / result["seconds"]
+                rows.append({"name": f"throughput/{shape}/tp{tp}", "tensor_parallel_size": tp, **result})
+        finally:
+            engine.core.shutdown()
+            del engine
+            release()
+    return rows
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("part", choices=("allreduce", "decode", "all"))
+    parser.add_argument("part", choices=("allreduce", "decode", "70b", "all"),
+                        help="decode: Llama-3-8B at batch 1 on one GPU and two; 70b: Llama-3-70B on two, "
+                             "a batch sweep and the standard workload; all: the all-reduces, then both")
     parser.add_argument("--out", default=None, help="JSON file for the results")
     parser.add_argument("--allreduce-us", type=float, default=17.9,
                         help="8 KB all-reduce time for the decode floor when the allreduce part is not run")
@@ -154,6 +191,8 @@ def main(argv: list[str] | None = None) -> int:
         allreduce_us = next(r["graph_us"] for r in rows if r["implementation"] == "nccl" and r["bytes"] == SIZES[0])
     if args.part in ("decode", "all"):
         rows += bench_decode(ceilings, allreduce_us)
+    if args.part in ("70b", "all"):
+        rows += bench_decode(ceilings, allreduce_us, "llama3-70b", sizes=(1, 8, 32, 64), splits=(2,), workload=True)
     for row in rows:
         print(json.dumps(row))
     if args.out:
