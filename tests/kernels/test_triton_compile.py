@@ -215,3 +215,45 @@ def test_every_kernel_compiles_for_hopper(monkeypatch: pytest.MonkeyPatch) -> No
         except Exception as exc:  # every failing variant is reported, not just the first
             failures.append(f"{launch.fn.__name__} {launch.constexprs} {launch.options}: {str(exc)[-600:]}")
     assert not failures, "\n\n".join(failures)
+
+
+def _specialization(fn: JITFunction, args: tuple, kwargs: dict) -> tuple:
+    """What Triton compiles a variant for: the constexprs, the options, each tensor's dtype, and each
+    integer's class (1, a multiple of 16, or other) unless the kernel says not to specialise on it."""
+    bound = inspect.signature(fn.fn).bind(*args, **{k: v for k, v in kwargs.items() if k not in LAUNCH_OPTIONS})
+    key = [fn.__name__, tuple(sorted((k, v) for k, v in kwargs.items() if k in LAUNCH_OPTIONS))]
+    for param in fn.params:
+        value = bound.arguments[param.name]
+        if param.is_constexpr:
+            key.append((param.name, value))
+        elif isinstance(value, torch.Tensor):
+            key.append((param.name, value.dtype))
+        elif isinstance(value, int) and not isinstance(value, bool) and not param.do_not_specialize:
+            key.append((param.name, value == 1, value % 16 == 0))
+    return tuple(key)
+
+
+def test_the_batch_shape_makes_no_new_kernel_variant(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A request's step must not compile: block tables of any width and any split count (both change
+    with every batch) and any row count of the Q8_0 matmul reuse one variant per kernel, within a
+    query-length class and whether KV ranges are split at all."""
+    seen: dict[str, set[tuple]] = {}
+
+    def record(self: JITFunction, *args: Any, grid: Any, warmup: bool, **kwargs: Any) -> None:
+        seen.setdefault(self.__name__, set()).add(_specialization(self, args, kwargs))
+
+    monkeypatch.setattr(JITFunction, "run", record)
+    gen = torch.Generator().manual_seed(0)
+    k_cache, v_cache = (torch.randn(40, 16, 2, 128, generator=gen).bfloat16() for _ in range(2))
+    for width in (1, 3, 16, 32):
+        tables = torch.arange(2 * width, dtype=torch.int32).view(2, width)
+        for splits in (2, 3, 16, 64):
+            triton_ops.paged_attention(torch.randn(3, 8, 128, generator=gen).bfloat16(), k_cache, v_cache,
+                                       torch.tensor([0, 2, 3], dtype=torch.int32),
+                                       torch.tensor([width * 16, 5], dtype=torch.int32), tables, 0.1,
+                                       max_query_len=2, num_splits=splits)
+    packed = q8_0.quantize(torch.randn(128, 256, generator=gen).bfloat16())
+    for rows in (33, 48, 64, 100):  # one tile class (TILES: up to 128 rows)
+        triton_ops.linear(torch.randn(rows, 256, generator=gen).bfloat16(), packed, None)
+    assert {name: len(keys) for name, keys in seen.items()} == {
+        "_paged_attention_kernel": 1, "_merge_splits_kernel": 1, "_q8_matmul_kernel": 1}

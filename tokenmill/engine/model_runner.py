@@ -212,15 +212,15 @@ class ModelRunner:
     @torch.inference_mode()
     def warm_up(self, max_num_batched_tokens: int, max_model_len: int) -> None:
         """Eager forwards in the shapes that prefill steps take (chunks of 2 … the token budget,
-        and a short chunk deep into a long context, each beside a decode row), so that Triton
+        and short chunks deep into a long context, each beside a decode row), so that Triton
         compiles their kernel variants at start-up rather than inside the first requests'
         steps. Every token writes to slot -1 (padding) and reads block 0: the cache is left
         as it was."""
         dev = self.device
         longest = max(2, min(max_num_batched_tokens - 1, max_model_len - 1))
         shapes = {(q, q) for q in (2, 4, 8, 16, 64) if q < longest} | {(longest, longest)}
-        if longest > 16:
-            shapes.add((16, max_model_len - 1))  # few query rows, long context: split KV ranges
+        if longest > 16:  # few query rows, long context: split KV ranges, in each query-tile class
+            shapes |= {(q, max_model_len - 1) for q in (2, 8, 16)}
         for query_len, context in sorted(shapes):
             total = query_len + 1
             groups = self.num_kv_groups

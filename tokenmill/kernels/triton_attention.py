@@ -51,7 +51,9 @@ def _tanh(x):
     return tl.where(x < 0.0, -t, t)
 
 
-@triton.jit
+# The block-table width and the split count change with every batch: specialising on their values
+# (1, multiples of 16) would compile new variants inside requests' steps.
+@triton.jit(do_not_specialize=["bt_stride", "num_splits"])
 def _paged_attention_kernel(
     q_ptr,
     k_cache_ptr,
@@ -216,7 +218,7 @@ def _paged_attention_kernel(
         )
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])
 def _merge_splits_kernel(
     part_acc_ptr,
     part_ml_ptr,
@@ -371,6 +373,8 @@ def paged_attention(
     max_context = block_tables.shape[1] * block_size if max_seq_len is None else max_seq_len
     if num_splits is None:
         num_splits = _choose_num_splits(batch * q_tiles * num_kv_heads, max_context, query.device)
+    elif not 1 <= num_splits <= _MAX_SPLITS:
+        raise ValueError(f"num_splits must be in [1, {_MAX_SPLITS}], got {num_splits}")
     write_partials = num_splits > 1
     if write_partials:
         part_acc = torch.empty(
@@ -439,7 +443,7 @@ def paged_attention(
             num_q_heads,
             num_splits,
             head_dim,
-            BLOCK_S=triton.next_power_of_2(num_splits),
+            BLOCK_S=_MAX_SPLITS,  # one variant for every split count (masked rows cost no reads)
             BLOCK_D=merge_d,
             **pdl,
         )

@@ -21,7 +21,7 @@ from tokenmill.kernels.triton_launch import pdl_launch_args, wait_for_previous_k
 TILES = ((16, 16, 32, 512, 4, 3), (32, 32, 32, 256, 4, 4), (128, 64, 64, 128, 4, 3), (1 << 62, 128, 64, 64, 8, 3))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])  # the row count changes with every batch
 def _q8_matmul_kernel(x_ptr, w_ptr, s_ptr, bias_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_sn, stride_om,
                       HAS_BIAS: tl.constexpr, IEEE_DOT: tl.constexpr, PDL: tl.constexpr,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
