@@ -2,7 +2,8 @@
 through the engine with each kind of sampling.
 
 - masks: ``apply_top_k_top_p`` over Qwen3's vocabulary (151,936) for 1, 64 and 256 rows, on flat
-  logits (random: the nucleus holds most of the vocabulary) and peaked ones (×8: a few tokens);
+  logits (random: the nucleus holds most of the vocabulary) and peaked ones (×8: a few tokens),
+  sorting each row and, for top-k rows, ordering only the k largest (what the engine runs);
 - workload: Qwen3-0.6B's shape (random weights), 256 requests with prompt and output lengths
   uniform in [100, 1024], greedy, ``temperature=1``, ``top_p=0.9``, ``top_k=50`` and both, in one
   engine, each beside its step floors (``tokenmill/bench/offline.py``).
@@ -37,10 +38,15 @@ def mask_rows(ceilings) -> list[dict]:
             for name, k, p in (("top_p", 0, 0.9), ("top_k", 50, 1.0), ("top_k_top_p", 50, 0.9)):
                 top_k = torch.full((batch,), k, dtype=torch.int64, device="cuda")
                 top_p = torch.full((batch,), p, device="cuda")
-                seconds = time_cuda(lambda: apply_top_k_top_p(logits, top_k, top_p))
-                floor = ceilings.floor(2 * logits.numel() * 4, 0.0)  # the logits read and the masked ones written
-                rows.append({"name": f"sampling/mask/{name}/{spread}/b{batch}", "batch": batch, "vocab": VOCAB,
-                             "us": seconds * 1e6, "floor_us": floor * 1e6, "fraction_of_floor": floor / seconds})
+                # Every row of a top-k batch in order (a sort), and only its k largest (the engine's path).
+                for order, max_top_k in (("sort", 0), ("partial", k)):
+                    if order == "partial" and not k:
+                        continue
+                    seconds = time_cuda(lambda: apply_top_k_top_p(logits, top_k, top_p, max_top_k))
+                    floor = ceilings.floor(2 * logits.numel() * 4, 0.0)  # the logits read, the masked ones written
+                    rows.append({"name": f"sampling/mask/{name}/{order}/{spread}/b{batch}", "batch": batch,
+                                 "vocab": VOCAB, "us": seconds * 1e6, "floor_us": floor * 1e6,
+                                 "fraction_of_floor": floor / seconds})
     return rows
 
 

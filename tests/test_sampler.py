@@ -58,11 +58,32 @@ def test_ties_at_the_edge_are_kept_whole() -> None:
     assert kept(apply_top_k_top_p(logits, torch.tensor([2]), torch.tensor([1.0]))) == {0, 1, 2, 3}
     assert kept(apply_top_k_top_p(logits, torch.tensor([0]), torch.tensor([0.5]))) == {0, 1, 2, 3}
     assert kept(apply_top_k_top_p(logits, torch.tensor([0]), torch.tensor([0.3]))) == {0}
+    # Ordering only the 2 largest values: the ties past them still count in the top-k's mass.
+    ties = torch.tensor([[3.0, 2.0, 2.0, 2.0, 1.0]])
+    for max_top_k in (0, 2):
+        assert kept(apply_top_k_top_p(ties, torch.tensor([2]), torch.tensor([0.8]), max_top_k)) == {0, 1, 2, 3}
+        assert kept(apply_top_k_top_p(ties, torch.tensor([2]), torch.tensor([0.4]), max_top_k)) == {0}
+
+
+def test_partial_top_k_only_when_every_filtering_row_has_a_top_k() -> None:
+    from tokenmill import SamplingParams
+    from tokenmill.layers.sampler import PARTIAL_TOP_K_LIMIT, partial_top_k
+
+    def rows(*kinds: dict) -> list[SamplingParams]:
+        return [SamplingParams(**kind) for kind in kinds]
+
+    assert partial_top_k(rows({"top_k": 20, "top_p": 0.8}, {"top_k": 50}, {"temperature": 0.0, "top_p": 0.5}), 1000) == 50
+    assert partial_top_k(rows({"top_k": 20}, {"top_p": 0.9}), 1000) == 0  # a nucleus of the whole row
+    assert partial_top_k(rows({"temperature": 1.0}), 1000) == 0  # nothing filters
+    assert partial_top_k(rows({"top_k": PARTIAL_TOP_K_LIMIT + 1}), 10**6) == 0
+    assert partial_top_k(rows({"top_k": 900}), 800) == 0  # past the vocabulary
 
 
 def test_top_k_top_p_keeps_what_the_definition_keeps() -> None:
     """Against the rule token by token (float64, random rows with ties): a token stays when fewer
-    than k tokens are more likely and they hold less than p of the top-k's renormalised mass."""
+    than k tokens are more likely and they hold less than p of the top-k's renormalised mass; the
+    same with only the largest values of each row put in order (``max_top_k``) where every row
+    that filters has a top-k."""
     gen = torch.Generator().manual_seed(11)
     logits = (torch.randn(40, 60, generator=gen, dtype=torch.float64) * 3).round()  # many ties
     logits[::4] *= 25  # extreme temperatures
@@ -70,13 +91,16 @@ def test_top_k_top_p_keeps_what_the_definition_keeps() -> None:
     top_p = torch.rand(40, generator=gen, dtype=torch.float64).clamp_min(1e-3)
     top_p[::3] = 1.0
     out = apply_top_k_top_p(logits, top_k, top_p)
+    with_k = top_k > 0
+    partial = apply_top_k_top_p(logits[with_k], top_k[with_k], top_p[with_k], int(top_k.max()))
+    assert torch.equal(partial.isfinite(), out[with_k].isfinite())
     for row in range(40):
         z = logits[row]
         larger = (z[None, :] > z[:, None]).sum(dim=1)
         in_top_k = larger < (top_k[row] if top_k[row] > 0 else len(z))
         probs = torch.where(in_top_k, z, float("-inf")).softmax(dim=0)
         mass_larger = ((z[None, :] > z[:, None]) * probs[None, :]).sum(dim=1)
-        expected = in_top_k & (mass_larger < top_p[row])
+        expected = in_top_k & ((mass_larger < top_p[row]) | (top_p[row] >= 1))  # top-p 1 is off
         assert torch.equal(out[row].isfinite(), expected), row
 
 

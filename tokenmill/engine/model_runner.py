@@ -33,7 +33,7 @@ from tokenmill.engine.scheduler import ScheduledBatch
 from tokenmill.engine.sequence import PENDING, Sequence
 from tokenmill.engine.structured_outputs import HostBitmask, apply_grammars
 from tokenmill.layers.attention import AttentionMetadata, KVCache
-from tokenmill.layers.sampler import Sampler, SamplingBatch, gather_logprobs
+from tokenmill.layers.sampler import Sampler, SamplingBatch, gather_logprobs, partial_top_k
 from tokenmill.loader.hf_config import ModelConfig
 from tokenmill.loader.kv_layout import KV_SCALE_DTYPE, KVLayout, is_quantized
 from tokenmill.loader.weights import iter_checkpoint
@@ -357,6 +357,7 @@ class ModelRunner:
             num_logprobs=max(nums) if nums else -1,
             all_greedy=all(p.temperature == 0 for p in params),
             needs_top_k_top_p=any(p.top_k > 0 or p.top_p < 1 for p in params),
+            max_top_k=partial_top_k(params, self.cfg.vocab_size),
             needs_min_p=any(p.min_p > 0 for p in params),
         )
         banned = [(row, tok) for row, (seq, offset) in enumerate(owners)

@@ -14,6 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
+from tokenmill.sampling_params import SamplingParams
+
 
 @dataclass
 class SamplingBatch:
@@ -37,6 +39,8 @@ class SamplingBatch:
     logit_bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
     all_greedy: bool = False
     needs_top_k_top_p: bool = True
+    # When every sampled row that filters has a top-k, the largest (``partial_top_k``); else 0.
+    max_top_k: int = 0
     needs_min_p: bool = True
     # Rows whose generator's state is kept after their draw (speculative rows: the engine winds the
     # generator back to the last row it keeps, so each emitted token costs one draw, as in plain decoding).
@@ -67,19 +71,44 @@ def apply_penalties(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     return logits - batch.presence_penalty[:, None] * (counts > 0).to(logits.dtype)
 
 
-def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+# Up to this top-k, ordering a row's k largest values (torch.topk's radix select) beats sorting it.
+PARTIAL_TOP_K_LIMIT = 1024
+
+
+def partial_top_k(params: list[SamplingParams], vocab_size: int) -> int:
+    """The largest top-k of the sampled rows that filter, when each of them has one and it is at most
+    ``PARTIAL_TOP_K_LIMIT``; else 0 (a row keeps a nucleus of the whole vocabulary: a full sort)."""
+    filtering = [p for p in params if p.temperature > 0 and (p.top_k > 0 or p.top_p < 1)]
+    if not filtering or any(p.top_k <= 0 for p in filtering):
+        return 0
+    largest = max(p.top_k for p in filtering)
+    return largest if largest <= min(PARTIAL_TOP_K_LIMIT, vocab_size) else 0
+
+
+def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+                      max_top_k: int = 0) -> torch.Tensor:
     """Mask to -inf every token outside the row's top-k (``top_k`` 0 = off) and outside the smallest
     set of its most likely tokens whose probability, renormalised over the top-k, reaches top-p
     (1 = off): a token is kept when fewer than k tokens are more likely and those hold less than p
-    of the mass, so the token that crosses top-p is kept, and ties at the edge are kept whole."""
-    values = logits.sort(dim=-1, descending=True).values
-    vocab = values.shape[-1]
+    of the mass, so the token that crosses top-p is kept, and ties at the edge are kept whole.
+    ``max_top_k`` (``partial_top_k``): only that many of each row's largest values are put in
+    order instead of the whole row; rows that do not filter (and greedy ones) are left as they are."""
+    vocab = logits.shape[-1]
+    if 0 < max_top_k < vocab:
+        values = logits.topk(max_top_k, dim=-1).values
+    else:
+        values = logits.sort(dim=-1, descending=True).values
     larger = torch.searchsorted(-values, -values, side="left")  # how many values are strictly larger
     in_top_k = larger < torch.where(top_k > 0, top_k, vocab)[:, None]
-    probs = values.masked_fill(~in_top_k, float("-inf")).softmax(dim=-1)
+    # The top-k's mass over the whole row: tokens tied with its last value may lie past ``values``.
+    top = values[:, :1]
+    last = values.gather(-1, in_top_k.sum(dim=-1, keepdim=True) - 1)
+    total = torch.exp(logits - top).masked_fill(logits < last, 0.0).sum(dim=-1, keepdim=True)
+    probs = torch.exp(values - top).masked_fill(~in_top_k, 0.0) / total
     mass_larger = (probs.cumsum(dim=-1) - probs).gather(-1, larger)
-    kept = in_top_k & (mass_larger < top_p[:, None])
+    kept = in_top_k & ((mass_larger < top_p[:, None]) | (top_p[:, None] >= 1))
     threshold = values.gather(-1, kept.sum(dim=-1, keepdim=True) - 1)
+    threshold = torch.where(((top_k > 0) | (top_p < 1))[:, None], threshold, float("-inf"))
     return logits.masked_fill(logits < threshold, float("-inf"))
 
 
@@ -155,7 +184,7 @@ class Sampler:
             temperature = batch.temperature.clamp_min(1e-6)[:, None]
             scaled = logits / temperature
             if batch.needs_top_k_top_p:
-                scaled = apply_top_k_top_p(scaled, batch.top_k, batch.top_p)
+                scaled = apply_top_k_top_p(scaled, batch.top_k, batch.top_p, batch.max_top_k)
             if batch.needs_min_p:
                 scaled = apply_min_p(scaled, batch.min_p)
             probs = scaled.softmax(dim=-1)
