@@ -238,20 +238,13 @@ def test_overlapped_steps_match_one_step_at_a_time(model_dir) -> None:
     assert [o[2] for o in overlapped][:2] == ["stop", "length"]
 
 
-def test_steps_overlap_and_penalties_sample_once_the_tokens_are_known(llm) -> None:
-    """Penalties count every output token: a step with a penalised row is launched under the one
-    in flight, and its sampling waits for that step's tokens (``pending_sample``) rather than the
-    steps running one at a time."""
+def test_penalised_steps_overlap_and_count_every_token(llm, model_dir) -> None:
+    """Penalties read token counts kept on the device, each step's sample added in place after it:
+    a penalised step launches under the one in flight and samples at once (nothing held back), and
+    its tokens equal those of steps run one at a time, which count from the host's tokens. Two
+    penalised sequences of one request (n=2, seeded) and a plain one share the batch; a new
+    request's row reuses one freed by a finished sequence."""
     engine = llm.engine
-    for name, params in (("plain", greedy(8, ignore_eos=True)),
-                         ("penalised", greedy(8, ignore_eos=True, repetition_penalty=1.5))):
-        engine.add_request(name, [1, 2, 3] * 4, params)
-        engine.step()
-        in_flight = engine.core._in_flight
-        assert in_flight is not None  # the next step was launched before this one was read
-        assert in_flight.token_ids is not None and in_flight.pending_sample is None  # and it has sampled
-        while engine.has_unfinished_requests():
-            engine.step()
     held_back = []
     launch = engine.core.runner.launch
 
@@ -260,11 +253,21 @@ def test_steps_overlap_and_penalties_sample_once_the_tokens_are_known(llm) -> No
         held_back.append(step.pending_sample is not None)
         return step
 
+    prompts = [[1, 2, 3] * 4, [5, 6, 7, 5]]
+    params = [SamplingParams(temperature=0.9, seed=3, n=2, max_tokens=12, ignore_eos=True, repetition_penalty=1.5,
+                             frequency_penalty=0.4, presence_penalty=0.3),
+              greedy(10, ignore_eos=True)]
     engine.core.runner.launch = watched
-    engine.add_request("penalised", [1, 2, 3] * 4, greedy(8, ignore_eos=True, repetition_penalty=1.5))
-    while engine.has_unfinished_requests():
-        engine.step()
-    assert held_back[0] is False and len(held_back) >= 7 and all(held_back[1:])  # each after the first waited
+    try:
+        overlapped = [llm.generate(prompts, params, use_tqdm=False) for _ in range(2)]  # rows reused the 2nd time
+    finally:
+        engine.core.runner.launch = launch
+    assert len(held_back) > 10 and not any(held_back)
+    one_at_a_time = LLM(str(model_dir), device="cpu", dtype="float32", max_num_seqs=4, max_num_batched_tokens=32,
+                        async_scheduling=False).generate(prompts, params, use_tqdm=False)
+    expected = [[c.token_ids for c in out.outputs] for out in one_at_a_time]
+    for run in overlapped:
+        assert [[c.token_ids for c in out.outputs] for out in run] == expected
 
 
 def test_warm_up_leaves_the_cache_and_results_alone(model_dir) -> None:

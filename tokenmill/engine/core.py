@@ -320,9 +320,9 @@ class EngineCore:
         """Steps overlap: the next step is scheduled and launched before this one's sampled
         ids are read, so the device runs it while the host appends tokens and checks stops
         (its inputs take the pending ids on the device). A sequence that stops here has run
-        one step too many, which is thrown away. A grammar's mask and the penalties need
-        every output token on the host: a step with such rows runs its forward under the
-        one before, and samples once that one's tokens are read."""
+        one step too many, which is thrown away. A grammar's mask needs every output token
+        on the host: a step with constrained rows runs its forward under the one before, and
+        samples once that one's tokens are read."""
         if self._compiling:
             self._admit_compiled()
         if self._in_flight is None:
@@ -334,7 +334,7 @@ class EngineCore:
         current, self._in_flight = self._in_flight, following
         self._complete(current)
         if following is not None and following.pending_sample is not None:
-            self.runner.sample(following)  # its grammars and penalties now know current's tokens
+            self.runner.sample(following)  # its grammars now know current's tokens
 
     def _fail_step(self, exc: Exception) -> None:
         """End every request that a failed step may have touched: the running ones (each is

@@ -31,6 +31,7 @@ from tokenmill.engine.cuda_graphs import DecodeGraphs
 from tokenmill.engine.host_staging import HostStaging
 from tokenmill.engine.scheduler import ScheduledBatch
 from tokenmill.engine.sequence import PENDING, Sequence
+from tokenmill.engine.penalty_counts import PenaltyCounts
 from tokenmill.engine.structured_outputs import HostBitmask, apply_grammars
 from tokenmill.layers.attention import AttentionMetadata, KVCache
 from tokenmill.layers.sampler import Sampler, SamplingBatch, gather_logprobs, partial_top_k
@@ -71,7 +72,7 @@ class PromptLogprobRows:
 @dataclass
 class PendingSample:
     """A launched step's sampling, held back until the tokens of the step before it are known: a
-    grammar's mask and the penalties' counts are made of every output token so far."""
+    grammar's mask is made from every output token so far."""
 
     logits: torch.Tensor
     batch: SamplingBatch
@@ -201,6 +202,7 @@ class ModelRunner:
                                                              block_size, kv_cache_dtype or dtype, device)
         self.sampler = Sampler()
         self.host_bitmask = HostBitmask()  # structured outputs: the grammars' masks
+        self.penalties = PenaltyCounts(cfg.vocab_size, device)
         self.staging = HostStaging(device)
         self.graphs: DecodeGraphs | None = None
         if cuda_graphs and device.type == "cuda":
@@ -368,25 +370,6 @@ class ModelRunner:
         batch.logit_bias = sparse(biased, torch.int64, torch.int64, torch.float32)
         return batch
 
-    def _token_counts(self, seqs: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor]:
-        """``[N, V]`` output-token counts and prompt-token mask, built by two scatters (a token still
-        pending, the one this step samples, is not counted)."""
-        def flat(lists: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
-            rows = np.repeat(np.arange(len(lists)), [len(x) for x in lists])
-            return rows, np.fromiter(itertools.chain.from_iterable(lists), dtype=np.int64, count=len(rows))
-
-        out_rows, out_ids = flat([[t for t in s.output_token_ids if t != PENDING] for s in seqs])
-        prompt_rows, prompt_ids = flat([s.prompt_token_ids for s in seqs])
-        t = self.staging.send({"output_rows": out_rows, "output_ids": out_ids, "prompt_rows": prompt_rows,
-                               "prompt_ids": prompt_ids})
-        shape = (len(seqs), self.cfg.vocab_size)
-        counts = torch.zeros(shape, dtype=torch.float32, device=self.device)
-        ones = torch.ones_like(t["output_ids"], dtype=torch.float32)
-        counts.index_put_((t["output_rows"], t["output_ids"]), ones, accumulate=True)
-        mask = torch.zeros(shape, dtype=torch.bool, device=self.device)
-        mask[t["prompt_rows"], t["prompt_ids"]] = True
-        return counts, mask
-
     # --------------------------------------------------------------- execution
     @torch.inference_mode()
     def launch(self, batch: ScheduledBatch, previous: InFlightStep | None = None) -> InFlightStep:
@@ -404,15 +387,16 @@ class ModelRunner:
         if sampled:
             batch = self._sampling_batch(sampled, inputs.rows_per_seq, inputs.sampling_columns)
             step.pending_sample = PendingSample(logits[num_prompt_rows:], batch, greedy_ids)
-            if previous is None or not any(s.matcher is not None or s.params.uses_penalties for s in sampled):
+            if previous is None or not any(s.matcher is not None for s in sampled):
                 self.sample(step)
         return step
 
     @torch.inference_mode()
     def sample(self, step: InFlightStep) -> None:
         """Enqueue a launched step's sampling. ``launch`` holds it back (``step.pending_sample``) when a
-        row's grammar or penalties need the tokens of the step in flight before it: the engine calls
-        this once those are read, while the device still runs this step's forward."""
+        row's grammar needs the tokens of the step in flight before it: the engine calls this once
+        those are read, while the device still runs this step's forward. (Penalties read token
+        counts kept on the device, ``PenaltyCounts``, and never wait.)"""
         pending, step.pending_sample = step.pending_sample, None
         logits, batch, greedy_ids = pending.logits, pending.batch, pending.greedy_ids
         firsts = itertools.accumulate([0, *step.rows_per_seq[:-1]])
@@ -423,10 +407,14 @@ class ModelRunner:
             logits = logits.float()  # (a copy of a graph's bf16 output)
             apply_grammars(logits, constrained, self.host_bitmask)
             greedy_ids = None
+        penalty_rows = None
         if any(s.params.uses_penalties for s in step.sampled_seqs):
-            batch.output_counts, batch.prompt_mask = self._token_counts(
+            read, penalty_rows = self.penalties.rows(
                 [s for s, n in zip(step.sampled_seqs, step.rows_per_seq) for _ in range(n)])
+            batch.output_counts, batch.prompt_mask = self.penalties.gather(read)
         out = self.sampler(logits, batch, greedy_ids)
+        if penalty_rows is not None:
+            self.penalties.add(penalty_rows, out.token_ids)
         # The device ids feed the next step's inputs (every rank's); the host copies are read by
         # ``collect``. Copied now, before another replay can overwrite a graph's static output.
         step.token_ids = broadcast(out.token_ids, self.tp)

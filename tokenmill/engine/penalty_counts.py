@@ -1,0 +1,73 @@
+"""The token counts that repetition, presence and frequency penalties read, kept on the device.
+
+Rebuilding each penalised row's counts every step copied all its prompt and output tokens to the
+device (hundreds of thousands of ids a step at batch 256) and made the step wait for the previous
+step's tokens on the host. Here each running sequence that uses penalties owns a row of a table:
+filled once from its prompt and output when it first samples, then each step's sampled ids are
+added in place, in stream order after the sampling that drew them, so a step's penalties see every
+token before it without any host copy of one.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tokenmill.engine.sequence import Sequence, SequenceStatus
+
+_ZEROS, _DISCARD = 0, 1  # the row read for rows without penalties, and the row their samples go to
+
+
+class PenaltyCounts:
+    def __init__(self, vocab_size: int, device: torch.device) -> None:
+        self.vocab_size = vocab_size
+        self.device = device
+        self.slots: dict[Sequence, int] = {}
+        self.counts = torch.zeros((0, vocab_size), dtype=torch.float32, device=device)
+        self.prompt = torch.zeros((0, vocab_size), dtype=torch.bool, device=device)
+
+    def rows(self, seqs: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor]:
+        """For each sampling row's sequence: the row to read its counts from and the row to add its
+        sample to (the shared zero and discard rows for a sequence without penalties). Sequences
+        sampling for the first time get a row; rows of sequences no longer running are reused."""
+        current = set(seqs)
+        for seq in [s for s in self.slots if s.status is not SequenceStatus.RUNNING and s not in current]:
+            del self.slots[seq]
+        new = list(dict.fromkeys(s for s in seqs if s.params.uses_penalties and s not in self.slots))
+        if new or not len(self.counts):
+            self._admit(new)
+        read = [self.slots.get(s, _ZEROS) for s in seqs]
+        add = [self.slots.get(s, _DISCARD) for s in seqs]
+        both = torch.tensor([read, add], dtype=torch.int64).to(self.device, non_blocking=True)
+        return both[0], both[1]
+
+    def gather(self, read: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``[N, V]`` output-token counts and prompt-token mask of the rows."""
+        return self.counts[read], self.prompt[read]
+
+    def add(self, rows: torch.Tensor, token_ids: torch.Tensor) -> None:
+        """Count each row's sampled token (enqueued after the sampling, before the next step's)."""
+        self.counts.index_put_((rows, token_ids), torch.ones_like(token_ids, dtype=torch.float32), accumulate=True)
+
+    def _admit(self, seqs: list[Sequence]) -> None:
+        free = sorted(set(range(2, len(self.counts))) - set(self.slots.values()))
+        if len(free) < len(seqs) or not len(self.counts):  # (the first call makes the two shared rows)
+            self._grow(len(seqs) - len(free))
+            free = sorted(set(range(2, len(self.counts))) - set(self.slots.values()))
+        for seq, slot in zip(seqs, free):
+            self.slots[seq] = slot
+            self.counts[slot].zero_()
+            self.prompt[slot].zero_()
+            self.prompt[slot, torch.tensor(seq.prompt_token_ids, device=self.device)] = True
+            # (A sequence first samples, or samples again after preemption, with no token pending.)
+            outputs = seq.output_token_ids
+            if outputs:
+                ids = torch.tensor(outputs, device=self.device)
+                self.counts[slot].index_put_((ids,), torch.ones(len(outputs), device=self.device), accumulate=True)
+
+    def _grow(self, at_least: int) -> None:
+        rows = max(2 + at_least, 2 * len(self.counts), len(self.counts) + at_least)
+        counts = torch.zeros((rows, self.vocab_size), dtype=torch.float32, device=self.device)
+        prompt = torch.zeros((rows, self.vocab_size), dtype=torch.bool, device=self.device)
+        counts[:len(self.counts)] = self.counts
+        prompt[:len(self.prompt)] = self.prompt
+        self.counts, self.prompt = counts, prompt
