@@ -5,8 +5,9 @@ through the engine with each kind of sampling.
   logits (random: the nucleus holds most of the vocabulary) and peaked ones (×8: a few tokens),
   sorting each row and, for top-k rows, ordering only the k largest (what the engine runs);
 - workload: Qwen3-0.6B's shape (random weights), 256 requests with prompt and output lengths
-  uniform in [100, 1024], greedy, ``temperature=1``, ``top_p=0.9``, ``top_k=50`` and both, in one
-  engine, each beside its step floors (``tokenmill/bench/offline.py``).
+  uniform in [100, 1024], greedy, ``temperature=1``, ``top_p=0.9``, ``top_k=50``, both, and greedy
+  with ``repetition_penalty=1.1``, in one engine, each beside its step floors
+  (``tokenmill/bench/offline.py``).
 
     python benchmarks/sampling_bench.py [--shape qwen3-0.6b] [--out FILE]
 """
@@ -27,7 +28,8 @@ from tokenmill.layers.sampler import apply_top_k_top_p
 VOCAB = 151936
 SAMPLINGS = {"greedy": {}, "temperature": {"temperature": 1.0}, "top_p": {"temperature": 1.0, "top_p": 0.9},
              "top_k": {"temperature": 1.0, "top_k": 50},
-             "top_k_top_p": {"temperature": 1.0, "top_k": 50, "top_p": 0.9}}
+             "top_k_top_p": {"temperature": 1.0, "top_k": 50, "top_p": 0.9},
+             "repetition_penalty": {"repetition_penalty": 1.1}}
 
 
 def mask_rows(ceilings) -> list[dict]:

@@ -24,7 +24,7 @@ events = st.lists(st.tuples(st.sampled_from(["join", "sample", "pause", "resume"
 @settings(max_examples=60, deadline=None)
 @given(events)
 def test_each_row_reads_its_sequences_counts(script: list[tuple[str, list[int], bool]]) -> None:
-    counts = PenaltyCounts(VOCAB, torch.device("cpu"))
+    counts = PenaltyCounts(VOCAB, torch.device("cpu"), max_seqs=4)
     seqs: list[Sequence] = []
     for kind, tokens, flag in script:
         running = [s for s in seqs if s.status is SequenceStatus.RUNNING]

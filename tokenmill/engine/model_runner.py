@@ -202,7 +202,7 @@ class ModelRunner:
                                                              block_size, kv_cache_dtype or dtype, device)
         self.sampler = Sampler()
         self.host_bitmask = HostBitmask()  # structured outputs: the grammars' masks
-        self.penalties = PenaltyCounts(cfg.vocab_size, device)
+        self.penalties = PenaltyCounts(cfg.vocab_size, device, max_num_seqs)
         self.staging = HostStaging(device)
         self.graphs: DecodeGraphs | None = None
         if cuda_graphs and device.type == "cuda":

@@ -18,9 +18,10 @@ _ZEROS, _DISCARD = 0, 1  # the row read for rows without penalties, and the row 
 
 
 class PenaltyCounts:
-    def __init__(self, vocab_size: int, device: torch.device) -> None:
+    def __init__(self, vocab_size: int, device: torch.device, max_seqs: int) -> None:
         self.vocab_size = vocab_size
         self.device = device
+        self.max_rows = 2 + max_seqs  # only running sequences hold a row
         self.slots: dict[Sequence, int] = {}
         self.counts = torch.zeros((0, vocab_size), dtype=torch.float32, device=device)
         self.prompt = torch.zeros((0, vocab_size), dtype=torch.bool, device=device)
@@ -65,7 +66,7 @@ class PenaltyCounts:
                 self.counts[slot].index_put_((ids,), torch.ones(len(outputs), device=self.device), accumulate=True)
 
     def _grow(self, at_least: int) -> None:
-        rows = max(2 + at_least, 2 * len(self.counts), len(self.counts) + at_least)
+        rows = max(2 + at_least, min(2 * len(self.counts), self.max_rows), len(self.counts) + at_least)
         counts = torch.zeros((rows, self.vocab_size), dtype=torch.float32, device=self.device)
         prompt = torch.zeros((rows, self.vocab_size), dtype=torch.bool, device=self.device)
         counts[:len(self.counts)] = self.counts
