@@ -34,6 +34,7 @@ class KVCacheManager:
                 raise ValueError(f"a KV group needs at least {1 + (window is not None)} blocks, got {n}")
         self.block_size = block_size
         self.windows = list(windows)
+        self.windows_none = all(w is None for w in self.windows)  # no group frees blocks as it goes
         self.pools = [BlockPool(n, enable_prefix_caching) for n in counts]
         # The null block of each sliding group (taken once, never freed); None for full groups.
         self.null_blocks = [None if w is None else pool.allocate(1)[0] for pool, w in zip(self.pools, self.windows)]
@@ -100,6 +101,9 @@ class KVCacheManager:
     def allocate(self, seq: Sequence, num_new_tokens: int) -> bool:
         """Grow the block tables to hold ``num_new_tokens`` more (after freeing what sliding windows
         have passed); False, with nothing taken, if a pool is short."""
+        if (seq.block_tables and self.windows_none
+                and seq.num_computed_tokens + num_new_tokens <= len(seq.block_tables[0]) * self.block_size):
+            return True  # (most decode steps: the last block has room, and no window frees anything)
         if not seq.block_tables:
             seq.block_tables = [[] for _ in self.pools]
         self._free_passed_blocks(seq)
