@@ -496,13 +496,16 @@ class EngineCore:
         delta = self._deltas.get(request.request_id)
         if delta is None:
             first = request.seqs[0]
+            preemptions = drafts = draft_tokens = accepted = 0
+            for seq in request.seqs:  # (one loop: this runs for every request every step)
+                preemptions += seq.num_preemptions
+                drafts += seq.spec_drafts
+                draft_tokens += seq.spec_draft_tokens
+                accepted += seq.spec_accepted_tokens
             delta = self._deltas[request.request_id] = RequestDelta(
-                request.request_id, [], num_cached_tokens=first.num_cached_tokens,
-                num_preemptions=sum(s.num_preemptions for s in request.seqs),
-                first_scheduled_time=first.first_scheduled_time,
-                spec_drafts=sum(s.spec_drafts for s in request.seqs),
-                spec_draft_tokens=sum(s.spec_draft_tokens for s in request.seqs),
-                spec_accepted_tokens=sum(s.spec_accepted_tokens for s in request.seqs))
+                request.request_id, [], num_cached_tokens=first.num_cached_tokens, num_preemptions=preemptions,
+                first_scheduled_time=first.first_scheduled_time, spec_drafts=drafts, spec_draft_tokens=draft_tokens,
+                spec_accepted_tokens=accepted)
         return delta
 
     def _seq_delta(self, request: CoreRequest, seq: Sequence) -> SeqDelta:
