@@ -67,7 +67,7 @@ def test_ties_at_the_edge_are_kept_whole() -> None:
 
 def test_partial_top_k_only_when_every_filtering_row_has_a_top_k() -> None:
     from tokenmill import SamplingParams
-    from tokenmill.layers.sampler import PARTIAL_TOP_K_LIMIT, partial_top_k
+    from tokenmill.engine.model_runner import PARTIAL_TOP_K_LIMIT, partial_top_k
 
     def rows(*kinds: dict) -> list[SamplingParams]:
         return [SamplingParams(**kind) for kind in kinds]

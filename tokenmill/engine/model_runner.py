@@ -34,7 +34,7 @@ from tokenmill.engine.sequence import PENDING, Sequence
 from tokenmill.engine.penalty_counts import PenaltyCounts
 from tokenmill.engine.structured_outputs import HostBitmask, apply_grammars
 from tokenmill.layers.attention import AttentionMetadata, KVCache
-from tokenmill.layers.sampler import Sampler, SamplingBatch, gather_logprobs, partial_top_k
+from tokenmill.layers.sampler import Sampler, SamplingBatch, gather_logprobs
 from tokenmill.loader.hf_config import ModelConfig
 from tokenmill.loader.kv_layout import KV_SCALE_DTYPE, KVLayout, is_quantized
 from tokenmill.loader.weights import iter_checkpoint
@@ -472,6 +472,20 @@ class ModelRunner:
             values, ids = values.tolist(), ids.tolist()
             into[seq] = [_logprob_dict(ids[i], values[i], 1 + num_top) for i in range(count)]
             row += count
+
+
+# Up to this top-k, ordering a row's k largest values (torch.topk's radix select) beats sorting it.
+PARTIAL_TOP_K_LIMIT = 1024
+
+
+def partial_top_k(params: list[SamplingParams], vocab_size: int) -> int:
+    """The largest top-k of the sampled rows that filter, when each of them has one and it is at most
+    ``PARTIAL_TOP_K_LIMIT``; else 0 (a row keeps a nucleus of the whole vocabulary: a full sort)."""
+    filtering = [p for p in params if p.temperature > 0 and (p.top_k > 0 or p.top_p < 1)]
+    if not filtering or any(p.top_k <= 0 for p in filtering):
+        return 0
+    largest = max(p.top_k for p in filtering)
+    return largest if largest <= min(PARTIAL_TOP_K_LIMIT, vocab_size) else 0
 
 
 def sampling_columns(params: list[SamplingParams], vocab_size: int) -> dict[str, np.ndarray]:

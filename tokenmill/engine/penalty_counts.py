@@ -50,10 +50,10 @@ class PenaltyCounts:
         self.counts.index_put_((rows, token_ids), torch.ones_like(token_ids, dtype=torch.float32), accumulate=True)
 
     def _admit(self, seqs: list[Sequence]) -> None:
+        short = 2 + len(self.slots) + len(seqs) - len(self.counts)  # (the first call makes the shared rows)
+        if short > 0:
+            self._grow(short)
         free = sorted(set(range(2, len(self.counts))) - set(self.slots.values()))
-        if len(free) < len(seqs) or not len(self.counts):  # (the first call makes the two shared rows)
-            self._grow(len(seqs) - len(free))
-            free = sorted(set(range(2, len(self.counts))) - set(self.slots.values()))
         for seq, slot in zip(seqs, free):
             self.slots[seq] = slot
             self.counts[slot].zero_()
@@ -66,7 +66,7 @@ class PenaltyCounts:
                 self.counts[slot].index_put_((ids,), torch.ones(len(outputs), device=self.device), accumulate=True)
 
     def _grow(self, at_least: int) -> None:
-        rows = max(2 + at_least, min(2 * len(self.counts), self.max_rows), len(self.counts) + at_least)
+        rows = max(min(2 * len(self.counts), self.max_rows), len(self.counts) + at_least)
         counts = torch.zeros((rows, self.vocab_size), dtype=torch.float32, device=self.device)
         prompt = torch.zeros((rows, self.vocab_size), dtype=torch.bool, device=self.device)
         counts[:len(self.counts)] = self.counts

@@ -187,9 +187,13 @@ def apply_grammars(logits: torch.Tensor, constrained: list[tuple[int, Any, list[
     mask_logits(logits, host.to(bitmask, logits.device))
 
 
+@functools.cache
+def _bit_shifts(device: torch.device) -> torch.Tensor:
+    return torch.arange(32, dtype=torch.int32, device=device)
+
+
 def mask_logits(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
     """``logits[i, t] = -inf`` where bit ``t % 32`` of ``bitmask[i, t // 32]`` is 0, in plain torch:
     xgrammar's Triton kernel compiles again for each new batch-size class, on the request path."""
-    shifts = torch.arange(32, dtype=bitmask.dtype, device=bitmask.device)
-    bits = (bitmask.unsqueeze(-1) >> shifts) & 1
+    bits = (bitmask.unsqueeze(-1) >> _bit_shifts(bitmask.device)) & 1
     logits.masked_fill_(bits.view(bitmask.shape[0], -1)[:, :logits.shape[-1]] == 0, float("-inf"))

@@ -14,8 +14,6 @@ from dataclasses import dataclass
 
 import torch
 
-from tokenmill.sampling_params import SamplingParams
-
 
 @dataclass
 class SamplingBatch:
@@ -39,7 +37,8 @@ class SamplingBatch:
     logit_bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
     all_greedy: bool = False
     needs_top_k_top_p: bool = True
-    # When every sampled row that filters has a top-k, the largest (``partial_top_k``); else 0.
+    # When every sampled row that filters has a top-k, the largest (the model runner's
+    # ``partial_top_k``): only that many values of each row are put in order. 0: sort every row.
     max_top_k: int = 0
     needs_min_p: bool = True
     # Rows whose generator's state is kept after their draw (speculative rows: the engine winds the
@@ -71,27 +70,13 @@ def apply_penalties(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     return logits - batch.presence_penalty[:, None] * (counts > 0).to(logits.dtype)
 
 
-# Up to this top-k, ordering a row's k largest values (torch.topk's radix select) beats sorting it.
-PARTIAL_TOP_K_LIMIT = 1024
-
-
-def partial_top_k(params: list[SamplingParams], vocab_size: int) -> int:
-    """The largest top-k of the sampled rows that filter, when each of them has one and it is at most
-    ``PARTIAL_TOP_K_LIMIT``; else 0 (a row keeps a nucleus of the whole vocabulary: a full sort)."""
-    filtering = [p for p in params if p.temperature > 0 and (p.top_k > 0 or p.top_p < 1)]
-    if not filtering or any(p.top_k <= 0 for p in filtering):
-        return 0
-    largest = max(p.top_k for p in filtering)
-    return largest if largest <= min(PARTIAL_TOP_K_LIMIT, vocab_size) else 0
-
-
 def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
                       max_top_k: int = 0) -> torch.Tensor:
     """Mask to -inf every token outside the row's top-k (``top_k`` 0 = off) and outside the smallest
     set of its most likely tokens whose probability, renormalised over the top-k, reaches top-p
     (1 = off): a token is kept when fewer than k tokens are more likely and those hold less than p
     of the mass, so the token that crosses top-p is kept, and ties at the edge are kept whole.
-    ``max_top_k`` (``partial_top_k``): only that many of each row's largest values are put in
+    ``max_top_k`` (at least every filtering row's top-k): only that many of each row's largest values are put in
     order instead of the whole row; rows that do not filter (and greedy ones) are left as they are."""
     vocab = logits.shape[-1]
     if 0 < max_top_k < vocab:
