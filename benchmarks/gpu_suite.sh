@@ -6,7 +6,7 @@
 #  `models-<shape>[,<shape>]` = `tokenmill bench models` on those shapes, e.g. models-gemma3-4b;
 #  `spec-rewrite` = speculative decoding on the rewrite workload, benchmarks/spec_decode_rewrite.py;
 #  `spec` = the verify step against decode per batch size, and the standard workload with it on/off;
-#  `sampling` = top-k/top-p kernel and sampled workloads, benchmarks/sampling_bench.py;
+#  `sampling` = drawing a token per row (race and sort) and sampled workloads, benchmarks/sampling_bench.py;
 #  `structured` = structured outputs, benchmarks/structured_outputs_bench.py;
 #  `tp` = on two GPUs, the tensor-parallel GPU tests and benchmarks/tp_bench.py (all-reduces, 8B decode);
 #  `tp70b` = on two GPUs, Llama-3-70B split over both: batch sweep and standard workload.)
@@ -88,7 +88,7 @@ for part in "$@"; do
         | grep -v -e "it/s]" -e "^Loading" | tee "$OUT/structured-llama3-8b.log" | tail -8 ;;
     sampling)
       timeout 400 python3 benchmarks/sampling_bench.py --out "$OUT/sampling.json" 2>&1 | grep -v -e "it/s]" -e "^Loading" \
-        | tail -25 ;;
+        | tail -80 ;;
     tp)
       # Two GPUs: tensor-parallel parity (bf16) against one GPU, then all-reduces and TP=2 decode.
       python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_tensor_parallel.py 2>&1 \

@@ -1,9 +1,11 @@
-"""Sampled requests against greedy ones: what top-k/top-p cost a step, and the standard workload
-through the engine with each kind of sampling.
+"""Sampled requests against greedy ones: what drawing a token costs a step, and the standard
+workload through the engine with each kind of sampling.
 
-- masks: ``apply_top_k_top_p`` over Qwen3's vocabulary (151,936) for 1, 64 and 256 rows, on flat
-  logits (random: the nucleus holds most of the vocabulary) and peaked ones (×8: a few tokens),
-  sorting each row and, for top-k rows, ordering only the k largest (what the engine runs);
+- step: a token per row from Qwen3's vocabulary (151,936) for 1, 64 and 256 rows, on flat logits
+  (random: the nucleus holds most of the vocabulary) and peaked ones (x8: a few tokens), for
+  each kind of sampling: the noise, each row's top-k threshold, then the race over the candidates
+  (``race``, what the engine runs on the GPU) or the reference's sort of every row (``sort``),
+  beside greedy's argmax and the floor of reading the logits once;
 - workload: Qwen3-0.6B's shape (random weights), 256 requests with prompt and output lengths
   uniform in [100, 1024], greedy, ``temperature=1``, ``top_p=0.9``, ``top_k=50``, both, and greedy
   with ``repetition_penalty=1.1``, in one engine, each beside its step floors
@@ -23,32 +25,42 @@ import torch
 
 from tokenmill.bench.hardware import environment, measure_ceilings, time_cuda
 from tokenmill.bench.offline import make_engine, run_workload, standard_workload
-from tokenmill.layers.sampler import apply_top_k_top_p
+from tokenmill.kernels import reference, triton_ops
+from tokenmill.layers.sampler import greedy_argmax, top_k_threshold
 
 VOCAB = 151936
 SAMPLINGS = {"greedy": {}, "temperature": {"temperature": 1.0}, "top_p": {"temperature": 1.0, "top_p": 0.9},
              "top_k": {"temperature": 1.0, "top_k": 50},
              "top_k_top_p": {"temperature": 1.0, "top_k": 50, "top_p": 0.9},
              "repetition_penalty": {"repetition_penalty": 1.1}}
+STEP_KINDS = (("temperature", 0, 1.0), ("top_p", 0, 0.9), ("top_k", 50, 1.0), ("top_k_top_p", 50, 0.9),
+              ("small_top_p", 0, 0.2))
 
 
-def mask_rows(ceilings) -> list[dict]:
+def step_rows(ceilings) -> list[dict]:
     rows = []
     for batch in (1, 64, 256):
         for spread in ("flat", "peaked"):
             logits = torch.randn(batch, VOCAB, device="cuda") * (8.0 if spread == "peaked" else 1.0)
-            for name, k, p in (("top_p", 0, 0.9), ("top_k", 50, 1.0), ("top_k_top_p", 50, 0.9)):
+            floor = ceilings.floor(logits.numel() * 4, 0.0)  # the logits read once
+
+            def row(name: str, seconds: float) -> dict:
+                return {"name": f"sampling/step/{name}/{spread}/b{batch}", "batch": batch, "vocab": VOCAB,
+                        "us": seconds * 1e6, "floor_us": floor * 1e6, "fraction_of_floor": floor / seconds}
+
+            rows.append(row("greedy", time_cuda(lambda: greedy_argmax(logits))))
+            ones = torch.ones(batch, device="cuda")
+            greedy = greedy_argmax(logits)
+            for name, k, p in STEP_KINDS:
                 top_k = torch.full((batch,), k, dtype=torch.int64, device="cuda")
-                top_p = torch.full((batch,), p, device="cuda")
-                # Every row of a top-k batch in order (a sort), and only its k largest (the engine's path).
-                for order, max_top_k in (("sort", 0), ("partial", k)):
-                    if order == "partial" and not k:
-                        continue
-                    seconds = time_cuda(lambda: apply_top_k_top_p(logits, top_k, top_p, max_top_k))
-                    floor = ceilings.floor(2 * logits.numel() * 4, 0.0)  # the logits read, the masked ones written
-                    rows.append({"name": f"sampling/mask/{name}/{order}/{spread}/b{batch}", "batch": batch,
-                                 "vocab": VOCAB, "us": seconds * 1e6, "floor_us": floor * 1e6,
-                                 "fraction_of_floor": floor / seconds})
+                top_p, min_p = torch.full((batch,), p, device="cuda"), torch.zeros(batch, device="cuda")
+                for impl, ops in (("race", triton_ops), ("sort", reference)):
+                    def draw(ops=ops) -> torch.Tensor:
+                        noise = torch.empty_like(logits).exponential_()
+                        return ops.sample(logits, noise, ones, top_k_threshold(logits, top_k, k), top_p, min_p,
+                                          greedy)
+
+                    rows.append(row(f"{name}/{impl}", time_cuda(draw)))
     return rows
 
 
@@ -72,9 +84,9 @@ def main() -> None:
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     ceilings = measure_ceilings()
-    rows = mask_rows(ceilings)
+    rows = step_rows(ceilings)
     for row in rows:
-        print(f"{row['name']:40s} {row['us']:8.1f} us (floor {row['floor_us']:.1f} us)")
+        print(f"{row['name']:44s} {row['us']:8.1f} us (floor {row['floor_us']:.1f} us)")
     rows += workload_rows(args.shape, ceilings)
     for row in rows[-len(SAMPLINGS):]:
         print(f"{row['name']:40s} {row['output_tok_per_s']:9,.0f} out tok/s ({row['of_greedy']:.1%} of greedy, "

@@ -88,6 +88,21 @@ def test_penalties_and_min_tokens_match_the_cpu_path(tmp_path) -> None:
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
 
 
+def test_seeded_filtered_sampling_is_the_same_alone_and_in_a_batch(tmp_path) -> None:
+    """The race over top-k/top-p/min-p candidates takes each seeded row's noise from its own
+    generator: a request draws the same tokens whatever shares its steps."""
+    make_model_dir("llama3", tmp_path)
+    prompts = parity_prompts()
+    llm = LLM(str(tmp_path), device="cuda", dtype="float32", max_num_seqs=8)
+    kinds = [SamplingParams(temperature=t, top_k=k, top_p=p, min_p=m, seed=seed, max_tokens=MAX_TOKENS, ignore_eos=True)
+             for seed, (t, k, p, m) in enumerate([(1.0, 0, 0.8, 0.0), (0.7, 20, 1.0, 0.0), (1.3, 30, 0.6, 0.05),
+                                                  (1.0, 0, 1.0, 0.1)])]
+    for params in kinds:
+        (alone,) = llm.generate([prompts[0]], params, use_tqdm=False)
+        mixed = llm.generate(prompts, [params] + [GREEDY] * (len(prompts) - 1), use_tqdm=False)
+        assert alone.outputs[0].token_ids == mixed[0].outputs[0].token_ids, params
+
+
 def test_graphs_match_eager_across_context_buckets_and_decode_shaped_prefill(tmp_path) -> None:
     """Contexts below and above the short-context graphs' bound (256), greedy from the graph's
     own argmax (no logprobs) and through the sampler (logprobs); then one-token prefill chunks,

@@ -8,14 +8,8 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from tokenmill.layers.sampler import (
-    Sampler,
-    SamplingBatch,
-    apply_min_p,
-    apply_penalties,
-    apply_top_k_top_p,
-    greedy_argmax,
-)
+from tokenmill.kernels.reference import sampling_candidates
+from tokenmill.layers.sampler import Sampler, SamplingBatch, apply_penalties, greedy_argmax, top_k_threshold
 
 
 def batch_of(rows: int, *, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, generators=None,
@@ -25,7 +19,7 @@ def batch_of(rows: int, *, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, gener
         temperature=full(temperature), top_k=full(top_k, torch.int64), top_p=full(top_p), min_p=full(min_p),
         repetition_penalty=full(1.0), presence_penalty=full(0.0), frequency_penalty=full(0.0),
         generators=generators or [None] * rows, num_logprobs=num_logprobs, all_greedy=temperature == 0,
-        needs_top_k_top_p=top_k > 0 or top_p < 1, needs_min_p=min_p > 0)
+        max_top_k=top_k)
 
 
 # probabilities 0.4, 0.3, 0.15, 0.1, 0.05 (in a shuffled order)
@@ -33,67 +27,76 @@ PROBS = torch.tensor([0.1, 0.4, 0.05, 0.3, 0.15])
 LOGITS = PROBS.log()[None, :]
 
 
-def kept(logits: torch.Tensor) -> set[int]:
-    return set(torch.nonzero(torch.isfinite(logits[0])).flatten().tolist())
+def candidates(logits: torch.Tensor, top_k: list[int], top_p: list[float], min_p: list[float] | None = None,
+               max_top_k: int | None = None) -> torch.Tensor:
+    """The sampler's candidates at temperature 1, the top-k threshold taken as the sampler takes it."""
+    rows, vocab = logits.shape
+    k = torch.tensor(top_k).clamp(max=vocab)
+    if max_top_k is None:
+        max_top_k = max((x for x in top_k if 0 < x < vocab), default=0)
+    return sampling_candidates(logits, torch.ones(rows, dtype=logits.dtype), top_k_threshold(logits, k, max_top_k),
+                               torch.tensor(top_p, dtype=logits.dtype),
+                               torch.tensor(min_p or [0.0] * rows, dtype=logits.dtype))
 
 
-@pytest.mark.parametrize("k, expected", [(1, {1}), (2, {1, 3}), (4, {0, 1, 3, 4}), (0, {0, 1, 2, 3, 4})])
+def kept(logits: torch.Tensor, top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0,
+         max_top_k: int | None = None) -> set[int]:
+    return set(torch.nonzero(candidates(logits, [top_k], [top_p], [min_p], max_top_k)[0]).flatten().tolist())
+
+
+@pytest.mark.parametrize("k, expected", [(1, {1}), (2, {1, 3}), (4, {0, 1, 3, 4}), (0, {0, 1, 2, 3, 4}),
+                                         (9, {0, 1, 2, 3, 4})])
 def test_top_k_keeps_the_k_most_likely(k: int, expected: set[int]) -> None:
-    assert kept(apply_top_k_top_p(LOGITS, torch.tensor([k]), torch.tensor([1.0]))) == expected
+    assert kept(LOGITS, top_k=k) == expected
 
 
 @pytest.mark.parametrize("p, expected", [(0.4, {1}), (0.41, {1, 3}), (0.7, {1, 3}), (0.71, {1, 3, 4}),
                                          (0.95, {0, 1, 3, 4}), (1.0, {0, 1, 2, 3, 4})])
 def test_top_p_keeps_the_smallest_set_reaching_p(p: float, expected: set[int]) -> None:
-    assert kept(apply_top_k_top_p(LOGITS, torch.tensor([0]), torch.tensor([p]))) == expected
+    assert kept(LOGITS, top_p=p) == expected
 
 
 def test_top_k_then_top_p_renormalises_over_the_top_k() -> None:
     # top-2 leaves 0.4/0.7 and 0.3/0.7; p = 0.5 then keeps only the first
-    assert kept(apply_top_k_top_p(LOGITS, torch.tensor([2]), torch.tensor([0.5]))) == {1}
+    assert kept(LOGITS, top_k=2, top_p=0.5) == {1}
 
 
 def test_ties_at_the_edge_are_kept_whole() -> None:
     logits = torch.tensor([[0.4, 0.2, 0.2, 0.2, 0.1]]).log()
-    assert kept(apply_top_k_top_p(logits, torch.tensor([2]), torch.tensor([1.0]))) == {0, 1, 2, 3}
-    assert kept(apply_top_k_top_p(logits, torch.tensor([0]), torch.tensor([0.5]))) == {0, 1, 2, 3}
-    assert kept(apply_top_k_top_p(logits, torch.tensor([0]), torch.tensor([0.3]))) == {0}
+    assert kept(logits, top_k=2) == {0, 1, 2, 3}
+    assert kept(logits, top_p=0.5) == {0, 1, 2, 3}
+    assert kept(logits, top_p=0.3) == {0}
     # Ordering only the 2 largest values: the ties past them still count in the top-k's mass.
     ties = torch.tensor([[3.0, 2.0, 2.0, 2.0, 1.0]])
-    for max_top_k in (0, 2):
-        assert kept(apply_top_k_top_p(ties, torch.tensor([2]), torch.tensor([0.8]), max_top_k)) == {0, 1, 2, 3}
-        assert kept(apply_top_k_top_p(ties, torch.tensor([2]), torch.tensor([0.4]), max_top_k)) == {0}
+    for max_top_k in (2, 5):
+        assert kept(ties, top_k=2, top_p=0.8, max_top_k=max_top_k) == {0, 1, 2, 3}
+        assert kept(ties, top_k=2, top_p=0.4, max_top_k=max_top_k) == {0}
 
 
-def test_partial_top_k_only_when_every_filtering_row_has_a_top_k() -> None:
+def test_max_top_k_is_the_largest_cut_of_a_sampled_row() -> None:
     from tokenmill import SamplingParams
-    from tokenmill.engine.model_runner import PARTIAL_TOP_K_LIMIT, partial_top_k
+    from tokenmill.engine.model_runner import max_top_k
 
     def rows(*kinds: dict) -> list[SamplingParams]:
         return [SamplingParams(**kind) for kind in kinds]
 
-    assert partial_top_k(rows({"top_k": 20, "top_p": 0.8}, {"top_k": 50}, {"temperature": 0.0, "top_p": 0.5}), 1000) == 50
-    assert partial_top_k(rows({"top_k": 20}, {"top_p": 0.9}), 1000) == 0  # a nucleus of the whole row
-    assert partial_top_k(rows({"temperature": 1.0}), 1000) == 0  # nothing filters
-    assert partial_top_k(rows({"top_k": PARTIAL_TOP_K_LIMIT + 1}), 10**6) == 0
-    assert partial_top_k(rows({"top_k": 900}), 800) == 0  # past the vocabulary
+    assert max_top_k(rows({"top_k": 20, "top_p": 0.8}, {"top_k": 50}, {"temperature": 0.0, "top_k": 500}), 1000) == 50
+    assert max_top_k(rows({"top_k": 20}, {"top_p": 0.9}), 1000) == 20
+    assert max_top_k(rows({"temperature": 1.0}), 1000) == 0  # nothing cuts
+    assert max_top_k(rows({"top_k": 5000}), 10**6) == 5000
+    assert max_top_k(rows({"top_k": 900}, {"top_k": 800}), 800) == 0  # the whole vocabulary
 
 
 def test_top_k_top_p_keeps_what_the_definition_keeps() -> None:
     """Against the rule token by token (float64, random rows with ties): a token stays when fewer
-    than k tokens are more likely and they hold less than p of the top-k's renormalised mass; the
-    same with only the largest values of each row put in order (``max_top_k``) where every row
-    that filters has a top-k."""
+    than k tokens are more likely and they hold less than p of the top-k's renormalised mass."""
     gen = torch.Generator().manual_seed(11)
     logits = (torch.randn(40, 60, generator=gen, dtype=torch.float64) * 3).round()  # many ties
     logits[::4] *= 25  # extreme temperatures
     top_k = torch.randint(0, 70, (40,), generator=gen)
     top_p = torch.rand(40, generator=gen, dtype=torch.float64).clamp_min(1e-3)
     top_p[::3] = 1.0
-    out = apply_top_k_top_p(logits, top_k, top_p)
-    with_k = top_k > 0
-    partial = apply_top_k_top_p(logits[with_k], top_k[with_k], top_p[with_k], int(top_k.max()))
-    assert torch.equal(partial.isfinite(), out[with_k].isfinite())
+    out = candidates(logits, top_k.tolist(), top_p.tolist())
     for row in range(40):
         z = logits[row]
         larger = (z[None, :] > z[:, None]).sum(dim=1)
@@ -101,18 +104,17 @@ def test_top_k_top_p_keeps_what_the_definition_keeps() -> None:
         probs = torch.where(in_top_k, z, float("-inf")).softmax(dim=0)
         mass_larger = ((z[None, :] > z[:, None]) * probs[None, :]).sum(dim=1)
         expected = in_top_k & ((mass_larger < top_p[row]) | (top_p[row] >= 1))  # top-p 1 is off
-        assert torch.equal(out[row].isfinite(), expected), row
+        assert torch.equal(out[row], expected), row
 
 
 @pytest.mark.parametrize("min_p, expected", [(0.2, {0, 1, 3, 4}), (0.3, {1, 3, 4}), (0.8, {1}), (0.0, {0, 1, 2, 3, 4})])
 def test_min_p_drops_tokens_below_a_fraction_of_the_best(min_p: float, expected: set[int]) -> None:
-    assert kept(apply_min_p(LOGITS, torch.tensor([min_p]))) == expected
+    assert kept(LOGITS, min_p=min_p) == expected
 
 
 def test_per_row_parameters_apply_to_their_own_row() -> None:
-    logits = LOGITS.repeat(2, 1)
-    out = apply_top_k_top_p(logits, torch.tensor([1, 0]), torch.tensor([1.0, 1.0]))
-    assert kept(out[:1]) == {1} and kept(out[1:]) == {0, 1, 2, 3, 4}
+    out = candidates(LOGITS.repeat(3, 1), [1, 0, 0], [1.0, 1.0, 0.5], [0.0, 0.3, 0.0])
+    assert [set(torch.nonzero(row).flatten().tolist()) for row in out] == [{1}, {1, 3, 4}, {1, 3}]
 
 
 def test_greedy_takes_the_argmax_and_reports_logprobs() -> None:
@@ -154,6 +156,19 @@ def test_temperature_sharpens_the_distribution() -> None:
     expected = squared / squared.sum()
     counts = torch.bincount(out.token_ids, minlength=5).double()
     assert chisquare(counts.numpy(), (expected * rows).numpy()).pvalue > 1e-3
+
+
+@pytest.mark.parametrize("top_k, top_p, min_p", [(3, 1.0, 0.0), (0, 0.8, 0.0), (4, 0.9, 0.0), (0, 1.0, 0.3)])
+def test_filtered_frequencies_match_the_renormalised_distribution(top_k: int, top_p: float, min_p: float) -> None:
+    torch.manual_seed(0)
+    rows = 20000
+    out = Sampler()(LOGITS.repeat(rows, 1), batch_of(rows, top_k=top_k, top_p=top_p, min_p=min_p))
+    keep = candidates(LOGITS, [top_k], [top_p], [min_p])[0]
+    expected = torch.where(keep, PROBS, 0.0).double()
+    counts = torch.bincount(out.token_ids, minlength=5).double()
+    assert counts[~keep].sum() == 0
+    result = chisquare(counts[keep].numpy(), (expected[keep] / expected.sum() * rows).numpy())
+    assert result.pvalue > 1e-3, (counts, result)
 
 
 def test_top_p_sampling_never_leaves_the_nucleus() -> None:

@@ -616,7 +616,47 @@ def _interpret_q8_matmul(ops) -> None:
         check_q8_matmul(ops, m=37, n=130, k=160, dtype=dtype, device="cpu", bias=False)
 
 
+def check_sample(ops, *, rows: int, vocab: int, device: str) -> None:
+    """The race over top-k/top-p/min-p candidates against the reference's sort, token for token:
+    every kind of row in one batch (greedy, plain, each filter alone and together, banned tokens,
+    ties at the top-k's edge, peaked and flat rows, small nuclei that reject many winners)."""
+    gen, seed = fresh_generator(device)
+
+    def uniform(low: float, high: float) -> torch.Tensor:
+        return low + (high - low) * torch.rand(rows, generator=gen, device=device)
+
+    spread = torch.exp(4 * torch.rand(rows, 1, generator=gen, device=device) - 2)  # flat to peaked rows
+    logits = _randn((rows, vocab), torch.float32, device, gen) * spread
+    logits[::5, : vocab // 3] = float("-inf")  # banned tokens (a grammar's mask)
+    logits[1::7] = logits[1::7].round()  # many ties
+    noise = torch.empty(rows, vocab, device=device).exponential_(generator=gen)
+    temperature = uniform(0.2, 2.0)
+    temperature[::6] = 0.0  # greedy rows
+    top_k = torch.randint(0, vocab // 2, (rows,), generator=gen, device=device)
+    top_k[::3] = 0
+    top_p = uniform(0.01, 1.0)
+    top_p[::4] = 1.0
+    min_p = torch.where(torch.rand(rows, generator=gen, device=device) < 0.3, uniform(0.0, 0.5), 0.0)
+    max_top_k = int(top_k.max())
+    values = logits.topk(max_top_k, dim=-1).values
+    kth = torch.where(top_k > 0, values.gather(-1, (top_k.clamp_min(1) - 1)[:, None]).squeeze(-1), float("-inf"))
+    inv_temperature = torch.where(temperature > 0, 1.0 / temperature.clamp_min(1e-6), 0.0)
+    greedy = logits.argmax(dim=-1)
+    args = (logits, noise, inv_temperature, kth, top_p, min_p, greedy)
+    ref, got = reference.sample(*args), ops.sample(*args)
+    where = f"seed={seed} sample rows={rows} vocab={vocab}"
+    assert got.dtype == torch.int64 and got.shape == (rows,), where
+    mismatched = torch.nonzero(got != ref).flatten().tolist()
+    assert not mismatched, f"rows {mismatched}: {got[mismatched].tolist()} vs {ref[mismatched].tolist()}: {where}"
+
+
+def _interpret_sample(ops) -> None:
+    check_sample(ops, rows=24, vocab=3000, device="cpu")  # the row spans tiles, ending inside one
+    check_sample(ops, rows=7, vocab=50, device="cpu")
+
+
 INTERPRET_CASES = {
+    "sample": _interpret_sample,
     "gemv": _interpret_gemv,
     "q8_matmul": _interpret_q8_matmul,
     "paged_attention": _interpret_attention,

@@ -171,6 +171,8 @@ def _launches(monkeypatch: pytest.MonkeyPatch) -> list[Launch]:
                                            0.1, max_query_len=query_len, k_scale=ks, v_scale=vs)
         triton_ops.silu_and_mul(rand(3, 512))
         triton_ops.gelu_tanh_and_mul(rand(3, 512))
+        if dtype == torch.float32:  # sampling reads float32 logits whatever the model's dtype
+            _sample(gen, rows=3, vocab=151936)
         row, proj = rand(1, 4096), rand(64, 4096)
         triton_ops.linear_residual(row, proj, None, rand(1, 64))
         triton_ops.linear_residual(rand(1, 14336), rand(64, 14336), rand(64), rand(1, 64))
@@ -189,12 +191,18 @@ def _launches(monkeypatch: pytest.MonkeyPatch) -> list[Launch]:
     return launches + [p for p in (launch.with_pdl() for launch in launches) if p is not None]
 
 
+def _sample(gen: torch.Generator, rows: int, vocab: int) -> None:
+    logits = torch.randn(rows, vocab, generator=gen)
+    row = torch.ones(rows)
+    triton_ops.sample(logits, torch.ones(rows, vocab), row, row, row, row, torch.zeros(rows, dtype=torch.int64))
+
+
 def test_every_kernel_compiles_for_hopper(monkeypatch: pytest.MonkeyPatch) -> None:
     launches = _launches(monkeypatch)
     monkeypatch.undo()
     names = {launch.fn.__name__ for launch in launches}
     assert {"_paged_attention_kernel", "_merge_splits_kernel", "_rms_norm_kernel", "_rope_write_kv_kernel",
-            "_act_and_mul_kernel", "_gemv_kernel", "_q8_matmul_kernel"} <= names, names
+            "_act_and_mul_kernel", "_gemv_kernel", "_q8_matmul_kernel", "_sample_kernel"} <= names, names
     variants = {(launch.fn.__name__, key, launch.constexprs.get(key)) for launch in launches for key in
                 ("SOFTCAP", "WEIGHTING", "GELU_TANH", "BLOCK_D", "ADD_AFTER", "GELU")}
     assert {("_paged_attention_kernel", "SOFTCAP", True), ("_paged_attention_kernel", "BLOCK_D", 512),
@@ -255,5 +263,7 @@ def test_the_batch_shape_makes_no_new_kernel_variant(monkeypatch: pytest.MonkeyP
     packed = q8_0.quantize(torch.randn(128, 256, generator=gen).bfloat16())
     for rows in (33, 48, 64, 100):  # one tile class (TILES: up to 128 rows)
         triton_ops.linear(torch.randn(rows, 256, generator=gen).bfloat16(), packed, None)
+    for rows in (1, 7, 64):
+        _sample(gen, rows, 1000)
     assert {name: len(keys) for name, keys in seen.items()} == {
-        "_paged_attention_kernel": 1, "_merge_splits_kernel": 1, "_q8_matmul_kernel": 1}
+        "_paged_attention_kernel": 1, "_merge_splits_kernel": 1, "_q8_matmul_kernel": 1, "_sample_kernel": 1}

@@ -353,3 +353,8 @@ def test_pdl_chain_in_cuda_graph() -> None:
         res.copy_(rand(1, hidden))
         graph.replay()
         assert cases.rel_err(out, chain(reference)) < 2e-2
+
+
+@pytest.mark.parametrize("rows,vocab", [(64, 151936), (5, 128256), (300, 32000), (1, 262144)])
+def test_sample(rows: int, vocab: int) -> None:
+    cases.check_sample(triton_ops, rows=rows, vocab=vocab, device="cuda")

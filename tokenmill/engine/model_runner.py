@@ -358,9 +358,7 @@ class ModelRunner:
                                             if s.generator is not None and s.draft_token_ids),
             num_logprobs=max(nums) if nums else -1,
             all_greedy=all(p.temperature == 0 for p in params),
-            needs_top_k_top_p=any(p.top_k > 0 or p.top_p < 1 for p in params),
-            max_top_k=partial_top_k(params, self.cfg.vocab_size),
-            needs_min_p=any(p.min_p > 0 for p in params),
+            max_top_k=max_top_k(params, self.cfg.vocab_size),
         )
         banned = [(row, tok) for row, (seq, offset) in enumerate(owners)
                   if seq.num_output_tokens + offset < seq.params.min_tokens for tok in seq.stop_token_ids_for_min_tokens]
@@ -475,17 +473,9 @@ class ModelRunner:
 
 
 # Up to this top-k, ordering a row's k largest values (torch.topk's radix select) beats sorting it.
-PARTIAL_TOP_K_LIMIT = 1024
-
-
-def partial_top_k(params: list[SamplingParams], vocab_size: int) -> int:
-    """The largest top-k of the sampled rows that filter, when each of them has one and it is at most
-    ``PARTIAL_TOP_K_LIMIT``; else 0 (a row keeps a nucleus of the whole vocabulary: a full sort)."""
-    filtering = [p for p in params if p.temperature > 0 and (p.top_k > 0 or p.top_p < 1)]
-    if not filtering or any(p.top_k <= 0 for p in filtering):
-        return 0
-    largest = max(p.top_k for p in filtering)
-    return largest if largest <= min(PARTIAL_TOP_K_LIMIT, vocab_size) else 0
+def max_top_k(params: list[SamplingParams], vocab_size: int) -> int:
+    """The largest top-k of a sampled row that cuts the vocabulary; 0 if none does."""
+    return max((p.top_k for p in params if p.temperature > 0 and 0 < p.top_k < vocab_size), default=0)
 
 
 def sampling_columns(params: list[SamplingParams], vocab_size: int) -> dict[str, np.ndarray]:

@@ -296,3 +296,39 @@ GATED_ACTIVATIONS = {"silu": silu_and_mul, "gelu_tanh": gelu_tanh_and_mul}
 # How a family's RMSNorm applies its weight, by the name its norm modules give (``weighting``):
 # Llama's ``w * norm(x)`` rounded first, Gemma 3's ``(1 + w)`` and Gemma 4's ``w`` in float32.
 NORMS = {"llama": rms_norm, "offset": offset_rms_norm, "fp32": fp32_weight_rms_norm}
+
+
+def sampling_candidates(logits: torch.Tensor, inv_temperature: torch.Tensor, kth: torch.Tensor,
+                        top_p: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """The tokens each row may sample (``[N, V]`` bool), with ``x = logits * inv_temperature`` and
+    ``w = exp(x - max x)``: a token is in the top-k when its logit is at least ``kth`` (the row's
+    k-th largest, ties kept whole; -inf: no top-k); in the top-p when the top-k tokens with a larger
+    ``x`` hold less than ``top_p`` of the top-k's ``w`` (so the token crossing ``top_p`` stays, and
+    1 is off); in the min-p when ``w >= min_p``. A candidate is in all three; the row's best token
+    always is."""
+    scaled = logits * inv_temperature[:, None]
+    weight = torch.exp(scaled - scaled.max(dim=-1, keepdim=True).values)
+    in_top_k = logits >= kth[:, None]
+    kept = in_top_k & (weight >= min_p[:, None])
+    if bool((top_p < 1).any()):
+        in_weight = weight.masked_fill(~in_top_k, 0.0)
+        order = scaled.sort(dim=-1, descending=True)
+        cumulative = torch.nn.functional.pad(in_weight.gather(-1, order.indices).cumsum(dim=-1), (1, 0))
+        larger = torch.searchsorted(-order.values, -scaled.contiguous(), side="left")  # strictly larger
+        mass_above = cumulative.gather(-1, larger)
+        total = in_weight.sum(dim=-1, keepdim=True)
+        kept &= (mass_above < top_p[:, None] * total) | (top_p[:, None] >= 1)
+    return kept
+
+
+def sample(logits: torch.Tensor, noise: torch.Tensor, inv_temperature: torch.Tensor, kth: torch.Tensor,
+           top_p: torch.Tensor, min_p: torch.Tensor, greedy_ids: torch.Tensor) -> torch.Tensor:
+    """One token per row of float32 ``logits`` ``[N, V]``: the candidate (``sampling_candidates``)
+    with the largest ``x - log(noise)``, the first on ties. With ``noise ~ Exp(1)`` that is an exact
+    draw from ``softmax(x)`` over the candidates (the exponential race), each row's noise its own.
+    Rows whose ``inv_temperature`` is 0 take ``greedy_ids``."""
+    sampled_rows = inv_temperature > 0
+    inv = torch.where(sampled_rows, inv_temperature, 1.0)
+    candidates = sampling_candidates(logits, inv, kth, top_p, min_p)
+    key = (logits * inv[:, None] - noise.log()).masked_fill(~candidates, float("-inf"))
+    return torch.where(sampled_rows, key.argmax(dim=-1), greedy_ids)

@@ -16,6 +16,7 @@ from tokenmill.kernels.triton_gemv import linear_residual, norm_linear
 from tokenmill.kernels.triton_norm import add_rms_norm, fp32_weight_rms_norm, offset_rms_norm, rms_norm
 from tokenmill.kernels.triton_q8_matmul import q8_matmul
 from tokenmill.kernels.triton_rotary import rotary_embedding_and_write_kv, rotary_embedding_query
+from tokenmill.kernels.triton_sampling import sample
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor | Q8Weight, bias: torch.Tensor | None) -> torch.Tensor:
@@ -27,4 +28,4 @@ def linear(x: torch.Tensor, weight: torch.Tensor | Q8Weight, bias: torch.Tensor 
 
 __all__ = ["GEMV_MAX_ROWS", "add_rms_norm", "fp32_weight_rms_norm", "gelu_tanh_and_mul", "linear", "linear_residual",
            "norm_linear", "offset_rms_norm", "paged_attention", "rms_norm", "rotary_embedding_and_write_kv",
-           "rotary_embedding_query", "silu_and_mul"]
+           "rotary_embedding_query", "sample", "silu_and_mul"]

@@ -172,5 +172,12 @@ def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
     return backend_for(x).gelu_tanh_and_mul(x)
 
 
+def sample(logits: torch.Tensor, noise: torch.Tensor, inv_temperature: torch.Tensor, kth: torch.Tensor,
+           top_p: torch.Tensor, min_p: torch.Tensor, greedy_ids: torch.Tensor) -> torch.Tensor:
+    """A token per row from its top-k/top-p/min-p candidates by the exponential race over ``noise``
+    (``reference.sample``); on the GPU without sorting the row."""
+    return backend_for(logits).sample(logits, noise, inv_temperature, kth, top_p, min_p, greedy_ids)
+
+
 _GATED = {"silu": silu_and_mul, "gelu_tanh": gelu_tanh_and_mul}
 _NORMS = {"llama": rms_norm, "offset": offset_rms_norm, "fp32": fp32_weight_rms_norm}

@@ -2,7 +2,7 @@
 
 Every row of the batch may have its own logit bias, temperature, top-k, top-p,
 min-p, penalties and seed. Sampling uses the exponential race (``argmax(p / E)`` with
-``E ~ Exp(1)``), which draws from ``p`` exactly and lets each seeded row take
+``E ~ Exp(1)``, ``ops.sample``), which draws from ``p`` exactly and lets each seeded row take
 its noise from its own generator, so a seeded request gives the same tokens
 whatever else shares the batch. Only the sampled ids and the requested
 logprobs leave the device.
@@ -13,6 +13,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
+from tokenmill.layers import ops
 
 
 @dataclass
@@ -36,11 +38,9 @@ class SamplingBatch:
     # Per-row logit_bias, added to the raw logits: (rows, token ids, float32 values).
     logit_bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
     all_greedy: bool = False
-    needs_top_k_top_p: bool = True
-    # When every sampled row that filters has a top-k, the largest (the model runner's
-    # ``partial_top_k``): only that many values of each row are put in order. 0: sort every row.
+    # The largest top-k of a sampled row that cuts the vocabulary (the model runner's ``max_top_k``;
+    # 0: none): only that many values of each row are put in order.
     max_top_k: int = 0
-    needs_min_p: bool = True
     # Rows whose generator's state is kept after their draw (speculative rows: the engine winds the
     # generator back to the last row it keeps, so each emitted token costs one draw, as in plain decoding).
     keep_generator_states: frozenset[int] = frozenset()
@@ -70,38 +70,15 @@ def apply_penalties(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     return logits - batch.presence_penalty[:, None] * (counts > 0).to(logits.dtype)
 
 
-def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
-                      max_top_k: int = 0) -> torch.Tensor:
-    """Mask to -inf every token outside the row's top-k (``top_k`` 0 = off) and outside the smallest
-    set of its most likely tokens whose probability, renormalised over the top-k, reaches top-p
-    (1 = off): a token is kept when fewer than k tokens are more likely and those hold less than p
-    of the mass, so the token that crosses top-p is kept, and ties at the edge are kept whole.
-    ``max_top_k`` (at least every filtering row's top-k): only that many of each row's largest values are put in
-    order instead of the whole row; rows that do not filter (and greedy ones) are left as they are."""
-    vocab = logits.shape[-1]
-    if 0 < max_top_k < vocab:
-        values = logits.topk(max_top_k, dim=-1).values
-    else:
-        values = logits.sort(dim=-1, descending=True).values
-    larger = torch.searchsorted(-values, -values, side="left")  # how many values are strictly larger
-    in_top_k = larger < torch.where(top_k > 0, top_k, vocab)[:, None]
-    # The top-k's mass over the whole row: tokens tied with its last value may lie past ``values``.
-    top = values[:, :1]
-    last = values.gather(-1, in_top_k.sum(dim=-1, keepdim=True) - 1)
-    total = torch.exp(logits - top).masked_fill(logits < last, 0.0).sum(dim=-1, keepdim=True)
-    probs = torch.exp(values - top).masked_fill(~in_top_k, 0.0) / total
-    mass_larger = (probs.cumsum(dim=-1) - probs).gather(-1, larger)
-    kept = in_top_k & ((mass_larger < top_p[:, None]) | (top_p[:, None] >= 1))
-    threshold = values.gather(-1, kept.sum(dim=-1, keepdim=True) - 1)
-    threshold = torch.where(((top_k > 0) | (top_p < 1))[:, None], threshold, float("-inf"))
-    return logits.masked_fill(logits < threshold, float("-inf"))
-
-
-def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
-    """Mask tokens whose probability is below ``min_p`` times the row's largest."""
-    probs = logits.softmax(dim=-1)
-    threshold = probs.max(dim=-1, keepdim=True).values * min_p[:, None]
-    return logits.masked_fill(probs < threshold, float("-inf"))
+def top_k_threshold(logits: torch.Tensor, top_k: torch.Tensor, max_top_k: int) -> torch.Tensor:
+    """Each row's k-th largest logit, the least a top-k token has (-inf where ``top_k`` is 0 or
+    above ``max_top_k``): only ``max_top_k`` values of each row are put in order."""
+    rows = logits.shape[0]
+    if max_top_k <= 0:
+        return torch.full((rows,), float("-inf"), device=logits.device)
+    values = logits.topk(max_top_k, dim=-1).values
+    kth = values.gather(-1, (top_k.clamp(1, max_top_k) - 1)[:, None]).squeeze(-1)
+    return torch.where((top_k > 0) & (top_k <= max_top_k), kth, float("-inf"))
 
 
 def exponential_noise(shape: tuple[int, int], generators: list[torch.Generator | None], device: torch.device,
@@ -166,17 +143,12 @@ class Sampler:
         if batch.all_greedy:
             token_ids = greedy_ids
         else:
-            temperature = batch.temperature.clamp_min(1e-6)[:, None]
-            scaled = logits / temperature
-            if batch.needs_top_k_top_p:
-                scaled = apply_top_k_top_p(scaled, batch.top_k, batch.top_p, batch.max_top_k)
-            if batch.needs_min_p:
-                scaled = apply_min_p(scaled, batch.min_p)
-            probs = scaled.softmax(dim=-1)
-            noise = exponential_noise(tuple(probs.shape), batch.generators, probs.device,
+            inv_temperature = torch.where(batch.temperature > 0, 1.0 / batch.temperature.clamp_min(1e-6), 0.0)
+            noise = exponential_noise(tuple(logits.shape), batch.generators, logits.device,
                                       batch.keep_generator_states, states)
-            sampled = greedy_argmax(probs / noise)
-            token_ids = torch.where(batch.temperature == 0, greedy_ids, sampled)
+            token_ids = ops.sample(logits, noise, inv_temperature,
+                                   top_k_threshold(logits, batch.top_k, batch.max_top_k), batch.top_p,
+                                   batch.min_p, greedy_ids)
         if raw_logprobs is None:
             return SamplerOutput(token_ids, None, None, states or None)
         values, ids = gather_logprobs(raw_logprobs, token_ids, batch.num_logprobs)
