@@ -5,7 +5,8 @@ workload through the engine with each kind of sampling.
   (random: the nucleus holds most of the vocabulary) and peaked ones (x8: a few tokens), for
   each kind of sampling: the noise, each row's top-k threshold, then the race over the candidates
   (``race``, what the engine runs on the GPU) or the reference's sort of every row (``sort``),
-  beside greedy's argmax and the floor of reading the logits once;
+  beside greedy's argmax and the floor of reading the logits once; and the penalties, fused in one
+  pass (``fused``) and as torch ops (``torch``);
 - workload: Qwen3-0.6B's shape (random weights), 256 requests with prompt and output lengths
   uniform in [100, 1024], greedy, ``temperature=1``, ``top_p=0.9``, ``top_k=50``, both, and greedy
   with ``repetition_penalty=1.1``, in one engine, each beside its step floors
@@ -61,6 +62,12 @@ def step_rows(ceilings) -> list[dict]:
                                           greedy)
 
                     rows.append(row(f"{name}/{impl}", time_cuda(draw)))
+            counts = torch.randint(0, 3, (batch + 2, VOCAB), device="cuda").float()
+            prompt = torch.rand(batch + 2, VOCAB, device="cuda") < 0.01
+            read, penalty = torch.arange(batch, device="cuda"), torch.full((batch,), 1.1, device="cuda")
+            for impl, ops in (("fused", triton_ops), ("torch", reference)):
+                rows.append(row(f"repetition_penalty/{impl}", time_cuda(
+                    lambda ops=ops: ops.apply_penalties(logits, counts, prompt, read, penalty, min_p, min_p))))
     return rows
 
 

@@ -8,8 +8,8 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from tokenmill.kernels.reference import sampling_candidates
-from tokenmill.layers.sampler import Sampler, SamplingBatch, apply_penalties, greedy_argmax, top_k_threshold
+from tokenmill.kernels.reference import apply_penalties, sampling_candidates
+from tokenmill.layers.sampler import Sampler, SamplingBatch, greedy_argmax, top_k_threshold
 
 
 def batch_of(rows: int, *, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, generators=None,
@@ -179,13 +179,11 @@ def test_top_p_sampling_never_leaves_the_nucleus() -> None:
 
 def test_penalties() -> None:
     logits = torch.tensor([[2.0, -2.0, 1.0, 1.0]])
-    batch = batch_of(1)
-    batch.repetition_penalty = torch.tensor([2.0])
-    batch.presence_penalty = torch.tensor([0.5])
-    batch.frequency_penalty = torch.tensor([0.25])
-    batch.prompt_mask = torch.tensor([[True, False, False, False]])
-    batch.output_counts = torch.tensor([[0.0, 2.0, 0.0, 0.0]])
-    out = apply_penalties(logits, batch)
+    # Row 1 of the tables is this row's; row 0 (another sequence's) must not be read.
+    prompt = torch.tensor([[False, True, True, True], [True, False, False, False]])
+    counts = torch.tensor([[5.0, 0.0, 1.0, 1.0], [0.0, 2.0, 0.0, 0.0]])
+    out = apply_penalties(logits, counts, prompt, torch.tensor([1]), torch.tensor([2.0]), torch.tensor([0.5]),
+                          torch.tensor([0.25]))
     # token 0: in the prompt, positive -> halved; token 1: output twice, negative -> doubled,
     # minus 0.25 * 2 and 0.5; tokens 2, 3 untouched
     assert torch.allclose(out, torch.tensor([[1.0, -4.0 - 0.5 - 0.5, 1.0, 1.0]]))

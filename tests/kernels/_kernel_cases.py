@@ -16,6 +16,7 @@ import sys
 import torch
 
 from tokenmill.kernels import q8_0, reference
+from tokenmill.layers.sampler import top_k_threshold
 
 try:
     import triton
@@ -637,9 +638,7 @@ def check_sample(ops, *, rows: int, vocab: int, device: str) -> None:
     top_p = uniform(0.01, 1.0)
     top_p[::4] = 1.0
     min_p = torch.where(torch.rand(rows, generator=gen, device=device) < 0.3, uniform(0.0, 0.5), 0.0)
-    max_top_k = int(top_k.max())
-    values = logits.topk(max_top_k, dim=-1).values
-    kth = torch.where(top_k > 0, values.gather(-1, (top_k.clamp_min(1) - 1)[:, None]).squeeze(-1), float("-inf"))
+    kth = top_k_threshold(logits, top_k, int(top_k.max()))
     inv_temperature = torch.where(temperature > 0, 1.0 / temperature.clamp_min(1e-6), 0.0)
     greedy = logits.argmax(dim=-1)
     args = (logits, noise, inv_temperature, kth, top_p, min_p, greedy)
@@ -650,13 +649,39 @@ def check_sample(ops, *, rows: int, vocab: int, device: str) -> None:
     assert not mismatched, f"rows {mismatched}: {got[mismatched].tolist()} vs {ref[mismatched].tolist()}: {where}"
 
 
+def check_penalties(ops, *, rows: int, vocab: int, device: str) -> None:
+    """Penalised logits to the bit, each row reading its own (shuffled) row of the token tables."""
+    gen, seed = fresh_generator(device)
+    table_rows = rows + 2
+    logits = _randn((rows, vocab), torch.float32, device, gen) * 4
+    counts = torch.randint(0, 4, (table_rows, vocab), generator=gen, device=device).float()
+    counts *= torch.rand(table_rows, vocab, generator=gen, device=device) < 0.1  # most tokens unseen
+    prompt = torch.rand(table_rows, vocab, generator=gen, device=device) < 0.05
+    read = torch.randperm(table_rows, generator=gen, device=device)[:rows]
+
+    def per_row(low: float, high: float) -> torch.Tensor:
+        return low + (high - low) * torch.rand(rows, generator=gen, device=device)
+
+    args = (logits, counts, prompt, read, per_row(0.5, 2.0), per_row(-1.0, 1.0), per_row(-1.0, 1.0))
+    ref, got = reference.apply_penalties(*args), ops.apply_penalties(*args)
+    where = f"seed={seed} penalties rows={rows} vocab={vocab}"
+    assert got.shape == ref.shape and got.dtype == ref.dtype, where
+    assert torch.equal(got, ref), f"max diff {(got - ref).abs().max().item():.3e}: {where}"
+
+
+def _interpret_penalties(ops) -> None:
+    check_penalties(ops, rows=5, vocab=3000, device="cpu")  # the row ends inside a tile
+
+
 def _interpret_sample(ops) -> None:
     check_sample(ops, rows=24, vocab=3000, device="cpu")  # the row spans tiles, ending inside one
     check_sample(ops, rows=7, vocab=50, device="cpu")
+    check_sample(ops, rows=1, vocab=10, device="cpu")
 
 
 INTERPRET_CASES = {
     "sample": _interpret_sample,
+    "penalties": _interpret_penalties,
     "gemv": _interpret_gemv,
     "q8_matmul": _interpret_q8_matmul,
     "paged_attention": _interpret_attention,

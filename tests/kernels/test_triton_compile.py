@@ -30,9 +30,9 @@ from tokenmill.kernels import q8_0, triton_ops  # noqa: E402
 
 HOPPER = GPUTarget("cuda", 90, 32)
 HOPPER_MAX_SHARED = 232448  # bytes of shared memory one block may take on sm_90 (227 KiB)
-LAUNCH_OPTIONS = {"num_warps", "num_stages", "num_ctas", "launch_pdl"}
+LAUNCH_OPTIONS = {"num_warps", "num_stages", "num_ctas", "launch_pdl", "enable_fp_fusion"}
 DTYPE_NAMES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32", torch.int32: "i32",
-               torch.int64: "i64", torch.int8: "i8", torch.float8_e4m3fn: "fp8e4nv", torch.float8_e5m2: "fp8e5"}
+               torch.int64: "i64", torch.int8: "i8", torch.bool: "i1", torch.float8_e4m3fn: "fp8e4nv", torch.float8_e5m2: "fp8e5"}
 
 
 def _type_of(value: Any) -> str:
@@ -173,6 +173,7 @@ def _launches(monkeypatch: pytest.MonkeyPatch) -> list[Launch]:
         triton_ops.gelu_tanh_and_mul(rand(3, 512))
         if dtype == torch.float32:  # sampling reads float32 logits whatever the model's dtype
             _sample(gen, rows=3, vocab=151936)
+            _penalties(gen, rows=3, vocab=151936)
         row, proj = rand(1, 4096), rand(64, 4096)
         triton_ops.linear_residual(row, proj, None, rand(1, 64))
         triton_ops.linear_residual(rand(1, 14336), rand(64, 14336), rand(64), rand(1, 64))
@@ -197,12 +198,19 @@ def _sample(gen: torch.Generator, rows: int, vocab: int) -> None:
     triton_ops.sample(logits, torch.ones(rows, vocab), row, row, row, row, torch.zeros(rows, dtype=torch.int64))
 
 
+def _penalties(gen: torch.Generator, rows: int, vocab: int) -> None:
+    row = torch.ones(rows)
+    triton_ops.apply_penalties(torch.randn(rows, vocab, generator=gen), torch.zeros(4, vocab),
+                               torch.zeros(4, vocab, dtype=torch.bool), torch.zeros(rows, dtype=torch.int64), row, row, row)
+
+
 def test_every_kernel_compiles_for_hopper(monkeypatch: pytest.MonkeyPatch) -> None:
     launches = _launches(monkeypatch)
     monkeypatch.undo()
     names = {launch.fn.__name__ for launch in launches}
     assert {"_paged_attention_kernel", "_merge_splits_kernel", "_rms_norm_kernel", "_rope_write_kv_kernel",
-            "_act_and_mul_kernel", "_gemv_kernel", "_q8_matmul_kernel", "_sample_kernel"} <= names, names
+            "_act_and_mul_kernel", "_gemv_kernel", "_q8_matmul_kernel", "_sample_kernel",
+            "_penalties_kernel"} <= names, names
     variants = {(launch.fn.__name__, key, launch.constexprs.get(key)) for launch in launches for key in
                 ("SOFTCAP", "WEIGHTING", "GELU_TANH", "BLOCK_D", "ADD_AFTER", "GELU")}
     assert {("_paged_attention_kernel", "SOFTCAP", True), ("_paged_attention_kernel", "BLOCK_D", 512),
@@ -265,5 +273,7 @@ def test_the_batch_shape_makes_no_new_kernel_variant(monkeypatch: pytest.MonkeyP
         triton_ops.linear(torch.randn(rows, 256, generator=gen).bfloat16(), packed, None)
     for rows in (1, 7, 64):
         _sample(gen, rows, 1000)
+        _penalties(gen, rows, 1000)
     assert {name: len(keys) for name, keys in seen.items()} == {
-        "_paged_attention_kernel": 1, "_merge_splits_kernel": 1, "_q8_matmul_kernel": 1, "_sample_kernel": 1}
+        "_paged_attention_kernel": 1, "_merge_splits_kernel": 1, "_q8_matmul_kernel": 1, "_sample_kernel": 1,
+        "_penalties_kernel": 1}

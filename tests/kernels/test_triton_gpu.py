@@ -358,3 +358,8 @@ def test_pdl_chain_in_cuda_graph() -> None:
 @pytest.mark.parametrize("rows,vocab", [(64, 151936), (5, 128256), (300, 32000), (1, 262144)])
 def test_sample(rows: int, vocab: int) -> None:
     cases.check_sample(triton_ops, rows=rows, vocab=vocab, device="cuda")
+
+
+@pytest.mark.parametrize("rows,vocab", [(64, 151936), (1, 128256), (257, 32000)])
+def test_penalties(rows: int, vocab: int) -> None:
+    cases.check_penalties(triton_ops, rows=rows, vocab=vocab, device="cuda")

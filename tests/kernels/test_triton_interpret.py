@@ -27,7 +27,7 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
     "kernel",
     ["gemv", "q8_matmul", "paged_attention", "paged_attention_gemma", "rms_norm", "offset_rms_norm", "gemma_norms", "quantized_kv",
      "rotary_embedding_and_write_kv", "silu_and_mul", "gelu_tanh_and_mul",
-     "sample"],
+     "sample", "penalties"],
 )
 def test_kernel_under_interpreter(kernel: str) -> None:
     env = dict(os.environ)

@@ -409,7 +409,7 @@ class ModelRunner:
         if any(s.params.uses_penalties for s in step.sampled_seqs):
             read, penalty_rows = self.penalties.rows(
                 [s for s, n in zip(step.sampled_seqs, step.rows_per_seq) for _ in range(n)])
-            batch.output_counts, batch.prompt_mask = self.penalties.gather(read)
+            batch.penalties = (self.penalties.counts, self.penalties.prompt, read)
         out = self.sampler(logits, batch, greedy_ids)
         if penalty_rows is not None:
             self.penalties.add(penalty_rows, out.token_ids)

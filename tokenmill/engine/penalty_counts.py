@@ -41,10 +41,6 @@ class PenaltyCounts:
         both = torch.tensor([read, add], dtype=torch.int64).to(self.device, non_blocking=True)
         return both[0], both[1]
 
-    def gather(self, read: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``[N, V]`` output-token counts and prompt-token mask of the rows."""
-        return self.counts[read], self.prompt[read]
-
     def add(self, rows: torch.Tensor, token_ids: torch.Tensor) -> None:
         """Count each row's sampled token (enqueued after the sampling, before the next step's)."""
         self.counts.index_put_((rows, token_ids), torch.ones_like(token_ids, dtype=torch.float32), accumulate=True)

@@ -332,3 +332,17 @@ def sample(logits: torch.Tensor, noise: torch.Tensor, inv_temperature: torch.Ten
     candidates = sampling_candidates(logits, inv, kth, top_p, min_p)
     key = (logits * inv[:, None] - noise.log()).masked_fill(~candidates, float("-inf"))
     return torch.where(sampled_rows, key.argmax(dim=-1), greedy_ids)
+
+
+def apply_penalties(logits: torch.Tensor, counts: torch.Tensor, prompt: torch.Tensor, rows: torch.Tensor,
+                    repetition: torch.Tensor, presence: torch.Tensor, frequency: torch.Tensor) -> torch.Tensor:
+    """Row ``i`` of float32 ``logits`` penalised by row ``rows[i]`` of the token tables (``counts``:
+    each token's count in the output, ``prompt``: whether it is in the prompt, both ``[R, V]``):
+    the repetition penalty over prompt and output (transformers' rule: divide positive logits,
+    multiply negative ones), then frequency and presence over the output (OpenAI's). A new tensor."""
+    counts, in_prompt = counts[rows], prompt[rows]
+    rep = repetition[:, None]
+    penalized = torch.where(logits > 0, logits / rep, logits * rep)
+    logits = torch.where(in_prompt | (counts > 0), penalized, logits)
+    logits = logits - frequency[:, None] * counts
+    return logits - presence[:, None] * (counts > 0).to(logits.dtype)

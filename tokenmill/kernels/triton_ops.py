@@ -14,6 +14,7 @@ from tokenmill.kernels.triton_gemv import MAX_ROWS as GEMV_MAX_ROWS
 from tokenmill.kernels.triton_gemv import linear as gemv_linear
 from tokenmill.kernels.triton_gemv import linear_residual, norm_linear
 from tokenmill.kernels.triton_norm import add_rms_norm, fp32_weight_rms_norm, offset_rms_norm, rms_norm
+from tokenmill.kernels.triton_penalties import apply_penalties
 from tokenmill.kernels.triton_q8_matmul import q8_matmul
 from tokenmill.kernels.triton_rotary import rotary_embedding_and_write_kv, rotary_embedding_query
 from tokenmill.kernels.triton_sampling import sample
@@ -26,6 +27,6 @@ def linear(x: torch.Tensor, weight: torch.Tensor | Q8Weight, bias: torch.Tensor 
         return torch.nn.functional.linear(x, weight, bias)
     return gemv_linear(x, weight, bias) if x.shape[0] <= GEMV_MAX_ROWS else q8_matmul(x, weight, bias)
 
-__all__ = ["GEMV_MAX_ROWS", "add_rms_norm", "fp32_weight_rms_norm", "gelu_tanh_and_mul", "linear", "linear_residual",
+__all__ = ["GEMV_MAX_ROWS", "add_rms_norm", "apply_penalties", "fp32_weight_rms_norm", "gelu_tanh_and_mul", "linear", "linear_residual",
            "norm_linear", "offset_rms_norm", "paged_attention", "rms_norm", "rotary_embedding_and_write_kv",
            "rotary_embedding_query", "sample", "silu_and_mul"]

@@ -172,6 +172,12 @@ def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
     return backend_for(x).gelu_tanh_and_mul(x)
 
 
+def apply_penalties(logits: torch.Tensor, counts: torch.Tensor, prompt: torch.Tensor, rows: torch.Tensor,
+                    repetition: torch.Tensor, presence: torch.Tensor, frequency: torch.Tensor) -> torch.Tensor:
+    """Repetition, presence and frequency penalties from each row's token tables (``reference.apply_penalties``)."""
+    return backend_for(logits).apply_penalties(logits, counts, prompt, rows, repetition, presence, frequency)
+
+
 def sample(logits: torch.Tensor, noise: torch.Tensor, inv_temperature: torch.Tensor, kth: torch.Tensor,
            top_p: torch.Tensor, min_p: torch.Tensor, greedy_ids: torch.Tensor) -> torch.Tensor:
     """A token per row from its top-k/top-p/min-p candidates by the exponential race over ``noise``

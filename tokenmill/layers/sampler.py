@@ -30,9 +30,9 @@ class SamplingBatch:
     frequency_penalty: torch.Tensor  # [N] float32
     generators: list[torch.Generator | None]  # per row; None = the global generator
     num_logprobs: int  # the largest top-N any row asked for; -1 = none
-    # Only when a row uses penalties: token counts of prompt and output, [N, V].
-    prompt_mask: torch.Tensor | None = None
-    output_counts: torch.Tensor | None = None
+    # Only when a row uses penalties: the token tables (output counts [R, V] float32, prompt mask
+    # [R, V] bool) and each row's row in them [N].
+    penalties: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
     # Tokens a row may not sample yet (stop tokens before min_tokens): (rows, token ids).
     banned: tuple[torch.Tensor, torch.Tensor] | None = None
     # Per-row logit_bias, added to the raw logits: (rows, token ids, float32 values).
@@ -54,20 +54,6 @@ class SamplerOutput:
     logprobs: torch.Tensor | None  # [N, 1 + num_logprobs] float32 (sampled first)
     logprob_token_ids: torch.Tensor | None  # [N, 1 + num_logprobs] int64
     generator_states: dict[int, torch.Tensor] | None = None  # row -> its generator's state after its draw
-
-
-def apply_penalties(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-    """Repetition penalty over prompt and output (transformers' rule: divide positive
-    logits, multiply negative ones); presence and frequency over the output (OpenAI's)."""
-    if batch.output_counts is None:
-        return logits
-    counts = batch.output_counts
-    seen = batch.prompt_mask | (counts > 0)
-    rep = batch.repetition_penalty[:, None]
-    penalized = torch.where(logits > 0, logits / rep, logits * rep)
-    logits = torch.where(seen, penalized, logits)
-    logits = logits - batch.frequency_penalty[:, None] * counts
-    return logits - batch.presence_penalty[:, None] * (counts > 0).to(logits.dtype)
 
 
 def top_k_threshold(logits: torch.Tensor, top_k: torch.Tensor, max_top_k: int) -> torch.Tensor:
@@ -124,7 +110,7 @@ class Sampler:
                  greedy_ids: torch.Tensor | None = None) -> SamplerOutput:
         """``greedy_ids``: the argmax of ``logits`` if already taken (inside a CUDA graph);
         used unless a logit bias, penalties or banned tokens change the logits first."""
-        if batch.output_counts is not None or batch.banned is not None or batch.logit_bias is not None:
+        if batch.penalties is not None or batch.banned is not None or batch.logit_bias is not None:
             greedy_ids = None
         if batch.all_greedy and batch.num_logprobs < 0 and greedy_ids is not None:
             return SamplerOutput(greedy_ids, None, None)
@@ -134,7 +120,10 @@ class Sampler:
             rows, token_ids, bias = batch.logit_bias
             # Out of place: ``logits`` may be the caller's tensor (a graph's static output).
             logits = logits.index_put((rows, token_ids), bias, accumulate=True)
-        logits = apply_penalties(logits, batch)
+        if batch.penalties is not None:
+            counts, prompt, rows = batch.penalties
+            logits = ops.apply_penalties(logits, counts, prompt, rows, batch.repetition_penalty,
+                                         batch.presence_penalty, batch.frequency_penalty)
         if batch.banned is not None:
             logits[batch.banned] = float("-inf")
         if greedy_ids is None:
