@@ -16,7 +16,6 @@ import sys
 import torch
 
 from tokenmill.kernels import q8_0, reference
-from tokenmill.layers.sampler import top_k_threshold
 
 try:
     import triton
@@ -633,15 +632,15 @@ def check_sample(ops, *, rows: int, vocab: int, device: str) -> None:
     noise = torch.empty(rows, vocab, device=device).exponential_(generator=gen)
     temperature = uniform(0.2, 2.0)
     temperature[::6] = 0.0  # greedy rows
-    top_k = torch.randint(0, vocab // 2, (rows,), generator=gen, device=device)
+    top_k = torch.randint(0, vocab + 2, (rows,), generator=gen, device=device)  # past the vocabulary: off
+    top_k[1::3] = torch.randint(1, 5, (len(top_k[1::3]),), generator=gen, device=device)  # a few tokens
     top_k[::3] = 0
     top_p = uniform(0.01, 1.0)
     top_p[::4] = 1.0
     min_p = torch.where(torch.rand(rows, generator=gen, device=device) < 0.3, uniform(0.0, 0.5), 0.0)
-    kth = top_k_threshold(logits, top_k, int(top_k.max()))
     inv_temperature = torch.where(temperature > 0, 1.0 / temperature.clamp_min(1e-6), 0.0)
     greedy = logits.argmax(dim=-1)
-    args = (logits, noise, inv_temperature, kth, top_p, min_p, greedy)
+    args = (logits, noise, inv_temperature, top_k, top_p, min_p, greedy)
     ref, got = reference.sample(*args), ops.sample(*args)
     where = f"seed={seed} sample rows={rows} vocab={vocab}"
     assert got.dtype == torch.int64 and got.shape == (rows,), where
@@ -673,7 +672,33 @@ def _interpret_penalties(ops) -> None:
     check_penalties(ops, rows=5, vocab=3000, device="cpu")  # the row ends inside a tile
 
 
+def check_top_k_edges(ops, *, vocab: int, device: str) -> None:
+    """The top-k threshold exactly: noise that makes the k-th most likely token win when it is in
+    the top-k and the (k+1)-th win when the threshold is too low, on rows of either sign, with
+    -inf and zeros of both signs, for k from 1 to all the finite tokens."""
+    gen, seed = fresh_generator(device)
+    rows = [_randn((vocab,), torch.float32, device, gen) * 3, -_randn((vocab,), torch.float32, device, gen).abs(),
+            _randn((vocab,), torch.float32, device, gen) * 1e-30]
+    with_inf = _randn((vocab,), torch.float32, device, gen)
+    with_inf[: vocab // 2] = float("-inf")
+    with_inf[vocab // 2: vocab // 2 + 3] = torch.tensor([0.0, -0.0, 1e-40])
+    rows.append(with_inf)
+    for logits in rows:
+        finite = int(logits.isfinite().sum())
+        order = logits.argsort(descending=True, stable=True)
+        for k in sorted({1, 2, finite // 3, finite - 1, finite} - {0}):
+            noise = torch.ones(vocab, device=device)
+            noise[order[k - 1]] = 1e-20
+            if k < vocab:
+                noise[order[k]] = 1e-30
+            one = torch.ones(1, device=device)
+            got = ops.sample(logits[None], noise[None], one, torch.tensor([k], device=device), one, one * 0,
+                             torch.zeros(1, dtype=torch.int64, device=device))
+            assert got.item() == order[k - 1].item(), f"seed={seed} top_k={k} of {finite}: got {got.item()}"
+
+
 def _interpret_sample(ops) -> None:
+    check_top_k_edges(ops, vocab=300, device="cpu")
     check_sample(ops, rows=24, vocab=3000, device="cpu")  # the row spans tiles, ending inside one
     check_sample(ops, rows=7, vocab=50, device="cpu")
     check_sample(ops, rows=1, vocab=10, device="cpu")

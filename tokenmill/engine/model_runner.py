@@ -358,7 +358,6 @@ class ModelRunner:
                                             if s.generator is not None and s.draft_token_ids),
             num_logprobs=max(nums) if nums else -1,
             all_greedy=all(p.temperature == 0 for p in params),
-            max_top_k=max_top_k(params, self.cfg.vocab_size),
         )
         banned = [(row, tok) for row, (seq, offset) in enumerate(owners)
                   if seq.num_output_tokens + offset < seq.params.min_tokens for tok in seq.stop_token_ids_for_min_tokens]
@@ -473,11 +472,6 @@ class ModelRunner:
 
 
 # Up to this top-k, ordering a row's k largest values (torch.topk's radix select) beats sorting it.
-def max_top_k(params: list[SamplingParams], vocab_size: int) -> int:
-    """The largest top-k of a sampled row that cuts the vocabulary; 0 if none does."""
-    return max((p.top_k for p in params if p.temperature > 0 and 0 < p.top_k < vocab_size), default=0)
-
-
 def sampling_columns(params: list[SamplingParams], vocab_size: int) -> dict[str, np.ndarray]:
     """The numeric sampling parameters of each row, one named column each (``top_k`` 0 is
     off; larger than the vocabulary means all of it)."""
