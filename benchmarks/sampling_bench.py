@@ -8,6 +8,8 @@ workload through the engine with each kind of sampling.
   of every row (``sort``),
   beside greedy's argmax and the floor of reading the logits once; and the penalties, fused in one
   pass (``fused``) and as torch ops (``torch``);
+- latency: Llama-3-8B's shape, batch-1 decode steps greedy, with ``top_p=0.95``, and with
+  ``top_k=50`` and ``repetition_penalty=1.1``, against greedy's in the same engine;
 - workload: Qwen3-0.6B's shape (random weights), 256 requests with prompt and output lengths
   uniform in [100, 1024], greedy, ``temperature=1``, ``top_p=0.9``, ``top_k=50``, both, and greedy
   with ``repetition_penalty=1.1``, in one engine, each beside its step floors
@@ -26,7 +28,7 @@ from pathlib import Path
 import torch
 
 from tokenmill.bench.hardware import environment, measure_ceilings, time_cuda
-from tokenmill.bench.offline import make_engine, run_workload, standard_workload
+from tokenmill.bench.offline import decode_steps, make_engine, release, run_workload, standard_workload
 from tokenmill.kernels import reference, triton_ops
 from tokenmill.layers.sampler import greedy_argmax
 
@@ -71,6 +73,23 @@ def step_rows(ceilings) -> list[dict]:
     return rows
 
 
+LATENCY_SAMPLINGS = {"greedy": {}, "top_p": {"temperature": 1.0, "top_p": 0.95},
+                     "top_k_repetition_penalty": {"temperature": 1.0, "top_k": 50, "repetition_penalty": 1.1}}
+
+
+def latency_rows(ceilings, shape: str = "llama3-8b") -> list[dict]:
+    engine = make_engine(shape, max_num_seqs=8)
+    prompt = list(range(1, 129))
+    decode_steps(engine, ceilings, [prompt], 16)  # warm-up
+    rows = [{"name": f"sampling/latency/{shape}/{name}", "batch": 1, "sampling": sampling,
+             **decode_steps(engine, ceilings, [prompt], 128, sampling)} for name, sampling in LATENCY_SAMPLINGS.items()]
+    for row in rows:
+        row["of_greedy"] = rows[0]["ms_per_step"] / row["ms_per_step"]
+    del engine
+    release()
+    return rows
+
+
 def workload_rows(shape: str, ceilings) -> list[dict]:
     engine = make_engine(shape, max_num_seqs=256, max_num_batched_tokens=8192)
     workload = standard_workload(vocab=engine.model_config.vocab_size)
@@ -94,6 +113,10 @@ def main() -> None:
     rows = step_rows(ceilings)
     for row in rows:
         print(f"{row['name']:44s} {row['us']:8.1f} us (floor {row['floor_us']:.1f} us)")
+    rows += latency_rows(ceilings)
+    for row in rows[-len(LATENCY_SAMPLINGS):]:
+        print(f"{row['name']:44s} {row['ms_per_step']:6.3f} ms per token (floor {row['floor_ms']:.3f} ms, "
+              f"greedy's time / this {row['of_greedy']:.1%})")
     rows += workload_rows(args.shape, ceilings)
     for row in rows[-len(SAMPLINGS):]:
         print(f"{row['name']:40s} {row['output_tok_per_s']:9,.0f} out tok/s ({row['of_greedy']:.1%} of greedy, "

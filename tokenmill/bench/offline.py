@@ -98,9 +98,11 @@ def random_prompt(rng: random.Random, length: int, vocab: int) -> list[int]:
     return [rng.randrange(vocab) for _ in range(length)]
 
 
-def decode_steps(engine: LLMEngine, ceilings: Ceilings, prompts: list[list[int]], new_tokens: int) -> dict:
-    """Median decode step of ``prompts`` generating ``new_tokens`` each (prefill excluded)."""
-    params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
+def decode_steps(engine: LLMEngine, ceilings: Ceilings, prompts: list[list[int]], new_tokens: int,
+                 sampling: dict[str, Any] | None = None) -> dict:
+    """Median decode step of ``prompts`` generating ``new_tokens`` each (prefill excluded), greedy
+    unless ``sampling`` gives other ``SamplingParams`` fields."""
+    params = SamplingParams(**{"temperature": 0, **(sampling or {})}, max_tokens=new_tokens, ignore_eos=True)
     for i, prompt in enumerate(prompts):
         engine.add_request(f"r{i}", prompt, params, stream=False)
     records, _, _ = run_metered(engine, ceilings)
