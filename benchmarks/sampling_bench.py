@@ -3,9 +3,8 @@ workload through the engine with each kind of sampling.
 
 - step: a token per row from Qwen3's vocabulary (151,936) for 1, 64 and 256 rows, on flat logits
   (random: the nucleus holds most of the vocabulary) and peaked ones (x8: a few tokens), for
-  each kind of sampling: the noise, then each row's top-k threshold and the race over the
-  candidates (``race``, what the engine runs on the GPU) or torch's top-k and the reference's sort
-  of every row (``sort``),
+  each kind of sampling: the noise, each row's top-k threshold, then the race over the candidates
+  (``race``, what the engine runs on the GPU) or the reference's sort of every row (``sort``),
   beside greedy's argmax and the floor of reading the logits once; and the penalties, fused in one
   pass (``fused``) and as torch ops (``torch``);
 - latency: Llama-3-8B's shape, batch-1 decode steps greedy, with ``top_p=0.95``, and with
@@ -30,7 +29,7 @@ import torch
 from tokenmill.bench.hardware import environment, measure_ceilings, time_cuda
 from tokenmill.bench.offline import decode_steps, make_engine, release, run_workload, standard_workload
 from tokenmill.kernels import reference, triton_ops
-from tokenmill.layers.sampler import greedy_argmax
+from tokenmill.layers.sampler import greedy_argmax, top_k_threshold
 
 VOCAB = 151936
 SAMPLINGS = {"greedy": {}, "temperature": {"temperature": 1.0}, "top_p": {"temperature": 1.0, "top_p": 0.9},
@@ -61,7 +60,8 @@ def step_rows(ceilings) -> list[dict]:
                 for impl, ops in (("race", triton_ops), ("sort", reference)):
                     def draw(ops=ops) -> torch.Tensor:
                         noise = torch.empty_like(logits).exponential_()
-                        return ops.sample(logits, noise, ones, top_k, top_p, min_p, greedy)
+                        return ops.sample(logits, noise, ones, top_k_threshold(logits, top_k, k), top_p, min_p,
+                                          greedy)
 
                     rows.append(row(f"{name}/{impl}", time_cuda(draw)))
             counts = torch.randint(0, 3, (batch + 2, VOCAB), device="cuda").float()

@@ -103,6 +103,36 @@ def test_seeded_filtered_sampling_is_the_same_alone_and_in_a_batch(tmp_path) -> 
         assert alone.outputs[0].token_ids == mixed[0].outputs[0].token_ids, params
 
 
+def _compiled_kernel_variants() -> int:
+    """Triton kernel variants compiled so far in this process, over every kernel module."""
+    import importlib
+    import pkgutil
+
+    from triton.runtime.jit import JITFunction
+
+    import tokenmill.kernels
+
+    total = 0
+    for info in pkgutil.iter_modules(tokenmill.kernels.__path__):
+        module = importlib.import_module(f"tokenmill.kernels.{info.name}")
+        for fn in vars(module).values():
+            if isinstance(fn, JITFunction):
+                total += sum(len(caches[0]) for caches in fn.device_caches.values())
+    return total
+
+
+def test_sampled_requests_compile_nothing_after_start_up(tmp_path) -> None:
+    """Start-up compiles the sampling kernels (penalties, the race over filtered candidates): a
+    request's first sampled step must not wait on Triton."""
+    make_model_dir("llama3", tmp_path)
+    llm = LLM(str(tmp_path), device="cuda", dtype="bfloat16", max_num_seqs=8)
+    before = _compiled_kernel_variants()
+    params = SamplingParams(temperature=0.8, top_k=20, top_p=0.9, min_p=0.05, repetition_penalty=1.2,
+                            presence_penalty=0.3, max_tokens=8, ignore_eos=True)
+    llm.generate(parity_prompts()[:3], params, use_tqdm=False)
+    assert _compiled_kernel_variants() == before
+
+
 def test_graphs_match_eager_across_context_buckets_and_decode_shaped_prefill(tmp_path) -> None:
     """Contexts below and above the short-context graphs' bound (256), greedy from the graph's
     own argmax (no logprobs) and through the sampler (logprobs); then one-token prefill chunks,

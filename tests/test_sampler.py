@@ -8,8 +8,8 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from tokenmill.kernels.reference import apply_penalties, kth_largest, sampling_candidates
-from tokenmill.layers.sampler import Sampler, SamplingBatch, greedy_argmax
+from tokenmill.kernels.reference import apply_penalties, sampling_candidates
+from tokenmill.layers.sampler import Sampler, SamplingBatch, greedy_argmax, top_k_threshold
 
 
 def batch_of(rows: int, *, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, generators=None,
@@ -18,7 +18,8 @@ def batch_of(rows: int, *, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, gener
     return SamplingBatch(
         temperature=full(temperature), top_k=full(top_k, torch.int64), top_p=full(top_p), min_p=full(min_p),
         repetition_penalty=full(1.0), presence_penalty=full(0.0), frequency_penalty=full(0.0),
-        generators=generators or [None] * rows, num_logprobs=num_logprobs, all_greedy=temperature == 0)
+        generators=generators or [None] * rows, num_logprobs=num_logprobs, all_greedy=temperature == 0,
+        max_top_k=top_k)
 
 
 # probabilities 0.4, 0.3, 0.15, 0.1, 0.05 (in a shuffled order)
@@ -26,17 +27,21 @@ PROBS = torch.tensor([0.1, 0.4, 0.05, 0.3, 0.15])
 LOGITS = PROBS.log()[None, :]
 
 
-def candidates(logits: torch.Tensor, top_k: list[int], top_p: list[float],
-               min_p: list[float] | None = None) -> torch.Tensor:
-    """The sampler's candidates at temperature 1."""
-    rows = logits.shape[0]
-    return sampling_candidates(logits, torch.ones(rows, dtype=logits.dtype), kth_largest(logits, torch.tensor(top_k)),
+def candidates(logits: torch.Tensor, top_k: list[int], top_p: list[float], min_p: list[float] | None = None,
+               max_top_k: int | None = None) -> torch.Tensor:
+    """The sampler's candidates at temperature 1, the top-k threshold taken as the sampler takes it."""
+    rows, vocab = logits.shape
+    k = torch.tensor(top_k).clamp(max=vocab)
+    if max_top_k is None:
+        max_top_k = max((x for x in top_k if 0 < x < vocab), default=0)
+    return sampling_candidates(logits, torch.ones(rows, dtype=logits.dtype), top_k_threshold(logits, k, max_top_k),
                                torch.tensor(top_p, dtype=logits.dtype),
                                torch.tensor(min_p or [0.0] * rows, dtype=logits.dtype))
 
 
-def kept(logits: torch.Tensor, top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0) -> set[int]:
-    return set(torch.nonzero(candidates(logits, [top_k], [top_p], [min_p])[0]).flatten().tolist())
+def kept(logits: torch.Tensor, top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0,
+         max_top_k: int | None = None) -> set[int]:
+    return set(torch.nonzero(candidates(logits, [top_k], [top_p], [min_p], max_top_k)[0]).flatten().tolist())
 
 
 @pytest.mark.parametrize("k, expected", [(1, {1}), (2, {1, 3}), (4, {0, 1, 3, 4}), (0, {0, 1, 2, 3, 4}),
@@ -61,10 +66,25 @@ def test_ties_at_the_edge_are_kept_whole() -> None:
     assert kept(logits, top_k=2) == {0, 1, 2, 3}
     assert kept(logits, top_p=0.5) == {0, 1, 2, 3}
     assert kept(logits, top_p=0.3) == {0}
-    # The ties past the k-th value still count in the top-k's mass.
+    # Ordering only the 2 largest values: the ties past them still count in the top-k's mass.
     ties = torch.tensor([[3.0, 2.0, 2.0, 2.0, 1.0]])
-    assert kept(ties, top_k=2, top_p=0.8) == {0, 1, 2, 3}
-    assert kept(ties, top_k=2, top_p=0.4) == {0}
+    for max_top_k in (2, 5):
+        assert kept(ties, top_k=2, top_p=0.8, max_top_k=max_top_k) == {0, 1, 2, 3}
+        assert kept(ties, top_k=2, top_p=0.4, max_top_k=max_top_k) == {0}
+
+
+def test_max_top_k_is_the_largest_cut_of_a_sampled_row() -> None:
+    from tokenmill import SamplingParams
+    from tokenmill.engine.model_runner import max_top_k
+
+    def rows(*kinds: dict) -> list[SamplingParams]:
+        return [SamplingParams(**kind) for kind in kinds]
+
+    assert max_top_k(rows({"top_k": 20, "top_p": 0.8}, {"top_k": 50}, {"temperature": 0.0, "top_k": 500}), 1000) == 50
+    assert max_top_k(rows({"top_k": 20}, {"top_p": 0.9}), 1000) == 20
+    assert max_top_k(rows({"temperature": 1.0}), 1000) == 0  # nothing cuts
+    assert max_top_k(rows({"top_k": 5000}), 10**6) == 5000
+    assert max_top_k(rows({"top_k": 900}, {"top_k": 800}), 800) == 0  # the whole vocabulary
 
 
 def test_top_k_top_p_keeps_what_the_definition_keeps() -> None:

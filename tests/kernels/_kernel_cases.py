@@ -16,6 +16,7 @@ import sys
 import torch
 
 from tokenmill.kernels import q8_0, reference
+from tokenmill.layers.sampler import top_k_threshold
 
 try:
     import triton
@@ -632,15 +633,16 @@ def check_sample(ops, *, rows: int, vocab: int, device: str) -> None:
     noise = torch.empty(rows, vocab, device=device).exponential_(generator=gen)
     temperature = uniform(0.2, 2.0)
     temperature[::6] = 0.0  # greedy rows
-    top_k = torch.randint(0, vocab + 2, (rows,), generator=gen, device=device)  # past the vocabulary: off
+    top_k = torch.randint(0, vocab // 2, (rows,), generator=gen, device=device)
     top_k[1::3] = torch.randint(1, 5, (len(top_k[1::3]),), generator=gen, device=device)  # a few tokens
     top_k[::3] = 0
     top_p = uniform(0.01, 1.0)
     top_p[::4] = 1.0
     min_p = torch.where(torch.rand(rows, generator=gen, device=device) < 0.3, uniform(0.0, 0.5), 0.0)
+    kth = top_k_threshold(logits, top_k, int(top_k.max()))
     inv_temperature = torch.where(temperature > 0, 1.0 / temperature.clamp_min(1e-6), 0.0)
     greedy = logits.argmax(dim=-1)
-    args = (logits, noise, inv_temperature, top_k, top_p, min_p, greedy)
+    args = (logits, noise, inv_temperature, kth, top_p, min_p, greedy)
     ref, got = reference.sample(*args), ops.sample(*args)
     where = f"seed={seed} sample rows={rows} vocab={vocab}"
     assert got.dtype == torch.int64 and got.shape == (rows,), where
@@ -674,7 +676,7 @@ def _interpret_penalties(ops) -> None:
 
 def check_top_k_edges(ops, *, vocab: int, device: str) -> None:
     """The top-k threshold exactly: noise that makes the k-th most likely token win when it is in
-    the top-k and the (k+1)-th win when the threshold is too low, on rows of either sign, with
+    the top-k and the (k+1)-th win when the threshold lets it in, on rows of either sign, with
     -inf and zeros of both signs, for k from 1 to all the finite tokens."""
     gen, seed = fresh_generator(device)
     rows = [_randn((vocab,), torch.float32, device, gen) * 3, -_randn((vocab,), torch.float32, device, gen).abs(),
@@ -683,6 +685,7 @@ def check_top_k_edges(ops, *, vocab: int, device: str) -> None:
     with_inf[: vocab // 2] = float("-inf")
     with_inf[vocab // 2: vocab // 2 + 3] = torch.tensor([0.0, -0.0, 1e-40])
     rows.append(with_inf)
+    one = torch.ones(1, device=device)
     for logits in rows:
         finite = int(logits.isfinite().sum())
         order = logits.argsort(descending=True, stable=True)
@@ -691,8 +694,8 @@ def check_top_k_edges(ops, *, vocab: int, device: str) -> None:
             noise[order[k - 1]] = 1e-20
             if k < vocab:
                 noise[order[k]] = 1e-30
-            one = torch.ones(1, device=device)
-            got = ops.sample(logits[None], noise[None], one, torch.tensor([k], device=device), one, one * 0,
+            top_k = torch.tensor([k], device=device)
+            got = ops.sample(logits[None], noise[None], one, top_k_threshold(logits[None], top_k, k), one, one * 0,
                              torch.zeros(1, dtype=torch.int64, device=device))
             assert got.item() == order[k - 1].item(), f"seed={seed} top_k={k} of {finite}: got {got.item()}"
 

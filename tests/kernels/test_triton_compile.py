@@ -195,8 +195,7 @@ def _launches(monkeypatch: pytest.MonkeyPatch) -> list[Launch]:
 def _sample(gen: torch.Generator, rows: int, vocab: int) -> None:
     logits = torch.randn(rows, vocab, generator=gen)
     row = torch.ones(rows)
-    ids = torch.zeros(rows, dtype=torch.int64)
-    triton_ops.sample(logits, torch.ones(rows, vocab), row, ids, row, row, ids)
+    triton_ops.sample(logits, torch.ones(rows, vocab), row, row, row, row, torch.zeros(rows, dtype=torch.int64))
 
 
 def _penalties(gen: torch.Generator, rows: int, vocab: int) -> None:

@@ -234,9 +234,24 @@ class ModelRunner:
                 max_query_len=query_len, max_seq_len=context)
             positions = torch.cat([torch.arange(context - query_len, context), torch.zeros(1, dtype=torch.int64)]).to(dev)
             hidden = self.model(torch.zeros(total, dtype=torch.int64, device=dev), positions, self.kv_caches, meta)
-            self.model.compute_logits(hidden[[query_len - 1, total - 1]])
+            logits = self.model.compute_logits(hidden[[query_len - 1, total - 1]])
+        self._warm_up_sampling(logits)
         if dev.type == "cuda":
             torch.cuda.synchronize(dev)
+
+    def _warm_up_sampling(self, logits: torch.Tensor) -> None:
+        """A sampled step with every filter and penalty, so that their kernels compile at start-up too."""
+        rows, vocab = logits.shape
+
+        def full(value: float, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+            return torch.full((rows,), value, dtype=dtype, device=self.device)
+
+        tables = (torch.zeros(rows, vocab, device=self.device), torch.zeros(rows, vocab, dtype=torch.bool, device=self.device),
+                  torch.arange(rows, device=self.device))
+        self.sampler(logits, SamplingBatch(
+            temperature=full(1.0), top_k=full(2, torch.int64), top_p=full(0.5), min_p=full(0.1),
+            repetition_penalty=full(1.1), presence_penalty=full(0.5), frequency_penalty=full(0.5),
+            generators=[None] * rows, num_logprobs=-1, penalties=tables, max_top_k=2))
 
     # ------------------------------------------------------------------ inputs
     def _prepare(self, batch: ScheduledBatch, previous: InFlightStep | None) -> StepInputs:
@@ -358,6 +373,7 @@ class ModelRunner:
                                             if s.generator is not None and s.draft_token_ids),
             num_logprobs=max(nums) if nums else -1,
             all_greedy=all(p.temperature == 0 for p in params),
+            max_top_k=max_top_k(params, self.cfg.vocab_size),
         )
         banned = [(row, tok) for row, (seq, offset) in enumerate(owners)
                   if seq.num_output_tokens + offset < seq.params.min_tokens for tok in seq.stop_token_ids_for_min_tokens]
@@ -472,6 +488,11 @@ class ModelRunner:
 
 
 # Up to this top-k, ordering a row's k largest values (torch.topk's radix select) beats sorting it.
+def max_top_k(params: list[SamplingParams], vocab_size: int) -> int:
+    """The largest top-k of a sampled row that cuts the vocabulary; 0 if none does."""
+    return max((p.top_k for p in params if p.temperature > 0 and 0 < p.top_k < vocab_size), default=0)
+
+
 def sampling_columns(params: list[SamplingParams], vocab_size: int) -> dict[str, np.ndarray]:
     """The numeric sampling parameters of each row, one named column each (``top_k`` 0 is
     off; larger than the vocabulary means all of it)."""

@@ -321,27 +321,15 @@ def sampling_candidates(logits: torch.Tensor, inv_temperature: torch.Tensor, kth
     return kept
 
 
-def kth_largest(logits: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:
-    """Each row's ``top_k``-th largest logit, ties counted (-inf where ``top_k`` is 0 or past the row)."""
-    vocab = logits.shape[-1]
-    cut = (top_k > 0) & (top_k < vocab)
-    if not bool(cut.any()):
-        return torch.full(top_k.shape, float("-inf"), dtype=logits.dtype, device=logits.device)
-    values = logits.topk(int(torch.where(cut, top_k, 0).max()), dim=-1).values
-    kth = values.gather(-1, (top_k.clamp(1, values.shape[-1]) - 1)[:, None]).squeeze(-1)
-    return torch.where(cut, kth, float("-inf"))
-
-
-def sample(logits: torch.Tensor, noise: torch.Tensor, inv_temperature: torch.Tensor, top_k: torch.Tensor,
+def sample(logits: torch.Tensor, noise: torch.Tensor, inv_temperature: torch.Tensor, kth: torch.Tensor,
            top_p: torch.Tensor, min_p: torch.Tensor, greedy_ids: torch.Tensor) -> torch.Tensor:
-    """One token per row of float32 ``logits`` ``[N, V]``: the candidate (``sampling_candidates``,
-    with the ``top_k``-th largest logit as ``kth``; 0 is off) with the largest ``x - log(noise)``,
-    the first on ties. With ``noise ~ Exp(1)`` that is an exact
+    """One token per row of float32 ``logits`` ``[N, V]``: the candidate (``sampling_candidates``)
+    with the largest ``x - log(noise)``, the first on ties. With ``noise ~ Exp(1)`` that is an exact
     draw from ``softmax(x)`` over the candidates (the exponential race), each row's noise its own.
     Rows whose ``inv_temperature`` is 0 take ``greedy_ids``."""
     sampled_rows = inv_temperature > 0
     inv = torch.where(sampled_rows, inv_temperature, 1.0)
-    candidates = sampling_candidates(logits, inv, kth_largest(logits, top_k), top_p, min_p)
+    candidates = sampling_candidates(logits, inv, kth, top_p, min_p)
     key = (logits * inv[:, None] - noise.log()).masked_fill(~candidates, float("-inf"))
     return torch.where(sampled_rows, key.argmax(dim=-1), greedy_ids)
 

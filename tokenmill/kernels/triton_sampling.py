@@ -1,8 +1,7 @@
 """Triton sampling from top-k/top-p/min-p candidates without sorting a row (``reference.sample``).
 
-Sorting a 150k-token row to find its nucleus costs milliseconds a step at large batches, and
-torch's top-k most of one. Instead each row finds its k-th largest logit by a radix select (four
-passes), then runs the exponential race over its top-k and checks the winner: when the top-k tokens
+Sorting a 150k-token row to find its nucleus costs milliseconds a step at large batches. Instead
+each row runs the exponential race over its top-k and checks the winner: when the top-k tokens
 more likely than the winner hold less than ``top_p`` of the mass (and the winner passes min-p),
 the winner is the race's winner over the candidates too. When not, no token as unlikely as the
 winner is a candidate either, so the race runs again over the tokens above it, with the same
@@ -29,45 +28,7 @@ def _first_of_best(best_key, best_idx, vocab):
 
 
 @triton.jit
-def _order_key(x):
-    """float32 -> int32 whose unsigned order (sign bit flipped) is the floats' order."""
-    bits = x.to(tl.int32, bitcast=True)
-    return (bits ^ ((bits >> 31) & 0x7FFFFFFF)) ^ -2147483648
-
-
-@triton.jit
-def _from_order_key(key):
-    bits = key ^ -2147483648
-    return (bits ^ ((bits >> 31) & 0x7FFFFFFF)).to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _kth_largest(logits_row, vocab, k, BLOCK: tl.constexpr):
-    """The row's k-th largest logit (ties counted, 1 <= k <= vocab): a radix select over the
-    logits' order keys, 8 bits a pass, each pass counting the digits of the tokens that share
-    the bits chosen so far."""
-    lanes = tl.arange(0, BLOCK)
-    digits = tl.arange(0, 256)
-    prefix = k * 0
-    remaining = k
-    for shift in tl.static_range(24, -8, -8):
-        hist = tl.zeros([256], tl.int32)
-        for start in range(0, vocab, BLOCK):
-            cols = start + lanes
-            valid = cols < vocab
-            key = _order_key(tl.load(logits_row + cols, mask=valid, other=0.0))
-            if shift < 24:
-                valid = valid & (((key >> (shift + 8)) & ((1 << (24 - shift)) - 1)) == prefix)
-            hist += tl.histogram((key >> shift) & 0xFF, 256, mask=valid)
-        at_least = tl.sum(hist, axis=0) - tl.cumsum(hist, axis=0) + hist  # tokens at or above each digit
-        digit = tl.max(tl.where(at_least >= remaining, digits, 0), axis=0)
-        remaining -= tl.sum(tl.where(digits > digit, hist, 0), axis=0)
-        prefix = (prefix << 8) | digit
-    return _from_order_key(prefix)
-
-
-@triton.jit
-def _sample_kernel(logits_ptr, noise_ptr, inv_temp_ptr, top_k_ptr, top_p_ptr, min_p_ptr, greedy_ptr, out_ptr,
+def _sample_kernel(logits_ptr, noise_ptr, inv_temp_ptr, kth_ptr, top_p_ptr, min_p_ptr, greedy_ptr, out_ptr,
                    logits_stride, noise_stride, vocab, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     inv_t = tl.load(inv_temp_ptr + row)
@@ -75,10 +36,7 @@ def _sample_kernel(logits_ptr, noise_ptr, inv_temp_ptr, top_k_ptr, top_p_ptr, mi
     if inv_t > 0:
         logits_row = logits_ptr + row * logits_stride
         noise_row = noise_ptr + row * noise_stride
-        top_k = tl.load(top_k_ptr + row).to(tl.int32)
-        kth = float("-inf")
-        if (top_k > 0) & (top_k < vocab):
-            kth = _kth_largest(logits_row, vocab, top_k, BLOCK)
+        kth = tl.load(kth_ptr + row)
         top_p = tl.load(top_p_ptr + row)
         min_p = tl.load(min_p_ptr + row)
         lanes = tl.arange(0, BLOCK)
@@ -134,7 +92,7 @@ def _sample_kernel(logits_ptr, noise_ptr, inv_temp_ptr, top_k_ptr, top_p_ptr, mi
     tl.store(out_ptr + row, token)
 
 
-def sample(logits: torch.Tensor, noise: torch.Tensor, inv_temperature: torch.Tensor, top_k: torch.Tensor,
+def sample(logits: torch.Tensor, noise: torch.Tensor, inv_temperature: torch.Tensor, kth: torch.Tensor,
            top_p: torch.Tensor, min_p: torch.Tensor, greedy_ids: torch.Tensor) -> torch.Tensor:
     """``reference.sample`` on the GPU: one program per row."""
     rows, vocab = logits.shape
@@ -144,7 +102,7 @@ def sample(logits: torch.Tensor, noise: torch.Tensor, inv_temperature: torch.Ten
         raise ValueError("sampling needs a contiguous last dimension")
     out = torch.empty(rows, dtype=torch.int64, device=logits.device)
     if rows:
-        _sample_kernel[(rows,)](logits, noise, inv_temperature.float().contiguous(), top_k.to(torch.int64).contiguous(),
+        _sample_kernel[(rows,)](logits, noise, inv_temperature.float().contiguous(), kth.float().contiguous(),
                                 top_p.float().contiguous(), min_p.float().contiguous(),
                                 greedy_ids.to(torch.int64).contiguous(), out, logits.stride(0), noise.stride(0),
                                 vocab, BLOCK=min(_BLOCK, triton.next_power_of_2(vocab)), num_warps=_NUM_WARPS)

@@ -38,6 +38,9 @@ class SamplingBatch:
     # Per-row logit_bias, added to the raw logits: (rows, token ids, float32 values).
     logit_bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
     all_greedy: bool = False
+    # The largest top-k of a sampled row that cuts the vocabulary (the model runner's ``max_top_k``;
+    # 0: none): only that many values of each row are put in order.
+    max_top_k: int = 0
     # Rows whose generator's state is kept after their draw (speculative rows: the engine winds the
     # generator back to the last row it keeps, so each emitted token costs one draw, as in plain decoding).
     keep_generator_states: frozenset[int] = frozenset()
@@ -51,6 +54,17 @@ class SamplerOutput:
     logprobs: torch.Tensor | None  # [N, 1 + num_logprobs] float32 (sampled first)
     logprob_token_ids: torch.Tensor | None  # [N, 1 + num_logprobs] int64
     generator_states: dict[int, torch.Tensor] | None = None  # row -> its generator's state after its draw
+
+
+def top_k_threshold(logits: torch.Tensor, top_k: torch.Tensor, max_top_k: int) -> torch.Tensor:
+    """Each row's k-th largest logit, the least a top-k token has (-inf where ``top_k`` is 0 or
+    above ``max_top_k``): only ``max_top_k`` values of each row are put in order."""
+    rows = logits.shape[0]
+    if max_top_k <= 0:
+        return torch.full((rows,), float("-inf"), device=logits.device)
+    values = logits.topk(max_top_k, dim=-1).values
+    kth = values.gather(-1, (top_k.clamp(1, max_top_k) - 1)[:, None]).squeeze(-1)
+    return torch.where((top_k > 0) & (top_k <= max_top_k), kth, float("-inf"))
 
 
 def exponential_noise(shape: tuple[int, int], generators: list[torch.Generator | None], device: torch.device,
@@ -121,8 +135,9 @@ class Sampler:
             inv_temperature = torch.where(batch.temperature > 0, 1.0 / batch.temperature.clamp_min(1e-6), 0.0)
             noise = exponential_noise(tuple(logits.shape), batch.generators, logits.device,
                                       batch.keep_generator_states, states)
-            token_ids = ops.sample(logits, noise, inv_temperature, batch.top_k, batch.top_p, batch.min_p,
-                                   greedy_ids)
+            token_ids = ops.sample(logits, noise, inv_temperature,
+                                   top_k_threshold(logits, batch.top_k, batch.max_top_k), batch.top_p,
+                                   batch.min_p, greedy_ids)
         if raw_logprobs is None:
             return SamplerOutput(token_ids, None, None, states or None)
         values, ids = gather_logprobs(raw_logprobs, token_ids, batch.num_logprobs)
