@@ -7,6 +7,7 @@
 #  `spec-rewrite` = speculative decoding on the rewrite workload, benchmarks/spec_decode_rewrite.py;
 #  `spec` = the verify step against decode per batch size, and the standard workload with it on/off;
 #  `sampling` = drawing a token per row (race and sort) and sampled workloads, benchmarks/sampling_bench.py;
+#  `study-sampling` = the sampling kernel's tiles against the row count, benchmarks/study_sampling_tiles.py;
 #  `structured` = structured outputs, benchmarks/structured_outputs_bench.py;
 #  `tp` = on two GPUs, the tensor-parallel GPU tests and benchmarks/tp_bench.py (all-reduces, 8B decode);
 #  `tp70b` = on two GPUs, Llama-3-70B split over both: batch sweep and standard workload.)
@@ -89,6 +90,8 @@ for part in "$@"; do
     sampling)
       timeout 400 python3 benchmarks/sampling_bench.py --out "$OUT/sampling.json" 2>&1 | grep -v -e "it/s]" -e "^Loading" \
         | tail -80 ;;
+    study-sampling)
+      timeout 300 python3 benchmarks/study_sampling_tiles.py --out "$OUT/study-sampling.json" 2>&1 | tail -45 ;;
     tp)
       # Two GPUs: tensor-parallel parity (bf16) against one GPU, then all-reduces and TP=2 decode.
       python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_tensor_parallel.py 2>&1 \

@@ -93,8 +93,10 @@ def _sample_kernel(logits_ptr, noise_ptr, inv_temp_ptr, kth_ptr, top_p_ptr, min_
 
 
 def sample(logits: torch.Tensor, noise: torch.Tensor, inv_temperature: torch.Tensor, kth: torch.Tensor,
-           top_p: torch.Tensor, min_p: torch.Tensor, greedy_ids: torch.Tensor) -> torch.Tensor:
-    """``reference.sample`` on the GPU: one program per row."""
+           top_p: torch.Tensor, min_p: torch.Tensor, greedy_ids: torch.Tensor, *, block: int = _BLOCK,
+           num_warps: int = _NUM_WARPS) -> torch.Tensor:
+    """``reference.sample`` on the GPU: one program per row, streaming it in tiles of ``block``
+    (``benchmarks/study_sampling_tiles.py`` compares tiles)."""
     rows, vocab = logits.shape
     if logits.dtype != torch.float32 or noise.dtype != torch.float32:
         raise ValueError("sampling takes float32 logits and noise")
@@ -105,5 +107,5 @@ def sample(logits: torch.Tensor, noise: torch.Tensor, inv_temperature: torch.Ten
         _sample_kernel[(rows,)](logits, noise, inv_temperature.float().contiguous(), kth.float().contiguous(),
                                 top_p.float().contiguous(), min_p.float().contiguous(),
                                 greedy_ids.to(torch.int64).contiguous(), out, logits.stride(0), noise.stride(0),
-                                vocab, BLOCK=min(_BLOCK, triton.next_power_of_2(vocab)), num_warps=_NUM_WARPS)
+                                vocab, BLOCK=min(block, triton.next_power_of_2(vocab)), num_warps=num_warps)
     return out

@@ -1,0 +1,50 @@
+"""The sampling kernel's tile (tokens per pass, warps per program) against the row count: one
+program streams each row, so at small batches a program's own bandwidth bounds the step.
+
+    python benchmarks/study_sampling_tiles.py [--out FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+from tokenmill.bench.hardware import environment, measure_ceilings, time_cuda
+from tokenmill.kernels import triton_sampling
+
+VOCAB = 151936
+TILES = ((2048, 4), (4096, 8), (8192, 16), (16384, 32), (8192, 8))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    ceilings = measure_ceilings()
+    rows = []
+    for batch in (1, 8, 64, 256):
+        logits = torch.randn(batch, VOCAB, device="cuda")
+        noise = torch.empty_like(logits).exponential_()
+        ones, zeros = torch.ones(batch, device="cuda"), torch.zeros(batch, device="cuda")
+        kth = torch.full((batch,), float("-inf"), device="cuda")
+        greedy = torch.zeros(batch, dtype=torch.int64, device="cuda")
+        floor = ceilings.floor(2 * logits.numel() * 4, 0.0)  # logits and noise read once
+        for kind, top_p in (("temperature", 1.0), ("top_p", 0.9)):
+            p = torch.full((batch,), top_p, device="cuda")
+            for block, warps in TILES:
+                seconds = time_cuda(lambda: triton_sampling.sample(logits, noise, ones, kth, p, zeros, greedy,
+                                                                   block=block, num_warps=warps), repeat=20)
+                rows.append({"name": f"sampling-tile/{kind}/b{batch}/block{block}-w{warps}", "batch": batch,
+                             "us": seconds * 1e6, "floor_us": floor * 1e6, "fraction_of_floor": floor / seconds})
+                print(f"{rows[-1]['name']:48s} {seconds * 1e6:8.1f} us (floor {floor * 1e6:.1f} us)")
+    if args.out:
+        Path(args.out).write_text(json.dumps({"environment": environment(ceilings, " ".join(sys.argv)),
+                                              "rows": rows}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
