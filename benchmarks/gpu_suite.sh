@@ -7,6 +7,7 @@
 #  `spec-rewrite` = speculative decoding on the rewrite workload, benchmarks/spec_decode_rewrite.py;
 #  `spec` = the verify step against decode per batch size, and the standard workload with it on/off;
 #  `sampling` = drawing a token per row (race and sort) and sampled workloads, benchmarks/sampling_bench.py;
+#  `sampling-profile` = the GPU kernels a sampled decode step adds, benchmarks/profile_sampling.py;
 #  `study-sampling` = the sampling kernel's tiles against the row count, benchmarks/study_sampling_tiles.py;
 #  `structured` = structured outputs, benchmarks/structured_outputs_bench.py;
 #  `tp` = on two GPUs, the tensor-parallel GPU tests and benchmarks/tp_bench.py (all-reduces, 8B decode);
@@ -90,6 +91,9 @@ for part in "$@"; do
     sampling)
       timeout 400 python3 benchmarks/sampling_bench.py --out "$OUT/sampling.json" 2>&1 | grep -v -e "it/s]" -e "^Loading" \
         | tail -80 ;;
+    sampling-profile)
+      timeout 300 python3 benchmarks/profile_sampling.py --out "$OUT/sampling-profile.json" 2>&1 \
+        | grep -v -e "it/s]" -e "^Loading" | tail -100 ;;
     study-sampling)
       timeout 300 python3 benchmarks/study_sampling_tiles.py --out "$OUT/study-sampling.json" 2>&1 | tail -45 ;;
     tp)
