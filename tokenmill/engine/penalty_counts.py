@@ -43,7 +43,10 @@ class PenaltyCounts:
 
     def add(self, rows: torch.Tensor, token_ids: torch.Tensor) -> None:
         """Count each row's sampled token (enqueued after the sampling, before the next step's)."""
-        self.counts.index_put_((rows, token_ids), torch.ones_like(token_ids, dtype=torch.float32), accumulate=True)
+        # One scatter of atomic adds: an accumulating ``index_put_`` sorts its indices first (five
+        # kernels, ~20 us a step at batch 1 on the H200).
+        flat = rows * self.vocab_size + token_ids
+        self.counts.view(-1).scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.float32))
 
     def _admit(self, seqs: list[Sequence]) -> None:
         short = 2 + len(self.slots) + len(seqs) - len(self.counts)  # (the first call makes the shared rows)
