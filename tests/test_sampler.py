@@ -9,7 +9,7 @@ import torch
 from scipy.stats import chisquare
 
 from tokenmill.kernels.reference import apply_penalties, sampling_candidates
-from tokenmill.layers.sampler import Sampler, SamplingBatch, greedy_argmax, largest_values, top_k_threshold
+from tokenmill.layers.sampler import Sampler, SamplingBatch, greedy_argmax, top_k_threshold
 
 
 def batch_of(rows: int, *, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, generators=None,
@@ -202,11 +202,3 @@ def test_greedy_argmax_is_argmax_with_first_maximum_on_ties(vocab: int) -> None:
     assert greedy_argmax(logits)[1].item() == vocab // 3
     assert greedy_argmax(logits)[3].item() == 0
 
-
-@pytest.mark.parametrize("vocab,k", [(151936, 50), (128256, 1), (32000, 7), (1000, 300), (97, 5)])
-def test_largest_values_through_chunks_equal_torch_topk(vocab: int, k: int) -> None:
-    gen = torch.Generator().manual_seed(vocab)
-    logits = (torch.randn(3, vocab, generator=gen) * 4).round()  # ties across chunks
-    logits[1, : vocab // 2] = float("-inf")
-    logits[2] = 0.0
-    assert torch.equal(largest_values(logits, k), logits.topk(k, dim=-1).values)

@@ -56,26 +56,13 @@ class SamplerOutput:
     generator_states: dict[int, torch.Tensor] | None = None  # row -> its generator's state after its draw
 
 
-def largest_values(logits: torch.Tensor, k: int) -> torch.Tensor:
-    """The ``k`` largest values of each row, in order: first the ``k`` largest of each chunk of a row,
-    then the ``k`` largest of those. torch's top-k of a few long rows keeps a handful of thread blocks
-    busy (its multi-block path: ~45 us of GPU time for one 150k row on the H200); many short
-    rows fill the GPU, and the k-th largest of the chunks' k largest is the row's."""
-    rows, vocab = logits.shape
-    # Chunks: the most (a power of two, up to 256, dividing the row) that leave each at least 4k tokens.
-    chunks = next((c for c in (256, 128, 64, 32, 16, 8) if vocab % c == 0 and vocab // c >= 4 * k), 1)
-    if chunks > 1:
-        logits = logits.reshape(rows * chunks, vocab // chunks).topk(k, dim=-1).values.view(rows, chunks * k)
-    return logits.topk(k, dim=-1).values
-
-
 def top_k_threshold(logits: torch.Tensor, top_k: torch.Tensor, max_top_k: int) -> torch.Tensor:
     """Each row's k-th largest logit, the least a top-k token has (-inf where ``top_k`` is 0 or
     above ``max_top_k``): only ``max_top_k`` values of each row are put in order."""
     rows = logits.shape[0]
     if max_top_k <= 0:
         return torch.full((rows,), float("-inf"), device=logits.device)
-    values = largest_values(logits, max_top_k)
+    values = logits.topk(max_top_k, dim=-1).values
     kth = values.gather(-1, (top_k.clamp(1, max_top_k) - 1)[:, None]).squeeze(-1)
     return torch.where((top_k > 0) & (top_k <= max_top_k), kth, float("-inf"))
 
