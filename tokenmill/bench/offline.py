@@ -387,17 +387,46 @@ def bench_kv_cache_dtypes(ceilings: Ceilings, shape: str = "llama3-8b", dtypes: 
     return rows
 
 
-def bench_startup(shape: str = "llama3-8b") -> list[dict]:
+def time_to_first_token(engine: LLMEngine, prompt: list[int], sampling: dict[str, Any] | None = None) -> float:
+    """Seconds from adding a request (alone) to its first token."""
+    params = SamplingParams(**{"temperature": 0, **(sampling or {})}, max_tokens=1)
+    started = time.perf_counter()
+    engine.add_request(f"ttft-{started}", prompt, params, stream=False)
+    while engine.has_unfinished_requests():
+        engine.step()
+    return time.perf_counter() - started
+
+
+def bench_startup(ceilings: Ceilings, shape: str = "llama3-8b") -> list[dict]:
+    """Start-up, then the first requests' time to first token, each beside its floor (the prefill
+    step's weights and FLOPs): the first 517-token prompt and a second one (a kernel compiled on
+    the request path shows as their difference), a sampled one, and 100- and 4,000-token prompts
+    (each timed after one of its length). Every prompt is new: no prefix is cached."""
     started = time.perf_counter()
     engine = make_engine(shape, max_num_seqs=256)
     total = time.perf_counter() - started
     graphs = engine.core.runner.graphs
-    row = {"name": f"startup/{shape}", "seconds_total": total, **engine.core.startup_seconds,
-           "graph_capture_seconds": graphs.capture_seconds if graphs else None,
-           "graph_batch_sizes": graphs.sizes if graphs else None}
+    rows = [{"name": f"startup/{shape}", "seconds_total": total, **engine.core.startup_seconds,
+             "graph_capture_seconds": graphs.capture_seconds if graphs else None,
+             "graph_batch_sizes": graphs.sizes if graphs else None}]
+    rng, vocab = random.Random(0), engine.model_config.vocab_size
+    cost = StepCostModel.of(engine.core.runner.model, engine.model_config)
+    sampled = {"temperature": 1.0, "top_p": 0.9, "top_k": 50, "repetition_penalty": 1.1}
+
+    def ttft_row(name: str, length: int, sampling: dict[str, Any] | None = None) -> dict:
+        seconds = time_to_first_token(engine, random_prompt(rng, length, vocab), sampling)
+        floor = ceilings.floor(*cost.step([length], [length], 1))
+        return {"name": f"ttft/{shape}/{name}", "prompt_tokens": length, "ms": seconds * 1e3,
+                "floor_ms": floor * 1e3, "fraction_of_floor": floor / seconds}
+
+    rows += [ttft_row("first_517", 517), ttft_row("second_517", 517), ttft_row("first_sampled_517", 517, sampled)]
+    rows[1]["first_over_second"] = rows[1]["ms"] / rows[2]["ms"]
+    for length in (100, 4000):
+        time_to_first_token(engine, random_prompt(rng, length, vocab))
+        rows.append(ttft_row(str(length), length))
     del engine
     release()
-    return [row]
+    return rows
 
 
 # ----------------------------------------------------------------------- output
@@ -480,6 +509,11 @@ def print_table(rows: list[dict]) -> None:
         if "ms_per_step" in row:
             measured = f"{row['ms_per_step']:.2f} ms"
             floor = f"{row['floor_ms']:.2f} ms"
+        elif "prompt_tokens" in row:  # time to first token
+            measured = f"{row['ms']:.1f} ms"
+            floor = f"{row['floor_ms']:.1f} ms"
+        elif "seconds_total" in row:
+            measured, floor = f"{row['seconds_total']:.1f} s", ""
         elif "output_tok_per_s" in row:
             measured = f"{row['output_tok_per_s']:.0f} tok/s"
             floor = f"{row['floor_seconds']:.1f} s"
@@ -529,7 +563,7 @@ def run_bench(args: argparse.Namespace) -> int:
             Path(args.out).write_text(json.dumps({"environment": env, "rows": rows + section}, indent=2))
 
     sections = {
-        "startup": lambda: bench_startup(),
+        "startup": lambda: bench_startup(ceilings),
         "latency": lambda: bench_latency(ceilings, ["llama3-8b", "qwen3-8b"], [128, 1024, 4096], peer),
         "batch": lambda: bench_batch(ceilings, ["llama3.2-1b", "llama3-8b"], [1, 8, 32, 64, 128, 256],
                                      [1, 32, 128], peer),
