@@ -131,7 +131,7 @@ class StepInputs:
 
     plan: StepPlan
     tensors: dict[str, torch.Tensor]
-    logits_rows: list[int]  # prompt-logprob rows first, then each sampled sequence's rows
+    logits_rows: np.ndarray  # int64: prompt-logprob rows first, then each sampled sequence's rows
     sampled: list[Sequence]
     rows_per_seq: list[int]  # sampled rows of each sampled sequence: 1 + its drafts
     sampling_columns: dict[str, torch.Tensor]  # per sampled row, named as SamplingBatch's fields
@@ -273,25 +273,28 @@ class ModelRunner:
         ids = np.fromiter(itertools.chain.from_iterable(
             s.scheduled_token_ids(st, n) for s, st, n in zip(seqs, starts.tolist(), batch.num_tokens)),
             dtype=np.int64, count=total)
-        ends = (starts + counts).tolist()
-        sampled = [s for s, end in zip(seqs, ends) if end == s.num_scheduled_tokens]
-        rows_per_seq = [1 + len(s.draft_token_ids) for s in sampled]
-        logits_rows: list[int] = []
+        ends = starts + counts
+        scheduled = np.fromiter((s.num_scheduled_tokens for s in seqs), dtype=np.int64, count=len(seqs))
+        sampling_seqs = np.flatnonzero(ends == scheduled)  # their last known token is in this step
+        sampled = [seqs[b] for b in sampling_seqs.tolist()]
+        drafts = np.fromiter((len(s.draft_token_ids) for s in sampled), dtype=np.int64, count=len(sampled))
+        rows_per_seq = (drafts + 1).tolist()
+        prompt_logits_rows: list[int] = []
         prompt_rows: list[PromptLogprobRows] = []
-        for b, seq in enumerate(seqs):
-            if seq.params.prompt_logprobs is None:
-                continue
+        for b in [b for b, s in enumerate(seqs) if s.params.prompt_logprobs is not None]:
+            seq = seqs[b]
             # Rows whose next token is still a prompt token give prompt logprobs, each once:
             # a recompute after preemption skips the positions already given.
             first = max(int(starts[b]), seq.next_prompt_logprob_position)
-            last = min(ends[b], seq.num_prompt_tokens - 1)
+            last = min(int(ends[b]), seq.num_prompt_tokens - 1)
             if first < last:
                 row0 = int(query_start[b]) - int(starts[b])
                 prompt_rows.append(PromptLogprobRows(seq, first, last - first))
-                logits_rows.extend(range(row0 + first, row0 + last))
-        for b, (s, end) in enumerate(zip(seqs, ends)):
-            if end == s.num_scheduled_tokens:  # the last known token's row, then each draft's
-                logits_rows.extend(range(int(query_start[b + 1]) - 1 - len(s.draft_token_ids), int(query_start[b + 1])))
+                prompt_logits_rows.extend(range(row0 + first, row0 + last))
+        # Then each sampling sequence's rows: its last known token's, then each draft's.
+        firsts = np.repeat(query_start[1:][sampling_seqs] - drafts - 1, drafts + 1)
+        within = np.arange(int(drafts.sum()) + len(drafts)) - np.repeat(np.cumsum(drafts + 1) - drafts - 1, drafts + 1)
+        logits_rows = np.concatenate([np.asarray(prompt_logits_rows, dtype=np.int64), firsts + within])
         seq_lens = (starts + counts).astype(np.int32)
         pending_rows = np.flatnonzero(ids == PENDING)
         if len(pending_rows) and (previous is None or len(previous.rows_per_seq) != len(previous.sampled_seqs)
@@ -314,7 +317,7 @@ class ModelRunner:
             path = VERIFY_GRAPH  # every row is a known token or a draft, and every row samples
         plan = StepPlan({"input_ids": ids, "positions": positions, "slot_mapping": slots,
                          "query_start_loc": query_start, "seq_lens": seq_lens, "block_tables": tables,
-                         "logits_rows": np.asarray(logits_rows, dtype=np.int64),
+                         "logits_rows": logits_rows,
                          "pending_rows": pending_rows.astype(np.int64), "pending_sources": pending_sources},
                         max_query_len, int(seq_lens.max()), path, picks_rows, sum(rows_per_seq))
         if self.peers is not None:
@@ -487,7 +490,6 @@ class ModelRunner:
             row += count
 
 
-# Up to this top-k, ordering a row's k largest values (torch.topk's radix select) beats sorting it.
 def max_top_k(params: list[SamplingParams], vocab_size: int) -> int:
     """The largest top-k of a sampled row that cuts the vocabulary; 0 if none does."""
     return max((p.top_k for p in params if p.temperature > 0 and 0 < p.top_k < vocab_size), default=0)
