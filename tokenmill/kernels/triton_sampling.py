@@ -30,6 +30,29 @@ def _first_of_best(best_key, best_idx, vocab):
 
 
 @triton.jit
+def _race(logits_row, noise_row, inv_t, kth, start, end, BLOCK: tl.constexpr):
+    """Over tokens ``start`` to ``end`` of a row: the largest scaled logit, and the race's best key
+    over the top-k with its (first) token id."""
+    lanes = tl.arange(0, BLOCK)
+    top = tl.full([BLOCK], float("-inf"), tl.float32)
+    best_key = tl.full([BLOCK], float("-inf"), tl.float32)
+    best_idx = tl.zeros([BLOCK], tl.int32) + start
+    for tile in range(start, end, BLOCK):
+        cols = tile + lanes
+        valid = cols < end
+        raw = tl.load(logits_row + cols, mask=valid, other=float("-inf"))
+        noise = tl.load(noise_row + cols, mask=valid, other=1.0)
+        x = raw * inv_t
+        top = tl.maximum(top, x)
+        key = tl.where(valid & (raw >= kth) & (x > float("-inf")), x - tl.log(noise), float("-inf"))
+        better = key > best_key
+        best_key = tl.where(better, key, best_key)
+        best_idx = tl.where(better, cols, best_idx)
+    key, winner = _first_of_best(best_key, best_idx, end)
+    return tl.max(top, axis=0), key, winner
+
+
+@triton.jit
 def _sample_kernel(logits_ptr, noise_ptr, inv_temp_ptr, kth_ptr, top_p_ptr, min_p_ptr, greedy_ptr, out_ptr,
                    logits_stride, noise_stride, vocab, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
@@ -43,22 +66,7 @@ def _sample_kernel(logits_ptr, noise_ptr, inv_temp_ptr, kth_ptr, top_p_ptr, min_
         min_p = tl.load(min_p_ptr + row)
         lanes = tl.arange(0, BLOCK)
         # The race over the row's top-k, and its largest scaled logit.
-        top = tl.full([BLOCK], float("-inf"), tl.float32)
-        best_key = tl.full([BLOCK], float("-inf"), tl.float32)
-        best_idx = tl.zeros([BLOCK], tl.int32)
-        for start in range(0, vocab, BLOCK):
-            cols = start + lanes
-            valid = cols < vocab
-            raw = tl.load(logits_row + cols, mask=valid, other=float("-inf"))
-            noise = tl.load(noise_row + cols, mask=valid, other=1.0)
-            x = raw * inv_t
-            top = tl.maximum(top, x)
-            key = tl.where(valid & (raw >= kth) & (x > float("-inf")), x - tl.log(noise), float("-inf"))
-            better = key > best_key
-            best_key = tl.where(better, key, best_key)
-            best_idx = tl.where(better, cols, best_idx)
-        row_max = tl.max(top, axis=0)
-        _, winner = _first_of_best(best_key, best_idx, vocab)
+        row_max, _, winner = _race(logits_row, noise_row, inv_t, kth, 0, vocab, BLOCK)
         x_win = tl.load(logits_row + winner) * inv_t
         accepted = (top_p >= 1.0) & (tl.exp(x_win - row_max) >= min_p)
         # Until a winner is a candidate: the top-k's mass, the mass above the winner, and the
