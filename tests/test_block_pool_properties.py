@@ -105,6 +105,14 @@ class EngineMachine(RuleBasedStateMachine):
         assert all(not seq.block_tables for seq in self.scheduler.waiting), "waiting sequences hold no blocks"
 
     @invariant()
+    def the_kept_table_arrays_are_the_tables(self) -> None:
+        """The int32 copy of a sequence's tables the model runner reads is built again after every
+        change the KV manager makes (building it here: a later missed change shows as a stale copy)."""
+        for seq in self.scheduler.running:
+            if seq.block_tables:
+                assert seq.block_table_array().tolist() == seq.block_tables
+
+    @invariant()
     def visible_computed_tokens_are_in_the_cache(self) -> None:
         """Every computed token a next query can still see (all of them, or its group's window)."""
         for seq in self.scheduler.running:

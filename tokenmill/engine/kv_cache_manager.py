@@ -75,6 +75,7 @@ class KVCacheManager:
             for block_id in found[g][first:hit]:
                 pool.take_cached(block_id)
                 table.append(block_id)
+        seq.tables_changed()
         seq.num_computed_tokens = hit * self.block_size
         seq.num_committed_blocks = hit
         return seq.num_computed_tokens
@@ -106,6 +107,7 @@ class KVCacheManager:
             return True  # (most decode steps: the last block has room, and no window frees anything)
         if not seq.block_tables:
             seq.block_tables = [[] for _ in self.pools]
+            seq.tables_changed()
         self._free_passed_blocks(seq)
         end = self.blocks_needed(seq.num_computed_tokens + num_new_tokens)
         needed = [end - len(table) for table in seq.block_tables]
@@ -114,6 +116,7 @@ class KVCacheManager:
         for n, pool, table in zip(needed, self.pools, seq.block_tables):
             if n > 0:
                 table.extend(pool.allocate(n))
+        seq.tables_changed()
         return True
 
     def _free_passed_blocks(self, seq: Sequence) -> None:
@@ -128,6 +131,7 @@ class KVCacheManager:
                 pool.free([table[i]])
                 table[i] = null
                 i -= 1
+                seq.tables_changed()
 
     def commit_computed_blocks(self, seq: Sequence) -> None:
         """Make the sequence's newly full and computed blocks findable by later requests (in every
@@ -151,12 +155,14 @@ class KVCacheManager:
             if len(table) > keep:
                 pool.free(table[keep:][::-1])
                 del table[keep:]
+                seq.tables_changed()
 
     def free(self, seq: Sequence) -> None:
         """Return the sequence's blocks, tail first into the eviction queue."""
         for pool, table, null in zip(self.pools, seq.block_tables, self.null_blocks):
             pool.free([b for b in reversed(table) if b != null])
         seq.block_tables = []
+        seq.tables_changed()
         seq.num_committed_blocks = 0
         seq.num_computed_tokens = 0
 

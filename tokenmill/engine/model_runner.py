@@ -264,9 +264,10 @@ class ModelRunner:
         np.cumsum(counts, out=query_start[1:])
         total = int(query_start[-1])
         # [groups, B, blocks]: every group's table of a sequence has the same length.
-        tables = np.zeros((self.num_kv_groups, len(seqs), max(len(s.block_tables[0]) for s in seqs)), dtype=np.int32)
-        for b, seq in enumerate(seqs):
-            tables[:, b, :len(seq.block_tables[0])] = seq.block_tables
+        arrays = [s.block_table_array() for s in seqs]
+        tables = np.zeros((self.num_kv_groups, len(seqs), max(a.shape[1] for a in arrays)), dtype=np.int32)
+        for b, array in enumerate(arrays):
+            tables[:, b, :array.shape[1]] = array
         owner = np.repeat(np.arange(len(seqs)), counts)
         positions = np.arange(total) - np.repeat(query_start[:-1].astype(np.int64) - starts, counts)
         slots = tables[:, owner, positions // bs].astype(np.int64) * bs + positions % bs
