@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import logging
+import re
 
 import pytest
 import torch
@@ -307,3 +309,11 @@ def test_overlap_under_preemption_and_streaming(model_dir) -> None:
         results[overlap] = final
     assert results[True] == results[False]
     assert all(len(ids) == 60 for ids in results[True].values())
+
+
+def test_the_start_up_log_says_what_start_up_took(model_dir, caplog) -> None:
+    with caplog.at_level(logging.INFO, logger="tokenmill.engine.core"):
+        LLM(str(model_dir), device="cpu", dtype="float32")
+    ready = [r.getMessage() for r in caplog.records if r.getMessage().startswith("engine ready")]
+    assert len(ready) == 1
+    assert re.search(r"; start-up weights \d+\.\d s, KV cache and CUDA graphs \d+\.\d s$", ready[0]), ready[0]

@@ -92,6 +92,11 @@ class CoreRequest:
     seqs: list[Sequence]
 
 
+# The start-up log's words for ``EngineCore.startup_seconds``.
+STARTUP_PHASES = {"load": "weights", "kv_cache_and_graphs": "KV cache and CUDA graphs",
+                  "warm_up": "kernel compilation and warm-up"}
+
+
 class EngineCore:
     """Under tensor parallelism (``tensor_parallel_size`` > 1) the core is rank 0: it holds the first
     share of the model and drives the other ranks' worker processes (``engine/tp_workers.py``)."""
@@ -181,11 +186,12 @@ class EngineCore:
             f"{'' if spec.sliding_window is None else f' (window {spec.sliding_window})'}: {n} blocks"
             for g, (spec, n) in enumerate(zip(layout.groups, num_blocks)))
         logger.info("engine ready: %s on %s (%s%s), max_model_len %d, KV cache %s in blocks of %d tokens: %s; %d bytes "
-                    "per token (%d if every layer kept its own full-length cache)%s", model_dir, self.device,
-                    str(self.dtype).removeprefix("torch."),
+                    "per token (%d if every layer kept its own full-length cache)%s; start-up %s", model_dir,
+                    self.device, str(self.dtype).removeprefix("torch."),
                     f", tensor parallel over {self.tp.size} ranks" if self.tp.size > 1 else "", max_len,
                     config.kv_cache_dtype, config.block_size, groups, layout.bytes_per_token(self.kv_dtype),
-                    layout.full_length_bytes_per_token(self.kv_dtype), " on each rank" if self.tp.size > 1 else "")
+                    layout.full_length_bytes_per_token(self.kv_dtype), " on each rank" if self.tp.size > 1 else "",
+                    ", ".join(f"{STARTUP_PHASES[name]} {seconds:.1f} s" for name, seconds in self.startup_seconds.items()))
         freeze_startup_objects()
 
     def shutdown(self, abort: bool = False) -> None:
