@@ -3,6 +3,7 @@
 #   bash benchmarks/gpu_suite.sh tests kernels startup latency batch throughput features kvcache q8
 # (`tests` = kernel and engine GPU tests; `engine-tests` = engine only;
 #  `serve-qwen3-0.6b`, `serve-llama3-8b` = the server against the engine, benchmarks/serve_vs_engine.py;
+#  `throughput-whole-peer` = Qwen3-0.6B's standard workload, transformers given all of it;
 #  `models-<shape>[,<shape>]` = `tokenmill bench models` on those shapes, e.g. models-gemma3-4b;
 #  `spec-rewrite` = speculative decoding on the rewrite workload, benchmarks/spec_decode_rewrite.py;
 #  `spec` = the verify step against decode per batch size, and the standard workload with it on/off;
@@ -40,6 +41,10 @@ for part in "$@"; do
       case $part in startup|features|kvcache|q8) extra="--no-peer" ;; throughput) extra="--peer-requests 16" ;; esac
       timeout 400 python3 benchmarks/run_engine_bench.py "$part" --out "$OUT/$part.json" $extra 2>&1 \
         | grep -v -e "it/s]" -e "^Loading" | tail -30 ;;
+    throughput-whole-peer)
+      # Qwen3-0.6B's standard workload with transformers' generate_batch given all 256 requests too.
+      timeout 590 python3 benchmarks/run_engine_bench.py throughput --throughput-shapes qwen3-0.6b --peer-requests 256 \
+        --out "$OUT/throughput-whole-peer.json" 2>&1 | grep -v -e "it/s]" -e "^Loading" | tail -10 ;;
     models-*)
       timeout 590 python3 benchmarks/run_engine_bench.py models --shapes "${part#models-}" \
         --peer-requests "${PEER_REQUESTS:-16}" \

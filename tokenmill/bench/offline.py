@@ -540,6 +540,8 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tokens-per-forward", type=float, default=None,
                         help="spec: tokens per forward measured on a workload (benchmarks/spec_decode_rewrite.py), "
                              "to derive the speedup at each batch size")
+    parser.add_argument("--throughput-shapes", default="qwen3-0.6b,llama3-8b",
+                        help="comma-separated shapes for the throughput benchmark")
     parser.add_argument("--shapes", default=",".join(MODEL_SHAPES),
                         help="comma-separated shapes for the models benchmark (known: "
                              f"{', '.join(SHAPES)})")
@@ -567,7 +569,7 @@ def run_bench(args: argparse.Namespace) -> int:
         "latency": lambda: bench_latency(ceilings, ["llama3-8b", "qwen3-8b"], [128, 1024, 4096], peer),
         "batch": lambda: bench_batch(ceilings, ["llama3.2-1b", "llama3-8b"], [1, 8, 32, 64, 128, 256],
                                      [1, 32, 128], peer),
-        "throughput": lambda: bench_throughput(ceilings, ["qwen3-0.6b", "llama3-8b"], peer, args.peer_requests,
+        "throughput": lambda: bench_throughput(ceilings, args.throughput_shapes.split(","), peer, args.peer_requests,
                                                checkpoint),
         "features": lambda: bench_features(ceilings),
         "kvcache": lambda: bench_kv_cache_dtypes(ceilings),
