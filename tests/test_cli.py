@@ -161,3 +161,19 @@ print(sorted(m for m in sys.modules if m.startswith(("tokenmill.bench.serve", "t
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     assert result.stdout.splitlines() == ["[]", "[]"]
+
+
+def test_bench_shapes_are_checked_when_parsed() -> None:
+    import argparse
+
+    from tokenmill.bench.offline import add_bench_args
+
+    parser = argparse.ArgumentParser()
+    add_bench_args(parser)
+    assert parser.parse_args(["--throughput-shapes", "qwen3-0.6b, llama3-8b"]).throughput_shapes == ["qwen3-0.6b",
+                                                                                                      "llama3-8b"]
+    for bad in ("qwen3-0.6b,nope", "", ","):
+        with pytest.raises(SystemExit):
+            parser.parse_args(["--throughput-shapes", bad])
+        with pytest.raises(SystemExit):
+            parser.parse_args(["--shapes", bad])

@@ -532,6 +532,16 @@ BENCHMARKS = ("latency", "batch", "throughput", "features", "startup", "models",
 MODEL_SHAPES = ["gemma3-4b", "gemma3-27b", "gemma4-e4b", "gemma4-31b"]
 
 
+def shape_list(text: str) -> list[str]:
+    """A comma-separated list of known shapes (an argparse type: a bad name fails at parsing, before
+    anything is measured)."""
+    names = [name.strip() for name in text.split(",") if name.strip()]
+    unknown = [name for name in names if name not in SHAPES]
+    if not names or unknown:
+        raise argparse.ArgumentTypeError(f"unknown shape(s) {', '.join(unknown) or repr(text)}; known: {', '.join(SHAPES)}")
+    return names
+
+
 def add_bench_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", default=None, help="JSON file for the results")
     parser.add_argument("--no-peer", action="store_true", help="skip transformers")
@@ -540,9 +550,9 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tokens-per-forward", type=float, default=None,
                         help="spec: tokens per forward measured on a workload (benchmarks/spec_decode_rewrite.py), "
                              "to derive the speedup at each batch size")
-    parser.add_argument("--throughput-shapes", default="qwen3-0.6b,llama3-8b",
+    parser.add_argument("--throughput-shapes", type=shape_list, default=["qwen3-0.6b", "llama3-8b"],
                         help="comma-separated shapes for the throughput benchmark")
-    parser.add_argument("--shapes", default=",".join(MODEL_SHAPES),
+    parser.add_argument("--shapes", type=shape_list, default=MODEL_SHAPES,
                         help="comma-separated shapes for the models benchmark (known: "
                              f"{', '.join(SHAPES)})")
 
@@ -569,13 +579,13 @@ def run_bench(args: argparse.Namespace) -> int:
         "latency": lambda: bench_latency(ceilings, ["llama3-8b", "qwen3-8b"], [128, 1024, 4096], peer),
         "batch": lambda: bench_batch(ceilings, ["llama3.2-1b", "llama3-8b"], [1, 8, 32, 64, 128, 256],
                                      [1, 32, 128], peer),
-        "throughput": lambda: bench_throughput(ceilings, args.throughput_shapes.split(","), peer, args.peer_requests,
+        "throughput": lambda: bench_throughput(ceilings, args.throughput_shapes, peer, args.peer_requests,
                                                checkpoint),
         "features": lambda: bench_features(ceilings),
         "kvcache": lambda: bench_kv_cache_dtypes(ceilings),
         "spec": lambda: bench_spec_decode(ceilings, tokens_per_forward=args.tokens_per_forward),
         "q8": lambda: bench_q8_0(ceilings),
-        "models": lambda: bench_models(ceilings, args.shapes.split(","), [1, 8, 32, 128], peer, args.peer_requests,
+        "models": lambda: bench_models(ceilings, args.shapes, [1, 8, 32, 128], peer, args.peer_requests,
                                        checkpoint),
     }
     for name, run in sections.items():

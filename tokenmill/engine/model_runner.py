@@ -296,7 +296,7 @@ class ModelRunner:
         firsts = np.repeat(query_start[1:][sampling_seqs] - drafts - 1, drafts + 1)
         within = np.arange(int(drafts.sum()) + len(drafts)) - np.repeat(np.cumsum(drafts + 1) - drafts - 1, drafts + 1)
         logits_rows = np.concatenate([np.asarray(prompt_logits_rows, dtype=np.int64), firsts + within])
-        seq_lens = (starts + counts).astype(np.int32)
+        seq_lens = ends.astype(np.int32)
         pending_rows = np.flatnonzero(ids == PENDING)
         if len(pending_rows) and (previous is None or len(previous.rows_per_seq) != len(previous.sampled_seqs)
                                   or any(n > 1 for n in previous.rows_per_seq)):

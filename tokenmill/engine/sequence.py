@@ -74,7 +74,7 @@ class Sequence:
         """``block_tables`` as int32 ``[groups, blocks]``: converted once after each change (the KV
         manager calls ``tables_changed``), not every step."""
         if self.table_array is None:
-            self.table_array = np.array(self.block_tables, dtype=np.int32).reshape(len(self.block_tables), -1)
+            self.table_array = np.array(self.block_tables, dtype=np.int32)
         return self.table_array
 
     def tables_changed(self) -> None:
