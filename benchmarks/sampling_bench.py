@@ -29,7 +29,7 @@ import torch
 from tokenmill.bench.hardware import environment, measure_ceilings, time_cuda
 from tokenmill.bench.offline import decode_steps, make_engine, release, run_workload, standard_workload
 from tokenmill.kernels import reference, triton_ops
-from tokenmill.layers.sampler import greedy_argmax, top_k_threshold
+from tokenmill.layers.sampler import greedy_argmax, largest_logits
 
 VOCAB = 151936
 SAMPLINGS = {"greedy": {}, "temperature": {"temperature": 1.0}, "top_p": {"temperature": 1.0, "top_p": 0.9},
@@ -60,7 +60,7 @@ def step_rows(ceilings) -> list[dict]:
                 for impl, ops in (("race", triton_ops), ("sort", reference)):
                     def draw(ops=ops) -> torch.Tensor:
                         noise = torch.empty_like(logits).exponential_()
-                        return ops.sample(logits, noise, ones, top_k_threshold(logits, top_k, k), top_p, min_p,
+                        return ops.sample(logits, noise, ones, top_k, largest_logits(logits, k), top_p, min_p,
                                           greedy)
 
                     rows.append(row(f"{name}/{impl}", time_cuda(draw)))

@@ -30,13 +30,13 @@ def main() -> None:
         logits = torch.randn(batch, VOCAB, device="cuda")
         noise = torch.empty_like(logits).exponential_()
         ones, zeros = torch.ones(batch, device="cuda"), torch.zeros(batch, device="cuda")
-        kth = torch.full((batch,), float("-inf"), device="cuda")
+        no_top_k, no_values = torch.zeros(batch, dtype=torch.int64, device="cuda"), logits[:, :0]
         greedy = torch.zeros(batch, dtype=torch.int64, device="cuda")
         floor = ceilings.floor(2 * logits.numel() * 4, 0.0)  # logits and noise read once
         for kind, top_p in (("temperature", 1.0), ("top_p", 0.9)):
             p = torch.full((batch,), top_p, device="cuda")
             for block, warps in TILES:
-                seconds = time_cuda(lambda: triton_sampling.sample(logits, noise, ones, kth, p, zeros, greedy,
+                seconds = time_cuda(lambda: triton_sampling.sample(logits, noise, ones, no_top_k, no_values, p, zeros, greedy,
                                                                    block=block, num_warps=warps), repeat=20)
                 rows.append({"name": f"sampling-tile/{kind}/b{batch}/block{block}-w{warps}", "batch": batch,
                              "us": seconds * 1e6, "floor_us": floor * 1e6, "fraction_of_floor": floor / seconds})

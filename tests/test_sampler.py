@@ -8,8 +8,8 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from tokenmill.kernels.reference import apply_penalties, sampling_candidates
-from tokenmill.layers.sampler import Sampler, SamplingBatch, greedy_argmax, top_k_threshold
+from tokenmill.kernels.reference import apply_penalties, kth_largest, sampling_candidates
+from tokenmill.layers.sampler import Sampler, SamplingBatch, greedy_argmax, largest_logits
 
 
 def batch_of(rows: int, *, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, generators=None,
@@ -34,7 +34,7 @@ def candidates(logits: torch.Tensor, top_k: list[int], top_p: list[float], min_p
     k = torch.tensor(top_k).clamp(max=vocab)
     if max_top_k is None:
         max_top_k = max((x for x in top_k if 0 < x < vocab), default=0)
-    return sampling_candidates(logits, torch.ones(rows, dtype=logits.dtype), top_k_threshold(logits, k, max_top_k),
+    return sampling_candidates(logits, torch.ones(rows, dtype=logits.dtype), kth_largest(k, largest_logits(logits, max_top_k)),
                                torch.tensor(top_p, dtype=logits.dtype),
                                torch.tensor(min_p or [0.0] * rows, dtype=logits.dtype))
 

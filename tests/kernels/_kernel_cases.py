@@ -16,7 +16,7 @@ import sys
 import torch
 
 from tokenmill.kernels import q8_0, reference
-from tokenmill.layers.sampler import top_k_threshold
+from tokenmill.layers.sampler import largest_logits
 
 try:
     import triton
@@ -639,10 +639,10 @@ def check_sample(ops, *, rows: int, vocab: int, device: str) -> None:
     top_p = uniform(0.01, 1.0)
     top_p[::4] = 1.0
     min_p = torch.where(torch.rand(rows, generator=gen, device=device) < 0.3, uniform(0.0, 0.5), 0.0)
-    kth = top_k_threshold(logits, top_k, int(top_k.max()))
+    top_values = largest_logits(logits, int(top_k.max()))
     inv_temperature = torch.where(temperature > 0, 1.0 / temperature.clamp_min(1e-6), 0.0)
     greedy = logits.argmax(dim=-1)
-    args = (logits, noise, inv_temperature, kth, top_p, min_p, greedy)
+    args = (logits, noise, inv_temperature, top_k, top_values, top_p, min_p, greedy)
     ref, got = reference.sample(*args), ops.sample(*args)
     where = f"seed={seed} sample rows={rows} vocab={vocab}"
     assert got.dtype == torch.int64 and got.shape == (rows,), where
@@ -695,7 +695,7 @@ def check_top_k_edges(ops, *, vocab: int, device: str) -> None:
             if k < vocab:
                 noise[order[k]] = 1e-30
             top_k = torch.tensor([k], device=device)
-            got = ops.sample(logits[None], noise[None], one, top_k_threshold(logits[None], top_k, k), one, one * 0,
+            got = ops.sample(logits[None], noise[None], one, top_k, largest_logits(logits[None], k), one, one * 0,
                              torch.zeros(1, dtype=torch.int64, device=device))
             assert got.item() == order[k - 1].item(), f"seed={seed} top_k={k} of {finite}: got {got.item()}"
 

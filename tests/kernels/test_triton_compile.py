@@ -194,8 +194,9 @@ def _launches(monkeypatch: pytest.MonkeyPatch) -> list[Launch]:
 
 def _sample(gen: torch.Generator, rows: int, vocab: int) -> None:
     logits = torch.randn(rows, vocab, generator=gen)
-    row = torch.ones(rows)
-    triton_ops.sample(logits, torch.ones(rows, vocab), row, row, row, row, torch.zeros(rows, dtype=torch.int64))
+    row, ids = torch.ones(rows), torch.zeros(rows, dtype=torch.int64)
+    for top_k in (0, 1, 16, 50):  # how many largest values the rows have (none: no top-k)
+        triton_ops.sample(logits, torch.ones(rows, vocab), row, ids, logits[:, :top_k].contiguous(), row, row, ids)
 
 
 def _penalties(gen: torch.Generator, rows: int, vocab: int) -> None:

@@ -504,8 +504,13 @@ def sampling_columns(params: list[SamplingParams], vocab_size: int) -> dict[str,
     def column(values: object, dtype: type) -> np.ndarray:
         return np.fromiter(values, dtype=dtype, count=n)
 
+    temperature = column((p.temperature for p in params), np.float32)
+    # As ``sampler.inverse_temperature`` computes it, here on the host with the rest.
+    inv_temperature = np.where(temperature > 0, np.float32(1) / np.maximum(temperature, np.float32(1e-6)),
+                               np.float32(0)).astype(np.float32)
     return {
-        "temperature": column((p.temperature for p in params), np.float32),
+        "temperature": temperature,
+        "inv_temperature": inv_temperature,
         "top_k": column((min(max(p.top_k, 0), vocab_size) for p in params), np.int64),
         "top_p": column((p.top_p for p in params), np.float32),
         "min_p": column((p.min_p for p in params), np.float32),

@@ -321,15 +321,26 @@ def sampling_candidates(logits: torch.Tensor, inv_temperature: torch.Tensor, kth
     return kept
 
 
-def sample(logits: torch.Tensor, noise: torch.Tensor, inv_temperature: torch.Tensor, kth: torch.Tensor,
-           top_p: torch.Tensor, min_p: torch.Tensor, greedy_ids: torch.Tensor) -> torch.Tensor:
-    """One token per row of float32 ``logits`` ``[N, V]``: the candidate (``sampling_candidates``)
-    with the largest ``x - log(noise)``, the first on ties. With ``noise ~ Exp(1)`` that is an exact
+def kth_largest(top_k: torch.Tensor, top_values: torch.Tensor) -> torch.Tensor:
+    """Each row's ``top_k``-th largest logit from ``top_values``, its largest logits in order
+    (``[N, m]``), or -inf where ``top_k`` is 0 or past ``m`` (the row has no top-k)."""
+    m = top_values.shape[-1]
+    if m == 0:
+        return torch.full(top_k.shape, float("-inf"), dtype=top_values.dtype, device=top_values.device)
+    kth = top_values.gather(-1, (top_k.clamp(1, m) - 1)[:, None]).squeeze(-1)
+    return torch.where((top_k > 0) & (top_k <= m), kth, float("-inf"))
+
+
+def sample(logits: torch.Tensor, noise: torch.Tensor, inv_temperature: torch.Tensor, top_k: torch.Tensor,
+           top_values: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor, greedy_ids: torch.Tensor) -> torch.Tensor:
+    """One token per row of float32 ``logits`` ``[N, V]``: the candidate (``sampling_candidates``, the
+    top-k threshold from ``kth_largest(top_k, top_values)``) with the largest ``x - log(noise)``, the
+    first on ties. With ``noise ~ Exp(1)`` that is an exact
     draw from ``softmax(x)`` over the candidates (the exponential race), each row's noise its own.
     Rows whose ``inv_temperature`` is 0 take ``greedy_ids``."""
     sampled_rows = inv_temperature > 0
     inv = torch.where(sampled_rows, inv_temperature, 1.0)
-    candidates = sampling_candidates(logits, inv, kth, top_p, min_p)
+    candidates = sampling_candidates(logits, inv, kth_largest(top_k, top_values), top_p, min_p)
     key = (logits * inv[:, None] - noise.log()).masked_fill(~candidates, float("-inf"))
     return torch.where(sampled_rows, key.argmax(dim=-1), greedy_ids)
 

@@ -52,16 +52,19 @@ def _race(logits_row, noise_row, inv_t, kth, start, end, BLOCK: tl.constexpr):
     return tl.max(top, axis=0), key, winner
 
 
-@triton.jit
-def _sample_kernel(logits_ptr, noise_ptr, inv_temp_ptr, kth_ptr, top_p_ptr, min_p_ptr, greedy_ptr, out_ptr,
-                   logits_stride, noise_stride, vocab, BLOCK: tl.constexpr):
+@triton.jit(do_not_specialize=["top_values_stride", "max_top_k"])
+def _sample_kernel(logits_ptr, noise_ptr, inv_temp_ptr, top_k_ptr, top_values_ptr, top_p_ptr, min_p_ptr, greedy_ptr,
+                   out_ptr, logits_stride, noise_stride, top_values_stride, max_top_k, vocab, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     inv_t = tl.load(inv_temp_ptr + row)
     token = tl.load(greedy_ptr + row)
     if inv_t > 0:
         logits_row = logits_ptr + row * logits_stride
         noise_row = noise_ptr + row * noise_stride
-        kth = tl.load(kth_ptr + row)
+        top_k = tl.load(top_k_ptr + row)
+        kth = float("-inf")
+        if (top_k > 0) & (top_k <= max_top_k):
+            kth = tl.load(top_values_ptr + row * top_values_stride + top_k - 1)
         top_p = tl.load(top_p_ptr + row)
         min_p = tl.load(min_p_ptr + row)
         lanes = tl.arange(0, BLOCK)
@@ -102,9 +105,9 @@ def _sample_kernel(logits_ptr, noise_ptr, inv_temp_ptr, kth_ptr, top_p_ptr, min_
     tl.store(out_ptr + row, token)
 
 
-def sample(logits: torch.Tensor, noise: torch.Tensor, inv_temperature: torch.Tensor, kth: torch.Tensor,
-           top_p: torch.Tensor, min_p: torch.Tensor, greedy_ids: torch.Tensor, *, block: int = _BLOCK,
-           num_warps: int = _NUM_WARPS) -> torch.Tensor:
+def sample(logits: torch.Tensor, noise: torch.Tensor, inv_temperature: torch.Tensor, top_k: torch.Tensor,
+           top_values: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor, greedy_ids: torch.Tensor, *,
+           block: int = _BLOCK, num_warps: int = _NUM_WARPS) -> torch.Tensor:
     """``reference.sample`` on the GPU: one program per row, streaming it in tiles of ``block``
     (``benchmarks/study_sampling_tiles.py`` compares tiles)."""
     rows, vocab = logits.shape
@@ -112,10 +115,13 @@ def sample(logits: torch.Tensor, noise: torch.Tensor, inv_temperature: torch.Ten
         raise ValueError("sampling takes float32 logits and noise")
     if logits.stride(-1) != 1 or noise.stride(-1) != 1:
         raise ValueError("sampling needs a contiguous last dimension")
+    max_top_k = top_values.shape[-1]
+    # (With no top-k the kernel reads no value: any float32 tensor stands in for the empty one.)
+    top_values = top_values.float().contiguous() if max_top_k else logits
     out = torch.empty(rows, dtype=torch.int64, device=logits.device)
     if rows:
-        _sample_kernel[(rows,)](logits, noise, inv_temperature.float().contiguous(), kth.float().contiguous(),
-                                top_p.float().contiguous(), min_p.float().contiguous(),
+        _sample_kernel[(rows,)](logits, noise, inv_temperature.float().contiguous(), top_k.to(torch.int64).contiguous(),
+                                top_values, top_p.float().contiguous(), min_p.float().contiguous(),
                                 greedy_ids.to(torch.int64).contiguous(), out, logits.stride(0), noise.stride(0),
-                                vocab, BLOCK=min(block, triton.next_power_of_2(vocab)), num_warps=num_warps)
+                                top_values.stride(0), max_top_k, vocab, BLOCK=min(block, triton.next_power_of_2(vocab)), num_warps=num_warps)
     return out

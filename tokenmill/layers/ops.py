@@ -178,11 +178,12 @@ def apply_penalties(logits: torch.Tensor, counts: torch.Tensor, prompt: torch.Te
     return backend_for(logits).apply_penalties(logits, counts, prompt, rows, repetition, presence, frequency)
 
 
-def sample(logits: torch.Tensor, noise: torch.Tensor, inv_temperature: torch.Tensor, kth: torch.Tensor,
-           top_p: torch.Tensor, min_p: torch.Tensor, greedy_ids: torch.Tensor) -> torch.Tensor:
+def sample(logits: torch.Tensor, noise: torch.Tensor, inv_temperature: torch.Tensor, top_k: torch.Tensor,
+           top_values: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor, greedy_ids: torch.Tensor) -> torch.Tensor:
     """A token per row from its top-k/top-p/min-p candidates by the exponential race over ``noise``
-    (``reference.sample``); on the GPU without sorting the row."""
-    return backend_for(logits).sample(logits, noise, inv_temperature, kth, top_p, min_p, greedy_ids)
+    (``reference.sample``; ``top_values``: each row's largest logits in order, enough for every
+    top-k); on the GPU without sorting the row."""
+    return backend_for(logits).sample(logits, noise, inv_temperature, top_k, top_values, top_p, min_p, greedy_ids)
 
 
 _GATED = {"silu": silu_and_mul, "gelu_tanh": gelu_tanh_and_mul}

@@ -41,9 +41,21 @@ class SamplingBatch:
     # The largest top-k of a sampled row that cuts the vocabulary (the model runner's ``max_top_k``;
     # 0: none): only that many values of each row are put in order.
     max_top_k: int = 0
+    # [N] float32: 1 / temperature (temperatures below 1e-6 as 1e-6), 0 for greedy rows; None: from
+    # ``temperature`` here (the model runner computes it on the host with the other columns).
+    inv_temperature: torch.Tensor | None = None
     # Rows whose generator's state is kept after their draw (speculative rows: the engine winds the
     # generator back to the last row it keeps, so each emitted token costs one draw, as in plain decoding).
     keep_generator_states: frozenset[int] = frozenset()
+
+    def __post_init__(self) -> None:
+        if self.inv_temperature is None:
+            self.inv_temperature = inverse_temperature(self.temperature)
+
+
+def inverse_temperature(temperature: torch.Tensor) -> torch.Tensor:
+    """``1 / temperature`` for sampled rows (at most 1e6), 0 for greedy ones."""
+    return torch.where(temperature > 0, 1.0 / temperature.clamp_min(1e-6), 0.0)
 
 
 @dataclass
@@ -56,15 +68,12 @@ class SamplerOutput:
     generator_states: dict[int, torch.Tensor] | None = None  # row -> its generator's state after its draw
 
 
-def top_k_threshold(logits: torch.Tensor, top_k: torch.Tensor, max_top_k: int) -> torch.Tensor:
-    """Each row's k-th largest logit, the least a top-k token has (-inf where ``top_k`` is 0 or
-    above ``max_top_k``): only ``max_top_k`` values of each row are put in order."""
-    rows = logits.shape[0]
+def largest_logits(logits: torch.Tensor, max_top_k: int) -> torch.Tensor:
+    """Each row's ``max_top_k`` largest logits in order (``[N, 0]`` when no row has a top-k): where
+    each top-k row finds its threshold (``reference.kth_largest``)."""
     if max_top_k <= 0:
-        return torch.full((rows,), float("-inf"), device=logits.device)
-    values = logits.topk(max_top_k, dim=-1).values
-    kth = values.gather(-1, (top_k.clamp(1, max_top_k) - 1)[:, None]).squeeze(-1)
-    return torch.where((top_k > 0) & (top_k <= max_top_k), kth, float("-inf"))
+        return logits.new_empty((logits.shape[0], 0))
+    return logits.topk(max_top_k, dim=-1).values
 
 
 def exponential_noise(shape: tuple[int, int], generators: list[torch.Generator | None], device: torch.device,
@@ -132,12 +141,10 @@ class Sampler:
         if batch.all_greedy:
             token_ids = greedy_ids
         else:
-            inv_temperature = torch.where(batch.temperature > 0, 1.0 / batch.temperature.clamp_min(1e-6), 0.0)
             noise = exponential_noise(tuple(logits.shape), batch.generators, logits.device,
                                       batch.keep_generator_states, states)
-            token_ids = ops.sample(logits, noise, inv_temperature,
-                                   top_k_threshold(logits, batch.top_k, batch.max_top_k), batch.top_p,
-                                   batch.min_p, greedy_ids)
+            token_ids = ops.sample(logits, noise, batch.inv_temperature, batch.top_k,
+                                   largest_logits(logits, batch.max_top_k), batch.top_p, batch.min_p, greedy_ids)
         if raw_logprobs is None:
             return SamplerOutput(token_ids, None, None, states or None)
         values, ids = gather_logprobs(raw_logprobs, token_ids, batch.num_logprobs)
