@@ -617,7 +617,7 @@ def _interpret_q8_matmul(ops) -> None:
         check_q8_matmul(ops, m=37, n=130, k=160, dtype=dtype, device="cpu", bias=False)
 
 
-def check_sample(ops, *, rows: int, vocab: int, device: str) -> None:
+def check_sample(ops, *, rows: int, vocab: int, device: str, splits: int | None = None) -> None:
     """The race over top-k/top-p/min-p candidates against the reference's sort, token for token:
     every kind of row in one batch (greedy, plain, each filter alone and together, banned tokens,
     ties at the top-k's edge, peaked and flat rows, small nuclei that reject many winners)."""
@@ -643,8 +643,8 @@ def check_sample(ops, *, rows: int, vocab: int, device: str) -> None:
     inv_temperature = torch.where(temperature > 0, 1.0 / temperature.clamp_min(1e-6), 0.0)
     greedy = logits.argmax(dim=-1)
     args = (logits, noise, inv_temperature, top_k, top_values, top_p, min_p, greedy)
-    ref, got = reference.sample(*args), ops.sample(*args)
-    where = f"seed={seed} sample rows={rows} vocab={vocab}"
+    ref, got = reference.sample(*args), ops.sample(*args, **({} if splits is None else {"splits": splits}))
+    where = f"seed={seed} sample rows={rows} vocab={vocab} splits={splits}"
     assert got.dtype == torch.int64 and got.shape == (rows,), where
     mismatched = torch.nonzero(got != ref).flatten().tolist()
     assert not mismatched, f"rows {mismatched}: {got[mismatched].tolist()} vs {ref[mismatched].tolist()}: {where}"
@@ -703,6 +703,8 @@ def check_top_k_edges(ops, *, vocab: int, device: str) -> None:
 def _interpret_sample(ops) -> None:
     check_top_k_edges(ops, vocab=300, device="cpu")
     check_sample(ops, rows=24, vocab=3000, device="cpu")  # the row spans tiles, ending inside one
+    for splits in (2, 5):  # the first pass spread over programs: spans of 1024 tokens, the last short
+        check_sample(ops, rows=9, vocab=3000, device="cpu", splits=splits)
     check_sample(ops, rows=7, vocab=50, device="cpu")
     check_sample(ops, rows=1, vocab=10, device="cpu")
 

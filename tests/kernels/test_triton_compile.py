@@ -195,8 +195,9 @@ def _launches(monkeypatch: pytest.MonkeyPatch) -> list[Launch]:
 def _sample(gen: torch.Generator, rows: int, vocab: int) -> None:
     logits = torch.randn(rows, vocab, generator=gen)
     row, ids = torch.ones(rows), torch.zeros(rows, dtype=torch.int64)
-    for top_k in (0, 1, 16, 50):  # how many largest values the rows have (none: no top-k)
-        triton_ops.sample(logits, torch.ones(rows, vocab), row, ids, logits[:, :top_k].contiguous(), row, row, ids)
+    for top_k, splits in ((0, 1), (1, 3), (16, 64), (50, 5)):  # largest values the rows have; programs a row
+        triton_ops.sample(logits, torch.ones(rows, vocab), row, ids, logits[:, :top_k].contiguous(), row, row, ids,
+                          splits=splits)
 
 
 def _penalties(gen: torch.Generator, rows: int, vocab: int) -> None:
@@ -211,7 +212,7 @@ def test_every_kernel_compiles_for_hopper(monkeypatch: pytest.MonkeyPatch) -> No
     names = {launch.fn.__name__ for launch in launches}
     assert {"_paged_attention_kernel", "_merge_splits_kernel", "_rms_norm_kernel", "_rope_write_kv_kernel",
             "_act_and_mul_kernel", "_gemv_kernel", "_q8_matmul_kernel", "_sample_kernel",
-            "_penalties_kernel"} <= names, names
+            "_race_parts_kernel", "_penalties_kernel"} <= names, names
     variants = {(launch.fn.__name__, key, launch.constexprs.get(key)) for launch in launches for key in
                 ("SOFTCAP", "WEIGHTING", "GELU_TANH", "BLOCK_D", "ADD_AFTER", "GELU")}
     assert {("_paged_attention_kernel", "SOFTCAP", True), ("_paged_attention_kernel", "BLOCK_D", 512),
@@ -273,8 +274,8 @@ def test_the_batch_shape_makes_no_new_kernel_variant(monkeypatch: pytest.MonkeyP
     for rows in (33, 48, 64, 100):  # one tile class (TILES: up to 128 rows)
         triton_ops.linear(torch.randn(rows, 256, generator=gen).bfloat16(), packed, None)
     for rows in (1, 7, 64):
-        _sample(gen, rows, 1000)
+        _sample(gen, rows, 5000)
         _penalties(gen, rows, 1000)
     assert {name: len(keys) for name, keys in seen.items()} == {
         "_paged_attention_kernel": 1, "_merge_splits_kernel": 1, "_q8_matmul_kernel": 1, "_sample_kernel": 1,
-        "_penalties_kernel": 1}
+        "_race_parts_kernel": 1, "_penalties_kernel": 1}

@@ -355,9 +355,11 @@ def test_pdl_chain_in_cuda_graph() -> None:
         assert cases.rel_err(out, chain(reference)) < 2e-2
 
 
-@pytest.mark.parametrize("rows,vocab", [(64, 151936), (5, 128256), (300, 32000), (1, 262144)])
-def test_sample(rows: int, vocab: int) -> None:
-    cases.check_sample(triton_ops, rows=rows, vocab=vocab, device="cuda")
+@pytest.mark.parametrize("rows,vocab,splits", [(64, 151936, None), (5, 128256, None), (300, 32000, None),
+                                               (1, 262144, None), (3, 151936, 1), (3, 151936, 64)])
+def test_sample(rows: int, vocab: int, splits: int | None) -> None:
+    """``splits`` None: as many programs a row as the batch leaves room for (several below 132 rows)."""
+    cases.check_sample(triton_ops, rows=rows, vocab=vocab, device="cuda", splits=splits)
 
 
 @pytest.mark.parametrize("rows,vocab", [(64, 151936), (1, 128256), (257, 32000)])

@@ -20,6 +20,11 @@ import triton.language as tl
 # 215 us against 350 us with 4096 over 8 warps).
 _BLOCK = 8192
 _NUM_WARPS = 16
+# At small batches the first pass is spread over up to MAX_SPLITS programs a row, each racing a span
+# of the row in tiles of _PART_BLOCK.
+MAX_SPLITS = 64
+_PART_BLOCK = 1024
+_PART_WARPS = 4
 
 
 @triton.jit
@@ -27,6 +32,16 @@ def _first_of_best(best_key, best_idx, vocab):
     """The largest key over a program's lanes, and the smallest token id holding it."""
     key = tl.max(best_key, axis=0)
     return key, tl.min(tl.where(best_key == key, best_idx, vocab), axis=0)
+
+
+@triton.jit
+def _threshold(top_k_ptr, top_values_ptr, top_values_stride, max_top_k, row):
+    """The row's k-th largest logit, -inf when it has no top-k."""
+    top_k = tl.load(top_k_ptr + row)
+    kth = float("-inf")
+    if (top_k > 0) & (top_k <= max_top_k):
+        kth = tl.load(top_values_ptr + row * top_values_stride + top_k - 1)
+    return kth
 
 
 @triton.jit
@@ -52,24 +67,49 @@ def _race(logits_row, noise_row, inv_t, kth, start, end, BLOCK: tl.constexpr):
     return tl.max(top, axis=0), key, winner
 
 
-@triton.jit(do_not_specialize=["top_values_stride", "max_top_k"])
+@triton.jit(do_not_specialize=["top_values_stride", "max_top_k", "span"])
+def _race_parts_kernel(logits_ptr, noise_ptr, inv_temp_ptr, top_k_ptr, top_values_ptr, part_max_ptr, part_key_ptr,
+                       part_idx_ptr, logits_stride, noise_stride, top_values_stride, max_top_k, vocab, span,
+                       MAX_SPLITS: tl.constexpr, BLOCK: tl.constexpr):
+    """The first pass of ``_sample_kernel`` spread over programs: each races one span of a row."""
+    row = tl.program_id(0).to(tl.int64)
+    split = tl.program_id(1)
+    inv_t = tl.load(inv_temp_ptr + row)
+    if inv_t > 0:
+        kth = _threshold(top_k_ptr, top_values_ptr, top_values_stride, max_top_k, row)
+        start = split * span
+        part_max, key, winner = _race(logits_ptr + row * logits_stride, noise_ptr + row * noise_stride, inv_t, kth,
+                                      start, tl.minimum(start + span, vocab), BLOCK)
+        tl.store(part_max_ptr + row * MAX_SPLITS + split, part_max)
+        tl.store(part_key_ptr + row * MAX_SPLITS + split, key)
+        tl.store(part_idx_ptr + row * MAX_SPLITS + split, winner)
+
+
+@triton.jit(do_not_specialize=["top_values_stride", "max_top_k", "num_splits"])
 def _sample_kernel(logits_ptr, noise_ptr, inv_temp_ptr, top_k_ptr, top_values_ptr, top_p_ptr, min_p_ptr, greedy_ptr,
-                   out_ptr, logits_stride, noise_stride, top_values_stride, max_top_k, vocab, BLOCK: tl.constexpr):
+                   part_max_ptr, part_key_ptr, part_idx_ptr, out_ptr, logits_stride, noise_stride, top_values_stride,
+                   max_top_k, vocab, num_splits, MAX_SPLITS: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     inv_t = tl.load(inv_temp_ptr + row)
     token = tl.load(greedy_ptr + row)
     if inv_t > 0:
         logits_row = logits_ptr + row * logits_stride
         noise_row = noise_ptr + row * noise_stride
-        top_k = tl.load(top_k_ptr + row)
-        kth = float("-inf")
-        if (top_k > 0) & (top_k <= max_top_k):
-            kth = tl.load(top_values_ptr + row * top_values_stride + top_k - 1)
+        kth = _threshold(top_k_ptr, top_values_ptr, top_values_stride, max_top_k, row)
         top_p = tl.load(top_p_ptr + row)
         min_p = tl.load(min_p_ptr + row)
         lanes = tl.arange(0, BLOCK)
-        # The race over the row's top-k, and its largest scaled logit.
-        row_max, _, winner = _race(logits_row, noise_row, inv_t, kth, 0, vocab, BLOCK)
+        # The race over the row's top-k, and its largest scaled logit: from the spans' parts
+        # (``_race_parts_kernel``) or in one pass here.
+        if num_splits > 1:
+            splits = tl.arange(0, MAX_SPLITS)
+            done = splits < num_splits
+            row_max = tl.max(tl.load(part_max_ptr + row * MAX_SPLITS + splits, mask=done, other=float("-inf")), axis=0)
+            _, winner = _first_of_best(
+                tl.load(part_key_ptr + row * MAX_SPLITS + splits, mask=done, other=float("-inf")),
+                tl.load(part_idx_ptr + row * MAX_SPLITS + splits, mask=done, other=vocab), vocab)
+        else:
+            row_max, _, winner = _race(logits_row, noise_row, inv_t, kth, 0, vocab, BLOCK)
         x_win = tl.load(logits_row + winner) * inv_t
         accepted = (top_p >= 1.0) & (tl.exp(x_win - row_max) >= min_p)
         # Until a winner is a candidate: the top-k's mass, the mass above the winner, and the
@@ -105,10 +145,19 @@ def _sample_kernel(logits_ptr, noise_ptr, inv_temp_ptr, top_k_ptr, top_values_pt
     tl.store(out_ptr + row, token)
 
 
+def _default_splits(rows: int, vocab: int, device: torch.device) -> int:
+    """Enough programs for two per SM when the rows alone are fewer (one span per program)."""
+    if device.type != "cuda":
+        return 1
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    return max(1, min(MAX_SPLITS, 2 * sms // max(rows, 1), triton.cdiv(vocab, _PART_BLOCK)))
+
+
 def sample(logits: torch.Tensor, noise: torch.Tensor, inv_temperature: torch.Tensor, top_k: torch.Tensor,
            top_values: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor, greedy_ids: torch.Tensor, *,
-           block: int = _BLOCK, num_warps: int = _NUM_WARPS) -> torch.Tensor:
-    """``reference.sample`` on the GPU: one program per row, streaming it in tiles of ``block``
+           block: int = _BLOCK, num_warps: int = _NUM_WARPS, splits: int | None = None) -> torch.Tensor:
+    """``reference.sample`` on the GPU: a program per row, its first pass spread over ``splits``
+    programs a row (by default as many as fill the GPU: small batches); tiles of ``block`` tokens
     (``benchmarks/study_sampling_tiles.py`` compares tiles)."""
     rows, vocab = logits.shape
     if logits.dtype != torch.float32 or noise.dtype != torch.float32:
@@ -119,9 +168,24 @@ def sample(logits: torch.Tensor, noise: torch.Tensor, inv_temperature: torch.Ten
     # (With no top-k the kernel reads no value: any float32 tensor stands in for the empty one.)
     top_values = top_values.float().contiguous() if max_top_k else logits
     out = torch.empty(rows, dtype=torch.int64, device=logits.device)
-    if rows:
-        _sample_kernel[(rows,)](logits, noise, inv_temperature.float().contiguous(), top_k.to(torch.int64).contiguous(),
-                                top_values, top_p.float().contiguous(), min_p.float().contiguous(),
-                                greedy_ids.to(torch.int64).contiguous(), out, logits.stride(0), noise.stride(0),
-                                top_values.stride(0), max_top_k, vocab, BLOCK=min(block, triton.next_power_of_2(vocab)), num_warps=num_warps)
+    if not rows:
+        return out
+    inv_temperature = inv_temperature.float().contiguous()
+    top_k = top_k.to(torch.int64).contiguous()
+    splits = _default_splits(rows, vocab, logits.device) if splits is None else min(splits, MAX_SPLITS)
+    span = triton.cdiv(triton.cdiv(vocab, max(splits, 1)), _PART_BLOCK) * _PART_BLOCK
+    splits = triton.cdiv(vocab, span)
+    # The spans' parts: (largest scaled logit, best key) and the best key's token, per row and span.
+    parts = torch.empty((2, rows, MAX_SPLITS if splits > 1 else 1), dtype=torch.float32, device=logits.device)
+    part_idx = torch.empty((rows, MAX_SPLITS if splits > 1 else 1), dtype=torch.int32, device=logits.device)
+    if splits > 1:
+        _race_parts_kernel[(rows, splits)](logits, noise, inv_temperature, top_k, top_values, parts[0], parts[1],
+                                           part_idx, logits.stride(0), noise.stride(0), top_values.stride(0),
+                                           max_top_k, vocab, span, MAX_SPLITS=MAX_SPLITS, BLOCK=_PART_BLOCK,
+                                           num_warps=_PART_WARPS)
+    _sample_kernel[(rows,)](logits, noise, inv_temperature, top_k, top_values, top_p.float().contiguous(),
+                            min_p.float().contiguous(), greedy_ids.to(torch.int64).contiguous(), parts[0], parts[1],
+                            part_idx, out, logits.stride(0), noise.stride(0), top_values.stride(0), max_top_k, vocab,
+                            splits, MAX_SPLITS=MAX_SPLITS, BLOCK=min(block, triton.next_power_of_2(vocab)),
+                            num_warps=num_warps)
     return out
