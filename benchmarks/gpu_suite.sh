@@ -12,7 +12,9 @@
 #  `study-sampling` = the sampling kernel's tiles against the row count, benchmarks/study_sampling_tiles.py;
 #  `structured` = structured outputs, benchmarks/structured_outputs_bench.py;
 #  `tp` = on two GPUs, the tensor-parallel GPU tests and benchmarks/tp_bench.py (all-reduces, 8B decode);
-#  `tp70b` = on two GPUs, Llama-3-70B split over both: batch sweep and standard workload.)
+#  `tp70b` = on two GPUs, Llama-3-70B split over both: batch sweep and standard workload;
+#  `kernel-profile-b<N>` = the decode step's kernels at batch N (`kernel-profile`: batch 1);
+#  `ttft-profile` = a lone 100-token prompt's time to first token, its kernels and host functions.)
 # Results and logs go to $OUT (the device tool brings them back).
 set -o pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
@@ -115,8 +117,11 @@ for part in "$@"; do
       timeout 590 python3 benchmarks/tp_bench.py 70b --out "$OUT/tp-70b.json" \
         $(allreduce_arg) \
         2>&1 | grep -v -e "it/s]" -e "^Loading" | tail -10 ;;
-    kernel-profile)
-      python3 benchmarks/profile_kernels.py --out "$OUT/kernel-profile.json" 2>&1 | grep -v "it/s]" | tail -80 ;;
+    kernel-profile|kernel-profile-b*)
+      batch=${part#kernel-profile}; batch=${batch#-b}
+      python3 benchmarks/profile_kernels.py --batch "${batch:-1}" --out "$OUT/$part.json" 2>&1 | grep -v "it/s]" | tail -80 ;;
+    ttft-profile)
+      python3 benchmarks/profile_ttft.py --out "$OUT/ttft-profile.json" 2>&1 | grep -v -e "it/s]" -e "^Loading" | tail -120 ;;
     *) echo "unknown part $part"; exit 2 ;;
   esac
 done

@@ -20,11 +20,15 @@ from tokenmill.sampling_params import SamplingParams
 def kernel_profile(engine, steps: int) -> list[dict]:
     """Per-kernel GPU time per step (kernels inside CUDA graphs included); with overlapped
     steps, ``steps`` calls of ``engine.step`` run about ``steps`` steps."""
+    return kernel_profile_of(lambda: [engine.step() for _ in range(steps)], steps)
+
+
+def kernel_profile_of(work, steps: int) -> list[dict]:
+    """Per-kernel GPU time of ``work()``, divided by ``steps``, the biggest printed."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(steps):
-            engine.step()
+        work()
         torch.cuda.synchronize()
     totals: dict[str, list[float]] = collections.defaultdict(lambda: [0.0, 0])
     for event in prof.events():
@@ -35,7 +39,7 @@ def kernel_profile(engine, steps: int) -> list[dict]:
     rows = sorted(({"kernel": k, "us_per_step": v[0] / steps, "calls_per_step": v[1] / steps}
                    for k, v in totals.items()), key=lambda r: -r["us_per_step"])
     total = sum(r["us_per_step"] for r in rows)
-    print(f"kernel time per step {total:.1f} us")
+    print(f"kernel time per step {total:.1f} us, {sum(r['calls_per_step'] for r in rows):.0f} kernels")
     for r in rows[:28]:
         print(f"  {r['us_per_step']:8.1f} us  {r['calls_per_step']:6.1f}x  {r['kernel']}")
     return rows

@@ -157,6 +157,27 @@ def test_graphs_match_eager_across_context_buckets_and_decode_shaped_prefill(tmp
                         assert set(x) == set(y) and all(abs(x[t] - y[t]) < 1e-4 for t in x)
 
 
+@pytest.mark.parametrize("arch", ["llama3", "mistral-window", "gemma3", "gemma4-kv-shared"])
+def test_prefill_graphs_match_eager(arch: str, tmp_path) -> None:
+    """Lone prompts (each step one sequence) of lengths across the captured token counts: whole, in
+    chunks after a context (a 300-token prompt under a 128-token budget), and after a cached prefix
+    (the same prompt twice); the graph's tokens and logprobs are the eager engine's."""
+    make_model_dir(arch, tmp_path)
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(0, 256, (n,), generator=g).tolist() for n in (2, 17, 100, 300)]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=2)
+    eager = LLM(str(tmp_path), device="cuda", dtype="float32", enforce_eager=True, max_num_batched_tokens=128)
+    graphs = LLM(str(tmp_path), device="cuda", dtype="float32", max_num_batched_tokens=128)
+    assert graphs.engine.core.runner.prefill_graphs.sizes[-1] == 128
+    for prompt in [*prompts, prompts[-1]]:
+        want, got = (llm.generate([prompt], params, use_tqdm=False)[0].outputs[0] for llm in (eager, graphs))
+        assert want.token_ids == got.token_ids
+        for x, y in zip(want.logprobs, got.logprobs):
+            assert set(x) == set(y) and all(abs(x[t] - y[t]) < 1e-4 for t in x)
+    # Every prompt's prefill: 2, 17, 100, 300 in three chunks (128, 128, 44), the cached one's tail.
+    assert graphs.engine.core.runner.prefill_graphs.replays >= 6
+
+
 def test_logit_bias_and_full_vocabulary_logprobs_on_cuda(tmp_path) -> None:
     """The bias reaches greedy rows of CUDA-graph steps too (the graph's own argmax must not
     be taken), and matches the CPU path; logprobs=-1 gives the whole vocabulary."""

@@ -26,6 +26,8 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable, Iterable
+from typing import Any, TypeVar
 
 import torch
 
@@ -33,6 +35,8 @@ from tokenmill.layers.attention import AttentionMetadata
 from tokenmill.layers.sampler import greedy_argmax
 
 logger = logging.getLogger(__name__)
+
+K = TypeVar("K")
 
 SHORT_CONTEXT = 256  # tokens: the context bound of the short-context graphs
 SHORT_CONTEXT_MAX_BATCH = 16  # above this the batch fills the GPU without splits
@@ -44,6 +48,30 @@ def capture_sizes(max_num_seqs: int) -> list[int]:
     if not sizes or sizes[-1] != max_num_seqs:
         sizes.append(max_num_seqs)
     return sorted(set(sizes))
+
+
+def capture_graphs(keys: Iterable[K], prepare: Callable[[K], None], forward: Callable[[K], None],
+                   pool: Any = None) -> tuple[dict[K, torch.cuda.CUDAGraph], Any]:
+    """A graph of ``forward(key)`` for every key, in order, after ``prepare(key)`` (which sets the
+    static inputs for the capture, and is not captured), each run once eagerly first (Triton compiles
+    and cuBLAS picks its kernels outside the capture), all in one memory pool (``pool``, or a new
+    one): the graphs never run at once, and their outputs are static buffers outside it. Returns the
+    graphs and the pool."""
+    graphs: dict[K, torch.cuda.CUDAGraph] = {}
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for key in keys:
+            prepare(key)
+            forward(key)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool, stream=stream):
+                forward(key)
+            pool = graph.pool()
+            graphs[key] = graph
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    return graphs, pool
 
 
 class DecodeGraphs:
@@ -71,6 +99,7 @@ class DecodeGraphs:
         self.logits = torch.zeros(rows, vocab_size, dtype=dtype, device=device)
         self.greedy_ids = torch.zeros(rows, dtype=torch.int64, device=device)
         self.graphs: dict[tuple[int, int, int], torch.cuda.CUDAGraph] = {}
+        self.pool: Any = None  # the graphs' memory pool, which the prefill graphs share
         self.capture_seconds = 0.0
         self.verify_replays = 0
 
@@ -102,20 +131,11 @@ class DecodeGraphs:
     def capture(self) -> None:
         """Capture every graph, largest first, so smaller graphs reuse its memory pool."""
         started = time.monotonic()
-        pool = None
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for key in self._keys():
-                self.seq_lens.fill_(key[2])  # every sequence holds its query (a context of 0 before it)
-                self._forward(*key)  # warm-up: Triton compiles outside the capture
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool, stream=stream):
-                    self._forward(*key)
-                pool = graph.pool()
-                self.graphs[key] = graph
-        torch.cuda.current_stream().wait_stream(stream)
-        torch.cuda.synchronize()
+
+        def prepare(key: tuple[int, int, int]) -> None:
+            self.seq_lens.fill_(key[2])  # every sequence holds its query (a context of 0 before it)
+
+        self.graphs, self.pool = capture_graphs(self._keys(), prepare, lambda key: self._forward(*key))
         self.seq_lens.fill_(1)
         self.capture_seconds = time.monotonic() - started
         logger.info("captured %d decode graphs (batch sizes %s%s) in %.1f s", len(self.graphs), self.sizes,

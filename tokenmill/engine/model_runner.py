@@ -29,6 +29,7 @@ import torch
 from tokenmill.distributed import SINGLE, TPGroup, broadcast, sharding_for
 from tokenmill.engine.cuda_graphs import DecodeGraphs
 from tokenmill.engine.host_staging import HostStaging
+from tokenmill.engine.prefill_graphs import PrefillGraphs
 from tokenmill.engine.scheduler import ScheduledBatch
 from tokenmill.engine.sequence import PENDING, Sequence
 from tokenmill.engine.penalty_counts import PenaltyCounts
@@ -97,7 +98,7 @@ class InFlightStep:
 
 
 # The paths a step's forward takes (every rank takes the one rank 0 chose).
-DECODE_GRAPH, VERIFY_GRAPH, EAGER = "decode_graph", "verify_graph", "eager"
+DECODE_GRAPH, VERIFY_GRAPH, PREFILL_GRAPH, EAGER = "decode_graph", "verify_graph", "prefill_graph", "eager"
 
 
 @dataclass
@@ -184,10 +185,12 @@ class ModelRunner:
     def __init__(self, cfg: ModelConfig, model: torch.nn.Module, num_blocks: list[int], block_size: int,
                  device: torch.device, dtype: torch.dtype, max_num_seqs: int = 256, max_model_len: int = 2048,
                  cuda_graphs: bool = True, kv_cache_dtype: torch.dtype | None = None, verify_len: int = 0,
-                 max_verify_seqs: int = 0, tp: TPGroup = SINGLE, peers: Peers | None = None) -> None:
+                 max_verify_seqs: int = 0, max_num_batched_tokens: int = 8192, tp: TPGroup = SINGLE,
+                 peers: Peers | None = None) -> None:
         """``num_blocks``: the block count of each KV group (``cfg.kv_layout().groups``);
         ``kv_cache_dtype``: what K and V are stored in (None: ``dtype``); ``verify_len``: query tokens
         a sequence of the speculative verify steps captured as graphs, for up to ``max_verify_seqs``;
+        ``max_num_batched_tokens``: a step's token budget (the longest prefill graph);
         ``tp``: the rank's place (its KV heads), ``peers``: on rank 0, the other ranks."""
         self.cfg = cfg
         self.model = model
@@ -205,11 +208,16 @@ class ModelRunner:
         self.penalties = PenaltyCounts(cfg.vocab_size, device, max_num_seqs)
         self.staging = HostStaging(device)
         self.graphs: DecodeGraphs | None = None
+        self.prefill_graphs: PrefillGraphs | None = None
         if cuda_graphs and device.type == "cuda":
-            self.graphs = DecodeGraphs(model, self.kv_caches, len(num_blocks), max_num_seqs,
-                                       -(-max_model_len // block_size), block_size, cfg.vocab_size, dtype, device,
-                                       verify_len, max_verify_seqs)
+            max_blocks = -(-max_model_len // block_size)
+            self.graphs = DecodeGraphs(model, self.kv_caches, len(num_blocks), max_num_seqs, max_blocks, block_size,
+                                       cfg.vocab_size, dtype, device, verify_len, max_verify_seqs)
             self.graphs.capture()
+            self.prefill_graphs = PrefillGraphs(model, self.kv_caches, len(num_blocks),
+                                                min(max_num_batched_tokens, max_model_len), max_blocks,
+                                                cfg.vocab_size, dtype, device)
+            self.prefill_graphs.capture(self.graphs.pool)
 
     @torch.inference_mode()
     def warm_up(self, max_num_batched_tokens: int, max_model_len: int) -> None:
@@ -316,6 +324,9 @@ class ModelRunner:
         elif (self.graphs is not None and self.graphs.can_verify(len(seqs), max_query_len)
               and not prompt_rows and len(logits_rows) == total):
             path = VERIFY_GRAPH  # every row is a known token or a draft, and every row samples
+        elif (self.prefill_graphs is not None and len(seqs) == 1 and self.prefill_graphs.padded_size(total)
+              and not prompt_rows and rows_per_seq in ([], [1])):
+            path = PREFILL_GRAPH  # one sequence's prompt or chunk: the LM head on its last row, if any
         plan = StepPlan({"input_ids": ids, "positions": positions, "slot_mapping": slots,
                          "query_start_loc": query_start, "seq_lens": seq_lens, "block_tables": tables,
                          "logits_rows": logits_rows,
@@ -348,6 +359,9 @@ class ModelRunner:
             return (logits[t["logits_rows"]], None) if plan.picks_rows else (logits, greedy_ids)
         if plan.path == VERIFY_GRAPH:
             return self.graphs.run_verify(t["input_ids"], t["positions"], meta)
+        if plan.path == PREFILL_GRAPH:
+            logits, greedy_ids = self.prefill_graphs.run(t["input_ids"], t["positions"], meta)
+            return (logits, greedy_ids) if len(plan.arrays["logits_rows"]) else (None, None)
         hidden = self.model(t["input_ids"], t["positions"], self.kv_caches, meta)
         if not len(plan.arrays["logits_rows"]):
             return None, None  # pure prefill chunks: no LM-head work at all

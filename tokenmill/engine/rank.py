@@ -114,4 +114,4 @@ def make_runner(config: EngineConfig, cfg: ModelConfig, model: torch.nn.Module, 
     return ModelRunner(cfg, model, setup.num_blocks, config.block_size, device, dtype,
                        max_num_seqs=config.max_num_seqs, max_model_len=setup.max_model_len,
                        cuda_graphs=not config.enforce_eager, kv_cache_dtype=kv_dtype, **verify_graph_shape(config),
-                       tp=tp, peers=peers)
+                       max_num_batched_tokens=config.max_num_batched_tokens, tp=tp, peers=peers)

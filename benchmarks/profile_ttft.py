@@ -1,0 +1,56 @@
+"""Where a lone prompt's time to first token goes: the wall time, the GPU's kernel time within it,
+and the host's functions (cProfile), for a prompt alone in the engine (nothing cached).
+
+python benchmarks/profile_ttft.py [--shape llama3-8b] [--tokens 100] [--out FILE]   (GPU)
+"""
+
+import argparse
+import cProfile
+import io
+import json
+import pstats
+import random
+import statistics
+
+import torch
+
+from tokenmill.bench.offline import make_engine, random_prompt, time_to_first_token
+from profile_kernels import kernel_profile_of
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--shape", default="llama3-8b")
+    parser.add_argument("--tokens", type=int, default=100)
+    parser.add_argument("--out")
+    args = parser.parse_args()
+    engine = make_engine(args.shape, max_num_seqs=8)
+    rng, vocab = random.Random(0), engine.model_config.vocab_size
+
+    def ttft() -> float:
+        return time_to_first_token(engine, random_prompt(rng, args.tokens, vocab))
+
+    for _ in range(3):
+        ttft()
+    wall_ms = statistics.median(ttft() for _ in range(10)) * 1e3
+    print(f"{args.shape}: {args.tokens}-token prompt, time to first token {wall_ms:.2f} ms (median of 10)")
+    kernels = kernel_profile_of(lambda: [ttft() for _ in range(5)], 5)
+    profile = cProfile.Profile()
+    profile.enable()
+    for _ in range(10):
+        ttft()
+    torch.cuda.synchronize()
+    profile.disable()
+    text = io.StringIO()
+    stats = pstats.Stats(profile, stream=text)
+    stats.sort_stats("tottime").print_stats(30)
+    stats.sort_stats("cumulative").print_stats(40)
+    print(text.getvalue())
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"shape": args.shape, "prompt_tokens": args.tokens, "ttft_ms": wall_ms,
+                       "kernels_per_request": kernels, "host_profile": text.getvalue()}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
