@@ -14,7 +14,8 @@
 #  `tp` = on two GPUs, the tensor-parallel GPU tests and benchmarks/tp_bench.py (all-reduces, 8B decode);
 #  `tp70b` = on two GPUs, Llama-3-70B split over both: batch sweep and standard workload;
 #  `kernel-profile-b<N>` = the decode step's kernels at batch N (`kernel-profile`: batch 1);
-#  `ttft-profile` = a lone 100-token prompt's time to first token, its kernels and host functions.)
+#  `ttft-profile` = a lone 100-token prompt's time to first token, its kernels and host functions;
+#  `study-attention-short` = decode attention tiles and split counts at the static-decode and workload batches.)
 # Results and logs go to $OUT (the device tool brings them back).
 set -o pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
@@ -82,6 +83,11 @@ for part in "$@"; do
         timeout 190 python3 benchmarks/study_attention_tiles.py decode --shapes 4 --kv-dtype $kv --jobs 8 \
           --out "$OUT/attention-tiles-quantized.jsonl" 2>&1 | tail -5
       done ;;
+    study-attention-short)
+      # Llama-3-8B's and Qwen3-0.6B's decode attention at the static-decode and workload batches
+      # (32-256 sequences, 192- and 1,024-token contexts): every decode tile at 1, 2 and 4 KV splits.
+      timeout 500 python3 benchmarks/study_attention_tiles.py decode --points short --shapes 4,5 --jobs 8 \
+        --out "$OUT/attention-tiles-short.jsonl" 2>&1 | tail -10 ;;
     study-q8)
       timeout 560 python3 benchmarks/study_q8.py --out "$OUT/study-q8.json" 2>&1 | tee "$OUT/study-q8.log" | tail -30 ;;
     kernel-profile-q8)

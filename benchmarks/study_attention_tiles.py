@@ -1,5 +1,7 @@
 """Paged attention tile study on one GPU: Gemma's head dims (256, 512), and Llama-3-8B's
-(128, group 4) over a bf16 or a quantized (``--kv-dtype int8|fp8``) cache.
+(128, group 4) over a bf16 or a quantized (``--kv-dtype int8|fp8``) cache; with ``--points short``,
+the decode batches of the static-decode and workload benchmarks (Llama-3-8B and Qwen3-0.6B shapes,
+32-256 sequences over 192- and 1,024-token contexts), each tile at 1, 2 and 4 KV splits.
 
 For decode batches and prefill chunks at head dims 256 and 512 with GQA groups of 2 and 8
 (block 16), and at head dim 128 (``--shapes 4``, with a batch of 64 over 8k tokens), times each candidate ``(BLOCK_M, BLOCK_N, num_warps, num_stages)`` by
@@ -9,7 +11,7 @@ prefill with ``triton.testing.do_bench`` (L2 flushed). The split count is the wr
 own choice. The chosen tiles, then the same with a softcap, are timed last as a check.
 
     python benchmarks/study_attention_tiles.py decode|prefill [--shapes 0,1] [--kv-dtype bf16|int8|fp8]
-        [--out FILE] [--jobs N]
+        [--points long|short] [--out FILE] [--jobs N]
 
 ``--jobs N`` compiles every variant first in N processes (Triton's disk cache keeps them),
 so the timed pass, one process, finds them built.
@@ -34,13 +36,15 @@ import triton.testing
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from tokenmill.kernels import triton_attention, triton_ops  # noqa: E402
+from tokenmill.kernels import triton_attention  # noqa: E402
 
 BLOCK_SIZE = 16
 DTYPE = torch.bfloat16
-# (head_dim, q heads, KV heads): groups of 2 and 8.
-SHAPES = [(256, 16, 8), (256, 16, 2), (512, 16, 8), (512, 16, 2), (128, 32, 8)]
+# (head_dim, q heads, KV heads): groups of 2 and 8, Llama-3-8B's, Qwen3-0.6B's.
+SHAPES = [(256, 16, 8), (256, 16, 2), (512, 16, 8), (512, 16, 2), (128, 32, 8), (128, 16, 8)]
 DECODE_POINTS = [(1, 8192), (16, 4096), (64, 2048), (64, 8192)]  # (batch, context)
+SHORT_POINTS = [(32, 192), (128, 192), (128, 1024), (256, 1024)]
+SHORT_SPLITS = (1, 2, 4)
 KV_DTYPES = {"bf16": torch.bfloat16, "int8": torch.int8, "fp8": torch.float8_e4m3fn}
 PREFILL_POINTS = [[(2048, 2048)], [(512, 4096)] * 4]  # (query length, context) per sequence
 DECODE_TILES = [(16, n, w, s) for n in (16, 32, 64, 128) for w in (4, 8) for s in (2, 3, 4)]
@@ -78,11 +82,12 @@ class Batch:
                                                               + (2 if self.scales is not None else 0))
         self.flops = 4 * hq * head_dim * sum(q * (c - q) + q * (q + 1) // 2 for q, c in specs)
 
-    def run(self, softcap: float | None = None) -> torch.Tensor:
+    def run(self, softcap: float | None = None, splits: int | None = None) -> torch.Tensor:
+        """``splits``: the KV split count (None: the wrapper's choice)."""
         scales = {} if self.scales is None else {"k_scale": self.scales[0], "v_scale": self.scales[1]}
-        return triton_ops.paged_attention(self.query, self.k, self.v, self.qsl, self.seq_lens, self.tables,
-                                          self.scale, None, max_query_len=self.max_q, max_seq_len=self.max_ctx,
-                                          softcap=softcap, out=self.out, **scales)
+        return triton_attention.paged_attention(self.query, self.k, self.v, self.qsl, self.seq_lens, self.tables,
+                                                self.scale, None, max_query_len=self.max_q, max_seq_len=self.max_ctx,
+                                                softcap=softcap, num_splits=splits, out=self.out, **scales)
 
 
 def _compiled() -> set:
@@ -93,19 +98,20 @@ def _compiled() -> set:
     return found
 
 
-def measure(batch: Batch, tile: tuple | None, decode: bool, softcap: float | None = None) -> dict:
+def measure(batch: Batch, tile: tuple | None, decode: bool, softcap: float | None = None,
+            splits: int | None = None) -> dict:
     triton_attention._tile_config = CHOSEN if tile is None else (lambda bd, g, mq, eb: tile)
     before = _compiled()
-    row: dict = {}
+    row: dict = {"splits": splits}
     try:
-        batch.run(softcap)
+        batch.run(softcap, splits)
         torch.cuda.synchronize()
         new = _compiled() - before
         row["kernels"] = [{"regs": k.n_regs, "spills": k.n_spills} for k in new]
         if decode:
-            ms = triton.testing.do_bench_cudagraph(lambda: batch.run(softcap), rep=40, return_mode="median")
+            ms = triton.testing.do_bench_cudagraph(lambda: batch.run(softcap, splits), rep=40, return_mode="median")
         else:
-            ms = triton.testing.do_bench(lambda: batch.run(softcap), warmup=5, rep=40, return_mode="median")
+            ms = triton.testing.do_bench(lambda: batch.run(softcap, splits), warmup=5, rep=40, return_mode="median")
         row["us"] = ms * 1e3
         row["TBps"] = batch.kv_bytes / (ms * 1e-3) / 1e12
         row["TFLOPs"] = batch.flops / (ms * 1e-3) / 1e12
@@ -116,25 +122,34 @@ def measure(batch: Batch, tile: tuple | None, decode: bool, softcap: float | Non
     return row
 
 
-def _points(part: str) -> list[list[tuple[int, int]]]:
-    return [[(1, ctx)] * b for b, ctx in DECODE_POINTS] if part == "decode" else PREFILL_POINTS
+def _points(part: str, points: str) -> list[list[tuple[int, int]]]:
+    if part == "prefill":
+        return PREFILL_POINTS
+    return [[(1, ctx)] * b for b, ctx in (SHORT_POINTS if points == "short" else DECODE_POINTS)]
 
 
-def compile_only(part: str, shapes: list, worker: int, jobs: int, kv_dtype: torch.dtype) -> None:
-    """Run each (shape, tile) of this worker's share once, untimed, so that it is compiled."""
+def _splits(points: str) -> tuple[int | None, ...]:
+    """The split counts each tile is timed at: the wrapper's choice, or each of ``SHORT_SPLITS``."""
+    return SHORT_SPLITS if points == "short" else (None,)
+
+
+def compile_only(part: str, shapes: list, worker: int, jobs: int, kv_dtype: torch.dtype, points: str) -> None:
+    """Run each (shape, tile) of this worker's share once, untimed, so that it is compiled (one split
+    and several are two variants)."""
     tiles = DECODE_TILES if part == "decode" else PREFILL_TILES
-    work = [(shape, specs, tile) for shape in shapes for specs in _points(part) for tile in [*tiles, None]]
+    work = [(shape, specs, tile) for shape in shapes for specs in _points(part, points) for tile in [*tiles, None]]
     for i, ((head_dim, hq, hkv), specs, tile) in enumerate(work):
         if i % jobs != worker:
             continue
         batch = Batch(specs, head_dim, hq, hkv, kv_dtype)
         for softcap in (None, 50.0) if tile is None else (None,):
             triton_attention._tile_config = CHOSEN if tile is None else (lambda bd, g, mq, eb, t=tile: t)
-            try:
-                batch.run(softcap)
-                torch.cuda.synchronize()
-            except Exception:  # noqa: BLE001, S110 - the timed pass reports it
-                pass
+            for splits in _splits(points)[:2]:
+                try:
+                    batch.run(softcap, splits)
+                    torch.cuda.synchronize()
+                except Exception:  # noqa: BLE001, S110 - the timed pass reports it
+                    pass
         del batch
 
 
@@ -147,16 +162,19 @@ def main() -> None:
     parser.add_argument("--chosen-only", action="store_true", help="time the wrapper's own tiles alone")
     parser.add_argument("--kv-dtype", choices=list(KV_DTYPES), default="bf16",
                         help="what the cache stores (int8/fp8: one byte and a bf16 scale per token and head)")
+    parser.add_argument("--points", choices=["long", "short"], default="long",
+                        help="decode points: long contexts (Gemma's study), or the static-decode and workload batches")
     parser.add_argument("--worker", type=int, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     shapes = SHAPES[:4] if args.shapes is None else [SHAPES[int(i)] for i in args.shapes.split(",")]
     kv_dtype = KV_DTYPES[args.kv_dtype]
     if args.worker is not None:
-        compile_only(args.part, shapes, args.worker, args.jobs, kv_dtype)
+        compile_only(args.part, shapes, args.worker, args.jobs, kv_dtype, args.points)
         return
     t0 = time.time()
     if args.jobs > 1 and not args.chosen_only:
-        extra = ["--kv-dtype", args.kv_dtype] + ([] if args.shapes is None else ["--shapes", args.shapes])
+        extra = ["--kv-dtype", args.kv_dtype, "--points", args.points] + ([] if args.shapes is None else
+                                                                          ["--shapes", args.shapes])
         procs = [subprocess.Popen([sys.executable, __file__, args.part, "--jobs", str(args.jobs), "--worker", str(w),
                                    *extra]) for w in range(args.jobs)]
         for proc in procs:
@@ -167,30 +185,33 @@ def main() -> None:
     tiles = [] if args.chosen_only else DECODE_TILES if decode else PREFILL_TILES
     with open(out, "a") as f:
         for head_dim, hq, hkv in shapes:
-            for specs in _points(args.part):
+            for specs in _points(args.part, args.points):
                 batch = Batch(specs, head_dim, hq, hkv, kv_dtype)
                 point = {"part": args.part, "head_dim": head_dim, "group": hq // hkv, "seqs": len(specs),
                          "q": specs[0][0], "ctx": specs[0][1], "kv_dtype": args.kv_dtype}
                 chosen = CHOSEN(triton.next_power_of_2(head_dim), hq // hkv, batch.max_q, batch.k.element_size())
                 results = []
-                for tile in [*tiles, None, "cap"]:
+                candidates = [(tile, splits) for tile in [*tiles, None] for splits in _splits(args.points)]
+                for tile, splits in [*candidates, ("cap", None)]:
                     if tile == "cap":
                         row = measure(batch, None, decode, softcap=50.0)
                         label = ("chosen+cap", *chosen)
                     else:
-                        row = measure(batch, tile, decode)
+                        row = measure(batch, tile, decode, splits=splits)
                         label = ("chosen", *chosen) if tile is None else tile
                     row = {**point, "tile": label, **row}
                     f.write(json.dumps(row) + "\n")
                     f.flush()
                     results.append(row)
                 best = min((r for r in results if "us" in r), key=lambda r: r["us"])
-                mine = next(r for r in results if r["tile"][0] == "chosen")
+                mine = [r for r in results if r["tile"][0] == "chosen"]  # at each split count
                 capped = next(r for r in results if r["tile"][0] == "chosen+cap")
                 print(f"[{time.time() - t0:5.0f}s] D={head_dim} G={hq // hkv} seqs={len(specs)} q={specs[0][0]} "
-                      f"ctx={specs[0][1]}: best {best['tile']} {best['us']:.1f}us ({best.get('kernels')}); "
-                      f"chosen {mine['tile'][1:]} {mine.get('us', float('nan')):.1f}us "
-                      f"({mine.get('kernels')}); +cap {capped.get('us', float('nan')):.1f}us", flush=True)
+                      f"ctx={specs[0][1]}: best {best['tile']} splits {best['splits']} {best['us']:.1f}us "
+                      f"{best.get('TBps', 0):.2f} TB/s ({best.get('kernels')}); "
+                      f"chosen {mine[0]['tile'][1:]} "
+                      + ", ".join(f"splits {r['splits']} {r.get('us', float('nan')):.1f}us" for r in mine)
+                      + f" ({mine[0].get('kernels')}); +cap {capped.get('us', float('nan')):.1f}us", flush=True)
                 del batch
                 torch.cuda.empty_cache()
 
