@@ -15,7 +15,8 @@
 #  `tp70b` = on two GPUs, Llama-3-70B split over both: batch sweep and standard workload;
 #  `kernel-profile-b<N>` = the decode step's kernels at batch N (`kernel-profile`: batch 1);
 #  `ttft-profile` = a lone 100-token prompt's time to first token, its kernels and host functions;
-#  `study-attention-short` = decode attention tiles and split counts at the static-decode and workload batches.)
+#  `study-attention-short` = decode attention tiles and split counts at the static-decode and workload batches;
+#  `startup-profile` = cProfile over building a Llama-3-8B engine.)
 # Results and logs go to $OUT (the device tool brings them back).
 set -o pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
@@ -126,6 +127,8 @@ for part in "$@"; do
     kernel-profile|kernel-profile-b*)
       batch=${part#kernel-profile}; batch=${batch#-b}
       python3 benchmarks/profile_kernels.py --batch "${batch:-1}" --out "$OUT/$part.json" 2>&1 | grep -v "it/s]" | tail -80 ;;
+    startup-profile)
+      python3 benchmarks/profile_startup.py --out "$OUT/startup-profile.json" 2>&1 | grep -v -e "it/s]" -e "^Loading" | tail -90 ;;
     ttft-profile)
       python3 benchmarks/profile_ttft.py --out "$OUT/ttft-profile.json" 2>&1 | grep -v -e "it/s]" -e "^Loading" | tail -120 ;;
     *) echo "unknown part $part"; exit 2 ;;
