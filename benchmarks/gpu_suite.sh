@@ -16,7 +16,8 @@
 #  `kernel-profile-b<N>` = the decode step's kernels at batch N (`kernel-profile`: batch 1);
 #  `ttft-profile` = a lone 100-token prompt's time to first token, its kernels and host functions;
 #  `study-attention-short` = decode attention tiles and split counts at the static-decode and workload batches;
-#  `startup-profile` = cProfile over building a Llama-3-8B engine.)
+#  `startup-profile` = cProfile over building a Llama-3-8B engine;
+#  `study-attention-prefill` = Llama-3-8B's prefill attention, every tile.)
 # Results and logs go to $OUT (the device tool brings them back).
 set -o pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
@@ -89,6 +90,10 @@ for part in "$@"; do
       # (32-256 sequences, 192- and 1,024-token contexts): every decode tile at 1, 2 and 4 KV splits.
       timeout 500 python3 benchmarks/study_attention_tiles.py decode --points short --shapes 4,5 --jobs 8 \
         --out "$OUT/attention-tiles-short.jsonl" 2>&1 | tail -10 ;;
+    study-attention-prefill)
+      # Llama-3-8B's prefill attention (a 2,048-token prompt; four 512-token chunks over 4k contexts), every tile.
+      timeout 500 python3 benchmarks/study_attention_tiles.py prefill --shapes 4 --jobs 8 \
+        --out "$OUT/attention-tiles-prefill.jsonl" 2>&1 | tail -10 ;;
     study-q8)
       timeout 560 python3 benchmarks/study_q8.py --out "$OUT/study-q8.json" 2>&1 | tee "$OUT/study-q8.log" | tail -30 ;;
     kernel-profile-q8)

@@ -48,7 +48,7 @@ SHORT_SPLITS = (1, 2, 4)
 KV_DTYPES = {"bf16": torch.bfloat16, "int8": torch.int8, "fp8": torch.float8_e4m3fn}
 PREFILL_POINTS = [[(2048, 2048)], [(512, 4096)] * 4]  # (query length, context) per sequence
 DECODE_TILES = [(16, n, w, s) for n in (16, 32, 64, 128) for w in (4, 8) for s in (2, 3, 4)]
-PREFILL_TILES = [(m, n, w, s) for m in (32, 64) for n in (16, 32, 64) for w in (4, 8) for s in (2, 3)]
+PREFILL_TILES = [(m, n, w, s) for m in (32, 64, 128) for n in (16, 32, 64) for w in (4, 8) for s in (2, 3)]
 CHOSEN = triton_attention._tile_config
 
 
