@@ -9,7 +9,7 @@ import torch
 from scipy.stats import chisquare
 
 from tokenmill.kernels.reference import apply_penalties, kth_largest, sampling_candidates
-from tokenmill.layers.sampler import Sampler, SamplingBatch, greedy_argmax, inverse_temperature, largest_logits
+from tokenmill.layers.sampler import Sampler, SamplingBatch, greedy_argmax, largest_logits
 
 
 def batch_of(rows: int, *, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, generators=None,
@@ -19,7 +19,7 @@ def batch_of(rows: int, *, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, gener
         temperature=full(temperature), top_k=full(top_k, torch.int64), top_p=full(top_p), min_p=full(min_p),
         repetition_penalty=full(1.0), presence_penalty=full(0.0), frequency_penalty=full(0.0),
         generators=generators or [None] * rows, num_logprobs=num_logprobs, all_greedy=temperature == 0,
-        any_greedy=temperature == 0, max_top_k=top_k)
+        max_top_k=top_k)
 
 
 # probabilities 0.4, 0.3, 0.15, 0.1, 0.05 (in a shuffled order)
@@ -136,25 +136,6 @@ def test_seeded_rows_reproduce_whatever_shares_the_batch() -> None:
     alone = draw(1, 0)
     assert draw(6, 4) == alone
     assert draw(3, 2) == alone
-
-
-def test_greedy_rows_beside_sampled_ones_take_the_argmax_and_leave_the_draws_alone() -> None:
-    """A batch without greedy rows takes no argmax (``any_greedy`` off): its seeded draws are the
-    same rows' draws beside a greedy row, which takes its argmax."""
-    logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(0))
-
-    def draw(rows: list[int], temperature: list[float]) -> list[int]:
-        batch = batch_of(len(rows), top_k=10, top_p=0.9,
-                         generators=[torch.Generator().manual_seed(r) if t > 0 else None
-                                     for r, t in zip(rows, temperature)])
-        batch.temperature = torch.tensor(temperature)
-        batch.inv_temperature = inverse_temperature(batch.temperature)
-        batch.any_greedy = 0.0 in temperature
-        return Sampler()(logits[rows], batch).token_ids.tolist()
-
-    mixed = draw([0, 1, 2], [1.0, 0.0, 1.0])
-    assert mixed[1] == logits[1].argmax().item()
-    assert [mixed[0], mixed[2]] == draw([0, 2], [1.0, 1.0])
 
 
 def test_sampled_frequencies_match_the_distribution() -> None:

@@ -391,7 +391,6 @@ class ModelRunner:
                                             if s.generator is not None and s.draft_token_ids),
             num_logprobs=max(nums) if nums else -1,
             all_greedy=all(p.temperature == 0 for p in params),
-            any_greedy=any(p.temperature == 0 for p in params),
             max_top_k=max_top_k(params, self.cfg.vocab_size),
         )
         banned = [(row, tok) for row, (seq, offset) in enumerate(owners)

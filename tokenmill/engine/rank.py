@@ -17,7 +17,6 @@ from tokenmill.distributed import SINGLE, TPGroup, check_divides
 from tokenmill.engine.config import EngineConfig
 from tokenmill.engine.kv_cache_manager import kv_block_counts
 from tokenmill.engine.model_runner import ModelRunner, Peers
-from tokenmill.engine.prefill_graphs import MAX_TOKENS as PREFILL_GRAPH_TOKENS
 from tokenmill.loader.gguf_checkpoint import is_gguf_file
 from tokenmill.loader.hf_config import ModelConfig
 
@@ -79,10 +78,7 @@ def kv_cache_blocks(config: EngineConfig, cfg: ModelConfig, device: torch.device
         free, total = torch.cuda.mem_get_info(device)
         used_elsewhere = total - free
         elem = torch.tensor([], dtype=dtype).element_size()
-        # An eager step of the whole token budget, and beside it (their own memory pool) the longest
-        # prefill graph's.
         tokens = config.max_num_batched_tokens
-        tokens += 0 if config.enforce_eager else min(tokens, max_len, PREFILL_GRAPH_TOKENS)
         activations = tokens * elem * (6 * cfg.hidden_size + 4 * cfg.intermediate_size
                                        + 3 * cfg.num_heads * cfg.head_dim)
         logits = config.max_num_seqs * cfg.vocab_size * 4 * 4

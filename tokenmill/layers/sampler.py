@@ -38,8 +38,6 @@ class SamplingBatch:
     # Per-row logit_bias, added to the raw logits: (rows, token ids, float32 values).
     logit_bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
     all_greedy: bool = False
-    # Whether any row is greedy: if none is, no row's argmax is taken (a few small kernels a step).
-    any_greedy: bool = True
     # The largest top-k of a sampled row that cuts the vocabulary (the model runner's ``max_top_k``;
     # 0: none): only that many values of each row are put in order.
     max_top_k: int = 0
@@ -137,7 +135,7 @@ class Sampler:
                                          batch.presence_penalty, batch.frequency_penalty)
         if batch.banned is not None:
             logits[batch.banned] = float("-inf")
-        if greedy_ids is None and (batch.all_greedy or batch.any_greedy):
+        if greedy_ids is None:
             greedy_ids = greedy_argmax(logits)
         states: dict[int, torch.Tensor] = {}
         if batch.all_greedy:
@@ -145,10 +143,8 @@ class Sampler:
         else:
             noise = exponential_noise(tuple(logits.shape), batch.generators, logits.device,
                                       batch.keep_generator_states, states)
-            # With no greedy row the kernel reads no greedy id: any [N] int64 tensor stands in.
             token_ids = ops.sample(logits, noise, batch.inv_temperature, batch.top_k,
-                                   largest_logits(logits, batch.max_top_k), batch.top_p, batch.min_p,
-                                   greedy_ids if greedy_ids is not None else batch.top_k)
+                                   largest_logits(logits, batch.max_top_k), batch.top_p, batch.min_p, greedy_ids)
         if raw_logprobs is None:
             return SamplerOutput(token_ids, None, None, states or None)
         values, ids = gather_logprobs(raw_logprobs, token_ids, batch.num_logprobs)
