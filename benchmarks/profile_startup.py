@@ -6,11 +6,10 @@ python benchmarks/profile_startup.py [--shape llama3-8b] [--out FILE]   (GPU)
 
 import argparse
 import cProfile
-import io
 import json
-import pstats
 import time
 
+from profile_ttft import profile_report
 from tokenmill.bench.offline import make_engine
 
 
@@ -26,15 +25,12 @@ def main() -> None:
     profile.disable()
     seconds = time.perf_counter() - started
     print(f"{args.shape}: engine built in {seconds:.2f} s (under cProfile); phases {engine.core.startup_seconds}")
-    text = io.StringIO()
-    stats = pstats.Stats(profile, stream=text)
-    stats.sort_stats("cumulative").print_stats(45)
-    stats.sort_stats("tottime").print_stats(25)
-    print(text.getvalue())
+    report = profile_report(profile)
+    print(report)
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"shape": args.shape, "seconds": seconds, "phases": engine.core.startup_seconds,
-                       "profile": text.getvalue()}, f, indent=1)
+                       "profile": report}, f, indent=1)
 
 
 if __name__ == "__main__":
