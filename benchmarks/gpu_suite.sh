@@ -4,6 +4,7 @@
 # (`tests` = kernel and engine GPU tests; `engine-tests` = engine only;
 #  `serve-qwen3-0.6b`, `serve-llama3-8b` = the server against the engine, benchmarks/serve_vs_engine.py;
 #  `throughput-whole-peer` = Qwen3-0.6B's standard workload, transformers given all of it;
+#  `latency-<shape>[,<shape>]` = batch-1 decode of those shapes at three context lengths, no peer;
 #  `models-<shape>[,<shape>]` = `tokenmill bench models` on those shapes, e.g. models-gemma3-4b;
 #  `spec-rewrite` = speculative decoding on the rewrite workload, benchmarks/spec_decode_rewrite.py;
 #  `spec` = the verify step against decode per batch size, and the standard workload with it on/off;
@@ -50,6 +51,10 @@ for part in "$@"; do
       # Qwen3-0.6B's standard workload with transformers' generate_batch given all 256 requests too.
       timeout 590 python3 benchmarks/run_engine_bench.py throughput --throughput-shapes qwen3-0.6b --peer-requests 256 \
         --out "$OUT/throughput-whole-peer.json" 2>&1 | grep -v -e "it/s]" -e "^Loading" | tail -10 ;;
+    latency-*)
+      # Batch-1 decode at 128, 1,024 and 4,096 tokens of context on the shapes named, e.g. latency-gemma3-4b,llama3-8b.
+      timeout 590 python3 benchmarks/run_engine_bench.py latency --shapes "${part#latency-}" --no-peer \
+        --out "$OUT/${part//,/_}.json" 2>&1 | grep -v -e "it/s]" -e "^Loading" | tail -12 ;;
     models-*)
       timeout 590 python3 benchmarks/run_engine_bench.py models --shapes "${part#models-}" \
         --peer-requests "${PEER_REQUESTS:-16}" \

@@ -133,6 +133,12 @@ def check_paged_attention(
     assert torch.isfinite(out).all(), f"unwritten or poisoned output rows: {where}"
     err = rel_err(out, ref)
     assert err < ATTN_TOL[dtype], f"rel err {err:.2e}: {where}"
+    if num_splits is not None and num_splits > 1:
+        # The split that merges leaves its counter at zero: a second launch merges exactly as the first.
+        again = ops.paged_attention(query, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale,
+                                    sliding_window, max_query_len=max(q for q, _ in specs), softcap=softcap,
+                                    num_splits=num_splits)
+        assert torch.equal(again, out), f"a second launch differs: {where}"
     return err
 
 
@@ -466,7 +472,7 @@ def _interpret_attention_gemma(ops) -> None:
                           softcap=2.0, scale=1.0, **common)
     check_paged_attention(ops, mixed, num_q_heads=4, num_kv_heads=2, head_dim=512, dtype=f32,
                           sliding_window=20, **common)
-    # Split-KV decode (the merge then takes D in chunks of 128), capped and windowed.
+    # Split-KV decode, capped and windowed: the merging split sums whole 256- and 512-wide rows.
     check_paged_attention(ops, decode, num_q_heads=16, num_kv_heads=2, head_dim=256, dtype=f16,
                           num_splits=3, sliding_window=20, softcap=2.0, scale=1.0, **common)
     check_paged_attention(ops, decode, num_q_heads=8, num_kv_heads=1, head_dim=512, dtype=f32,

@@ -532,6 +532,7 @@ def print_table(rows: list[dict]) -> None:
 
 BENCHMARKS = ("latency", "batch", "throughput", "features", "startup", "models", "kvcache", "spec", "q8", "all")
 MODEL_SHAPES = ["gemma3-4b", "gemma3-27b", "gemma4-e4b", "gemma4-31b"]
+LATENCY_SHAPES = ["llama3-8b", "qwen3-8b"]
 
 
 def shape_list(text: str) -> list[str]:
@@ -554,9 +555,10 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
                              "to derive the speedup at each batch size")
     parser.add_argument("--throughput-shapes", type=shape_list, default=["qwen3-0.6b", "llama3-8b"],
                         help="comma-separated shapes for the throughput benchmark")
-    parser.add_argument("--shapes", type=shape_list, default=MODEL_SHAPES,
-                        help="comma-separated shapes for the models benchmark (known: "
-                             f"{', '.join(SHAPES)})")
+    parser.add_argument("--shapes", type=shape_list, default=None,
+                        help="comma-separated shapes for the models benchmark (default: "
+                             f"{', '.join(MODEL_SHAPES)}) and the latency one (default: "
+                             f"{', '.join(LATENCY_SHAPES)}); known: {', '.join(SHAPES)}")
 
 
 def run_bench(args: argparse.Namespace) -> int:
@@ -578,7 +580,7 @@ def run_bench(args: argparse.Namespace) -> int:
 
     sections = {
         "startup": lambda: bench_startup(ceilings),
-        "latency": lambda: bench_latency(ceilings, ["llama3-8b", "qwen3-8b"], [128, 1024, 4096], peer),
+        "latency": lambda: bench_latency(ceilings, args.shapes or LATENCY_SHAPES, [128, 1024, 4096], peer),
         "batch": lambda: bench_batch(ceilings, ["llama3.2-1b", "llama3-8b"], [1, 8, 32, 64, 128, 256],
                                      [1, 32, 128], peer),
         "throughput": lambda: bench_throughput(ceilings, args.throughput_shapes, peer, args.peer_requests,
@@ -587,7 +589,7 @@ def run_bench(args: argparse.Namespace) -> int:
         "kvcache": lambda: bench_kv_cache_dtypes(ceilings),
         "spec": lambda: bench_spec_decode(ceilings, tokens_per_forward=args.tokens_per_forward),
         "q8": lambda: bench_q8_0(ceilings),
-        "models": lambda: bench_models(ceilings, args.shapes, [1, 8, 32, 128], peer, args.peer_requests,
+        "models": lambda: bench_models(ceilings, args.shapes or MODEL_SHAPES, [1, 8, 32, 128], peer, args.peer_requests,
                                        checkpoint),
     }
     for name, run in sections.items():
