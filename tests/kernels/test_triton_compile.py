@@ -210,7 +210,7 @@ def test_every_kernel_compiles_for_hopper(monkeypatch: pytest.MonkeyPatch) -> No
     launches = _launches(monkeypatch)
     monkeypatch.undo()
     names = {launch.fn.__name__ for launch in launches}
-    assert {"_paged_attention_kernel", "_rms_norm_kernel", "_rope_write_kv_kernel",
+    assert {"_paged_attention_kernel", "_merge_splits_kernel", "_rms_norm_kernel", "_rope_write_kv_kernel",
             "_act_and_mul_kernel", "_gemv_kernel", "_q8_matmul_kernel", "_sample_kernel",
             "_race_parts_kernel", "_penalties_kernel"} <= names, names
     variants = {(launch.fn.__name__, key, launch.constexprs.get(key)) for launch in launches for key in
@@ -220,10 +220,9 @@ def test_every_kernel_compiles_for_hopper(monkeypatch: pytest.MonkeyPatch) -> No
             ("_rope_write_kv_kernel", "BLOCK_D", 512), ("_gemv_kernel", "GELU", True)} <= variants
     assert {("_paged_attention_kernel", "KV_SCALED", True), ("_rope_write_kv_kernel", "QUANTIZED", True),
             ("_rope_write_kv_kernel", "STATIC_AMAX", True), ("_rms_norm_kernel", "SCALE_AFTER", True),
-            ("_gemv_kernel", "Q8", True), ("_paged_attention_kernel", "SPLIT", True),
-            ("_paged_attention_kernel", "SPLIT", False)} <= {
+            ("_gemv_kernel", "Q8", True)} <= {
         (launch.fn.__name__, key, launch.constexprs.get(key)) for launch in launches
-        for key in ("KV_SCALED", "QUANTIZED", "STATIC_AMAX", "SCALE_AFTER", "Q8", "SPLIT")}
+        for key in ("KV_SCALED", "QUANTIZED", "STATIC_AMAX", "SCALE_AFTER", "Q8")}
     for kernel, weightings in (("_rms_norm_kernel", {0, 1, 2, 3}), ("_rope_write_kv_kernel", {0, 1, 2}),
                                ("_gemv_kernel", {0, 1, 2})):
         assert {(kernel, "WEIGHTING", w) for w in weightings} <= variants, kernel
@@ -278,5 +277,5 @@ def test_the_batch_shape_makes_no_new_kernel_variant(monkeypatch: pytest.MonkeyP
         _sample(gen, rows, 5000)
         _penalties(gen, rows, 1000)
     assert {name: len(keys) for name, keys in seen.items()} == {
-        "_paged_attention_kernel": 1, "_q8_matmul_kernel": 1, "_sample_kernel": 1,
+        "_paged_attention_kernel": 1, "_merge_splits_kernel": 1, "_q8_matmul_kernel": 1, "_sample_kernel": 1,
         "_race_parts_kernel": 1, "_penalties_kernel": 1}

@@ -10,15 +10,11 @@ several cache blocks and block ids need not be contiguous.
 Decode at small batch would leave most SMs idle (batch 1 × 8 KV heads is 8
 programs), so the KV range can be split across ``num_splits`` programs
 (flash-decoding): each writes an unnormalised partial output with its running
-max and sum, then takes a ticket from a counter of its (query tile, sequence,
-KV head); the split that draws the last ticket merges every split's partials
-and resets the counter. The merge so costs no kernel of its own: at batch 1 a
-second kernel after every layer's attention was a launch and a ramp per layer
-for a few microseconds of work. The split count is chosen on the host from
-shapes only (batch, KV heads, block-table width or a host-side bound of the
-context, SM count) and each program divides its *actual* range in-kernel, so
-nothing reads tensor values on the host: the decode path can be captured in a
-CUDA graph.
+max and sum, and a second kernel merges them. The split count is chosen on the
+host from shapes only (batch, KV heads, block-table width or a host-side bound
+of the context, SM count) and each
+program divides its *actual* range in-kernel, so nothing reads tensor values on
+the host: the decode path can be captured in a CUDA graph.
 """
 
 from __future__ import annotations
@@ -65,7 +61,6 @@ def _paged_attention_kernel(
     out_ptr,
     part_acc_ptr,
     part_ml_ptr,
-    tickets_ptr,
     query_start_loc_ptr,
     seq_lens_ptr,
     block_tables_ptr,
@@ -103,7 +98,7 @@ def _paged_attention_kernel(
     BLOCK_D: tl.constexpr,
     USE_WINDOW: tl.constexpr,
     SOFTCAP: tl.constexpr,
-    SPLIT: tl.constexpr,
+    WRITE_PARTIALS: tl.constexpr,
     IEEE_DOT: tl.constexpr,
     PDL: tl.constexpr,
 ):
@@ -203,7 +198,7 @@ def _paged_attention_kernel(
         acc = acc * alpha[:, None] + pv
         m_i = m_new
 
-    if SPLIT:
+    if WRITE_PARTIALS:
         # Partials [T, Hq, S, D] and (max, sum) pairs [T, Hq, S, 2]; empty splits
         # write max=_NEG_BIG, sum=0 and so weigh nothing in the merge.
         part = (q_row * num_q_heads + head) * num_splits + split
@@ -214,63 +209,49 @@ def _paged_attention_kernel(
         )
         tl.store(part_ml_ptr + part * 2, m_i, mask=row_valid)
         tl.store(part_ml_ptr + part * 2 + 1, l_i, mask=row_valid)
-        # Every thread's partials are written before one thread releases them with its ticket; the
-        # ticket's acquire (then the barrier that hands it to every thread) orders the merger's reads
-        # after every split's release. Its loads skip L1, which other SMs' writes do not update.
-        tl.debug_barrier()
-        counter = tickets_ptr + (seq * tl.num_programs(0) + q_tile) * (tl.num_programs(2) // num_splits) + kv_head
-        if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == num_splits - 1:
-            first = (q_row * num_q_heads + head) * num_splits
-            m_max = tl.full([BLOCK_M], _NEG_BIG, dtype=tl.float32)
-            for s in range(num_splits):
-                m_s = tl.load(part_ml_ptr + (first + s) * 2, mask=row_valid, other=_NEG_BIG, cache_modifier=".cg")
-                m_max = tl.maximum(m_max, m_s)
-            acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-            l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-            for s in range(num_splits):
-                m_s = tl.load(part_ml_ptr + (first + s) * 2, mask=row_valid, other=_NEG_BIG, cache_modifier=".cg")
-                l_s = tl.load(part_ml_ptr + (first + s) * 2 + 1, mask=row_valid, other=0.0, cache_modifier=".cg")
-                w = tl.exp2(m_s - m_max)
-                l_i += w * l_s
-                a_s = tl.load(
-                    part_acc_ptr + (first + s)[:, None] * head_dim + dims[None, :],
-                    mask=row_valid[:, None] & dim_valid[None, :],
-                    other=0.0,
-                    cache_modifier=".cg",
-                )
-                acc += a_s * w[:, None]
-            _store_rows(out_ptr, acc, l_i, q_row, head, dims, row_valid, dim_valid, o_stride_t, o_stride_h)
-            tl.store(counter, 0)  # ready for the next launch (and the next replay of a graph)
     else:
-        _store_rows(out_ptr, acc, l_i, q_row, head, dims, row_valid, dim_valid, o_stride_t, o_stride_h)
+        out = acc / tl.where(row_valid, l_i, 1.0)[:, None]  # padding rows: no 0/0
+        tl.store(
+            out_ptr + q_row[:, None] * o_stride_t + head[:, None] * o_stride_h + dims[None, :],
+            out.to(out_ptr.dtype.element_ty),
+            mask=row_valid[:, None] & dim_valid[None, :],
+        )
 
 
-@triton.jit
-def _store_rows(out_ptr, acc, l_i, q_row, head, dims, row_valid, dim_valid, o_stride_t, o_stride_h):
-    """The normalised rows of a tile into ``out``."""
-    out = acc / tl.where(row_valid, l_i, 1.0)[:, None]  # padding rows: no 0/0
-    tl.store(
-        out_ptr + q_row[:, None] * o_stride_t + head[:, None] * o_stride_h + dims[None, :],
-        out.to(out_ptr.dtype.element_ty),
-        mask=row_valid[:, None] & dim_valid[None, :],
+@triton.jit(do_not_specialize=["num_splits"])
+def _merge_splits_kernel(
+    part_acc_ptr,
+    part_ml_ptr,
+    out_ptr,
+    o_stride_t,
+    o_stride_h,
+    num_q_heads,
+    num_splits,
+    head_dim,
+    BLOCK_S: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    wait_for_previous_kernel(PDL)
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    splits = tl.arange(0, BLOCK_S)
+    split_valid = splits < num_splits
+    dims = tl.program_id(2) * BLOCK_D + tl.arange(0, BLOCK_D)
+    dim_valid = dims < head_dim
+    part = (t * num_q_heads + h) * num_splits + splits
+    m = tl.load(part_ml_ptr + part * 2, mask=split_valid, other=_NEG_BIG)
+    l = tl.load(part_ml_ptr + part * 2 + 1, mask=split_valid, other=0.0)
+    m_max = tl.max(m, axis=0)
+    w = tl.exp2(m - m_max)
+    denom = tl.sum(w * l, axis=0)
+    acc = tl.load(
+        part_acc_ptr + part[:, None] * head_dim + dims[None, :],
+        mask=split_valid[:, None] & dim_valid[None, :],
+        other=0.0,
     )
-
-
-# Per device, the split counters (all zero between launches), and those outgrown: CUDA graphs
-# captured with a smaller buffer still point at it, so it is never freed.
-_TICKETS: dict[torch.device, torch.Tensor] = {}
-_OUTGROWN_TICKETS: list[torch.Tensor] = []
-
-
-def _tickets(device: torch.device, count: int) -> torch.Tensor:
-    """At least ``count`` split counters on ``device``."""
-    tickets = _TICKETS.get(device)
-    if tickets is None or tickets.numel() < count:
-        if tickets is not None:
-            _OUTGROWN_TICKETS.append(tickets)
-        tickets = torch.zeros(max(4096, triton.next_power_of_2(count)), dtype=torch.int32, device=device)
-        _TICKETS[device] = tickets
-    return tickets
+    out = tl.sum(acc * w[:, None], axis=0) / denom
+    tl.store(out_ptr + t * o_stride_t + h * o_stride_h + dims, out.to(out_ptr.dtype.element_ty), mask=dim_valid)
 
 
 @functools.lru_cache(maxsize=None)
@@ -394,15 +375,14 @@ def paged_attention(
         num_splits = _choose_num_splits(batch * q_tiles * num_kv_heads, max_context, query.device)
     elif not 1 <= num_splits <= _MAX_SPLITS:
         raise ValueError(f"num_splits must be in [1, {_MAX_SPLITS}], got {num_splits}")
-    split = num_splits > 1
-    if split:
+    write_partials = num_splits > 1
+    if write_partials:
         part_acc = torch.empty(
             (num_tokens, num_q_heads, num_splits, head_dim), dtype=torch.float32, device=query.device
         )
         part_ml = torch.empty((num_tokens, num_q_heads, num_splits, 2), dtype=torch.float32, device=query.device)
-        tickets = _tickets(query.device, q_tiles * batch * num_kv_heads)
     else:
-        part_acc = part_ml = tickets = out  # unused by the kernel when SPLIT is off
+        part_acc = part_ml = out  # unused by the kernel when WRITE_PARTIALS is off
 
     pdl = pdl_launch_args(query.device)
     _paged_attention_kernel[(q_tiles, batch, num_kv_heads * num_splits)](
@@ -412,7 +392,6 @@ def paged_attention(
         out,
         part_acc,
         part_ml,
-        tickets,
         query_start_loc,
         seq_lens,
         block_tables,
@@ -446,10 +425,26 @@ def paged_attention(
         BLOCK_D=block_d,
         USE_WINDOW=sliding_window is not None,
         SOFTCAP=softcap is not None,
-        SPLIT=split,
+        WRITE_PARTIALS=write_partials,
         IEEE_DOT=query.dtype == torch.float32,
         num_warps=num_warps,
         num_stages=num_stages,
         **pdl,
     )
+    if write_partials:
+        # A program merges at most 128 dims: [splits, 128] float32 is the most it holds.
+        merge_d = min(block_d, 128)
+        _merge_splits_kernel[(num_tokens, num_q_heads, triton.cdiv(head_dim, merge_d))](
+            part_acc,
+            part_ml,
+            out,
+            out.stride(0),
+            out.stride(1),
+            num_q_heads,
+            num_splits,
+            head_dim,
+            BLOCK_S=_MAX_SPLITS,  # one variant for every split count (masked rows cost no reads)
+            BLOCK_D=merge_d,
+            **pdl,
+        )
     return out

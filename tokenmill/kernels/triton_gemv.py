@@ -39,11 +39,19 @@ from tokenmill.kernels.triton_norm import WEIGHTINGS, weigh
 # Rows (tokens) the fused GEMV takes; more go to cuBLAS (at 2-8 rows this kernel lost to it:
 # benchmarks/results/h200-2026-11-29-stop8/study-gemv-90d5c8a.json).
 MAX_ROWS = 1
-# Tiles picked on the H200 (the tile sweep in study-gemv-90d5c8a.json, then the engine's latency with
-# 8 and 16 rows for the normed projection: 4.23 vs 4.20 ms); a gated program reads two row sets.
-BLOCK_N, NORM_BLOCK_N, GATED_BLOCK_N, BLOCK_K, NUM_WARPS = 8, 16, 4, 1024, 4
-# A Q8_0 projection alone (o, down): rows of half the bytes want narrower tiles (benchmarks/study_q8.py).
-Q8_BLOCK_N = 4
+# Tiles (BLOCK_N, BLOCK_K, num_warps) by kind of projection: picked on the H200 for Llama-3-8B's
+# K = 4096 and 14336 (the tile sweep in study-gemv-90d5c8a.json, then the engine's latency with 8 and
+# 16 rows for the normed projection: 4.23 vs 4.20 ms); a gated program reads two row sets. A Q8_0
+# projection alone (o, down): rows of half the bytes want narrower tiles (benchmarks/study_q8.py).
+TILES = {"plain": (8, 1024, 4), "norm": (16, 1024, 4), "gated": (4, 1024, 4), "q8": (4, 1024, 4)}
+# Other shapes' own tiles, by (kind, N, K) of a bf16 weight: the fastest of benchmarks/study_gemv.py's
+# sweep on the H200 (benchmarks/results/h200-2026-12-01/gemv-tiles-3683d63/), where it beat the kind's
+# tile by more than 2%. Gemma-3-4B: qkv 8.74 -> 7.63 us, o 4.50 -> 3.90, down 16.59 -> 14.64;
+# Gemma-3-27B: qkv 29.79 -> 26.22, o 15.81 -> 13.62, down 75.55 -> 59.57.
+SHAPE_TILES = {
+    ("norm", 4096, 2560): (16, 512, 8), ("plain", 2560, 2048): (8, 2048, 4), ("plain", 2560, 10240): (4, 2048, 4),
+    ("norm", 8192, 5376): (8, 1024, 4), ("plain", 5376, 4096): (8, 2048, 4), ("plain", 5376, 21504): (8, 2048, 4),
+}
 
 
 @triton.jit
@@ -151,11 +159,10 @@ def _gemv(x: torch.Tensor, weight: torch.Tensor | Q8Weight, bias: torch.Tensor |
     out = torch.empty((m, n), dtype=out_dtype, device=x.device)
     if m == 0:
         return out
-    block_n = (GATED_BLOCK_N if gated else NORM_BLOCK_N if norm_weight is not None
-               else Q8_BLOCK_N if scales is not None else BLOCK_N)
-    block_k, num_warps = BLOCK_K, NUM_WARPS
-    if tiles is not None:
-        block_n, block_k, num_warps = tiles
+    kind = "gated" if gated else "norm" if norm_weight is not None else "q8" if scales is not None else "plain"
+    if tiles is None:
+        tiles = TILES[kind] if scales is not None else SHAPE_TILES.get((kind, n, k), TILES[kind])
+    block_n, block_k, num_warps = tiles
     _gemv_kernel[(triton.cdiv(n, block_n),)](
         x, norm_weight if norm_weight is not None else x, weight, scales if scales is not None else weight,
         bias if bias is not None else weight, residual if residual is not None else out, out,

@@ -111,8 +111,8 @@ class RowParallelLinear(nn.Linear, Sharded):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:
-            return super().forward(x)
-        out = all_reduce(nn.functional.linear(x, self.weight), self.tp)
+            return ops.linear(x, self.weight, self.bias)
+        out = all_reduce(ops.linear(x, self.weight, None), self.tp)
         return out if self.bias is None else out + self.bias
 
     def into_stream(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
