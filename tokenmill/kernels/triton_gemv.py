@@ -44,13 +44,16 @@ MAX_ROWS = 1
 # 16 rows for the normed projection: 4.23 vs 4.20 ms); a gated program reads two row sets. A Q8_0
 # projection alone (o, down): rows of half the bytes want narrower tiles (benchmarks/study_q8.py).
 TILES = {"plain": (8, 1024, 4), "norm": (16, 1024, 4), "gated": (4, 1024, 4), "q8": (4, 1024, 4)}
-# Other shapes' own tiles, by (kind, N, K) of a bf16 weight: the fastest of benchmarks/study_gemv.py's
-# sweep on the H200 (benchmarks/results/h200-2026-12-01/gemv-tiles-3683d63/), where it beat the kind's
-# tile by more than 2%. Gemma-3-4B: qkv 8.74 -> 7.63 us, o 4.50 -> 3.90, down 16.59 -> 14.64;
-# Gemma-3-27B: qkv 29.79 -> 26.22, o 15.81 -> 13.62, down 75.55 -> 59.57.
+# Shapes' own tiles, by (kind, N, K) of a bf16 weight: the fastest of benchmarks/study_gemv.py's sweep
+# on the H200 (benchmarks/results/h200-2026-12-01/gemv-tiles-3683d63/), where it beat the kind's tile
+# by more than 1%. Gemma-3-4B: qkv 8.74 -> 7.63 us, o 4.50 -> 3.90, down 16.59 -> 14.64; Gemma-3-27B:
+# qkv 29.79 -> 26.22, gate|up 117.97 -> 116.47, o 15.81 -> 13.62, down 75.55 -> 59.57; Llama-3-8B
+# (o and down with the residual add): o 10.80 -> 10.30, down 32.10 -> 30.13.
 SHAPE_TILES = {
     ("norm", 4096, 2560): (16, 512, 8), ("plain", 2560, 2048): (8, 2048, 4), ("plain", 2560, 10240): (4, 2048, 4),
-    ("norm", 8192, 5376): (8, 1024, 4), ("plain", 5376, 4096): (8, 2048, 4), ("plain", 5376, 21504): (8, 2048, 4),
+    ("norm", 8192, 5376): (8, 1024, 4), ("gated", 43008, 5376): (4, 512, 4), ("plain", 5376, 4096): (8, 2048, 4),
+    ("plain", 5376, 21504): (8, 2048, 4),
+    ("plain", 4096, 4096): (4, 1024, 4), ("plain", 4096, 14336): (4, 2048, 8),
 }
 
 
