@@ -26,7 +26,7 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 from triton.runtime.jit import JITFunction  # noqa: E402
 
-from tokenmill.kernels import q8_0, triton_ops  # noqa: E402
+from tokenmill.kernels import q8_0, triton_gemv, triton_ops  # noqa: E402
 
 HOPPER = GPUTarget("cuda", 90, 32)
 HOPPER_MAX_SHARED = 232448  # bytes of shared memory one block may take on sm_90 (227 KiB)
@@ -184,6 +184,16 @@ def _launches(monkeypatch: pytest.MonkeyPatch) -> list[Launch]:
         triton_ops.norm_linear(row, rand(4096), 1e-6, packed, None, gated=True)
         triton_ops.linear_residual(row, packed, None, rand(1, 128))
         triton_ops.linear(rand(40, 4096), packed, rand(128))  # more rows: the Q8_0 matmul
+        triton_ops.linear(row, proj, None)  # one dense row alone (Gemma's o and down): the GEMV
+        if dtype == torch.bfloat16:  # each shape's own tiles, on small weights of the same kind
+            for (kind, _, _), tiles in triton_gemv.SHAPE_TILES.items():
+                if kind == "plain":
+                    triton_gemv._gemv(row, proj, None, tiles=tiles)
+                    triton_gemv._gemv(row, proj, None, residual=rand(1, 64), tiles=tiles)
+                else:
+                    triton_gemv._gemv(row, proj, None, norm_weight=rand(4096), eps=1e-6, gated=kind == "gated",
+                                      weighting="offset", activation="gelu_tanh" if kind == "gated" else "silu",
+                                      tiles=tiles)
         for weighting in ("offset", "fp32"):
             triton_ops.norm_linear(row, rand(4096), 1e-6, proj, None, weighting=weighting)
             triton_ops.norm_linear(row, rand(4096), 1e-6, proj, None, gated=True, weighting=weighting,

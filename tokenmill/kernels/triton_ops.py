@@ -21,11 +21,12 @@ from tokenmill.kernels.triton_sampling import sample
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor | Q8Weight, bias: torch.Tensor | None) -> torch.Tensor:
-    """``reference.linear`` on the GPU: a Q8_0 weight through the fused GEMV (one row) or the Q8_0
-    matmul (more), a dense one through cuBLAS."""
-    if not isinstance(weight, Q8Weight):
-        return torch.nn.functional.linear(x, weight, bias)
-    return gemv_linear(x, weight, bias) if x.shape[0] <= GEMV_MAX_ROWS else q8_matmul(x, weight, bias)
+    """``reference.linear`` on the GPU: one row through the GEMV (a Q8_0 weight read packed; at one row
+    it streams a dense projection faster than cuBLAS, which splits K and reduces in a second kernel),
+    more rows through the Q8_0 matmul or cuBLAS."""
+    if x.shape[0] <= GEMV_MAX_ROWS:
+        return gemv_linear(x, weight, bias)
+    return q8_matmul(x, weight, bias) if isinstance(weight, Q8Weight) else torch.nn.functional.linear(x, weight, bias)
 
 __all__ = ["GEMV_MAX_ROWS", "add_rms_norm", "apply_penalties", "fp32_weight_rms_norm", "gelu_tanh_and_mul", "linear", "linear_residual",
            "norm_linear", "offset_rms_norm", "paged_attention", "rms_norm", "rotary_embedding_and_write_kv",

@@ -156,13 +156,9 @@ def fuses_residual(x: torch.Tensor) -> bool:
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor | Q8Weight, bias: torch.Tensor | None) -> torch.Tensor:
-    """``x @ weight.T (+ bias)``. On the GPU one row takes the GEMV (at one row it streams a Gemma
-    o or down projection faster than cuBLAS, which splits K and reduces in a second kernel), and a
-    Q8_0 weight is read packed (the GEMV, or the Q8_0 matmul); the reference dequantizes it."""
-    backend = backend_for(x)
-    if isinstance(weight, Q8Weight) or _fused_gemv(backend, x):
-        return backend.linear(x, weight, bias)
-    return torch.nn.functional.linear(x, weight, bias)
+    """``x @ weight.T (+ bias)``: on the GPU one row takes the GEMV, and a Q8_0 weight is read packed;
+    the reference dequantizes it."""
+    return backend_for(x).linear(x, weight, bias)
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
