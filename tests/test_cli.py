@@ -172,6 +172,8 @@ def test_bench_shapes_are_checked_when_parsed() -> None:
     add_bench_args(parser)
     assert parser.parse_args(["--throughput-shapes", "qwen3-0.6b, llama3-8b"]).throughput_shapes == ["qwen3-0.6b",
                                                                                                       "llama3-8b"]
+    assert parser.parse_args([]).shapes is None  # each benchmark its own default
+    assert parser.parse_args(["--shapes", "gemma3-4b"]).shapes == ["gemma3-4b"]
     for bad in ("qwen3-0.6b,nope", "", ","):
         with pytest.raises(SystemExit):
             parser.parse_args(["--throughput-shapes", bad])
