@@ -18,7 +18,8 @@
 #  `ttft-profile` = a lone 100-token prompt's time to first token, its kernels and host functions;
 #  `study-attention-short` = decode attention tiles and split counts at the static-decode and workload batches;
 #  `startup-profile` = cProfile over building a Llama-3-8B engine;
-#  `study-attention-prefill` = Llama-3-8B's prefill attention, every tile.)
+#  `study-attention-prefill` = Llama-3-8B's prefill attention, every tile;
+#  `study-gemv-rows` = the one-row GEMV's tiles with several tiles of rows a program.)
 # Results and logs go to $OUT (the device tool brings them back).
 set -o pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
@@ -74,6 +75,10 @@ for part in "$@"; do
     study-gemv-gemma3)
       timeout 560 python3 benchmarks/study_gemv.py --models gemma3-4b,gemma3-27b --sweep \
         --out "$OUT/study-gemv-gemma3.json" 2>&1 | tee "$OUT/study-gemv-gemma3.log" | tail -40 ;;
+    study-gemv-rows)
+      # Several tiles of rows a program (a persistent GEMV) on the small models' projections.
+      timeout 560 python3 benchmarks/study_gemv.py --models gemma3-4b,llama3-8b --sweep --row-tiles 2,4,8 \
+        --out "$OUT/study-gemv-rows.json" 2>&1 | tee "$OUT/study-gemv-rows.log" | tail -40 ;;
     spec)
       # The verify step's cost per batch size, with the speedup derived from spec-rewrite's tokens
       # per forward when that part ran first; then the standard workload with speculation on and off.

@@ -129,9 +129,10 @@ SWEEP = [(block_n, block_k, warps) for block_n in (4, 8, 16, 32) for block_k in 
          for warps in (4, 8)]
 
 
-def sweep(model: str, bandwidth: float) -> list[dict]:
+def sweep(model: str, bandwidth: float, row_tiles: tuple[int, ...] = ()) -> list[dict]:
     """The fused GEMV of each projection of ``model`` over ``SWEEP``'s tiles (BLOCK_N, BLOCK_K,
-    warps; a gated program reads BLOCK_N rows of each half), fastest first in each row's ``tiles``."""
+    warps; a gated program reads BLOCK_N rows of each half), fastest first in each row's ``tiles``;
+    then the three fastest again with a program owning each of ``row_tiles`` tiles of rows."""
     weighting, activation, projections = MODELS[model]
     rows = []
     for name, n, k, kind in projections:
@@ -139,24 +140,30 @@ def sweep(model: str, bandwidth: float) -> list[dict]:
         x = torch.randn(1, k, device="cuda", dtype=DT)
         norm_w = ((0.0 if weighting == "offset" else 1.0) + 0.1 * torch.randn(k, device="cuda")).to(DT)
         res = torch.zeros(1, n // 2 if kind == "gated" else n, device="cuda", dtype=DT)
-        timed = []
-        for tiles in SWEEP:
+
+        def time_tiles(tiles: tuple[int, ...], x=x, res=res, norm_w=norm_w, kind=kind, ws=ws) -> dict:
             if kind in ("residual", "plain"):
-                def run(w: torch.Tensor, tiles=tiles, x=x, res=res) -> torch.Tensor:
+                def run(w: torch.Tensor) -> torch.Tensor:
                     return _gemv(x, w, None, residual=res, tiles=tiles)
             else:
-                def run(w: torch.Tensor, tiles=tiles, x=x, norm_w=norm_w, kind=kind) -> torch.Tensor:
+                def run(w: torch.Tensor) -> torch.Tensor:
                     return _gemv(x, w, None, norm_weight=norm_w, eps=EPS, gated=kind == "gated", weighting=weighting,
                                  activation=activation, tiles=tiles)
-            us = time_graph(lambda ws=ws, f=run: [f(w) for w in ws]) * 1e3 / len(ws)
-            timed.append({"block_n": tiles[0], "block_k": tiles[1], "num_warps": tiles[2], "us": us})
+            us = time_graph(lambda: [run(w) for w in ws]) * 1e3 / len(ws)
+            return {"block_n": tiles[0], "block_k": tiles[1], "num_warps": tiles[2],
+                    "row_tiles": tiles[3] if len(tiles) > 3 else 1, "us": us}
+
+        timed = sorted((time_tiles(tiles) for tiles in SWEEP), key=lambda t: t["us"])
+        timed += [time_tiles((t["block_n"], t["block_k"], t["num_warps"], count))
+                  for t in timed[:3] for count in row_tiles]
         timed.sort(key=lambda t: t["us"])
         floor_us = n * k * 2 / bandwidth * 1e6
         rows.append({"name": f"gemv_tiles/{model}/{name}/m1", "n": n, "k": k, "kind": kind, "floor_us": floor_us,
                      "best_us": timed[0]["us"], "fraction_of_floor": floor_us / timed[0]["us"], "tiles": timed})
         best = timed[0]
         print(f"{model:<11} {name:<12} floor {floor_us:7.2f} us   best {best['us']:7.2f} "
-              f"(BLOCK_N {best['block_n']}, BLOCK_K {best['block_k']}, {best['num_warps']} warps)")
+              f"(BLOCK_N {best['block_n']}, BLOCK_K {best['block_k']}, {best['num_warps']} warps, "
+              f"{best['row_tiles']} row tiles a program)")
         del ws
         torch.cuda.empty_cache()
     return rows
@@ -166,6 +173,8 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--models", default=",".join(MODELS), help=f"comma-separated, of {', '.join(MODELS)}")
     parser.add_argument("--sweep", action="store_true", help="also time the fused GEMV over SWEEP's tiles")
+    parser.add_argument("--row-tiles", default="", help="with --sweep: comma-separated tiles of rows a program "
+                        "(e.g. 2,4,8) to time the three fastest tiles with")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     ceilings = measure_ceilings()
@@ -174,7 +183,8 @@ def main() -> None:
     ops = [row for model in models for row in per_op(model, ceilings.bandwidth)]
     result = {"environment": environment(ceilings, " ".join(sys.argv)), "ops": ops}
     if args.sweep:
-        result["tiles"] = [row for model in models for row in sweep(model, ceilings.bandwidth)]
+        row_tiles = tuple(int(n) for n in args.row_tiles.split(",") if n)
+        result["tiles"] = [row for model in models for row in sweep(model, ceilings.bandwidth, row_tiles)]
     if args.out:
         with open(args.out, "w") as f:
             json.dump(result, f, indent=1)

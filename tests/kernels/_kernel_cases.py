@@ -399,9 +399,12 @@ GEMV_KINDS = ("residual", "norm", "norm_gated", "offset_norm", "offset_norm_gegl
 
 
 def check_gemv(ops, *, kind: str, n: int, k: int, dtype: torch.dtype, device: str, bias: bool,
-               q8: bool = False) -> None:
+               q8: bool = False, tiles: tuple[int, ...] | None = None) -> None:
     """One-row fused GEMV: ``linear_residual`` (kind "residual") or ``norm_linear`` (plain or gated);
-    with ``q8`` the weight in Q8_0 (the reference dequantizes it)."""
+    with ``q8`` the weight in Q8_0 (the reference dequantizes it); with ``tiles`` the Triton GEMV
+    launched with those tiles (``triton_gemv._gemv``'s)."""
+    if tiles is not None:
+        from tokenmill.kernels import triton_gemv
     gen, seed = fresh_generator(device)
     gated = kind.endswith(("gated", "geglu"))
     rows = 2 * n if gated else n
@@ -413,14 +416,16 @@ def check_gemv(ops, *, kind: str, n: int, k: int, dtype: torch.dtype, device: st
     if kind == "residual":
         residual = _randn((1, n), dtype, device, gen)
         ref = reference.linear_residual(x, weight, b, residual)
-        got = ops.linear_residual(x, weight, b, residual)
+        got = (ops.linear_residual(x, weight, b, residual) if tiles is None
+               else triton_gemv._gemv(x, weight, b, residual=residual, tiles=tiles))
     else:
         weighting = kind.split("_")[0] if kind.startswith(("offset", "fp32")) else "llama"
         norm_w = norm_weight((k,), weighting, dtype, device, gen)
         options = {"weighting": weighting, "activation": "gelu_tanh" if kind.endswith("geglu") else "silu"}
         ref = reference.norm_linear(x, norm_w, 1e-6, weight, b, gated, **options)
-        got = ops.norm_linear(x, norm_w, 1e-6, weight, b, gated, **options)
-    where = f"seed={seed} {kind} n={n} k={k} bias={bias} {dtype} q8={q8}"
+        got = (ops.norm_linear(x, norm_w, 1e-6, weight, b, gated, **options) if tiles is None
+               else triton_gemv._gemv(x, weight, b, norm_weight=norm_w, eps=1e-6, gated=gated, tiles=tiles, **options))
+    where = f"seed={seed} {kind} n={n} k={k} bias={bias} {dtype} q8={q8} tiles={tiles}"
     assert got.shape == ref.shape and got.dtype == ref.dtype, where
     err = rel_err(got, ref)
     # The reference rounds its dequantized Q8_0 matrix to the activations' dtype; the kernel sums each
@@ -601,6 +606,12 @@ def _interpret_gemv(ops) -> None:
     for kind in ("residual", "norm_gated", "offset_norm_geglu"):  # Q8_0: K spans tiles and ends inside one
         check_gemv(ops, kind=kind, n=13, k=2528, dtype=torch.float16, device="cpu", bias=False, q8=True)
         check_gemv(ops, kind=kind, n=40, k=96, dtype=torch.float32, device="cpu", bias=True, q8=True)
+    # Several tiles of rows a program, the last program's partly or wholly past N, K ending inside a tile.
+    for kind, row_tiles in (("residual", 3), ("norm_gated", 2), ("offset_norm_geglu", 4), ("fp32_norm", 3)):
+        check_gemv(ops, kind=kind, n=37, k=600, dtype=torch.float16, device="cpu", bias=True,
+                   tiles=(4, 256, 4, row_tiles))
+    check_gemv(ops, kind="norm_gated", n=21, k=160, dtype=torch.float32, device="cpu", bias=False, q8=True,
+               tiles=(4, 64, 4, 3))
 
 
 def check_q8_matmul(ops, *, m: int, n: int, k: int, dtype: torch.dtype, device: str, bias: bool) -> None:

@@ -185,8 +185,9 @@ def _launches(monkeypatch: pytest.MonkeyPatch) -> list[Launch]:
         triton_ops.linear_residual(row, packed, None, rand(1, 128))
         triton_ops.linear(rand(40, 4096), packed, rand(128))  # more rows: the Q8_0 matmul
         triton_ops.linear(row, proj, None)  # one dense row alone (Gemma's o and down): the GEMV
-        if dtype == torch.bfloat16:  # each shape's own tiles, on small weights of the same kind
-            for (kind, _, _), tiles in triton_gemv.SHAPE_TILES.items():
+        if dtype == torch.bfloat16:  # each shape's own tiles and several rows' tiles a program, on small weights
+            row_tiles = {("plain",): (4, 2048, 4, 4), ("norm",): (8, 1024, 4, 2), ("gated",): (4, 1024, 4, 8)}
+            for (kind, *_), tiles in [*triton_gemv.SHAPE_TILES.items(), *row_tiles.items()]:
                 if kind == "plain":
                     triton_gemv._gemv(row, proj, None, tiles=tiles)
                     triton_gemv._gemv(row, proj, None, residual=rand(1, 64), tiles=tiles)

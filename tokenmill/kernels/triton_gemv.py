@@ -39,7 +39,8 @@ from tokenmill.kernels.triton_norm import WEIGHTINGS, weigh
 # Rows (tokens) the fused GEMV takes; more go to cuBLAS (at 2-8 rows this kernel lost to it:
 # benchmarks/results/h200-2026-11-29-stop8/study-gemv-90d5c8a.json).
 MAX_ROWS = 1
-# Tiles (BLOCK_N, BLOCK_K, num_warps) by kind of projection: picked on the H200 for Llama-3-8B's
+# Tiles (BLOCK_N, BLOCK_K, num_warps; a fourth, ROW_TILES, gives a program that many consecutive
+# tiles of rows, 1 if absent) by kind of projection: picked on the H200 for Llama-3-8B's
 # K = 4096 and 14336 (the tile sweep in study-gemv-90d5c8a.json, then the engine's latency with 8 and
 # 16 rows for the normed projection: 4.23 vs 4.20 ms); a gated program reads two row sets. A Q8_0
 # projection alone (o, down): rows of half the bytes want narrower tiles (benchmarks/study_q8.py).
@@ -76,15 +77,16 @@ def _gemv_kernel(x_ptr, norm_w_ptr, w_ptr, w_scale_ptr, bias_ptr, res_ptr, out_p
                  N, K, stride_w, stride_s, eps,
                  NORM: tl.constexpr, WEIGHTING: tl.constexpr, GATED: tl.constexpr, GELU: tl.constexpr,
                  ADD_RES: tl.constexpr, HAS_BIAS: tl.constexpr, Q8: tl.constexpr,
-                 PDL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    ns = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok = ns < N
+                 PDL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ROW_TILES: tl.constexpr):
+    """A program owns ``ROW_TILES`` consecutive tiles of ``BLOCK_N`` rows: with more than one, the row's
+    statistics are computed once for them all, and the last weight load of a tile fetches the next
+    tile's first, so the stream runs on across tiles."""
+    tile0 = tl.program_id(0) * ROW_TILES
     ks0 = tl.arange(0, BLOCK_K)
-    first = n_ok[:, None] & (ks0[None, :] < K)
+    ns = tile0 * BLOCK_N + tl.arange(0, BLOCK_N)
+    first = (ns < N)[:, None] & (ks0[None, :] < K)
     w_rows = w_ptr + ns.to(tl.int64)[:, None] * stride_w
     u_rows = w_rows + N.to(tl.int64) * stride_w
-    s_rows = w_scale_ptr + ns.to(tl.int64)[:, None] * stride_s  # Q8: a row's scales, one per 32 values
-    t_rows = s_rows + N.to(tl.int64) * stride_s
     w = tl.load(w_rows + ks0[None, :], mask=first, other=0.0, eviction_policy="evict_first")
     u = w
     if GATED:
@@ -100,50 +102,70 @@ def _gemv_kernel(x_ptr, norm_w_ptr, w_ptr, w_scale_ptr, bias_ptr, res_ptr, out_p
             row = tl.load(x_ptr + k0 + ks0, mask=k0 + ks0 < K, other=0.0).to(tl.float32)
             row_sq += row * row
         rstd = tl.rsqrt(tl.sum(row_sq, axis=0) / K + eps)
-    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    acc_u = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        ks = k0 + ks0
-        nxt = ks + BLOCK_K
-        nxt_mask = n_ok[:, None] & (nxt[None, :] < K)
-        w_next = tl.load(w_rows + nxt[None, :], mask=nxt_mask, other=0.0, eviction_policy="evict_first")
-        x = tl.load(x_ptr + ks, mask=ks < K, other=0.0)
-        if NORM:
-            if WEIGHTING == 0:  # Llama: the normed row rounded, then the weighted one
-                nw = tl.load(norm_w_ptr + ks, mask=ks < K, other=0.0).to(tl.float32)
-                normed = (x.to(tl.float32) * rstd).to(x.dtype)
-                x = (nw * normed.to(tl.float32)).to(x.dtype)
-            else:  # Gemma: the weight meets the float32 normed row, one rounding
-                nw = tl.load(norm_w_ptr + ks, mask=(ks < K) & (WEIGHTING != 3), other=0.0).to(tl.float32)
-                x = weigh(x.to(tl.float32) * rstd, nw, WEIGHTING).to(x.dtype)
-        xf = x.to(tl.float32)[None, :]
-        acc += _row_dots(w, xf, s_rows, k0, n_ok, K, Q8, BLOCK_N, BLOCK_K)
-        w = w_next
-        if GATED:
-            u_next = tl.load(u_rows + nxt[None, :], mask=nxt_mask, other=0.0, eviction_policy="evict_first")
-            acc_u += _row_dots(u, xf, t_rows, k0, n_ok, K, Q8, BLOCK_N, BLOCK_K)
-            u = u_next
+    for t in tl.static_range(ROW_TILES):
+        ns = (tile0 + t) * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_ok = ns < N
+        w_rows = w_ptr + ns.to(tl.int64)[:, None] * stride_w
+        u_rows = w_rows + N.to(tl.int64) * stride_w
+        s_rows = w_scale_ptr + ns.to(tl.int64)[:, None] * stride_s  # Q8: a row's scales, one per 32 values
+        t_rows = s_rows + N.to(tl.int64) * stride_s
+        # The next tile's rows and its first K tile (masked off past the program's last tile).
+        later = (ns + BLOCK_N < N) & (t + 1 < ROW_TILES)
+        later_first = later[:, None] & (ks0[None, :] < K)
+        later_w = w_rows + BLOCK_N * stride_w.to(tl.int64) + ks0[None, :]
+        later_u = later_w + N.to(tl.int64) * stride_w
+        acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+        acc_u = tl.zeros((BLOCK_N,), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            ks = k0 + ks0
+            nxt = ks + BLOCK_K
+            nxt_mask = n_ok[:, None] & (nxt[None, :] < K)
+            w_nxt = w_rows + nxt[None, :]
+            u_nxt = u_rows + nxt[None, :]
+            if ROW_TILES > 1:  # the tile's last pass fetches the next tile's first weights
+                last = k0 + BLOCK_K >= K
+                nxt_mask = tl.where(last, later_first, nxt_mask)
+                w_nxt = tl.where(last, later_w, w_nxt)
+                u_nxt = tl.where(last, later_u, u_nxt)
+            w_next = tl.load(w_nxt, mask=nxt_mask, other=0.0, eviction_policy="evict_first")
+            x = tl.load(x_ptr + ks, mask=ks < K, other=0.0)
+            if NORM:
+                if WEIGHTING == 0:  # Llama: the normed row rounded, then the weighted one
+                    nw = tl.load(norm_w_ptr + ks, mask=ks < K, other=0.0).to(tl.float32)
+                    normed = (x.to(tl.float32) * rstd).to(x.dtype)
+                    x = (nw * normed.to(tl.float32)).to(x.dtype)
+                else:  # Gemma: the weight meets the float32 normed row, one rounding
+                    nw = tl.load(norm_w_ptr + ks, mask=(ks < K) & (WEIGHTING != 3), other=0.0).to(tl.float32)
+                    x = weigh(x.to(tl.float32) * rstd, nw, WEIGHTING).to(x.dtype)
+            xf = x.to(tl.float32)[None, :]
+            acc += _row_dots(w, xf, s_rows, k0, n_ok, K, Q8, BLOCK_N, BLOCK_K)
+            w = w_next
+            if GATED:
+                u_next = tl.load(u_nxt, mask=nxt_mask, other=0.0, eviction_policy="evict_first")
+                acc_u += _row_dots(u, xf, t_rows, k0, n_ok, K, Q8, BLOCK_N, BLOCK_K)
+                u = u_next
 
-    out_ty = out_ptr.dtype.element_ty
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + ns, mask=n_ok, other=0.0).to(tl.float32)
+        out_ty = out_ptr.dtype.element_ty
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + ns, mask=n_ok, other=0.0).to(tl.float32)
+            if GATED:
+                acc_u += tl.load(bias_ptr + N + ns, mask=n_ok, other=0.0).to(tl.float32)
         if GATED:
-            acc_u += tl.load(bias_ptr + N + ns, mask=n_ok, other=0.0).to(tl.float32)
-    if GATED:
-        g = acc.to(out_ty).to(tl.float32)
-        act = gate_activation(g, GELU).to(out_ty).to(tl.float32)
-        acc = act * acc_u.to(out_ty).to(tl.float32)
-    if ADD_RES:
-        r = tl.load(res_ptr + ns, mask=n_ok, other=0.0)
-        acc = acc.to(out_ty).to(tl.float32) + r.to(tl.float32)
-    tl.store(out_ptr + ns, acc.to(out_ty), mask=n_ok)
+            g = acc.to(out_ty).to(tl.float32)
+            act = gate_activation(g, GELU).to(out_ty).to(tl.float32)
+            acc = act * acc_u.to(out_ty).to(tl.float32)
+        if ADD_RES:
+            r = tl.load(res_ptr + ns, mask=n_ok, other=0.0)
+            acc = acc.to(out_ty).to(tl.float32) + r.to(tl.float32)
+        tl.store(out_ptr + ns, acc.to(out_ty), mask=n_ok)
 
 
 def _gemv(x: torch.Tensor, weight: torch.Tensor | Q8Weight, bias: torch.Tensor | None, *,
           norm_weight: torch.Tensor | None = None, eps: float = 0.0, gated: bool = False,
           residual: torch.Tensor | None = None, weighting: str = "llama", activation: str = "silu",
-          tiles: tuple[int, int, int] | None = None) -> torch.Tensor:
-    """``tiles``: force ``(BLOCK_N, BLOCK_K, num_warps)`` (the tile study); default by the kind."""
+          tiles: tuple[int, ...] | None = None) -> torch.Tensor:
+    """``tiles``: force ``(BLOCK_N, BLOCK_K, num_warps[, ROW_TILES])`` (the tile study); default by the
+    kind and shape."""
     scales = weight.scales if isinstance(weight, Q8Weight) else None
     weight = weight.qweight if isinstance(weight, Q8Weight) else weight
     m, k = x.shape
@@ -165,14 +187,14 @@ def _gemv(x: torch.Tensor, weight: torch.Tensor | Q8Weight, bias: torch.Tensor |
     kind = "gated" if gated else "norm" if norm_weight is not None else "q8" if scales is not None else "plain"
     if tiles is None:
         tiles = TILES[kind] if scales is not None else SHAPE_TILES.get((kind, n, k), TILES[kind])
-    block_n, block_k, num_warps = tiles
-    _gemv_kernel[(triton.cdiv(n, block_n),)](
+    block_n, block_k, num_warps, row_tiles = (*tiles, 1) if len(tiles) == 3 else tiles
+    _gemv_kernel[(triton.cdiv(triton.cdiv(n, block_n), row_tiles),)](
         x, norm_weight if norm_weight is not None else x, weight, scales if scales is not None else weight,
         bias if bias is not None else weight, residual if residual is not None else out, out,
         n, k, weight.stride(0), scales.stride(0) if scales is not None else 0, float(eps),
         NORM=norm_weight is not None, WEIGHTING=WEIGHTINGS[weighting], GATED=gated, GELU=activation == "gelu_tanh",
         ADD_RES=residual is not None, HAS_BIAS=bias is not None, Q8=scales is not None,
-        BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps,
+        BLOCK_N=block_n, BLOCK_K=block_k, ROW_TILES=row_tiles, num_warps=num_warps,
         **pdl_launch_args(x.device),
     )
     return out
