@@ -30,6 +30,8 @@ from tokenmill.kernels.triton_q8_matmul import TILES, q8_matmul
 DT = torch.bfloat16
 GEMV_SWEEP = [(block_n, block_k, warps) for block_n in (4, 8, 16, 32) for block_k in (1024, 2048, 4096)
               for warps in (4, 8)]
+# And the kinds' default tiles with a program owning several tiles of rows.
+GEMV_SWEEP += [(block_n, 1024, 4, row_tiles) for block_n in (4, 16) for row_tiles in (2, 4, 8)]
 # (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) by the largest row count they are tried at.
 MATMUL_SWEEP = {
     16: [(16, bn, bk, w, s) for bn in (16, 32, 64) for bk in (128, 256, 512) for w in (4,) for s in (3, 4)],
@@ -73,7 +75,8 @@ def gemv_rows(bandwidth: float) -> list[dict]:
         for tiles in GEMV_SWEEP:
             err = rel_err(run(packed[0], tiles), ref(packed[0]))
             us = time_graph(lambda tiles=tiles: [run(w, tiles) for w in packed]) * 1e3 / len(packed)
-            timed.append({"block_n": tiles[0], "block_k": tiles[1], "num_warps": tiles[2], "us": us, "rel_err": err})
+            timed.append({"block_n": tiles[0], "block_k": tiles[1], "num_warps": tiles[2],
+                          "row_tiles": tiles[3] if len(tiles) > 3 else 1, "us": us, "rel_err": err})
         default_us = time_graph(lambda: [run(w) for w in packed]) * 1e3 / len(packed)
         timed.sort(key=lambda t: t["us"])
         floor_us = n * k * (1 + 2 / 32) / bandwidth * 1e6
@@ -83,7 +86,7 @@ def gemv_rows(bandwidth: float) -> list[dict]:
                      "best_us": best["us"], "fraction_of_floor": floor_us / best["us"], "tiles": timed})
         print(f"gemv {name:<8} floor {floor_us:7.2f} us  bf16 {bf16_us:7.2f}  q8 default {default_us:7.2f}  "
               f"best {best['us']:7.2f} (BLOCK_N {best['block_n']}, BLOCK_K {best['block_k']}, "
-              f"{best['num_warps']} warps; err {best['rel_err']:.1e})")
+              f"{best['num_warps']} warps, {best['row_tiles']} row tiles a program; err {best['rel_err']:.1e})")
         del packed, dense
         torch.cuda.empty_cache()
     return rows
