@@ -9,14 +9,15 @@ import torch
 from scipy.stats import chisquare
 
 from tokenmill.kernels.reference import apply_penalties, kth_largest, sampling_candidates
-from tokenmill.layers.sampler import Sampler, SamplingBatch, greedy_argmax, largest_logits
+from tokenmill.layers.sampler import Sampler, SamplingBatch, greedy_argmax, inverse_temperature, largest_logits
 
 
 def batch_of(rows: int, *, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, generators=None,
              num_logprobs=-1) -> SamplingBatch:
     full = lambda v, dt=torch.float32: torch.full((rows,), v, dtype=dt)  # noqa: E731
     return SamplingBatch(
-        temperature=full(temperature), top_k=full(top_k, torch.int64), top_p=full(top_p), min_p=full(min_p),
+        temperature=full(temperature), inv_temperature=torch.from_numpy(inverse_temperature(full(temperature).numpy())),
+        top_k=full(top_k, torch.int64), top_p=full(top_p), min_p=full(min_p),
         repetition_penalty=full(1.0), presence_penalty=full(0.0), frequency_penalty=full(0.0),
         generators=generators or [None] * rows, num_logprobs=num_logprobs, all_greedy=temperature == 0,
         max_top_k=top_k)

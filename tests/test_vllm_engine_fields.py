@@ -59,7 +59,7 @@ def test_a_bias_overrides_the_greedy_ids_a_cuda_graph_took() -> None:
     logits = torch.tensor([[0.0, 2.0, 1.0], [0.0, 2.0, 1.0]])
     full = lambda v, dt=torch.float32: torch.full((2,), v, dtype=dt)  # noqa: E731
     batch = SamplingBatch(
-        temperature=full(0.0), top_k=full(0, torch.int64), top_p=full(1.0), min_p=full(0.0),
+        temperature=full(0.0), inv_temperature=full(0.0), top_k=full(0, torch.int64), top_p=full(1.0), min_p=full(0.0),
         repetition_penalty=full(1.0), presence_penalty=full(0.0), frequency_penalty=full(0.0),
         generators=[None, None], num_logprobs=0, all_greedy=True,
         logit_bias=(torch.tensor([1]), torch.tensor([2]), torch.tensor([1.5])))

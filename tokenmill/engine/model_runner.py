@@ -35,7 +35,7 @@ from tokenmill.engine.sequence import PENDING, Sequence
 from tokenmill.engine.penalty_counts import PenaltyCounts
 from tokenmill.engine.structured_outputs import HostBitmask, apply_grammars
 from tokenmill.layers.attention import AttentionMetadata, KVCache
-from tokenmill.layers.sampler import Sampler, SamplingBatch, gather_logprobs
+from tokenmill.layers.sampler import Sampler, SamplingBatch, gather_logprobs, inverse_temperature
 from tokenmill.loader.hf_config import ModelConfig
 from tokenmill.loader.kv_layout import KV_SCALE_DTYPE, KVLayout, is_quantized
 from tokenmill.loader.weights import iter_checkpoint
@@ -257,8 +257,8 @@ class ModelRunner:
         tables = (torch.zeros(rows, vocab, device=self.device), torch.zeros(rows, vocab, dtype=torch.bool, device=self.device),
                   torch.arange(rows, device=self.device))
         self.sampler(logits, SamplingBatch(
-            temperature=full(1.0), top_k=full(2, torch.int64), top_p=full(0.5), min_p=full(0.1),
-            repetition_penalty=full(1.1), presence_penalty=full(0.5), frequency_penalty=full(0.5),
+            temperature=full(1.0), inv_temperature=full(1.0), top_k=full(2, torch.int64), top_p=full(0.5),
+            min_p=full(0.1), repetition_penalty=full(1.1), presence_penalty=full(0.5), frequency_penalty=full(0.5),
             generators=[None] * rows, num_logprobs=-1, penalties=tables, max_top_k=2))
 
     # ------------------------------------------------------------------ inputs
@@ -519,12 +519,9 @@ def sampling_columns(params: list[SamplingParams], vocab_size: int) -> dict[str,
         return np.fromiter(values, dtype=dtype, count=n)
 
     temperature = column((p.temperature for p in params), np.float32)
-    # As ``sampler.inverse_temperature`` computes it, here on the host with the rest.
-    inv_temperature = np.where(temperature > 0, np.float32(1) / np.maximum(temperature, np.float32(1e-6)),
-                               np.float32(0)).astype(np.float32)
     return {
         "temperature": temperature,
-        "inv_temperature": inv_temperature,
+        "inv_temperature": inverse_temperature(temperature),
         "top_k": column((min(max(p.top_k, 0), vocab_size) for p in params), np.int64),
         "top_p": column((p.top_p for p in params), np.float32),
         "min_p": column((p.min_p for p in params), np.float32),

@@ -19,13 +19,11 @@ the host: the decode path can be captured in a CUDA graph.
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
 
-from tokenmill.kernels.triton_launch import pdl_launch_args, wait_for_previous_kernel
+from tokenmill.kernels.triton_launch import num_sms, pdl_launch_args, wait_for_previous_kernel
 
 _LOG2E = 1.4426950408889634
 _MINUS_2_LOG2E = tl.constexpr(-2.0 * _LOG2E)
@@ -254,13 +252,6 @@ def _merge_splits_kernel(
     tl.store(out_ptr + t * o_stride_t + h * o_stride_h + dims, out.to(out_ptr.dtype.element_ty), mask=dim_valid)
 
 
-@functools.lru_cache(maxsize=None)
-def _num_sms(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 1  # the CPU interpreter: no parallelism to fill
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
 def _choose_num_splits(work_units: int, max_context: int, device: torch.device) -> int:
     """Split until the grid fills one wave of ~4 programs per SM, never past it.
 
@@ -268,7 +259,7 @@ def _choose_num_splits(work_units: int, max_context: int, device: torch.device) 
     (B=32, ctx 4096: 2 splits 135 us, 3 splits 160 us; see benchmarks/results).
     Never under ``_MIN_TOKENS_PER_SPLIT`` tokens a split at full block-table width.
     """
-    target = 4 * _num_sms(device)
+    target = 4 * num_sms(device)
     by_length = max(1, max_context // _MIN_TOKENS_PER_SPLIT)
     return max(1, min(target // work_units, by_length, _MAX_SPLITS))
 

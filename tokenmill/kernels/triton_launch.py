@@ -46,3 +46,12 @@ def wait_for_previous_kernel(PDL: tl.constexpr):
         tl.extra.cuda.gdc_wait()
         # Past the wait this kernel needs nothing more from the one before: let the next one launch.
         tl.extra.cuda.gdc_launch_dependents()
+
+
+@functools.cache
+def num_sms(device: torch.device) -> int:
+    """The device's streaming multiprocessors, which a launch's grid is sized to fill (1 on the CPU:
+    the interpreter has no parallelism to fill)."""
+    if device.type != "cuda":
+        return 1
+    return torch.cuda.get_device_properties(device).multi_processor_count

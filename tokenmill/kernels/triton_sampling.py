@@ -15,6 +15,8 @@ import torch
 import triton
 import triton.language as tl
 
+from tokenmill.kernels.triton_launch import num_sms
+
 # A program streams its row through registers in tiles of BLOCK tokens: 8192 over 16 warps was the
 # fastest tile at 1, 8, 64 and 256 rows on the H200 (study_sampling_tiles.py: top-p at 64 rows
 # 215 us against 350 us with 4096 over 8 warps).
@@ -149,8 +151,7 @@ def _default_splits(rows: int, vocab: int, device: torch.device) -> int:
     """Enough programs for two per SM when the rows alone are fewer (one span per program)."""
     if device.type != "cuda":
         return 1
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
-    return max(1, min(MAX_SPLITS, 2 * sms // max(rows, 1), triton.cdiv(vocab, _PART_BLOCK)))
+    return max(1, min(MAX_SPLITS, 2 * num_sms(device) // max(rows, 1), triton.cdiv(vocab, _PART_BLOCK)))
 
 
 def sample(logits: torch.Tensor, noise: torch.Tensor, inv_temperature: torch.Tensor, top_k: torch.Tensor,

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from tokenmill.layers import ops
@@ -22,6 +23,7 @@ class SamplingBatch:
     """Per-row sampling parameters as device tensors (built by the model runner)."""
 
     temperature: torch.Tensor  # [N] float32; 0 = greedy
+    inv_temperature: torch.Tensor  # [N] float32: ``inverse_temperature`` of the temperatures
     top_k: torch.Tensor  # [N] int64; 0 = off
     top_p: torch.Tensor  # [N] float32; 1 = off
     min_p: torch.Tensor  # [N] float32; 0 = off
@@ -41,21 +43,18 @@ class SamplingBatch:
     # The largest top-k of a sampled row that cuts the vocabulary (the model runner's ``max_top_k``;
     # 0: none): only that many values of each row are put in order.
     max_top_k: int = 0
-    # [N] float32: 1 / temperature (temperatures below 1e-6 as 1e-6), 0 for greedy rows; None: from
-    # ``temperature`` here (the model runner computes it on the host with the other columns).
-    inv_temperature: torch.Tensor | None = None
     # Rows whose generator's state is kept after their draw (speculative rows: the engine winds the
     # generator back to the last row it keeps, so each emitted token costs one draw, as in plain decoding).
     keep_generator_states: frozenset[int] = frozenset()
 
-    def __post_init__(self) -> None:
-        if self.inv_temperature is None:
-            self.inv_temperature = inverse_temperature(self.temperature)
 
-
-def inverse_temperature(temperature: torch.Tensor) -> torch.Tensor:
-    """``1 / temperature`` for sampled rows (at most 1e6), 0 for greedy ones."""
-    return torch.where(temperature > 0, 1.0 / temperature.clamp_min(1e-6), 0.0)
+def inverse_temperature(temperature: np.ndarray) -> np.ndarray:
+    """``1 / temperature`` for sampled rows (temperatures below 1e-6 as 1e-6), 0 for greedy ones, in
+    float32: computed on the host with a step's other sampling columns, so the device gets it in the
+    same copy."""
+    temperature = np.asarray(temperature, dtype=np.float32)
+    return np.where(temperature > 0, np.float32(1) / np.maximum(temperature, np.float32(1e-6)),
+                    np.float32(0)).astype(np.float32)
 
 
 @dataclass
