@@ -1,7 +1,8 @@
 """Paged attention tile study on one GPU: Gemma's head dims (256, 512), and Llama-3-8B's
 (128, group 4) over a bf16 or a quantized (``--kv-dtype int8|fp8``) cache; with ``--points short``,
 the decode batches of the static-decode and workload benchmarks (Llama-3-8B and Qwen3-0.6B shapes,
-32-256 sequences over 192- and 1,024-token contexts), each tile at 1, 2 and 4 KV splits.
+32-256 sequences over 192- and 1,024-token contexts), each tile at 1, 2 and 4 KV splits; with
+``--points splits``, 1-128 sequences over 192-8,192 tokens at 1-16 splits in five tiles.
 
 For decode batches and prefill chunks at head dims 256 and 512 with GQA groups of 2 and 8
 (block 16), and at head dim 128 (``--shapes 4``, with a batch of 64 over 8k tokens), times each candidate ``(BLOCK_M, BLOCK_N, num_warps, num_stages)`` by
@@ -11,7 +12,7 @@ prefill with ``triton.testing.do_bench`` (L2 flushed). The split count is the wr
 own choice. The chosen tiles, then the same with a softcap, are timed last as a check.
 
     python benchmarks/study_attention_tiles.py decode|prefill [--shapes 0,1] [--kv-dtype bf16|int8|fp8]
-        [--points long|short] [--out FILE] [--jobs N]
+        [--points long|short|splits] [--out FILE] [--jobs N]
 
 ``--jobs N`` compiles every variant first in N processes (Triton's disk cache keeps them),
 so the timed pass, one process, finds them built.
@@ -45,6 +46,12 @@ SHAPES = [(256, 16, 8), (256, 16, 2), (512, 16, 8), (512, 16, 2), (128, 32, 8), 
 DECODE_POINTS = [(1, 8192), (16, 4096), (64, 2048), (64, 8192)]  # (batch, context)
 SHORT_POINTS = [(32, 192), (128, 192), (128, 1024), (256, 1024)]
 SHORT_SPLITS = (1, 2, 4)
+# The split count against batch and context at Llama-3-8B's head dim: from one sequence to 128, short
+# and long contexts, each at 1-16 splits in the current tile and its deeper-pipelined neighbours.
+SPLIT_POINTS = [(1, 256), (1, 4096), (8, 1024), (16, 1024), (16, 4096), (32, 192), (32, 1024), (32, 4096),
+                (64, 2048), (64, 8192), (128, 192)]
+SPLIT_COUNTS = (1, 2, 4, 8, 16)
+SPLIT_TILES = [(16, 64, 4, 2), (16, 64, 4, 3), (16, 64, 4, 4), (16, 128, 4, 2), (16, 64, 8, 2)]
 KV_DTYPES = {"bf16": torch.bfloat16, "int8": torch.int8, "fp8": torch.float8_e4m3fn}
 PREFILL_POINTS = [[(2048, 2048)], [(512, 4096)] * 4]  # (query length, context) per sequence
 DECODE_TILES = [(16, n, w, s) for n in (16, 32, 64, 128) for w in (4, 8) for s in (2, 3, 4)]
@@ -125,18 +132,25 @@ def measure(batch: Batch, tile: tuple | None, decode: bool, softcap: float | Non
 def _points(part: str, points: str) -> list[list[tuple[int, int]]]:
     if part == "prefill":
         return PREFILL_POINTS
-    return [[(1, ctx)] * b for b, ctx in (SHORT_POINTS if points == "short" else DECODE_POINTS)]
+    chosen = {"short": SHORT_POINTS, "splits": SPLIT_POINTS}.get(points, DECODE_POINTS)
+    return [[(1, ctx)] * b for b, ctx in chosen]
 
 
 def _splits(points: str) -> tuple[int | None, ...]:
-    """The split counts each tile is timed at: the wrapper's choice, or each of ``SHORT_SPLITS``."""
-    return SHORT_SPLITS if points == "short" else (None,)
+    """The split counts each tile is timed at: the wrapper's choice, or each of a fixed list."""
+    return {"short": SHORT_SPLITS, "splits": SPLIT_COUNTS}.get(points, (None,))
+
+
+def _tiles(part: str, points: str) -> list[tuple[int, int, int, int]]:
+    if part == "prefill":
+        return PREFILL_TILES
+    return SPLIT_TILES if points == "splits" else DECODE_TILES
 
 
 def compile_only(part: str, shapes: list, worker: int, jobs: int, kv_dtype: torch.dtype, points: str) -> None:
     """Run each (shape, tile) of this worker's share once, untimed, so that it is compiled (one split
     and several are two variants)."""
-    tiles = DECODE_TILES if part == "decode" else PREFILL_TILES
+    tiles = _tiles(part, points)
     work = [(shape, specs, tile) for shape in shapes for specs in _points(part, points) for tile in [*tiles, None]]
     for i, ((head_dim, hq, hkv), specs, tile) in enumerate(work):
         if i % jobs != worker:
@@ -162,8 +176,9 @@ def main() -> None:
     parser.add_argument("--chosen-only", action="store_true", help="time the wrapper's own tiles alone")
     parser.add_argument("--kv-dtype", choices=list(KV_DTYPES), default="bf16",
                         help="what the cache stores (int8/fp8: one byte and a bf16 scale per token and head)")
-    parser.add_argument("--points", choices=["long", "short"], default="long",
-                        help="decode points: long contexts (Gemma's study), or the static-decode and workload batches")
+    parser.add_argument("--points", choices=["long", "short", "splits"], default="long",
+                        help="decode points: long contexts (Gemma's study), the static-decode and workload batches, "
+                             "or 1-128 sequences at 1-16 KV splits in a few tiles")
     parser.add_argument("--worker", type=int, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     shapes = SHAPES[:4] if args.shapes is None else [SHAPES[int(i)] for i in args.shapes.split(",")]
@@ -182,7 +197,7 @@ def main() -> None:
         print(f"[{time.time() - t0:5.0f}s] compiled in {args.jobs} processes", flush=True)
     out = args.out or os.path.join(os.environ.get("OUT", "."), f"attention-tiles-{args.part}.jsonl")
     decode = args.part == "decode"
-    tiles = [] if args.chosen_only else DECODE_TILES if decode else PREFILL_TILES
+    tiles = [] if args.chosen_only else _tiles(args.part, args.points)
     with open(out, "a") as f:
         for head_dim, hq, hkv in shapes:
             for specs in _points(args.part, args.points):
