@@ -107,7 +107,7 @@ def _compiled() -> set:
 
 def measure(batch: Batch, tile: tuple | None, decode: bool, softcap: float | None = None,
             splits: int | None = None) -> dict:
-    triton_attention._tile_config = CHOSEN if tile is None else (lambda bd, g, mq, eb: tile)
+    triton_attention._tile_config = CHOSEN if tile is None else (lambda *_: tile)
     before = _compiled()
     row: dict = {"splits": splits}
     try:
@@ -157,7 +157,7 @@ def compile_only(part: str, shapes: list, worker: int, jobs: int, kv_dtype: torc
             continue
         batch = Batch(specs, head_dim, hq, hkv, kv_dtype)
         for softcap in (None, 50.0) if tile is None else (None,):
-            triton_attention._tile_config = CHOSEN if tile is None else (lambda bd, g, mq, eb, t=tile: t)
+            triton_attention._tile_config = CHOSEN if tile is None else (lambda *_, t=tile: t)
             for splits in _splits(points)[:2]:
                 try:
                     batch.run(softcap, splits)
@@ -204,7 +204,9 @@ def main() -> None:
                 batch = Batch(specs, head_dim, hq, hkv, kv_dtype)
                 point = {"part": args.part, "head_dim": head_dim, "group": hq // hkv, "seqs": len(specs),
                          "q": specs[0][0], "ctx": specs[0][1], "kv_dtype": args.kv_dtype}
-                chosen = CHOSEN(triton.next_power_of_2(head_dim), hq // hkv, batch.max_q, batch.k.element_size())
+                chosen, _ = triton_attention.launch_plan(triton.next_power_of_2(head_dim), hq // hkv, hkv, len(specs),
+                                                         batch.max_q, batch.max_ctx, batch.k.element_size(),
+                                                         batch.query.device)
                 results = []
                 candidates = [(tile, splits) for tile in [*tiles, None] for splits in _splits(args.points)]
                 for tile, splits in [*candidates, ("cap", None)]:

@@ -134,7 +134,7 @@ def check_paged_attention(
     err = rel_err(out, ref)
     assert err < ATTN_TOL[dtype], f"rel err {err:.2e}: {where}"
     if num_splits is not None and num_splits > 1:
-        # The split that merges leaves its counter at zero: a second launch merges exactly as the first.
+        # Partials are scratch of this launch alone: a second launch merges exactly as the first.
         again = ops.paged_attention(query, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale,
                                     sliding_window, max_query_len=max(q for q, _ in specs), softcap=softcap,
                                     num_splits=num_splits)
@@ -454,6 +454,10 @@ def _interpret_attention(ops) -> None:
                           num_splits=4, **common)
     check_paged_attention(ops, decode, num_q_heads=2, num_kv_heads=2, head_dim=64, dtype=f16,
                           num_splits=2, sliding_window=20, **common)
+    # One program a whole context past 256 tokens reads 128 keys a tile: a partial last tile, a
+    # context shorter than one tile, and one of exactly two.
+    check_paged_attention(ops, [(1, 300), (1, 5), (1, 256)], num_q_heads=8, num_kv_heads=2, head_dim=128,
+                          dtype=f16, num_splits=1, **common)
     # Speculative verification: k+1 = 4 query tokens per sequence, block size 8.
     check_paged_attention(ops, [(4, 40), (4, 9)], num_q_heads=4, num_kv_heads=2, head_dim=64,
                           dtype=f16, device="cpu", block_size=8)

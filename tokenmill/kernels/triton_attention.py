@@ -33,6 +33,8 @@ _NEG_BIG = tl.constexpr(-1.0e30)
 _MAX_SPLITS = 64
 # Never fewer KV tokens per split than one K/V tile: a split then costs one tile's latency.
 _MIN_TOKENS_PER_SPLIT = 64
+# Contexts up to this many tokens (the engine's short decode graphs) keep 64-key tiles.
+_SHORT_CONTEXT = 256
 # Shared memory for the pipelined K and V tiles (2 x stages x BLOCK_N x BLOCK_D elements): sm_90
 # gives a block 227 KiB, and the kernel needs some besides.
 _KV_SMEM_BUDGET = 192 * 1024
@@ -252,29 +254,45 @@ def _merge_splits_kernel(
     tl.store(out_ptr + t * o_stride_t + h * o_stride_h + dims, out.to(out_ptr.dtype.element_ty), mask=dim_valid)
 
 
-def _choose_num_splits(work_units: int, max_context: int, device: torch.device) -> int:
+def _choose_num_splits(work_units: int, max_context: int, device: torch.device, block_d: int) -> int:
     """Split until the grid fills one wave of ~4 programs per SM, never past it.
 
     Rounded down: on the H200 a partial second wave cost more than the split saved
     (B=32, ctx 4096: 2 splits 135 us, 3 splits 160 us; see benchmarks/results).
     Never under ``_MIN_TOKENS_PER_SPLIT`` tokens a split at full block-table width.
+    Head dims up to 128 split only while there are fewer programs than SMs: from one a SM, one
+    program per KV range in a deeper tile (``_tile_config``) beat every split count at every
+    context measured (Llama-3-8B's heads, 32-128 sequences over 192-8,192 tokens, e.g. 64 x 8k:
+    551 us against 530-729 split; 32 x 192: 9.9 us against 15.5 at 2 splits, which also pay a
+    merge kernel; benchmarks/results/h200-2026-12-01/attention-splits-315ca5f).
     """
+    if block_d <= 128 and work_units >= num_sms(device):
+        return 1
     target = 4 * num_sms(device)
     by_length = max(1, max_context // _MIN_TOKENS_PER_SPLIT)
     return max(1, min(target // work_units, by_length, _MAX_SPLITS))
 
 
-def _tile_config(block_d: int, group: int, max_query_len: int, elem_bytes: int) -> tuple[int, int, int, int]:
-    """``(BLOCK_M, BLOCK_N, num_warps, num_stages)`` for a head-dim tile ``block_d`` and K/V elements
-    of ``elem_bytes``.
+def _block_rows(group: int, max_query_len: int) -> int:
+    """Rows of a program's query tile, (token, head) pairs: tl.dot needs at least 16. Decode packs just
+    the group; longer queries take up to 64 rows so one K/V tile serves more tokens."""
+    return max(16, triton.next_power_of_2(group), min(64, triton.next_power_of_2(max_query_len * group)))
 
-    Rows are (token, head) pairs; tl.dot needs at least 16 of them. Decode packs just
-    the group; longer queries take up to 64 rows so one K/V tile serves more tokens.
+
+def _tile_config(block_d: int, group: int, max_query_len: int, elem_bytes: int, num_splits: int,
+                 max_context: int) -> tuple[int, int, int, int]:
+    """``(BLOCK_M, BLOCK_N, num_warps, num_stages)`` for a head-dim tile ``block_d``, K/V elements
+    of ``elem_bytes``, ``num_splits`` KV ranges a sequence and contexts up to ``max_context``.
+
     Measured on the H200 (Triton 3.6, bf16; benchmarks/study_attention_tiles.py, results in
     benchmarks/results/h200-2026-11-30/attention-tiles): each decode and prefill choice below was the
     fastest there, or within 3% of it.
 
-    - head dim <= 128: 64 keys a tile, 4 warps, 2 stages (unchanged from before Gemma).
+    - head dim <= 128: 64 keys a tile, 4 warps, 2 stages where the KV is split; a decode program
+      that owns a whole context reads 128 keys a tile, or 64 in 3 stages up to ``_SHORT_CONTEXT``
+      tokens, whose last 128-key tile would be mostly masked (Llama-3-8B's heads, one split:
+      64 x 2k 138.6 us against 187.5 in 64-key tiles, 32 x 4k 136.4 against 188.6, 128 x 192
+      34.4 in 3 stages against 42.5 in 128-key tiles; attention-splits-315ca5f).
     - 256, decode: 64 keys, 4 warps, 2 stages (batch 64 at 2k context, group 2: 290 us,
       3.7 TB/s; 32 keys took 366 us). Prefill (64 rows): 32 keys, 4 warps, 3 stages,
       128-204 TFLOP/s against 89-106 for 8 warps and 2 stages; 64 keys at 4 warps spill.
@@ -287,9 +305,11 @@ def _tile_config(block_d: int, group: int, max_query_len: int, elem_bytes: int) 
     K/V tiles are pipelined through shared memory, ``num_stages`` deep; float32 (tests only)
     keeps 2 stages and halves the K/V tile until it fits ``_KV_SMEM_BUDGET``.
     """
-    block_m = max(16, triton.next_power_of_2(group), min(64, triton.next_power_of_2(max_query_len * group)))
+    block_m = _block_rows(group, max_query_len)
     if block_d <= 128:
         block_n, num_warps, num_stages = 64, 4, 2
+        if num_splits == 1 and block_m < 64:
+            block_n, num_stages = (64, 3) if max_context <= _SHORT_CONTEXT else (128, 2)
     elif block_d <= 256:
         block_n, num_warps, num_stages = (64, 4, 2) if block_m < 64 else (32, 4, 3)
     else:
@@ -299,6 +319,16 @@ def _tile_config(block_d: int, group: int, max_query_len: int, elem_bytes: int) 
     while 2 * num_stages * block_n * block_d * elem_bytes > _KV_SMEM_BUDGET and block_n > 16:
         block_n //= 2
     return block_m, block_n, num_warps, num_stages
+
+
+def launch_plan(block_d: int, group: int, num_kv_heads: int, batch: int, max_query_len: int, max_context: int,
+                elem_bytes: int, device: torch.device, num_splits: int | None = None
+                ) -> tuple[tuple[int, int, int, int], int]:
+    """The tile (``_tile_config``) and the KV split count a launch takes; ``num_splits`` forces the latter."""
+    q_tiles = triton.cdiv(max_query_len, _block_rows(group, max_query_len) // group)
+    if num_splits is None:
+        num_splits = _choose_num_splits(batch * q_tiles * num_kv_heads, max_context, device, block_d)
+    return _tile_config(block_d, group, max_query_len, elem_bytes, num_splits, max_context), num_splits
 
 
 def paged_attention(
@@ -356,16 +386,16 @@ def paged_attention(
         else:
             max_query_len = int((query_start_loc[1:] - query_start_loc[:-1]).max().item())
 
+    if num_splits is not None and not 1 <= num_splits <= _MAX_SPLITS:
+        raise ValueError(f"num_splits must be in [1, {_MAX_SPLITS}], got {num_splits}")
     block_d = triton.next_power_of_2(head_dim)
-    block_m, block_n, num_warps, num_stages = _tile_config(block_d, group, max_query_len, k_cache.element_size())
+    max_context = block_tables.shape[1] * block_size if max_seq_len is None else max_seq_len
+    (block_m, block_n, num_warps, num_stages), num_splits = launch_plan(
+        block_d, group, num_kv_heads, batch, max_query_len, max_context, k_cache.element_size(), query.device,
+        num_splits,
+    )
     block_q = block_m // group
     q_tiles = triton.cdiv(max_query_len, block_q)
-
-    max_context = block_tables.shape[1] * block_size if max_seq_len is None else max_seq_len
-    if num_splits is None:
-        num_splits = _choose_num_splits(batch * q_tiles * num_kv_heads, max_context, query.device)
-    elif not 1 <= num_splits <= _MAX_SPLITS:
-        raise ValueError(f"num_splits must be in [1, {_MAX_SPLITS}], got {num_splits}")
     write_partials = num_splits > 1
     if write_partials:
         part_acc = torch.empty(
