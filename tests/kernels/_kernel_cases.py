@@ -454,10 +454,10 @@ def _interpret_attention(ops) -> None:
                           num_splits=4, **common)
     check_paged_attention(ops, decode, num_q_heads=2, num_kv_heads=2, head_dim=64, dtype=f16,
                           num_splits=2, sliding_window=20, **common)
-    # One program a whole context past 256 tokens reads 128 keys a tile: a partial last tile, a
-    # context shorter than one tile, and one of exactly two.
-    check_paged_attention(ops, [(1, 300), (1, 5), (1, 256)], num_q_heads=8, num_kv_heads=2, head_dim=128,
-                          dtype=f16, num_splits=1, **common)
+    # One program a whole context, the grid under two programs an SM (one here: the CPU counts as
+    # one SM), reads 128 keys a tile: two whole tiles and a partial third.
+    check_paged_attention(ops, [(1, 300)], num_q_heads=4, num_kv_heads=1, head_dim=128, dtype=f16,
+                          num_splits=1, **common)
     # Speculative verification: k+1 = 4 query tokens per sequence, block size 8.
     check_paged_attention(ops, [(4, 40), (4, 9)], num_q_heads=4, num_kv_heads=2, head_dim=64,
                           dtype=f16, device="cpu", block_size=8)

@@ -102,14 +102,16 @@ def _launches(monkeypatch: pytest.MonkeyPatch) -> list[Launch]:
         def rand(*shape: int) -> torch.Tensor:
             return torch.randn(*shape, generator=gen).to(dtype)
 
-        # Attention: decode (split and not, windowed; one split takes other tiles past 256 tokens of
-        # context) and a ragged prefill, over a 4-block cache.
+        # Attention: decode (split and not, windowed; one program a whole context takes other tiles
+        # in a grid of under two programs an SM, here one KV head) and a ragged prefill, over a
+        # 4-block cache.
         k_cache, v_cache = rand(4, 16, 2, 128), rand(4, 16, 2, 128)
         tables = torch.arange(4, dtype=torch.int32).view(1, 4)
-        for splits, window, context in ((1, None, None), (1, None, 4096), (4, None, None), (2, 32, None)):
-            triton_ops.paged_attention(rand(1, 8, 128), k_cache, v_cache, torch.tensor([0, 1], dtype=torch.int32),
+        for splits, window, kv_heads in ((1, None, 2), (1, None, 1), (4, None, 2), (2, 32, 2)):
+            triton_ops.paged_attention(rand(1, 4 * kv_heads, 128), k_cache[:, :, :kv_heads], v_cache[:, :, :kv_heads],
+                                       torch.tensor([0, 1], dtype=torch.int32),
                                        torch.tensor([40], dtype=torch.int32), tables, 0.1, window,
-                                       max_seq_len=context, num_splits=splits)
+                                       num_splits=splits)
         triton_ops.paged_attention(rand(20, 8, 128), k_cache, v_cache, torch.tensor([0, 20], dtype=torch.int32),
                                    torch.tensor([50], dtype=torch.int32), tables, 0.1, max_query_len=20)
         # Gemma: head dims 256 and 512, GQA groups of 2 and 8; decode (split and not, softcapped,
@@ -166,11 +168,12 @@ def _launches(monkeypatch: pytest.MonkeyPatch) -> list[Launch]:
                 triton_ops.rotary_embedding_and_write_kv(positions, rand(3, 8, 128), rand(3, 2, 128), rand(3, 2, 128),
                                                          cos_sin, qk, qv, torch.arange(3), k_scale=ks, v_scale=vs,
                                                          kv_amax=kv_amax)
-            for query_len, context in ((1, None), (1, 4096), (20, None)):
-                triton_ops.paged_attention(rand(query_len, 8, 128), qk, qv, torch.tensor([0, query_len], dtype=torch.int32),
+            for query_len, kv_heads in ((1, 2), (1, 1), (20, 2)):
+                triton_ops.paged_attention(rand(query_len, 4 * kv_heads, 128), qk[:, :, :kv_heads], qv[:, :, :kv_heads],
+                                           torch.tensor([0, query_len], dtype=torch.int32),
                                            torch.tensor([40], dtype=torch.int32), torch.zeros(1, 4, dtype=torch.int32),
-                                           0.1, max_query_len=query_len, max_seq_len=context, num_splits=1,
-                                           k_scale=ks, v_scale=vs)
+                                           0.1, max_query_len=query_len, num_splits=1,
+                                           k_scale=ks[:, :, :kv_heads], v_scale=vs[:, :, :kv_heads])
         triton_ops.silu_and_mul(rand(3, 512))
         triton_ops.gelu_tanh_and_mul(rand(3, 512))
         if dtype == torch.float32:  # sampling reads float32 logits whatever the model's dtype

@@ -33,8 +33,6 @@ _NEG_BIG = tl.constexpr(-1.0e30)
 _MAX_SPLITS = 64
 # Never fewer KV tokens per split than one K/V tile: a split then costs one tile's latency.
 _MIN_TOKENS_PER_SPLIT = 64
-# Contexts up to this many tokens (the engine's short decode graphs) keep 64-key tiles.
-_SHORT_CONTEXT = 256
 # Shared memory for the pipelined K and V tiles (2 x stages x BLOCK_N x BLOCK_D elements): sm_90
 # gives a block 227 KiB, and the kernel needs some besides.
 _KV_SMEM_BUDGET = 192 * 1024
@@ -280,19 +278,21 @@ def _block_rows(group: int, max_query_len: int) -> int:
 
 
 def _tile_config(block_d: int, group: int, max_query_len: int, elem_bytes: int, num_splits: int,
-                 max_context: int) -> tuple[int, int, int, int]:
+                 programs_per_sm: float) -> tuple[int, int, int, int]:
     """``(BLOCK_M, BLOCK_N, num_warps, num_stages)`` for a head-dim tile ``block_d``, K/V elements
-    of ``elem_bytes``, ``num_splits`` KV ranges a sequence and contexts up to ``max_context``.
+    of ``elem_bytes``, ``num_splits`` KV ranges a sequence and a grid of ``programs_per_sm`` before
+    the split.
 
     Measured on the H200 (Triton 3.6, bf16; benchmarks/study_attention_tiles.py, results in
     benchmarks/results/h200-2026-11-30/attention-tiles): each decode and prefill choice below was the
     fastest there, or within 3% of it.
 
-    - head dim <= 128: 64 keys a tile, 4 warps, 2 stages where the KV is split; a decode program
-      that owns a whole context reads 128 keys a tile, or 64 in 3 stages up to ``_SHORT_CONTEXT``
-      tokens, whose last 128-key tile would be mostly masked (Llama-3-8B's heads, one split:
-      64 x 2k 138.6 us against 187.5 in 64-key tiles, 32 x 4k 136.4 against 188.6, 128 x 192
-      34.4 in 3 stages against 42.5 in 128-key tiles; attention-splits-315ca5f).
+    - head dim <= 128: 64 keys a tile, 4 warps, 2 stages where the KV is split. A decode program
+      that owns a whole context reads 128 keys a tile while the grid holds under two programs an
+      SM, and 64 keys in 4 stages from there (Llama-3-8B's heads, one split, 128-key tiles against
+      64 keys in 4 stages: 32 x 4k 136 against 191 us, 32 x 192 9.9 against 10.6; 128 x 192 42.5
+      against 34.4, 64 x 8k and 64 x 2k within 1% of each other; 64 keys in 2 stages, the tile
+      before, lost 6-30% to the better of the two at every point; attention-splits-315ca5f).
     - 256, decode: 64 keys, 4 warps, 2 stages (batch 64 at 2k context, group 2: 290 us,
       3.7 TB/s; 32 keys took 366 us). Prefill (64 rows): 32 keys, 4 warps, 3 stages,
       128-204 TFLOP/s against 89-106 for 8 warps and 2 stages; 64 keys at 4 warps spill.
@@ -309,7 +309,7 @@ def _tile_config(block_d: int, group: int, max_query_len: int, elem_bytes: int, 
     if block_d <= 128:
         block_n, num_warps, num_stages = 64, 4, 2
         if num_splits == 1 and block_m < 64:
-            block_n, num_stages = (64, 3) if max_context <= _SHORT_CONTEXT else (128, 2)
+            block_n, num_stages = (128, 2) if programs_per_sm < 2 else (64, 4)
     elif block_d <= 256:
         block_n, num_warps, num_stages = (64, 4, 2) if block_m < 64 else (32, 4, 3)
     else:
@@ -326,9 +326,11 @@ def launch_plan(block_d: int, group: int, num_kv_heads: int, batch: int, max_que
                 ) -> tuple[tuple[int, int, int, int], int]:
     """The tile (``_tile_config``) and the KV split count a launch takes; ``num_splits`` forces the latter."""
     q_tiles = triton.cdiv(max_query_len, _block_rows(group, max_query_len) // group)
+    work_units = batch * q_tiles * num_kv_heads
     if num_splits is None:
-        num_splits = _choose_num_splits(batch * q_tiles * num_kv_heads, max_context, device, block_d)
-    return _tile_config(block_d, group, max_query_len, elem_bytes, num_splits, max_context), num_splits
+        num_splits = _choose_num_splits(work_units, max_context, device, block_d)
+    tile = _tile_config(block_d, group, max_query_len, elem_bytes, num_splits, work_units / num_sms(device))
+    return tile, num_splits
 
 
 def paged_attention(
