@@ -19,6 +19,7 @@ from tokenmill.engine.block_pool import BlockPool, hash_block
 from tokenmill.engine.kv_cache_manager import KVCacheManager
 from tokenmill.engine.scheduler import Scheduler, SchedulerConfig
 from tokenmill.engine.sequence import Sequence
+from tokenmill.engine.sequence_rows import SequenceRows
 from tokenmill.sampling_params import SamplingParams
 
 BLOCK = 4
@@ -37,6 +38,7 @@ class EngineMachine(RuleBasedStateMachine):
         self.kv = KVCacheManager([NUM_BLOCKS] * len(self.WINDOWS), BLOCK, enable_prefix_caching=True,
                                  windows=self.WINDOWS)
         self.scheduler = Scheduler(SchedulerConfig(max_num_seqs=3, max_num_batched_tokens=10), self.kv)
+        self.rows = SequenceRows(len(self.WINDOWS), vocab_size=100, capacity=2)
         self.caches: list[dict[int, int]] = [{} for _ in self.WINDOWS]  # per group: slot -> token id written there
         self.live: list[Sequence] = []
         self.next_id = 0
@@ -105,12 +107,16 @@ class EngineMachine(RuleBasedStateMachine):
         assert all(not seq.block_tables for seq in self.scheduler.waiting), "waiting sequences hold no blocks"
 
     @invariant()
-    def the_kept_table_arrays_are_the_tables(self) -> None:
-        """The int32 copy of a sequence's tables the model runner reads is built again after every
-        change the KV manager makes (building it here: a later missed change shows as a stale copy)."""
-        for seq in self.scheduler.running:
-            if seq.block_tables:
-                assert seq.block_table_array().tolist() == seq.block_tables
+    def the_kept_table_rows_are_the_tables(self) -> None:
+        """The int32 copy of the running sequences' tables the model runner reads (``SequenceRows``, two
+        rows to start with, so rows are reclaimed and grown) is written again after every change the
+        KV manager makes, zero past each table (copying here: a later missed change shows as stale)."""
+        running = list(self.scheduler.running)
+        tables = self.rows.block_tables(self.rows.rows(running))
+        for b, seq in enumerate(running):
+            for g in range(len(self.WINDOWS)):
+                table = seq.block_tables[g] if seq.block_tables else []
+                assert tables[g, b].tolist() == table + [0] * (tables.shape[2] - len(table))
 
     @invariant()
     def visible_computed_tokens_are_in_the_cache(self) -> None:

@@ -436,16 +436,15 @@ class EngineCore:
         if not batch.seqs:
             return None
         step = self.runner.launch(batch, previous)
-        for seq, n in zip(batch.seqs, batch.num_tokens):
-            seq.num_computed_tokens += n
+        self._advance(batch)
         for rows in step.prompt_rows:  # each prompt position's logprobs are given once
             rows.seq.next_prompt_logprob_position = rows.first + rows.count
-        self._record_step(batch)
         for seq in step.sampled_seqs:
-            step.pending_index.append(seq.num_tokens)
+            num_tokens = len(seq.token_ids)
+            step.pending_index.append(num_tokens)
             seq.token_ids.append(PENDING)
             seq.num_pending += 1
-            if self._reaches_length_limit(seq.params, seq.num_output_tokens, seq.num_tokens):
+            if self._reaches_length_limit(seq.params, num_tokens + 1 - seq.num_prompt_tokens, num_tokens + 1):
                 # This token is its last whatever it is: leave the batch now, not a step late.
                 self.scheduler.finish(seq)
         return step
@@ -460,12 +459,13 @@ class EngineCore:
             if seq.request_id in self.requests and seq.index == 0:
                 delta = self._delta(self.requests[seq.request_id])
                 delta.prompt_logprobs = (delta.prompt_logprobs or []) + values
-        touched: dict[str, CoreRequest] = {}
+        ended: dict[str, CoreRequest] = {}
         for seq, index, tokens, logprobs in zip(result.sampled_seqs, step.pending_index, result.token_ids,
                                                 result.logprobs):
-            if index >= seq.num_tokens or seq.token_ids[index] != PENDING:
+            if index >= len(seq.token_ids) or seq.token_ids[index] != PENDING:
                 continue  # the sequence ended meanwhile: nobody wants this token
             request = self.requests[seq.request_id]
+            out = self._seq_delta(request, seq)
             speculated = bool(seq.draft_token_ids)
             count = self._verify_drafts(seq, tokens) if speculated else 1
             states = result.generator_states.get(seq)
@@ -477,13 +477,15 @@ class EngineCore:
                         break
                     seq.token_ids.append(PENDING)
                     seq.num_pending += 1
-                self._accept_token(request, seq, index + j, tokens[j], logprobs[j])
-            if speculated and not seq.is_finished:
+                self._accept_token(seq, out, index + j, tokens[j], logprobs[j])
+            if seq.is_finished:
+                ended[seq.request_id] = request
+            elif speculated:
                 self.kv.release_unused(seq)
                 self.kv.commit_computed_blocks(seq)
-            touched[seq.request_id] = request
-        for request in touched.values():
-            # A sequence that left the batch at launch (its last token) still awaits that token.
+        for request in ended.values():
+            # A sequence that left the batch at launch (its last token) still awaits that token;
+            # a request ends with the last of its sequences.
             if self._request_done(request):
                 self._delta(request).finished = True
                 self._retire(request)
@@ -523,9 +525,9 @@ class EngineCore:
         delta.seqs.append(item)
         return item
 
-    def _accept_token(self, request: CoreRequest, seq: Sequence, index: int, token: int,
-                      logprobs: Logprobs | None) -> None:
-        """Put the sampled token in its placeholder at ``index`` and apply the stop rules as of it."""
+    def _accept_token(self, seq: Sequence, out: SeqDelta, index: int, token: int, logprobs: Logprobs | None) -> None:
+        """Put the sampled token in its placeholder at ``index``, report it in ``out`` (the sequence's
+        news this step) and apply the stop rules as of it."""
         params = seq.params
         seq.token_ids[index] = token
         seq.num_pending -= 1
@@ -533,7 +535,6 @@ class EngineCore:
             logger.error("request %s: token %d broke its structured output's grammar", seq.request_id, token)
         num_output = index + 1 - seq.num_prompt_tokens
         self.stats.generation_tokens += 1
-        out = self._seq_delta(request, seq)
         out.token_ids.append(token)
         if out.logprobs is not None and logprobs is not None:
             out.logprobs.append(logprobs)
@@ -553,12 +554,15 @@ class EngineCore:
         return (params.max_tokens is not None and num_output >= params.max_tokens) or num_tokens >= self.max_model_len
 
     # ------------------------------------------------------------------ stats
-    def _record_step(self, batch: ScheduledBatch) -> None:
-        """Count the step's prompt tokens (called after ``num_computed_tokens`` moved on)."""
+    def _advance(self, batch: ScheduledBatch) -> None:
+        """Move each sequence past the tokens the launched step computes; count the prompt tokens among them."""
         self.stats.num_steps += 1
+        prompt_tokens = 0
         for seq, n in zip(batch.seqs, batch.num_tokens):
-            end = seq.num_computed_tokens
-            self.stats.prompt_tokens += max(0, min(end, seq.num_prompt_tokens) - (end - n))
+            start = seq.num_computed_tokens
+            end = seq.num_computed_tokens = start + n
+            prompt_tokens += max(0, min(end, len(seq.prompt_token_ids)) - start)
+        self.stats.prompt_tokens += prompt_tokens
 
     def _snapshot(self) -> CoreStats:
         scheduler, kv, stats = self.scheduler, self.kv, self.stats

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+from operator import attrgetter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
@@ -32,10 +33,11 @@ from tokenmill.engine.host_staging import HostStaging
 from tokenmill.engine.prefill_graphs import PrefillGraphs
 from tokenmill.engine.scheduler import ScheduledBatch
 from tokenmill.engine.sequence import PENDING, Sequence
+from tokenmill.engine.sequence_rows import SequenceRows
 from tokenmill.engine.penalty_counts import PenaltyCounts
 from tokenmill.engine.structured_outputs import HostBitmask, apply_grammars
 from tokenmill.layers.attention import AttentionMetadata, KVCache
-from tokenmill.layers.sampler import Sampler, SamplingBatch, gather_logprobs, inverse_temperature
+from tokenmill.layers.sampler import Sampler, SamplingBatch, gather_logprobs
 from tokenmill.loader.hf_config import ModelConfig
 from tokenmill.loader.kv_layout import KV_SCALE_DTYPE, KVLayout, is_quantized
 from tokenmill.loader.weights import iter_checkpoint
@@ -207,6 +209,7 @@ class ModelRunner:
         self.host_bitmask = HostBitmask()  # structured outputs: the grammars' masks
         self.penalties = PenaltyCounts(cfg.vocab_size, device, max_num_seqs)
         self.staging = HostStaging(device)
+        self.rows = SequenceRows(self.num_kv_groups, cfg.vocab_size)
         self.graphs: DecodeGraphs | None = None
         self.prefill_graphs: PrefillGraphs | None = None
         if cuda_graphs and device.type == "cuda":
@@ -263,34 +266,36 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ inputs
     def _prepare(self, batch: ScheduledBatch, previous: InFlightStep | None) -> StepInputs:
-        """Vectorised over tokens: the only per-sequence Python is reading its ids and table.
+        """Vectorised over tokens: the only per-sequence Python is reading its ids and progress (its
+        tables and sampling parameters are kept in ``SequenceRows``).
         ``PENDING`` ids are ``previous``'s samples: which rows take which go in the same copy."""
         bs = self.block_size
         seqs, counts = batch.seqs, np.asarray(batch.num_tokens, dtype=np.int64)
-        starts = np.fromiter((s.num_computed_tokens for s in seqs), dtype=np.int64, count=len(seqs))
+        starts = np.fromiter(map(attrgetter("num_computed_tokens"), seqs), dtype=np.int64, count=len(seqs))
         query_start = np.zeros(len(seqs) + 1, dtype=np.int32)
         np.cumsum(counts, out=query_start[1:])
         total = int(query_start[-1])
-        # [groups, B, blocks]: every group's table of a sequence has the same length.
-        arrays = [s.block_table_array() for s in seqs]
-        tables = np.zeros((self.num_kv_groups, len(seqs), max(a.shape[1] for a in arrays)), dtype=np.int32)
-        for b, array in enumerate(arrays):
-            tables[:, b, :array.shape[1]] = array
+        rows = self.rows.rows(seqs)
+        tables = self.rows.block_tables(rows)  # [groups, B, blocks]
         owner = np.repeat(np.arange(len(seqs)), counts)
         positions = np.arange(total) - np.repeat(query_start[:-1].astype(np.int64) - starts, counts)
         slots = tables[:, owner, positions // bs].astype(np.int64) * bs + positions % bs
-        ids = np.fromiter(itertools.chain.from_iterable(
-            s.scheduled_token_ids(st, n) for s, st, n in zip(seqs, starts.tolist(), batch.num_tokens)),
-            dtype=np.int64, count=total)
+        if total == len(seqs):  # one token a sequence (every decode step): a known one, never a draft
+            ids = np.fromiter(map(list.__getitem__, map(attrgetter("token_ids"), seqs), starts.tolist()),
+                              dtype=np.int64, count=total)
+        else:
+            ids = np.fromiter(itertools.chain.from_iterable(
+                s.scheduled_token_ids(st, n) for s, st, n in zip(seqs, starts.tolist(), batch.num_tokens)),
+                dtype=np.int64, count=total)
         ends = starts + counts
-        scheduled = np.fromiter((s.num_scheduled_tokens for s in seqs), dtype=np.int64, count=len(seqs))
+        scheduled = np.fromiter(map(attrgetter("num_scheduled_tokens"), seqs), dtype=np.int64, count=len(seqs))
         sampling_seqs = np.flatnonzero(ends == scheduled)  # their last known token is in this step
         sampled = [seqs[b] for b in sampling_seqs.tolist()]
-        drafts = np.fromiter((len(s.draft_token_ids) for s in sampled), dtype=np.int64, count=len(sampled))
+        drafts = np.fromiter(map(len, map(attrgetter("draft_token_ids"), sampled)), dtype=np.int64, count=len(sampled))
         rows_per_seq = (drafts + 1).tolist()
         prompt_logits_rows: list[int] = []
         prompt_rows: list[PromptLogprobRows] = []
-        for b in [b for b, s in enumerate(seqs) if s.params.prompt_logprobs is not None]:
+        for b in np.flatnonzero(self.rows.prompt_logprobs[rows]).tolist():
             seq = seqs[b]
             # Rows whose next token is still a prompt token give prompt logprobs, each once:
             # a recompute after preemption skips the positions already given.
@@ -313,8 +318,7 @@ class ModelRunner:
         row_of = {seq: i for i, seq in enumerate(previous.sampled_seqs)} if len(pending_rows) else {}
         pending_sources = np.fromiter((row_of[seqs[b]] for b in owner[pending_rows].tolist()), dtype=np.int64,
                                       count=len(pending_rows))
-        sampling = sampling_columns([s.params for s, n in zip(sampled, rows_per_seq) for _ in range(n)],
-                                    self.cfg.vocab_size)
+        sampling = self.rows.sampling_columns(np.repeat(rows[sampling_seqs], drafts + 1))
         max_query_len = int(counts.max())
         path, picks_rows = EAGER, False
         if self.graphs is not None and max_query_len == 1 and self.graphs.padded_size(len(seqs)):
@@ -393,8 +397,11 @@ class ModelRunner:
             all_greedy=all(p.temperature == 0 for p in params),
             max_top_k=max_top_k(params, self.cfg.vocab_size),
         )
-        banned = [(row, tok) for row, (seq, offset) in enumerate(owners)
-                  if seq.num_output_tokens + offset < seq.params.min_tokens for tok in seq.stop_token_ids_for_min_tokens]
+        banned = []
+        for row in [row for row, p in enumerate(params) if p.min_tokens]:  # (most requests set none)
+            seq, offset = owners[row]
+            if seq.num_output_tokens + offset < seq.params.min_tokens:
+                banned += [(row, tok) for tok in seq.stop_token_ids_for_min_tokens]
         batch.banned = sparse(banned, torch.int64, torch.int64)
         biased = [(row, tok, value) for row, p in enumerate(params) if p.logit_bias
                   for tok, value in p.logit_bias.items()]
@@ -508,27 +515,6 @@ class ModelRunner:
 def max_top_k(params: list[SamplingParams], vocab_size: int) -> int:
     """The largest top-k of a sampled row that cuts the vocabulary; 0 if none does."""
     return max((p.top_k for p in params if p.temperature > 0 and 0 < p.top_k < vocab_size), default=0)
-
-
-def sampling_columns(params: list[SamplingParams], vocab_size: int) -> dict[str, np.ndarray]:
-    """The numeric sampling parameters of each row, one named column each (``top_k`` 0 is
-    off; larger than the vocabulary means all of it)."""
-    n = len(params)
-
-    def column(values: object, dtype: type) -> np.ndarray:
-        return np.fromiter(values, dtype=dtype, count=n)
-
-    temperature = column((p.temperature for p in params), np.float32)
-    return {
-        "temperature": temperature,
-        "inv_temperature": inverse_temperature(temperature),
-        "top_k": column((min(max(p.top_k, 0), vocab_size) for p in params), np.int64),
-        "top_p": column((p.top_p for p in params), np.float32),
-        "min_p": column((p.min_p for p in params), np.float32),
-        "repetition_penalty": column((p.repetition_penalty for p in params), np.float32),
-        "presence_penalty": column((p.presence_penalty for p in params), np.float32),
-        "frequency_penalty": column((p.frequency_penalty for p in params), np.float32),
-    }
 
 
 def num_top_logprobs(requested: int, vocab_size: int) -> int:

@@ -147,6 +147,7 @@ class OutputProcessor:
             changed = True
         ended_here = []
         num_new = 0
+        seq_ended = False  # (only then can every sequence have ended)
         for seq_delta in delta.seqs:
             seq = state.seqs[seq_delta.index]
             if seq.finished:
@@ -155,6 +156,7 @@ class OutputProcessor:
             num_new += len(seq_delta.token_ids)
             if self._apply_tokens(state, seq, seq_delta):
                 ended_here.append(seq.index)
+            seq_ended = seq_ended or seq.finished
         if num_new:
             if state.last_token_time is None:
                 state.metrics.first_token_time = now
@@ -162,7 +164,7 @@ class OutputProcessor:
             else:
                 result.itls.append(((now - state.last_token_time) / num_new, num_new))
             state.last_token_time = now
-        if delta.finished or all(seq.finished for seq in state.seqs):
+        if delta.finished or (seq_ended and all(seq.finished for seq in state.seqs)):
             state.finished = True
         if ended_here:
             if state.finished and not delta.finished:

@@ -13,7 +13,6 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
 import torch
 
 from tokenmill.engine.block_pool import BlockHash, hash_block
@@ -45,8 +44,10 @@ class Sequence:
     status: SequenceStatus = SequenceStatus.WAITING
     num_computed_tokens: int = 0
     block_tables: list[list[int]] = field(default_factory=list)  # one per KV group; empty while it holds none
-    # ``block_tables`` as an int32 array, kept between steps (None: to build again after a change).
-    table_array: np.ndarray | None = field(default=None, repr=False)
+    # The model runner's copy of the sequence's step inputs (``SequenceRows``): its row, and whether
+    # the KV manager changed the tables since they were copied there.
+    row: int | None = field(default=None, repr=False)
+    tables_stale: bool = field(default=True, repr=False)
     block_hashes: list[BlockHash] = field(default_factory=list)
     num_committed_blocks: int = 0
     num_cached_tokens: int = 0
@@ -70,15 +71,8 @@ class Sequence:
         if not self.token_ids:
             self.token_ids = list(self.prompt_token_ids)
 
-    def block_table_array(self) -> np.ndarray:
-        """``block_tables`` as int32 ``[groups, blocks]``: converted once after each change (the KV
-        manager calls ``tables_changed``), not every step."""
-        if self.table_array is None:
-            self.table_array = np.array(self.block_tables, dtype=np.int32)
-        return self.table_array
-
     def tables_changed(self) -> None:
-        self.table_array = None
+        self.tables_stale = True
 
     @property
     def num_prompt_tokens(self) -> int:
