@@ -192,7 +192,9 @@ class EngineCore:
                     config.kv_cache_dtype, config.block_size, groups, layout.bytes_per_token(self.kv_dtype),
                     layout.full_length_bytes_per_token(self.kv_dtype), " on each rank" if self.tp.size > 1 else "",
                     ", ".join(f"{STARTUP_PHASES[name]} {seconds:.1f} s" for name, seconds in self.startup_seconds.items()))
+        started = time.monotonic()
         freeze_startup_objects()
+        self.startup_seconds["gc_freeze"] = time.monotonic() - started
 
     def shutdown(self, abort: bool = False) -> None:
         """Stop the tensor-parallel workers and leave the process group (nothing to do with one rank).

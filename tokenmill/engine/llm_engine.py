@@ -27,7 +27,10 @@ class LLMEngine:
         self.core = EngineCore(config)
         self.model_config = self.core.model_config
         self.max_model_len = self.core.max_model_len
+        started = time.monotonic()
         self.tokenizer = load_tokenizer(model_dir_of(config))
+        # Where start-up went: the core's phases, then the tokenizer's load.
+        self.startup_seconds = {**self.core.startup_seconds, "tokenizer": time.monotonic() - started}
         self.inputs = InputProcessor(self.tokenizer, ModelLimits(self.model_config.vocab_size, self.max_model_len))
         self.outputs = OutputProcessor(self.tokenizer)
 
