@@ -136,7 +136,13 @@ def test_ctrl_c_prints_partial_results(stub_url: str, tmp_path: Path, capsys: py
     args = bench_args("--base-url", stub_url, "--num-prompts", "64", "--min-input-len", "5", "--max-input-len", "10",
                       "--min-output-len", "200", "--max-output-len", "400", "--max-concurrency", "4",
                       "--out", str(out))
-    assert run_serve_bench(args) == 130
+    # Ctrl-C as a terminal delivers it: a test run started in the background by a non-interactive
+    # shell inherits SIGINT ignored.
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        assert run_serve_bench(args) == 130
+    finally:
+        signal.signal(signal.SIGINT, previous)
     captured = capsys.readouterr()
     assert "PARTIAL: interrupted" in captured.out and "Traceback" not in captured.out + captured.err
     summary = json.loads(out.read_text())
