@@ -19,7 +19,8 @@
 #  `study-attention-short` = decode attention tiles and split counts at the static-decode and workload batches;
 #  `startup-profile` = cProfile over building a Llama-3-8B engine;
 #  `study-attention-prefill` = Llama-3-8B's prefill attention, every tile;
-#  `study-attention-splits` = Llama-3-8B's decode attention at 1-16 KV splits from 1 to 128 sequences;
+#  `study-attention-splits` = Llama-3-8B's decode attention at 1-16 KV splits from 1 to 128 sequences
+#   (`study-attention-splits-gemma`: head dim 256, groups of 2 and 8);
 #  `study-gemv-rows` = the one-row GEMV's tiles with several tiles of rows a program.)
 # Results and logs go to $OUT (the device tool brings them back).
 set -o pipefail
@@ -101,10 +102,12 @@ for part in "$@"; do
       # (32-256 sequences, 192- and 1,024-token contexts): every decode tile at 1, 2 and 4 KV splits.
       timeout 500 python3 benchmarks/study_attention_tiles.py decode --points short --shapes 4,5 --jobs 8 \
         --out "$OUT/attention-tiles-short.jsonl" 2>&1 | tail -10 ;;
-    study-attention-splits)
-      # Llama-3-8B's decode attention from 1 to 128 sequences, 192-8,192 tokens, at 1-16 KV splits.
-      timeout 400 python3 benchmarks/study_attention_tiles.py decode --points splits --shapes 4 --jobs 8 \
-        --out "$OUT/attention-tiles-splits.jsonl" 2>&1 | tail -12 ;;
+    study-attention-splits|study-attention-splits-gemma)
+      # Decode attention from 1 to 128 sequences, 192-8,192 tokens, at 1-16 KV splits: Llama-3-8B's heads,
+      # or Gemma's (head dim 256 in groups of 2 and 8).
+      shapes=4; [ "$part" = study-attention-splits-gemma ] && shapes=0,1
+      timeout 500 python3 benchmarks/study_attention_tiles.py decode --points splits --shapes $shapes --jobs 8 \
+        --out "$OUT/$part.jsonl" 2>&1 | tail -24 ;;
     study-attention-prefill)
       # Llama-3-8B's prefill attention (a 2,048-token prompt; four 512-token chunks over 4k contexts), every tile.
       timeout 500 python3 benchmarks/study_attention_tiles.py prefill --shapes 4 --jobs 8 \

@@ -2,7 +2,8 @@
 (128, group 4) over a bf16 or a quantized (``--kv-dtype int8|fp8``) cache; with ``--points short``,
 the decode batches of the static-decode and workload benchmarks (Llama-3-8B and Qwen3-0.6B shapes,
 32-256 sequences over 192- and 1,024-token contexts), each tile at 1, 2 and 4 KV splits; with
-``--points splits``, 1-128 sequences over 192-8,192 tokens at 1-16 splits in five tiles.
+``--points splits``, 1-128 sequences over 192-8,192 tokens at 1-16 splits in five tiles of each
+head dim.
 
 For decode batches and prefill chunks at head dims 256 and 512 with GQA groups of 2 and 8
 (block 16), and at head dim 128 (``--shapes 4``, with a batch of 64 over 8k tokens), times each candidate ``(BLOCK_M, BLOCK_N, num_warps, num_stages)`` by
@@ -51,7 +52,9 @@ SHORT_SPLITS = (1, 2, 4)
 SPLIT_POINTS = [(1, 256), (1, 4096), (8, 1024), (16, 1024), (16, 4096), (32, 192), (32, 1024), (32, 4096),
                 (64, 2048), (64, 8192), (128, 192)]
 SPLIT_COUNTS = (1, 2, 4, 8, 16)
-SPLIT_TILES = [(16, 64, 4, 2), (16, 64, 4, 3), (16, 64, 4, 4), (16, 128, 4, 2), (16, 64, 8, 2)]
+SPLIT_TILES = {128: [(16, 64, 4, 2), (16, 64, 4, 3), (16, 64, 4, 4), (16, 128, 4, 2), (16, 64, 8, 2)],
+               256: [(16, 64, 4, 2), (16, 32, 4, 2), (16, 32, 4, 4), (16, 64, 8, 2), (16, 32, 8, 3)],
+               512: [(16, 32, 4, 2), (16, 16, 4, 2), (16, 16, 4, 4), (16, 32, 8, 2), (16, 16, 8, 3)]}
 KV_DTYPES = {"bf16": torch.bfloat16, "int8": torch.int8, "fp8": torch.float8_e4m3fn}
 PREFILL_POINTS = [[(2048, 2048)], [(512, 4096)] * 4]  # (query length, context) per sequence
 DECODE_TILES = [(16, n, w, s) for n in (16, 32, 64, 128) for w in (4, 8) for s in (2, 3, 4)]
@@ -141,17 +144,17 @@ def _splits(points: str) -> tuple[int | None, ...]:
     return {"short": SHORT_SPLITS, "splits": SPLIT_COUNTS}.get(points, (None,))
 
 
-def _tiles(part: str, points: str) -> list[tuple[int, int, int, int]]:
+def _tiles(part: str, points: str, head_dim: int) -> list[tuple[int, int, int, int]]:
     if part == "prefill":
         return PREFILL_TILES
-    return SPLIT_TILES if points == "splits" else DECODE_TILES
+    return SPLIT_TILES[head_dim] if points == "splits" else DECODE_TILES
 
 
 def compile_only(part: str, shapes: list, worker: int, jobs: int, kv_dtype: torch.dtype, points: str) -> None:
     """Run each (shape, tile) of this worker's share once, untimed, so that it is compiled (one split
     and several are two variants)."""
-    tiles = _tiles(part, points)
-    work = [(shape, specs, tile) for shape in shapes for specs in _points(part, points) for tile in [*tiles, None]]
+    work = [(shape, specs, tile) for shape in shapes for specs in _points(part, points)
+            for tile in [*_tiles(part, points, shape[0]), None]]
     for i, ((head_dim, hq, hkv), specs, tile) in enumerate(work):
         if i % jobs != worker:
             continue
@@ -197,9 +200,9 @@ def main() -> None:
         print(f"[{time.time() - t0:5.0f}s] compiled in {args.jobs} processes", flush=True)
     out = args.out or os.path.join(os.environ.get("OUT", "."), f"attention-tiles-{args.part}.jsonl")
     decode = args.part == "decode"
-    tiles = [] if args.chosen_only else _tiles(args.part, args.points)
     with open(out, "a") as f:
         for head_dim, hq, hkv in shapes:
+            tiles = [] if args.chosen_only else _tiles(args.part, args.points, head_dim)
             for specs in _points(args.part, args.points):
                 batch = Batch(specs, head_dim, hq, hkv, kv_dtype)
                 point = {"part": args.part, "head_dim": head_dim, "group": hq // hkv, "seqs": len(specs),
