@@ -28,9 +28,10 @@ export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 OUT=${OUT:-benchmarks/results/out}
 mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,memory.total,memory.used,clocks.sm,clocks.mem --format=csv | tee "$OUT/nvidia-smi.txt"
-# Kernel tests are bound by Triton compiling on the host: spread them over processes when pytest-xdist is there.
+# Kernel tests are bound by Triton compiling on the host: spread them over processes when pytest-xdist is there
+# (12 of the 16 cores), and name the slowest tests so that the part's time can be planned.
 parallel=""
-python3 -c "import xdist" 2>/dev/null && parallel="-n ${PYTEST_WORKERS:-8}"
+python3 -c "import xdist" 2>/dev/null && parallel="-n ${PYTEST_WORKERS:-12} --durations=15"
 # The 8 KB NCCL all-reduce time a `tp` part measured, as tp_bench.py's option (nothing if none ran).
 allreduce_arg() {
   python3 -c "import json; print('--allreduce-us', next(r['graph_us'] for r in json.load(open('$OUT/tp-allreduce.json'))['rows']
@@ -40,7 +41,7 @@ for part in "$@"; do
   case $part in
     tests)
       python3 -m pytest -q -p no:cacheprovider $parallel -m gpu tests/kernels/test_triton_gpu.py tests/test_gpu_engine.py \
-        2>&1 | tee "$OUT/gpu-tests.log" | tail -25 ;;
+        2>&1 | tee "$OUT/gpu-tests.log" | tail -42 ;;
     engine-tests)
       python3 -m pytest -q -p no:cacheprovider $parallel -m gpu tests/test_gpu_engine.py 2>&1 | tee "$OUT/gpu-engine-tests.log" | tail -15 ;;
     kernels)
