@@ -203,7 +203,9 @@ class ModelRunner:
         self.peers = peers
         self._followed_ids: torch.Tensor | None = None  # a following rank's last broadcast ids
         self.num_kv_groups = len(num_blocks)
-        self.kv_tensors, self.kv_caches = allocate_kv_caches(cfg.kv_layout().sharded(tp.size), num_blocks,
+        self.max_num_seqs = max_num_seqs
+        self.kv_layout = cfg.kv_layout().sharded(tp.size)
+        self.kv_tensors, self.kv_caches = allocate_kv_caches(self.kv_layout, num_blocks,
                                                              block_size, kv_cache_dtype or dtype, device)
         self.sampler = Sampler()
         self.host_bitmask = HostBitmask()  # structured outputs: the grammars' masks
@@ -225,25 +227,30 @@ class ModelRunner:
     @torch.inference_mode()
     def warm_up(self, max_num_batched_tokens: int, max_model_len: int) -> None:
         """Eager forwards in the shapes that prefill steps take (chunks of 2 … the token budget,
-        and short chunks deep into a long context, each beside a decode row), so that Triton
-        compiles their kernel variants at start-up rather than inside the first requests'
-        steps. Every token writes to slot -1 (padding) and reads block 0: the cache is left
-        as it was."""
+        and short chunks deep into a long context, each beside a decode row; short chunks beside
+        enough decode rows that attention's grid holds two programs an SM, which takes other tiles),
+        so that Triton compiles their kernel variants at start-up rather than inside the first
+        requests' steps. Every token writes to slot -1 (padding) and reads block 0: the cache is
+        left as it was."""
         dev = self.device
         longest = max(2, min(max_num_batched_tokens - 1, max_model_len - 1))
-        shapes = {(q, q) for q in (2, 4, 8, 16, 64) if q < longest} | {(longest, longest)}
+        shapes = {(q, q, 1) for q in (2, 4, 8, 16, 64) if q < longest} | {(longest, longest, 1)}
         if longest > 16:  # few query rows, long context: split KV ranges, in each query-tile class
-            shapes |= {(q, max_model_len - 1) for q in (2, 8, 16)}
-        for query_len, context in sorted(shapes):
-            total = query_len + 1
+            shapes |= {(q, max_model_len - 1, 1) for q in (2, 8, 16)}
+        sms = torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 1
+        wide = min(self.max_num_seqs - 1, max(2, -(-2 * sms // min(g.num_kv_heads for g in self.kv_layout.groups))))
+        shapes |= {(q, q, wide) for q in (2, 8) if q < longest and wide > 1}
+        for query_len, context, rows in sorted(shapes):
+            total = query_len + rows
             groups = self.num_kv_groups
             meta = AttentionMetadata(
                 slot_mapping=(torch.full((total,), -1, dtype=torch.int64, device=dev),) * groups,
-                query_start_loc=torch.tensor([0, query_len, total], dtype=torch.int32, device=dev),
-                seq_lens=torch.tensor([context, 1], dtype=torch.int32, device=dev),
-                block_tables=(torch.zeros((2, -(-context // self.block_size)), dtype=torch.int32, device=dev),) * groups,
+                query_start_loc=torch.tensor([0, *range(query_len, total + 1)], dtype=torch.int32, device=dev),
+                seq_lens=torch.tensor([context] + [1] * rows, dtype=torch.int32, device=dev),
+                block_tables=(torch.zeros((1 + rows, -(-context // self.block_size)), dtype=torch.int32,
+                                          device=dev),) * groups,
                 max_query_len=query_len, max_seq_len=context)
-            positions = torch.cat([torch.arange(context - query_len, context), torch.zeros(1, dtype=torch.int64)]).to(dev)
+            positions = torch.cat([torch.arange(context - query_len, context), torch.zeros(rows, dtype=torch.int64)]).to(dev)
             hidden = self.model(torch.zeros(total, dtype=torch.int64, device=dev), positions, self.kv_caches, meta)
             logits = self.model.compute_logits(hidden[[query_len - 1, total - 1]])
         self._warm_up_sampling(logits)
