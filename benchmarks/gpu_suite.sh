@@ -93,10 +93,11 @@ for part in "$@"; do
       timeout 400 python3 benchmarks/spec_decode_rewrite.py --device cuda --out "$OUT/spec-rewrite.json" 2>&1 \
         | grep -v "it/s]" | tail -5 ;;
     study-attention-quantized)
-      # Llama-3-8B's attention (head dim 128, group 4) over bf16, int8 and fp8 caches, every decode tile.
+      # Llama-3-8B's attention (head dim 128, group 4) over bf16, int8 and fp8 caches, every decode tile,
+      # at 16 x 4k and 64 x 8k tokens.
       for kv in bf16 int8 fp8; do
-        timeout 190 python3 benchmarks/study_attention_tiles.py decode --shapes 4 --kv-dtype $kv --jobs 8 \
-          --out "$OUT/attention-tiles-quantized.jsonl" 2>&1 | tail -5
+        timeout 190 python3 benchmarks/study_attention_tiles.py decode --points quantized --shapes 4 --kv-dtype $kv \
+          --jobs 8 --out "$OUT/attention-tiles-quantized.jsonl" 2>&1 | tail -3
       done ;;
     study-attention-short)
       # Llama-3-8B's and Qwen3-0.6B's decode attention at the static-decode and workload batches

@@ -13,7 +13,7 @@ prefill with ``triton.testing.do_bench`` (L2 flushed). The split count is the wr
 own choice. The chosen tiles, then the same with a softcap, are timed last as a check.
 
     python benchmarks/study_attention_tiles.py decode|prefill [--shapes 0,1] [--kv-dtype bf16|int8|fp8]
-        [--points long|short|splits] [--out FILE] [--jobs N]
+        [--points long|short|splits|quantized] [--out FILE] [--jobs N]
 
 ``--jobs N`` compiles every variant first in N processes (Triton's disk cache keeps them),
 so the timed pass, one process, finds them built.
@@ -52,6 +52,7 @@ SHORT_SPLITS = (1, 2, 4)
 SPLIT_POINTS = [(1, 256), (1, 4096), (8, 1024), (16, 1024), (16, 4096), (32, 192), (32, 1024), (32, 4096),
                 (64, 2048), (64, 8192), (128, 192)]
 SPLIT_COUNTS = (1, 2, 4, 8, 16)
+QUANTIZED_POINTS = [(16, 4096), (64, 8192)]  # the quantized-KV benchmark's batch-64 point, and a split one
 SPLIT_TILES = {128: [(16, 64, 4, 2), (16, 64, 4, 3), (16, 64, 4, 4), (16, 128, 4, 2), (16, 64, 8, 2)],
                256: [(16, 64, 4, 2), (16, 32, 4, 2), (16, 32, 4, 4), (16, 64, 8, 2), (16, 32, 8, 3)],
                512: [(16, 32, 4, 2), (16, 16, 4, 2), (16, 16, 4, 4), (16, 32, 8, 2), (16, 16, 8, 3)]}
@@ -135,7 +136,7 @@ def measure(batch: Batch, tile: tuple | None, decode: bool, softcap: float | Non
 def _points(part: str, points: str) -> list[list[tuple[int, int]]]:
     if part == "prefill":
         return PREFILL_POINTS
-    chosen = {"short": SHORT_POINTS, "splits": SPLIT_POINTS}.get(points, DECODE_POINTS)
+    chosen = {"short": SHORT_POINTS, "splits": SPLIT_POINTS, "quantized": QUANTIZED_POINTS}.get(points, DECODE_POINTS)
     return [[(1, ctx)] * b for b, ctx in chosen]
 
 
@@ -179,9 +180,9 @@ def main() -> None:
     parser.add_argument("--chosen-only", action="store_true", help="time the wrapper's own tiles alone")
     parser.add_argument("--kv-dtype", choices=list(KV_DTYPES), default="bf16",
                         help="what the cache stores (int8/fp8: one byte and a bf16 scale per token and head)")
-    parser.add_argument("--points", choices=["long", "short", "splits"], default="long",
+    parser.add_argument("--points", choices=["long", "short", "splits", "quantized"], default="long",
                         help="decode points: long contexts (Gemma's study), the static-decode and workload batches, "
-                             "or 1-128 sequences at 1-16 KV splits in a few tiles")
+                             "1-128 sequences at 1-16 KV splits in a few tiles, or two long-context batches")
     parser.add_argument("--worker", type=int, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     shapes = SHAPES[:4] if args.shapes is None else [SHAPES[int(i)] for i in args.shapes.split(",")]
