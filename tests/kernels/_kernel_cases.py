@@ -351,6 +351,12 @@ def _interpret_quantized_kv(ops) -> None:
                                   dtype=dtype, cache_dtype=torch.int8, device="cpu")
     check_quantized_attention(ops, specs=[(1, 90)], num_q_heads=4, num_kv_heads=2, head_dim=64, dtype=torch.float32,
                               cache_dtype=torch.int8, device="cpu", sliding_window=40, num_splits=3)
+    # Several K/V tiles a program (the scales are read a tile ahead, their blocks two): whole contexts,
+    # a chunk, and a window whose first tile starts mid-block.
+    check_quantized_attention(ops, specs=[(1, 200), (6, 150), (1, 65)], num_q_heads=4, num_kv_heads=2, head_dim=64,
+                              dtype=torch.float16, cache_dtype=torch.int8, device="cpu", num_splits=1)
+    check_quantized_attention(ops, specs=[(1, 230)], num_q_heads=4, num_kv_heads=1, head_dim=64, dtype=torch.float32,
+                              cache_dtype=torch.int8, device="cpu", sliding_window=101, num_splits=1)
 
 
 if triton is not None:

@@ -49,6 +49,28 @@ def _tanh(x):
     return tl.where(x < 0.0, -t, t)
 
 
+@triton.jit
+def _tile_blocks(bt_row, start, end, block_size, BLOCK_N: tl.constexpr):
+    """The cache block of each token ``start`` … ``start + BLOCK_N`` of a sequence (0 from ``end`` on)."""
+    n = start + tl.arange(0, BLOCK_N)
+    return tl.load(bt_row + n // block_size, mask=n < end, other=0).to(tl.int64)
+
+
+@triton.jit
+def _tile_scales(k_scale_ptr, v_scale_ptr, block, start, end, kv_head, block_size, ks_stride_block, ks_stride_slot,
+                 ks_stride_head, vs_stride_block, vs_stride_slot, vs_stride_head, BLOCK_N: tl.constexpr):
+    """The K and V scales (float32) of tokens ``start`` … ``start + BLOCK_N``, held in ``block``s (0 from
+    ``end`` on)."""
+    n = start + tl.arange(0, BLOCK_N)
+    valid = n < end
+    slot = n % block_size
+    ks = tl.load(k_scale_ptr + block * ks_stride_block + slot * ks_stride_slot + kv_head * ks_stride_head,
+                 mask=valid, other=0.0).to(tl.float32)
+    vs = tl.load(v_scale_ptr + block * vs_stride_block + slot * vs_stride_slot + kv_head * vs_stride_head,
+                 mask=valid, other=0.0).to(tl.float32)
+    return ks, vs
+
+
 # The block-table width and the split count change with every batch: specialising on their values
 # (1, multiples of 16) would compile new variants inside requests' steps.
 @triton.jit(do_not_specialize=["bt_stride", "num_splits"])
@@ -142,11 +164,26 @@ def _paged_attention_kernel(
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     bt_row = block_tables_ptr + seq.to(tl.int64) * bt_stride
+    if KV_SCALED:
+        # A quantized cache's scales (two bytes a token, too narrow for the pipeline's asynchronous
+        # copies) are read a tile ahead, from block ids read a tile before that: no read a tile's dots
+        # wait for depends on another read issued in the same iteration.
+        ks_next, vs_next = _tile_scales(k_scale_ptr, v_scale_ptr, _tile_blocks(bt_row, split_lo, split_hi, block_size,
+                                                                               BLOCK_N),
+                                        split_lo, split_hi, kv_head, block_size, ks_stride_block, ks_stride_slot,
+                                        ks_stride_head, vs_stride_block, vs_stride_slot, vs_stride_head, BLOCK_N)
+        blocks_next = _tile_blocks(bt_row, split_lo + BLOCK_N, split_hi, block_size, BLOCK_N)
     for start in range(split_lo, split_hi, BLOCK_N):
         n = start + tl.arange(0, BLOCK_N)
         n_valid = n < split_hi
         block = tl.load(bt_row + n // block_size, mask=n_valid, other=0).to(tl.int64)
         slot = n % block_size
+        if KV_SCALED:
+            ks, vs = ks_next, vs_next
+            ks_next, vs_next = _tile_scales(k_scale_ptr, v_scale_ptr, blocks_next, start + BLOCK_N, split_hi, kv_head,
+                                            block_size, ks_stride_block, ks_stride_slot, ks_stride_head,
+                                            vs_stride_block, vs_stride_slot, vs_stride_head, BLOCK_N)
+            blocks_next = _tile_blocks(bt_row, start + 2 * BLOCK_N, split_hi, block_size, BLOCK_N)
         k_off = block * kc_stride_block + slot * kc_stride_slot + kv_head * kc_stride_head
         k = tl.load(
             k_cache_ptr + k_off[None, :] + dims[:, None],
@@ -160,8 +197,6 @@ def _paged_attention_kernel(
         if KV_SCALED:
             # A quantized cache: each key's scale multiplies its scores (q . (s k) = s (q . k)); the
             # one-byte values convert exactly to q's dtype.
-            ks = tl.load(k_scale_ptr + block * ks_stride_block + slot * ks_stride_slot + kv_head * ks_stride_head,
-                         mask=n_valid, other=0.0).to(tl.float32)
             qk = qk * ks[None, :]
         if SOFTCAP:
             # qk_scale is scale / cap: the cap applies to the natural-scale score, and only
@@ -186,8 +221,6 @@ def _paged_attention_kernel(
         ).to(q.dtype)
         pw = p
         if KV_SCALED:  # each value's scale weighs its probability (the sum l_i keeps the unweighted p)
-            vs = tl.load(v_scale_ptr + block * vs_stride_block + slot * vs_stride_slot + kv_head * vs_stride_head,
-                         mask=n_valid, other=0.0).to(tl.float32)
             pw = p * vs[None, :]
         if IEEE_DOT:
             pv = tl.dot(pw.to(v.dtype), v, input_precision="ieee")
