@@ -111,6 +111,7 @@ def _paged_attention_kernel(
     block_size,
     num_splits,
     KV_SCALED: tl.constexpr,
+    DOT_F16: tl.constexpr,
     GROUP: tl.constexpr,
     BLOCK_Q: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -149,6 +150,11 @@ def _paged_attention_kernel(
         mask=row_valid[:, None] & dim_valid[None, :],
         other=0.0,
     )
+    if DOT_F16:
+        # A float8 cache: the dots run in float16, which every float8 value converts to exactly and
+        # cheaply (two a packed instruction; to bfloat16 each goes through the conversion unit, a
+        # sixteenth of the SM's rate). A bfloat16 query converts exactly unless past float16's range.
+        q = tl.clamp(q.to(tl.float32), -65504.0, 65504.0).to(tl.float16)
 
     # Keys this tile can see: causal upper bound from its last token, window lower
     # bound from its first; blocks outside are never loaded.
@@ -475,6 +481,7 @@ def paged_attention(
         block_size,
         num_splits,
         KV_SCALED=k_scale is not None,
+        DOT_F16=k_cache.dtype in (torch.float8_e4m3fn, torch.float8_e5m2),
         GROUP=group,
         BLOCK_Q=block_q,
         BLOCK_M=block_m,
