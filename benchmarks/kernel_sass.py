@@ -1,0 +1,124 @@
+"""A kernel's sm_90 machine code, counted by instruction, without a GPU.
+
+Calls a kernel wrapper the way the engine does on the CPU, intercepts the launch, compiles it for
+Hopper with the divisibility hints the JIT derives on the GPU (16-byte-aligned pointers, integer
+arguments divisible by 16 outside ``do_not_specialize``), and prints the SASS instruction mix, the
+registers and the stack (spills). With the GPU image's Triton first on the path (a Triton of another
+version compiles other code), it is what the GPU runs; reading a loop's loads and conversions here
+comes before timing a change on the GPU:
+
+    pip install --no-deps --target /tmp/triton-gpu triton==<the GPU's version>
+    PYTHONPATH=/tmp/triton-gpu python benchmarks/kernel_sass.py attention --kv int8 [--batch 64] [--sass FILE]
+    PYTHONPATH=/tmp/triton-gpu python benchmarks/kernel_sass.py gemv --q8
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import inspect
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+import triton
+from triton.runtime.jit import JITFunction
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "kernels"))
+from test_triton_compile import HOPPER, LAUNCH_OPTIONS, Launch  # noqa: E402
+
+from tokenmill.kernels import q8_0, triton_attention, triton_gemv, triton_ops  # noqa: E402
+
+KV_DTYPES = {"bf16": torch.bfloat16, "int8": torch.int8, "fp8": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
+
+
+def intercept(kernel: str, call) -> tuple[JITFunction, tuple, dict]:
+    """The first launch of ``kernel`` that ``call()`` makes, not run."""
+    calls = []
+    run = JITFunction.run
+
+    def record(self: JITFunction, *args, grid, warmup, **kwargs):
+        calls.append((self, args, kwargs))
+
+    JITFunction.run = record
+    try:
+        call()
+    finally:
+        JITFunction.run = run
+    return next(c for c in calls if c[0].__name__ == kernel)
+
+
+def compile_for_hopper(fn: JITFunction, args: tuple, kwargs: dict) -> triton.compiler.CompiledKernel:
+    launch = Launch.intercepted(fn, args, kwargs)
+    bound = inspect.signature(fn.fn).bind(*args, **{k: v for k, v in kwargs.items() if k not in LAUNCH_OPTIONS})
+    attrs = {}
+    for i, param in enumerate(fn.params):
+        value = bound.arguments[param.name]
+        aligned = (isinstance(value, torch.Tensor) and value.data_ptr() % 16 == 0) or (
+            type(value) is int and value % 16 == 0 and param.name not in fn.do_not_specialize)
+        if not param.is_constexpr and aligned:
+            attrs[(i,)] = [["tt.divisibility", 16]]
+    names = list(launch.signature)
+    src = triton.compiler.ASTSource(fn=fn, signature=launch.signature, attrs=attrs,
+                                    constexprs={(names.index(k),): v for k, v in launch.constexprs.items()})
+    print(fn.__name__, launch.constexprs, launch.options)
+    return triton.compile(src, target=HOPPER, options=launch.options)
+
+
+def report(kernel: triton.compiler.CompiledKernel, sass_out: str | None) -> None:
+    tools = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
+    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
+        f.write(kernel.asm["cubin"])
+    try:
+        sass = subprocess.run([tools / "nvdisasm", "-c", f.name], capture_output=True, text=True, check=True).stdout
+        usage = subprocess.run([tools / "cuobjdump", "-res-usage", f.name], capture_output=True, text=True,
+                               check=True).stdout.strip().splitlines()[-1]
+    finally:
+        os.unlink(f.name)
+    ops = collections.Counter(m.group(1) for line in sass.splitlines()
+                              if (m := re.match(r"\s+/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_.]+)", line)))
+    print(f"Triton {triton.__version__}: {sum(ops.values())} instructions; {usage.strip()[:60]}")
+    for op, count in ops.most_common(30):
+        print(f"  {count:5d} {op}")
+    if sass_out:
+        Path(sass_out).write_text(sass)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("kernel", choices=["attention", "gemv"])
+    parser.add_argument("--kv", choices=list(KV_DTYPES), default="bf16", help="attention: the cache's dtype")
+    parser.add_argument("--batch", type=int, default=64, help="attention: decode sequences (the tile follows)")
+    parser.add_argument("--sms", type=int, default=132, help="attention: the GPU's SMs, which the tile and split follow")
+    parser.add_argument("--q8", action="store_true", help="gemv: a Q8_0 weight (Llama-3-8B's gate|up shape)")
+    parser.add_argument("--sass", help="write the whole disassembly here")
+    args = parser.parse_args()
+    if args.kernel == "attention":  # Llama-3-8B's heads over 8k-token contexts, one decode token each
+        heads, dim, dtype = 8, 128, KV_DTYPES[args.kv]
+        cache = torch.zeros(40, 16, heads, dim, dtype=dtype)
+        scales = {} if dtype == torch.bfloat16 else {"k_scale": torch.zeros(40, 16, heads, dtype=torch.bfloat16),
+                                                     "v_scale": torch.zeros(40, 16, heads, dtype=torch.bfloat16)}
+        batch = args.batch
+        triton_attention.num_sms = lambda device: args.sms  # choose as on the GPU, not as on the CPU (one SM)
+
+        def call() -> None:
+            triton_ops.paged_attention(torch.zeros(batch, 4 * heads, dim, dtype=torch.bfloat16), cache, cache,
+                                       torch.arange(batch + 1, dtype=torch.int32),
+                                       torch.full((batch,), 300, dtype=torch.int32),
+                                       torch.zeros(batch, 20, dtype=torch.int32), 0.1, max_query_len=1,
+                                       max_seq_len=8192, **scales)
+        launch = intercept("_paged_attention_kernel", call)
+    else:
+        n, k = 28672, 4096
+        weight = torch.randn(n, k).bfloat16()
+        launch = intercept("_gemv_kernel", lambda: triton_gemv._gemv(torch.randn(1, k).bfloat16(),
+                                                                     q8_0.quantize(weight) if args.q8 else weight, None))
+    report(compile_for_hopper(*launch), args.sass)
+
+
+if __name__ == "__main__":
+    main()
