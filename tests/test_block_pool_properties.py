@@ -112,7 +112,7 @@ class EngineMachine(RuleBasedStateMachine):
         rows to start with, so rows are reclaimed and grown) is written again after every change the
         KV manager makes, zero past each table (copying here: a later missed change shows as stale)."""
         running = list(self.scheduler.running)
-        tables = self.rows.block_tables(self.rows.rows(running))
+        tables = self.rows.block_tables(self.rows.rows_of(running))
         for b, seq in enumerate(running):
             for g in range(len(self.WINDOWS)):
                 table = seq.block_tables[g] if seq.block_tables else []

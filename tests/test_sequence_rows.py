@@ -45,7 +45,7 @@ def test_sampling_columns_are_each_rows_parameters(params: list[SamplingParams],
     vocabulary), rows repeated for a sequence's drafts, in the dtypes the sampler takes."""
     rows = SequenceRows(num_groups=1, vocab_size=VOCAB, capacity=2)
     seqs = [make_seq(i, p) for i, p in enumerate(params)]
-    index = rows.rows(seqs)
+    index = rows.rows_of(seqs)
     repeats = data.draw(st.lists(st.integers(1, 3), min_size=len(seqs), max_size=len(seqs)))
     columns = rows.sampling_columns(np.repeat(index, repeats))
     expanded = [p for p, n in zip(params, repeats) for _ in range(n)]
@@ -65,11 +65,11 @@ def test_rows_are_reclaimed_from_sequences_that_stopped_running_then_grown() -> 
     first = [make_seq(i, SamplingParams(temperature=1.0 + i), blocks=2) for i in range(2)]
     for seq in first:
         seq.block_tables.append([7, 8])
-    assert sorted(rows.rows(first).tolist()) == [0, 1]
+    assert sorted(rows.rows_of(first).tolist()) == [0, 1]
     first[0].status = SequenceStatus.FINISHED
     newcomer = make_seq(5, SamplingParams(temperature=0.0), blocks=3)
     newcomer.block_tables.append([4, 5, 6])
-    index = rows.rows([first[1], newcomer])
+    index = rows.rows_of([first[1], newcomer])
     assert index[1] == first[0].row  # the finished sequence's row, written for the newcomer
     tables = rows.block_tables(index)
     assert tables[:, 1].tolist() == [[50, 51, 52], [4, 5, 6]]
@@ -77,11 +77,11 @@ def test_rows_are_reclaimed_from_sequences_that_stopped_running_then_grown() -> 
     # No row free and none reclaimable: the arrays double, the rows kept.
     third = make_seq(6, SamplingParams(temperature=0.5))
     third.block_tables.append([9])
-    index = rows.rows([first[1], newcomer, third])
+    index = rows.rows_of([first[1], newcomer, third])
     assert len(rows.owners) == 4 and len(set(index.tolist())) == 3
     assert rows.sampling_columns(index)["temperature"].tolist() == [2.0, 0.0, 0.5]
     # The KV manager changed a table: written again, zero past its new end.
     newcomer.block_tables = [[50], [4]]
     newcomer.tables_changed()
-    assert rows.block_tables(rows.rows([newcomer])).tolist() == [[[50]], [[4]]]
+    assert rows.block_tables(rows.rows_of([newcomer])).tolist() == [[[50]], [[4]]]
     assert rows.tables[:, newcomer.row, :3].tolist() == [[50, 0, 0], [4, 0, 0]]

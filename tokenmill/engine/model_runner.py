@@ -282,7 +282,7 @@ class ModelRunner:
         query_start = np.zeros(len(seqs) + 1, dtype=np.int32)
         np.cumsum(counts, out=query_start[1:])
         total = int(query_start[-1])
-        rows = self.rows.rows(seqs)
+        rows = self.rows.rows_of(seqs)
         tables = self.rows.block_tables(rows)  # [groups, B, blocks]
         owner = np.repeat(np.arange(len(seqs)), counts)
         positions = np.arange(total) - np.repeat(query_start[:-1].astype(np.int64) - starts, counts)

@@ -43,7 +43,7 @@ class SequenceRows:
         self.tables = np.zeros((num_groups, capacity, 1), dtype=np.int32)
         self.table_lens = np.zeros(capacity, dtype=np.int64)
 
-    def rows(self, seqs: list[Sequence]) -> np.ndarray:
+    def rows_of(self, seqs: list[Sequence]) -> np.ndarray:
         """Each sequence's row, brought up to date; a sequence without one takes one."""
         owners = self.owners
         for seq in seqs:
