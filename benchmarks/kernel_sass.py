@@ -8,7 +8,7 @@ version compiles other code), it is what the GPU runs; reading a loop's loads an
 comes before timing a change on the GPU:
 
     pip install --no-deps --target /tmp/triton-gpu triton==<the GPU's version>
-    PYTHONPATH=/tmp/triton-gpu python benchmarks/kernel_sass.py attention --kv int8 [--batch 64] [--sass FILE]
+    PYTHONPATH=/tmp/triton-gpu python benchmarks/kernel_sass.py attention --kv int8 [--batch 64] [--query 1] [--sass FILE]
     PYTHONPATH=/tmp/triton-gpu python benchmarks/kernel_sass.py gemv --q8
 """
 
@@ -94,6 +94,7 @@ def main() -> None:
     parser.add_argument("--kv", choices=list(KV_DTYPES), default="bf16", help="attention: the cache's dtype")
     parser.add_argument("--batch", type=int, default=64, help="attention: decode sequences (the tile follows)")
     parser.add_argument("--sms", type=int, default=132, help="attention: the GPU's SMs, which the tile and split follow")
+    parser.add_argument("--query", type=int, default=1, help="attention: query tokens a sequence (a prefill chunk)")
     parser.add_argument("--q8", action="store_true", help="gemv: a Q8_0 weight (Llama-3-8B's gate|up shape)")
     parser.add_argument("--sass", help="write the whole disassembly here")
     args = parser.parse_args()
@@ -105,11 +106,13 @@ def main() -> None:
         batch = args.batch
         triton_attention.num_sms = lambda device: args.sms  # choose as on the GPU, not as on the CPU (one SM)
 
+        q = args.query
+
         def call() -> None:
-            triton_ops.paged_attention(torch.zeros(batch, 4 * heads, dim, dtype=torch.bfloat16), cache, cache,
-                                       torch.arange(batch + 1, dtype=torch.int32),
+            triton_ops.paged_attention(torch.zeros(batch * q, 4 * heads, dim, dtype=torch.bfloat16), cache, cache,
+                                       torch.arange(0, batch * q + 1, q, dtype=torch.int32),
                                        torch.full((batch,), 300, dtype=torch.int32),
-                                       torch.zeros(batch, 20, dtype=torch.int32), 0.1, max_query_len=1,
+                                       torch.zeros(batch, 20, dtype=torch.int32), 0.1, max_query_len=q,
                                        max_seq_len=8192, **scales)
         launch = intercept("_paged_attention_kernel", call)
     else:
