@@ -226,20 +226,24 @@ class ModelRunner:
 
     @torch.inference_mode()
     def warm_up(self, max_num_batched_tokens: int, max_model_len: int) -> None:
-        """Eager forwards in the shapes that prefill steps take (chunks of 2 … the token budget,
-        and short chunks deep into a long context, each beside a decode row; short chunks beside
-        enough decode rows that attention's grid holds two programs an SM, which takes other tiles),
-        so that Triton compiles their kernel variants at start-up rather than inside the first
-        requests' steps. Every token writes to slot -1 (padding) and reads block 0: the cache is
-        left as it was."""
+        """Eager forwards in the shapes that prefill steps take (chunks of 2 … the token budget, each
+        beside a decode row; short chunks deep into a long context, and beside enough decode rows
+        that attention's grid holds two programs an SM, which take other tiles), so that Triton
+        compiles their kernel variants at start-up rather than inside the first requests' steps.
+        Every token writes to slot -1 (padding) and reads block 0: the cache is left as it was."""
         dev = self.device
         longest = max(2, min(max_num_batched_tokens - 1, max_model_len - 1))
         shapes = {(q, q, 1) for q in (2, 4, 8, 16, 64) if q < longest} | {(longest, longest, 1)}
-        if longest > 16:  # few query rows, long context: split KV ranges, in each query-tile class
-            shapes |= {(q, max_model_len - 1, 1) for q in (2, 8, 16)}
+        # Few query rows (each query-tile class under 64 rows, for GQA groups of 1 to 8): long contexts,
+        # whose KV ranges split, and short ones beside enough decode rows that attention's grid holds
+        # two programs an SM.
+        few = [q for q in (2, 4, 8, 16, 32) if q < longest]
+        if longest > 16:
+            shapes |= {(q, max_model_len - 1, 1) for q in few}
         sms = torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 1
         wide = min(self.max_num_seqs - 1, max(2, -(-2 * sms // min(g.num_kv_heads for g in self.kv_layout.groups))))
-        shapes |= {(q, q, wide) for q in (2, 8) if q < longest and wide > 1}
+        if wide > 1:
+            shapes |= {(q, q, wide) for q in few}
         for query_len, context, rows in sorted(shapes):
             total = query_len + rows
             groups = self.num_kv_groups
