@@ -182,7 +182,7 @@ def _paged_attention_kernel(
     for start in range(split_lo, split_hi, BLOCK_N):
         n = start + tl.arange(0, BLOCK_N)
         n_valid = n < split_hi
-        block = tl.load(bt_row + n // block_size, mask=n_valid, other=0).to(tl.int64)
+        block = _tile_blocks(bt_row, start, split_hi, block_size, BLOCK_N)
         slot = n % block_size
         if KV_SCALED:
             ks, vs = ks_next, vs_next
