@@ -452,6 +452,12 @@ def _interpret_attention(ops) -> None:
     # The same chunked prefill split across programs, and ragged with max_query_len from the host.
     check_paged_attention(ops, mixed, num_q_heads=4, num_kv_heads=1, head_dim=64, dtype=f16,
                           num_splits=3, pass_max_query_len=False, **common)
+    # Ragged batches whose longest query takes several tiles: only the real tiles are launched, numbered
+    # flat (chunks and decode rows in any order; past the first 128 sequences the scan takes a second chunk).
+    check_paged_attention(ops, [(1, 40), (45, 45), (1, 9), (17, 60), (1, 1)], num_q_heads=4, num_kv_heads=1,
+                          head_dim=64, dtype=f16, **common)
+    check_paged_attention(ops, [(1, 20)] * 129 + [(40, 50), (1, 3)], num_q_heads=4, num_kv_heads=1, head_dim=64,
+                          dtype=f32, sliding_window=30, **common)
     # Decode batches: T == B with no hint, split and unsplit, windowed, MHA.
     decode = [(1, 70), (1, 5), (1, 33), (1, 16)]
     check_paged_attention(ops, decode, num_q_heads=8, num_kv_heads=2, head_dim=64, dtype=f16,

@@ -226,10 +226,11 @@ class ModelRunner:
 
     @torch.inference_mode()
     def warm_up(self, max_num_batched_tokens: int, max_model_len: int) -> None:
-        """Eager forwards in the shapes that prefill steps take (chunks of 2 … the token budget, each
-        beside a decode row; short chunks deep into a long context, and beside enough decode rows
-        that attention's grid holds two programs an SM, which take other tiles), so that Triton
-        compiles their kernel variants at start-up rather than inside the first requests' steps.
+        """Eager forwards in the shapes that prefill steps take (chunks of 2 … the token budget, alone
+        and beside a decode row, whose attention tiles are numbered differently; short chunks deep into
+        a long context, and beside enough decode rows that attention's grid holds two programs an SM,
+        which take other tiles), so that Triton compiles their kernel variants at start-up rather than
+        inside the first requests' steps.
         Every token writes to slot -1 (padding) and reads block 0: the cache is left as it was."""
         dev = self.device
         longest = max(2, min(max_num_batched_tokens - 1, max_model_len - 1))
@@ -244,6 +245,7 @@ class ModelRunner:
         wide = min(self.max_num_seqs - 1, max(2, -(-2 * sms // min(g.num_kv_heads for g in self.kv_layout.groups))))
         if wide > 1:
             shapes |= {(q, q, wide) for q in few}
+        shapes |= {(q, context, 0) for q, context, rows in list(shapes) if rows == 1}  # each chunk alone too
         for query_len, context, rows in sorted(shapes):
             total = query_len + rows
             groups = self.num_kv_groups

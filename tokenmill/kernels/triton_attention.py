@@ -31,6 +31,8 @@ _MINUS_2_LOG2E = tl.constexpr(-2.0 * _LOG2E)
 # well-defined (never inf - inf) for rows whose first tiles are fully masked.
 _NEG_BIG = tl.constexpr(-1.0e30)
 _MAX_SPLITS = 64
+# Query starts a flat-tile program scans at a time.
+_SEQ_CHUNK = tl.constexpr(128)
 # Never fewer KV tokens per split than one K/V tile: a split then costs one tile's latency.
 _MIN_TOKENS_PER_SPLIT = 64
 # Shared memory for the pipelined K and V tiles (2 x stages x BLOCK_N x BLOCK_D elements): sm_90
@@ -71,9 +73,30 @@ def _tile_scales(k_scale_ptr, v_scale_ptr, block, start, end, kv_head, block_siz
     return ks, vs
 
 
+@triton.jit
+def _flat_tile(query_start_loc_ptr, f, batch, BLOCK_Q: tl.constexpr):
+    """The sequence and query tile of flat tile ``f``, the tiles of a ragged batch numbered in order
+    (``cdiv(q, BLOCK_Q)`` for a sequence of ``q`` query tokens, none for an empty one); the sequence is
+    ``batch`` past the last tile. Every program scans the query starts, ``_SEQ_CHUNK`` at a time."""
+    seq = 0
+    start = 0  # the first flat tile of sequence ``seq``
+    before = 0  # the tiles of the chunks already scanned
+    for b0 in range(0, batch, _SEQ_CHUNK):
+        bs = b0 + tl.arange(0, _SEQ_CHUNK)
+        valid = bs < batch
+        lo = tl.load(query_start_loc_ptr + bs, mask=valid, other=0)
+        hi = tl.load(query_start_loc_ptr + bs + 1, mask=valid, other=0)
+        ends = before + tl.cumsum(tl.where(valid, (hi - lo + BLOCK_Q - 1) // BLOCK_Q, 0), axis=0)
+        done = valid & (ends <= f)  # sequences whose tiles all come before f
+        seq += tl.sum(done.to(tl.int32), axis=0)
+        start = tl.maximum(start, tl.max(tl.where(done, ends, 0), axis=0))
+        before = tl.max(ends, axis=0)
+    return seq, f - start
+
+
 # The block-table width and the split count change with every batch: specialising on their values
 # (1, multiples of 16) would compile new variants inside requests' steps.
-@triton.jit(do_not_specialize=["bt_stride", "num_splits"])
+@triton.jit(do_not_specialize=["bt_stride", "num_splits", "batch"])
 def _paged_attention_kernel(
     q_ptr,
     k_cache_ptr,
@@ -110,8 +133,10 @@ def _paged_attention_kernel(
     head_dim,
     block_size,
     num_splits,
+    batch,
     KV_SCALED: tl.constexpr,
     DOT_F16: tl.constexpr,
+    FLAT: tl.constexpr,
     GROUP: tl.constexpr,
     BLOCK_Q: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -124,8 +149,13 @@ def _paged_attention_kernel(
     PDL: tl.constexpr,
 ):
     wait_for_previous_kernel(PDL)
-    q_tile = tl.program_id(0)
-    seq = tl.program_id(1)
+    if FLAT:  # a ragged batch: only its real tiles are launched, numbered in one flat range
+        seq, q_tile = _flat_tile(query_start_loc_ptr, tl.program_id(0), batch, BLOCK_Q)
+        if seq >= batch:
+            return
+    else:  # every sequence gets the longest query's tile count
+        q_tile = tl.program_id(0)
+        seq = tl.program_id(1)
     kv_head = tl.program_id(2) // num_splits
     split = tl.program_id(2) % num_splits
 
@@ -361,12 +391,23 @@ def _tile_config(block_d: int, group: int, max_query_len: int, elem_bytes: int, 
     return block_m, block_n, num_warps, num_stages
 
 
-def launch_plan(block_d: int, group: int, num_kv_heads: int, batch: int, max_query_len: int, max_context: int,
-                elem_bytes: int, device: torch.device, num_splits: int | None = None
+def query_tiles(batch: int, num_tokens: int, max_query_len: int, block_q: int) -> tuple[int, int, bool]:
+    """The grid's first two dimensions for a batch, and whether its tiles are flat (``_flat_tile``): a
+    ragged batch launches at most one tile more a sequence than its tokens fill, where giving every
+    sequence the longest query's count launched (for a 1,024-token chunk beside 255 decode rows) 64
+    programs a sequence that nearly all exit at once."""
+    q_tiles = triton.cdiv(max_query_len, block_q)
+    if batch > 1 and q_tiles > 1:
+        return min(batch * q_tiles, triton.cdiv(num_tokens, block_q) + batch), 1, True
+    return q_tiles, batch, False
+
+
+def launch_plan(block_d: int, group: int, num_kv_heads: int, batch: int, num_tokens: int, max_query_len: int,
+                max_context: int, elem_bytes: int, device: torch.device, num_splits: int | None = None
                 ) -> tuple[tuple[int, int, int, int], int]:
     """The tile (``_tile_config``) and the KV split count a launch takes; ``num_splits`` forces the latter."""
-    q_tiles = triton.cdiv(max_query_len, _block_rows(group, max_query_len) // group)
-    work_units = batch * q_tiles * num_kv_heads
+    tiles, seqs, _ = query_tiles(batch, num_tokens, max_query_len, _block_rows(group, max_query_len) // group)
+    work_units = tiles * seqs * num_kv_heads
     if num_splits is None:
         num_splits = _choose_num_splits(work_units, max_context, device, block_d)
     tile = _tile_config(block_d, group, max_query_len, elem_bytes, num_splits, work_units / num_sms(device))
@@ -433,11 +474,11 @@ def paged_attention(
     block_d = triton.next_power_of_2(head_dim)
     max_context = block_tables.shape[1] * block_size if max_seq_len is None else max_seq_len
     (block_m, block_n, num_warps, num_stages), num_splits = launch_plan(
-        block_d, group, num_kv_heads, batch, max_query_len, max_context, k_cache.element_size(), query.device,
-        num_splits,
+        block_d, group, num_kv_heads, batch, num_tokens, max_query_len, max_context, k_cache.element_size(),
+        query.device, num_splits,
     )
     block_q = block_m // group
-    q_tiles = triton.cdiv(max_query_len, block_q)
+    tiles, seqs, flat = query_tiles(batch, num_tokens, max_query_len, block_q)
     write_partials = num_splits > 1
     if write_partials:
         part_acc = torch.empty(
@@ -448,7 +489,7 @@ def paged_attention(
         part_acc = part_ml = out  # unused by the kernel when WRITE_PARTIALS is off
 
     pdl = pdl_launch_args(query.device)
-    _paged_attention_kernel[(q_tiles, batch, num_kv_heads * num_splits)](
+    _paged_attention_kernel[(tiles, seqs, num_kv_heads * num_splits)](
         query,
         k_cache,
         v_cache,
@@ -480,8 +521,10 @@ def paged_attention(
         head_dim,
         block_size,
         num_splits,
+        batch,
         KV_SCALED=k_scale is not None,
         DOT_F16=k_cache.dtype in (torch.float8_e4m3fn, torch.float8_e5m2),
+        FLAT=flat,
         GROUP=group,
         BLOCK_Q=block_q,
         BLOCK_M=block_m,
