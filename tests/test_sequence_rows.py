@@ -26,7 +26,6 @@ params_strategy = st.builds(
     repetition_penalty=st.sampled_from([1.0, 1.3]),
     presence_penalty=st.sampled_from([0.0, -1.5]),
     frequency_penalty=st.sampled_from([0.0, 0.7]),
-    min_tokens=st.sampled_from([0, 3]),
     prompt_logprobs=st.sampled_from([None, 0, 2]),
 )
 
@@ -56,7 +55,6 @@ def test_sampling_columns_are_each_rows_parameters(params: list[SamplingParams],
     np.testing.assert_array_equal(columns["top_k"], [min(max(p.top_k, 0), VOCAB) for p in expanded])
     for name in ("top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty"):
         np.testing.assert_array_equal(columns[name], np.array([getattr(p, name) for p in expanded], np.float32))
-    np.testing.assert_array_equal(rows.min_tokens[index], [p.min_tokens for p in params])
     np.testing.assert_array_equal(rows.prompt_logprobs[index], [p.prompt_logprobs is not None for p in params])
 
 

@@ -454,11 +454,7 @@ class EngineCore:
     def _complete(self, step: InFlightStep) -> None:
         """Read a launched step's tokens, append them, check the token-level stops."""
         result = self.runner.collect(step)
-        block_size = self.kv.block_size
-        for seq in step.batch.seqs:
-            # (Only a sequence whose computed tokens fill a block past those committed has one to commit.)
-            if seq.num_computed_tokens >= (seq.num_committed_blocks + 1) * block_size and not seq.is_finished:
-                self.kv.commit_computed_blocks(seq)
+        self.kv.commit_step(step.batch.seqs)
         for seq, values in result.prompt_logprobs.items():
             if seq.request_id in self.requests and seq.index == 0:
                 delta = self._delta(self.requests[seq.request_id])

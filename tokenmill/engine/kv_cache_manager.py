@@ -133,9 +133,17 @@ class KVCacheManager:
                 i -= 1
                 seq.tables_changed()
 
+    def commit_step(self, seqs: list[Sequence]) -> None:
+        """``commit_computed_blocks`` for every sequence of a step that still runs."""
+        for seq in seqs:
+            if not seq.is_finished:
+                self.commit_computed_blocks(seq)
+
     def commit_computed_blocks(self, seq: Sequence) -> None:
         """Make the sequence's newly full and computed blocks findable by later requests (in every
         group that still holds them)."""
+        if seq.num_computed_tokens < (seq.num_committed_blocks + 1) * self.block_size:
+            return  # (most steps: no block filled since the last commit)
         full = min(seq.num_computed_tokens, seq.num_tokens - seq.num_pending) // self.block_size
         if full <= seq.num_committed_blocks:
             return

@@ -204,8 +204,7 @@ class ModelRunner:
         self._followed_ids: torch.Tensor | None = None  # a following rank's last broadcast ids
         self.num_kv_groups = len(num_blocks)
         self.max_num_seqs = max_num_seqs
-        self.kv_layout = cfg.kv_layout().sharded(tp.size)
-        self.kv_tensors, self.kv_caches = allocate_kv_caches(self.kv_layout, num_blocks,
+        self.kv_tensors, self.kv_caches = allocate_kv_caches(cfg.kv_layout().sharded(tp.size), num_blocks,
                                                              block_size, kv_cache_dtype or dtype, device)
         self.sampler = Sampler()
         self.host_bitmask = HostBitmask()  # structured outputs: the grammars' masks
@@ -228,23 +227,20 @@ class ModelRunner:
     def warm_up(self, max_num_batched_tokens: int, max_model_len: int) -> None:
         """Eager forwards in the shapes that prefill steps take (chunks of 2 … the token budget, alone
         and beside a decode row, whose attention tiles are numbered differently; short chunks deep into
-        a long context, and beside enough decode rows that attention's grid holds two programs an SM,
-        which take other tiles), so that Triton compiles their kernel variants at start-up rather than
-        inside the first requests' steps.
+        a long context, and beside the most decode rows a step can hold, whose attention grid may take
+        other tiles), so that Triton compiles their kernel variants at start-up rather than inside the
+        first requests' steps.
         Every token writes to slot -1 (padding) and reads block 0: the cache is left as it was."""
         dev = self.device
         longest = max(2, min(max_num_batched_tokens - 1, max_model_len - 1))
         shapes = {(q, q, 1) for q in (2, 4, 8, 16, 64) if q < longest} | {(longest, longest, 1)}
         # Few query rows (each query-tile class under 64 rows, for GQA groups of 1 to 8): long contexts,
-        # whose KV ranges split, and short ones beside enough decode rows that attention's grid holds
-        # two programs an SM.
+        # whose KV ranges split, and short ones in the widest batch.
         few = [q for q in (2, 4, 8, 16, 32) if q < longest]
         if longest > 16:
             shapes |= {(q, max_model_len - 1, 1) for q in few}
-        sms = torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 1
-        wide = min(self.max_num_seqs - 1, max(2, -(-2 * sms // min(g.num_kv_heads for g in self.kv_layout.groups))))
-        if wide > 1:
-            shapes |= {(q, q, wide) for q in few}
+        if self.max_num_seqs > 2:
+            shapes |= {(q, q, self.max_num_seqs - 1) for q in few}
         shapes |= {(q, context, 0) for q, context, rows in list(shapes) if rows == 1}  # each chunk alone too
         for query_len, context, rows in sorted(shapes):
             total = query_len + rows

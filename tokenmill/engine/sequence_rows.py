@@ -38,7 +38,6 @@ class SequenceRows:
         self.owners: list[Sequence | None] = [None] * capacity
         self.free = list(range(capacity))
         self.sampling = np.zeros((capacity, len(SAMPLING_COLUMNS)), dtype=np.float64)
-        self.min_tokens = np.zeros(capacity, dtype=np.int64)
         self.prompt_logprobs = np.zeros(capacity, dtype=bool)
         self.tables = np.zeros((num_groups, capacity, 1), dtype=np.int32)
         self.table_lens = np.zeros(capacity, dtype=np.int64)
@@ -73,7 +72,6 @@ class SequenceRows:
         self.owners[row] = seq
         params = seq.params
         self.sampling[row] = sampling_row(params, self.vocab_size)
-        self.min_tokens[row] = params.min_tokens
         self.prompt_logprobs[row] = params.prompt_logprobs is not None
         self._write_tables(seq, row)
 
@@ -101,7 +99,6 @@ class SequenceRows:
         self.owners += [None] * old
         self.free = list(range(old, 2 * old))
         self.sampling = np.concatenate([self.sampling, np.zeros_like(self.sampling)])
-        self.min_tokens = np.concatenate([self.min_tokens, np.zeros_like(self.min_tokens)])
         self.prompt_logprobs = np.concatenate([self.prompt_logprobs, np.zeros_like(self.prompt_logprobs)])
         self.tables = np.concatenate([self.tables, np.zeros_like(self.tables)], axis=1)
         self.table_lens = np.concatenate([self.table_lens, np.zeros_like(self.table_lens)])
