@@ -309,8 +309,10 @@ def _unit_in_last_place(x: torch.Tensor, cache_dtype: torch.dtype) -> torch.Tens
 
 def check_quantized_attention(ops, *, specs: list[tuple[int, int]], num_q_heads: int, num_kv_heads: int,
                               head_dim: int, dtype: torch.dtype, cache_dtype: torch.dtype, device: str,
-                              sliding_window: int | None = None, num_splits: int | None = None) -> None:
-    """Attention over a quantized cache against the reference reading the same bytes and scales."""
+                              sliding_window: int | None = None, num_splits: int | None = None,
+                              value_magnitude: float = 1.0) -> None:
+    """Attention over a quantized cache against the reference reading the same bytes and scales; values
+    of ``value_magnitude`` (small ones: scales far below one)."""
     gen, seed = fresh_generator(device)
     block_size = 16
     blocks_per_seq = [-(-ctx // block_size) for _, ctx in specs]
@@ -325,8 +327,8 @@ def check_quantized_attention(ops, *, specs: list[tuple[int, int]], num_q_heads:
         pos = torch.arange(ctx, device=device)
         slots = tables[b, pos // block_size].long() * block_size + pos % block_size
         reference.write_kv_cache(_randn((ctx, num_kv_heads, head_dim), dtype, device, gen) * 2,
-                                 _randn((ctx, num_kv_heads, head_dim), dtype, device, gen), k_cache, v_cache, slots,
-                                 k_scale, v_scale)
+                                 _randn((ctx, num_kv_heads, head_dim), dtype, device, gen) * value_magnitude,
+                                 k_cache, v_cache, slots, k_scale, v_scale)
     q_lens = [q for q, _ in specs]
     query_start_loc = torch.tensor([0] + list(itertools.accumulate(q_lens)), dtype=torch.int32, device=device)
     seq_lens = torch.tensor([ctx for _, ctx in specs], dtype=torch.int32, device=device)

@@ -234,11 +234,12 @@ def test_every_kernel_compiles_for_hopper(monkeypatch: pytest.MonkeyPatch) -> No
     assert {("_paged_attention_kernel", "SOFTCAP", True), ("_paged_attention_kernel", "BLOCK_D", 512),
             ("_rms_norm_kernel", "ADD_AFTER", True), ("_act_and_mul_kernel", "GELU_TANH", True),
             ("_rope_write_kv_kernel", "BLOCK_D", 512), ("_gemv_kernel", "GELU", True)} <= variants
-    assert {("_paged_attention_kernel", "KV_SCALED", True), ("_rope_write_kv_kernel", "QUANTIZED", True),
+    assert {("_paged_attention_kernel", "KV_SCALED", True), ("_paged_attention_kernel", "DOT_F16", True),
+            ("_rope_write_kv_kernel", "QUANTIZED", True),
             ("_rope_write_kv_kernel", "STATIC_AMAX", True), ("_rms_norm_kernel", "SCALE_AFTER", True),
             ("_gemv_kernel", "Q8", True)} <= {
         (launch.fn.__name__, key, launch.constexprs.get(key)) for launch in launches
-        for key in ("KV_SCALED", "QUANTIZED", "STATIC_AMAX", "SCALE_AFTER", "Q8")}
+        for key in ("KV_SCALED", "DOT_F16", "QUANTIZED", "STATIC_AMAX", "SCALE_AFTER", "Q8")}
     for kernel, weightings in (("_rms_norm_kernel", {0, 1, 2, 3}), ("_rope_write_kv_kernel", {0, 1, 2}),
                                ("_gemv_kernel", {0, 1, 2})):
         assert {(kernel, "WEIGHTING", w) for w in weightings} <= variants, kernel

@@ -277,6 +277,14 @@ def test_quantized_attention(cache_dtype, dtype, specs, window, splits) -> None:
                                     num_splits=splits)
 
 
+@pytest.mark.parametrize("cache_dtype", QUANTIZED_KV, ids=str)
+def test_quantized_attention_over_small_values(cache_dtype) -> None:
+    """Values of 1e-4 (scales near 1e-7): probabilities weighed by them stay out of float16's subnormals."""
+    cases.check_quantized_attention(triton_ops, specs=[(1, 900), (5, 300)], num_q_heads=32, num_kv_heads=8,
+                                    head_dim=128, dtype=torch.bfloat16, cache_dtype=cache_dtype, device="cuda",
+                                    value_magnitude=1e-4)
+
+
 def test_rotary_embedding_and_write_kv_casts_to_the_cache_dtype() -> None:
     cases.check_rope_write_kv(triton_ops, num_tokens=50, num_q_heads=8, num_kv_heads=2, head_dim=128,
                               dtype=torch.float32, cache_dtype=torch.bfloat16, device="cuda")

@@ -181,9 +181,11 @@ def _paged_attention_kernel(
         other=0.0,
     )
     if DOT_F16:
-        # A float8 cache: the dots run in float16, which every float8 value converts to exactly and
-        # cheaply (two a packed instruction; to bfloat16 each goes through the conversion unit, a
-        # sixteenth of the SM's rate). A bfloat16 query converts exactly unless past float16's range.
+        # A float8 cache under a 16-bit query: the dots run in float16, which every float8 value
+        # converts to exactly and cheaply (two a packed instruction; to bfloat16 each goes through the
+        # conversion unit, a sixteenth of the SM's rate). A bfloat16 query keeps its 8 bits of mantissa
+        # from 2^-14 to float16's largest value (clamped there); below, it loses bits worth under
+        # 2^-24 each beside scores of order one.
         q = tl.clamp(q.to(tl.float32), -65504.0, 65504.0).to(tl.float16)
 
     # Keys this tile can see: causal upper bound from its last token, window lower
@@ -256,12 +258,18 @@ def _paged_attention_kernel(
             other=0.0,
         ).to(q.dtype)
         pw = p
-        if KV_SCALED:  # each value's scale weighs its probability (the sum l_i keeps the unweighted p)
-            pw = p * vs[None, :]
+        if KV_SCALED:
+            # Each value's scale weighs its probability (the sum l_i keeps the unweighted p), relative
+            # to the tile's largest scale: the weights stay in [0, 1], where p times a small scale would
+            # fall among float16's subnormals, and the largest scale multiplies the tile's sum instead.
+            v_unit = tl.maximum(tl.max(vs, axis=0), 1e-30)
+            pw = p * (vs * (1.0 / v_unit))[None, :]
         if IEEE_DOT:
             pv = tl.dot(pw.to(v.dtype), v, input_precision="ieee")
         else:
             pv = tl.dot(pw.to(v.dtype), v)
+        if KV_SCALED:
+            pv = pv * v_unit
         acc = acc * alpha[:, None] + pv
         m_i = m_new
 
@@ -523,7 +531,7 @@ def paged_attention(
         num_splits,
         batch,
         KV_SCALED=k_scale is not None,
-        DOT_F16=k_cache.dtype in (torch.float8_e4m3fn, torch.float8_e5m2),
+        DOT_F16=k_cache.dtype in (torch.float8_e4m3fn, torch.float8_e5m2) and query.dtype != torch.float32,
         FLAT=flat,
         GROUP=group,
         BLOCK_Q=block_q,
