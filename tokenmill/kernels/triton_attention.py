@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tokenmill.kernels.triton_launch import num_sms, pdl_launch_args, wait_for_previous_kernel
+from tokenmill.kernels.triton_launch import interpreted, num_sms, pdl_launch_args, wait_for_previous_kernel
 
 _LOG2E = 1.4426950408889634
 _MINUS_2_LOG2E = tl.constexpr(-2.0 * _LOG2E)
@@ -49,6 +49,40 @@ def _tanh(x):
     e = tl.exp2(tl.abs(x) * _MINUS_2_LOG2E)
     t = (1.0 - e) / (1.0 + e)
     return tl.where(x < 0.0, -t, t)
+
+
+# Four one-byte cache values (one 32-bit register) to four float16 (two), exactly: float8 through
+# the packed conversion; int8 b as the float16 of bits 0x64 | (b ^ 0x80), which is 1152 + b, less 1152.
+_E4M3_TO_F16 = tl.constexpr("{ .reg .b16 lo, hi; mov.b32 {lo, hi}, $2; cvt.rn.f16x2.e4m3x2 $0, lo; cvt.rn.f16x2.e4m3x2 $1, hi; }")
+_E5M2_TO_F16 = tl.constexpr("{ .reg .b16 lo, hi; mov.b32 {lo, hi}, $2; cvt.rn.f16x2.e5m2x2 $0, lo; cvt.rn.f16x2.e5m2x2 $1, hi; }")
+_INT8_TO_F16 = tl.constexpr("{ .reg .b32 t, lo, hi, bias; xor.b32 t, $2, 0x80808080; prmt.b32 lo, t, 0x64646464, 0x4140; "
+                             "prmt.b32 hi, t, 0x64646464, 0x4342; mov.b32 bias, 0x64806480; sub.f16x2 $0, lo, bias; "
+                             "sub.f16x2 $1, hi, bias; }")
+
+
+@triton.jit
+def _to_f16(x, PTX: tl.constexpr):
+    """A one-byte cache tile in float16 (exact). On the GPU through PTX the compiler cannot move: a
+    plain conversion it moves past the tile's trip through shared memory into the dot's operand
+    layout, which then reads the one-byte tile a byte at a time (sm_90, Triton 3.6: 64 LDS.U8 an
+    iteration, 250 registers); converted where written, the tile is stored in float16 and read back by
+    ldmatrix, as a 16-bit cache's is. The interpreter runs no PTX: there the plain conversion, same
+    values."""
+    if not PTX:
+        y = x.to(tl.float16)
+    elif x.dtype == tl.float8e4nv:
+        y = _ptx_to_f16(x, _E4M3_TO_F16)
+    elif x.dtype == tl.float8e5:
+        y = _ptx_to_f16(x, _E5M2_TO_F16)
+    else:
+        y = _ptx_to_f16(x, _INT8_TO_F16)
+    return y
+
+
+@triton.jit
+def _ptx_to_f16(x, ASM: tl.constexpr):
+    return tl.inline_asm_elementwise(ASM, "=r,=r,r", [x.to(tl.uint8, bitcast=True)], dtype=tl.float16,
+                                     is_pure=False, pack=4)
 
 
 @triton.jit
@@ -136,6 +170,7 @@ def _paged_attention_kernel(
     batch,
     KV_SCALED: tl.constexpr,
     DOT_F16: tl.constexpr,
+    PTX: tl.constexpr,
     FLAT: tl.constexpr,
     GROUP: tl.constexpr,
     BLOCK_Q: tl.constexpr,
@@ -181,11 +216,11 @@ def _paged_attention_kernel(
         other=0.0,
     )
     if DOT_F16:
-        # A float8 cache under a 16-bit query: the dots run in float16, which every float8 value
-        # converts to exactly and cheaply (two a packed instruction; to bfloat16 each goes through the
-        # conversion unit, a sixteenth of the SM's rate). A bfloat16 query keeps its 8 bits of mantissa
-        # from 2^-14 to float16's largest value (clamped there); below, it loses bits worth under
-        # 2^-24 each beside scores of order one.
+        # A one-byte cache under a 16-bit query: the dots run in float16, which every int8 and float8
+        # value converts to exactly and cheaply (float8 two a packed instruction; to bfloat16 each goes
+        # through the conversion unit, a sixteenth of the SM's rate). A bfloat16 query keeps its 8 bits
+        # of mantissa from 2^-14 to float16's largest value (clamped there); below, it loses bits worth
+        # under 2^-24 each beside scores of order one.
         q = tl.clamp(q.to(tl.float32), -65504.0, 65504.0).to(tl.float16)
 
     # Keys this tile can see: causal upper bound from its last token, window lower
@@ -227,7 +262,8 @@ def _paged_attention_kernel(
             k_cache_ptr + k_off[None, :] + dims[:, None],
             mask=n_valid[None, :] & dim_valid[:, None],
             other=0.0,
-        ).to(q.dtype)
+        )
+        k = _to_f16(k, PTX) if DOT_F16 else k.to(q.dtype)
         if IEEE_DOT:
             qk = tl.dot(q, k, input_precision="ieee")
         else:
@@ -256,7 +292,8 @@ def _paged_attention_kernel(
             v_cache_ptr + v_off[:, None] + dims[None, :],
             mask=n_valid[:, None] & dim_valid[None, :],
             other=0.0,
-        ).to(q.dtype)
+        )
+        v = _to_f16(v, PTX) if DOT_F16 else v.to(q.dtype)
         pw = p
         if KV_SCALED:
             # Each value's scale weighs its probability (the sum l_i keeps the unweighted p), relative
@@ -370,7 +407,10 @@ def _tile_config(block_d: int, group: int, max_query_len: int, elem_bytes: int, 
       64 keys in 4 stages: 32 x 4k 136 against 191 us, 32 x 192 9.9 against 10.6; 128 x 192 42.5
       against 34.4, 64 x 8k and 64 x 2k within 1% of each other; 64 keys in 2 stages, the tile
       before, lost 6-30% to the better of the two at every point; attention-splits-315ca5f. In
-      the engine, Llama-3-8B at batch 64 over 8k tokens: 22.4 ms a step against 27.8).
+      the engine, Llama-3-8B at batch 64 over 8k tokens: 22.4 ms a step against 27.8). Over a
+      one-byte (int8, float8) cache such a program reads 128 keys in 3 stages at every grid size
+      (16 x 4k: 84.5 us against 130 for 64 keys in 2 stages; 64 x 8k: 560 against 952 for 64 keys in
+      4 stages, the best of every tile at both points; h200-2026-12-01/kv-ptx-convert).
     - 256, decode: 64 keys, 4 warps, 2 stages (batch 64 at 2k context, group 2: 290 us,
       3.7 TB/s; 32 keys took 366 us). Prefill (64 rows): 32 keys, 4 warps, 3 stages,
       128-204 TFLOP/s against 89-106 for 8 warps and 2 stages; 64 keys at 4 warps spill.
@@ -386,7 +426,9 @@ def _tile_config(block_d: int, group: int, max_query_len: int, elem_bytes: int, 
     block_m = _block_rows(group, max_query_len)
     if block_d <= 128:
         block_n, num_warps, num_stages = 64, 4, 2
-        if num_splits == 1 and block_m < 64:
+        if num_splits == 1 and block_m < 64 and elem_bytes == 1:
+            block_n, num_stages = 128, 3
+        elif num_splits == 1 and block_m < 64:
             block_n, num_stages = (128, 2) if programs_per_sm < 2 else (64, 4)
     elif block_d <= 256:
         block_n, num_warps, num_stages = (64, 4, 2) if block_m < 64 else (32, 4, 3)
@@ -531,7 +573,8 @@ def paged_attention(
         num_splits,
         batch,
         KV_SCALED=k_scale is not None,
-        DOT_F16=k_cache.dtype in (torch.float8_e4m3fn, torch.float8_e5m2) and query.dtype != torch.float32,
+        DOT_F16=k_cache.element_size() == 1 and query.dtype != torch.float32,
+        PTX=not interpreted(),
         FLAT=flat,
         GROUP=group,
         BLOCK_Q=block_q,

@@ -25,9 +25,14 @@ import triton
 import triton.language as tl
 
 
+def interpreted() -> bool:
+    """Whether Triton runs kernels in its CPU interpreter, which runs no PTX."""
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
 @functools.cache
 def pdl_supported(device_index: int) -> bool:
-    if os.environ.get("TRITON_INTERPRET") == "1" or os.environ.get("TOKENMILL_PDL", "1") == "0":
+    if interpreted() or os.environ.get("TOKENMILL_PDL", "1") == "0":
         return False
     return torch.cuda.get_device_capability(device_index)[0] >= 9
 
