@@ -112,3 +112,13 @@ def test_cli_chat_answers_each_line(capsys, monkeypatch) -> None:
 def test_cli_reports_bad_input_without_a_traceback(capsys) -> None:
     assert cli_main(["generate", "def f():", "--max-tokens", "0", "--device", "cpu"]) == 2
     assert "max_tokens must be in [1, " in capsys.readouterr().err
+
+
+def test_a_corrupt_tokenizer_file_is_a_clear_error(tmp_path) -> None:
+    """A tokenizer file that cannot be parsed fails the engine's construction with an error naming
+    the directory and what failed, not a bare decoder error from inside transformers."""
+    for name in DEFAULT_MODEL_DIR.iterdir():
+        (tmp_path / name.name).write_bytes(name.read_bytes())
+    (tmp_path / "tokenizer.json").write_text("{ not json")
+    with pytest.raises(ValueError, match=f"cannot load the tokenizer of {tmp_path}: JSONDecodeError"):
+        LLMEngine(EngineConfig(model=str(tmp_path), device="cpu", max_num_seqs=2))

@@ -16,15 +16,20 @@ _CONTEXT_TOKENS = 5
 
 def load_tokenizer(model_dir: str | Path) -> Any | None:
     """The model's own tokenizer (fast, with its chat template), or None when the directory
-    ships none (the engine then takes token ids only); a GGUF file's from its metadata."""
+    ships none (the engine then takes token ids only); a GGUF file's from its metadata.
+    transformers (seconds to import) is imported only when there is a tokenizer to build."""
+    model_dir = Path(model_dir)
+    is_gguf = model_dir.suffix.lower() == ".gguf"
+    if not is_gguf and not any((model_dir / name).is_file() for name in _TOKENIZER_FILES):
+        return None
     from transformers import AutoTokenizer
 
-    model_dir = Path(model_dir)
-    if model_dir.suffix.lower() == ".gguf":  # rebuilt from the file's metadata, as transformers does
-        return AutoTokenizer.from_pretrained(str(model_dir.parent), gguf_file=model_dir.name)
-    if not any((model_dir / name).is_file() for name in _TOKENIZER_FILES):
-        return None
-    return AutoTokenizer.from_pretrained(str(model_dir))
+    try:
+        if is_gguf:  # rebuilt from the file's metadata, as transformers does
+            return AutoTokenizer.from_pretrained(str(model_dir.parent), gguf_file=model_dir.name)
+        return AutoTokenizer.from_pretrained(str(model_dir))
+    except (OSError, ValueError) as exc:  # a corrupt or unreadable file, named by what failed
+        raise ValueError(f"cannot load the tokenizer of {model_dir}: {type(exc).__name__}: {exc}") from exc
 
 
 def invalid_unicode_at(text: str) -> int | None:
