@@ -410,7 +410,7 @@ def _tile_config(block_d: int, group: int, max_query_len: int, elem_bytes: int, 
       the engine, Llama-3-8B at batch 64 over 8k tokens: 22.4 ms a step against 27.8). Over a
       one-byte (int8, float8) cache such a program reads 128 keys in 3 stages at every grid size
       (16 x 4k: 84.5 us against 130 for 64 keys in 2 stages; 64 x 8k: 560 against 952 for 64 keys in
-      4 stages, the best of every tile at both points; h200-2026-12-01/kv-ptx-convert).
+      4 stages, the best of every tile at both points; h200-2026-12-01/kv-ptx-convert-313c5e4).
     - 256, decode: 64 keys, 4 warps, 2 stages (batch 64 at 2k context, group 2: 290 us,
       3.7 TB/s; 32 keys took 366 us). Prefill (64 rows): 32 keys, 4 warps, 3 stages,
       128-204 TFLOP/s against 89-106 for 8 warps and 2 stages; 64 keys at 4 warps spill.
