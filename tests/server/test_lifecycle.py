@@ -20,6 +20,7 @@ import httpx
 import openai
 import pytest
 
+from tokenmill.engine import async_llm
 from tokenmill.engine.async_llm import AsyncLLM
 
 from .conftest import MAX_MODEL_LEN, MODEL_NAME, LiveServer, small_engine_config, with_app
@@ -264,6 +265,25 @@ def test_a_core_that_dies_before_any_request_turns_health_503(model_dir: Path) -
         with_app(engine, test)
     finally:
         engine.close()
+
+
+def test_a_tokenizer_that_fails_while_the_core_starts_stops_the_core(model_dir: Path, tmp_path: Path,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """The front end loads its tokenizer while the core process starts; when that load fails, the
+    caller gets its error and the core process is gone, not left running."""
+    for name in model_dir.iterdir():
+        (tmp_path / name.name).write_bytes(name.read_bytes())
+    (tmp_path / "tokenizer.json").write_text("{ not json")
+    real, started = async_llm.CoreClient, []
+
+    def recording(*args, **kwargs):
+        started.append(real(*args, **kwargs))
+        return started[-1]
+
+    monkeypatch.setattr(async_llm, "CoreClient", recording)
+    with pytest.raises(ValueError, match="cannot load the tokenizer"):
+        AsyncLLM(small_engine_config(tmp_path))
+    assert started and not started[0].process.is_alive()
 
 
 def test_a_core_process_with_speculative_decoding_serves_the_same_text(server: LiveServer, model_dir: Path) -> None:

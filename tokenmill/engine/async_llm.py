@@ -126,12 +126,16 @@ class AsyncLLM:
         self.config = config
         self.max_waiting = max_waiting
         self.client = CoreClient(config, in_thread=core_in_thread)
-        ready = self.client.ready
+        try:  # the tokenizer (transformers' import: seconds) loads while the core process starts
+            self.tokenizer = load_tokenizer(model_dir_of(config))
+        except BaseException:
+            self.client.shutdown()
+            raise
+        ready = self.client.wait_ready()
         self.max_model_len = ready.max_model_len
         self.vocab_size = ready.vocab_size
         self.kv_cache_dtype = ready.kv_cache_dtype
         self.kv_capacity_tokens = ready.kv_capacity_tokens
-        self.tokenizer = load_tokenizer(model_dir_of(config))
         self.inputs = InputProcessor(self.tokenizer, ModelLimits(ready.vocab_size, ready.max_model_len))
         self.outputs = OutputProcessor(self.tokenizer)
         self.stats = CoreStats()

@@ -146,7 +146,8 @@ class CoreClient:
     """Starts the core (process or thread), owns both sockets, and knows whether it lives.
 
     ``send`` never blocks; outputs are read with ``output_socket`` (wrap it for asyncio).
-    Start-up blocks until the core reports ready, and raises ``ValueError`` for a bad
+    The constructor starts the core and returns; ``wait_ready`` blocks until the core reports
+    ready (the caller does its own start-up meanwhile), and raises ``ValueError`` for a bad
     configuration (as the in-process engine would) or ``CoreStartupError``.
     """
 
@@ -182,8 +183,11 @@ class CoreClient:
                 target=run_core_process, name="tokenmill-core", daemon=True,
                 args=(config, input_address, output_address, os.getpid(), logging.getLogger().getEffectiveLevel()))
             self.process.start()
+
+    def wait_ready(self) -> CoreReady:
+        """The core's ready report; on a failed start-up the core is shut down and the error raised."""
         try:
-            self.ready = self._wait_ready()
+            return self._wait_ready()
         except BaseException:
             self.shutdown()
             raise
