@@ -23,7 +23,8 @@ import torch
 import triton
 import triton.language as tl
 
-from tokenmill.kernels.triton_launch import interpreted, num_sms, pdl_launch_args, wait_for_previous_kernel
+from tokenmill.kernels.triton_convert import ptx_conversions, to_f16
+from tokenmill.kernels.triton_launch import num_sms, pdl_launch_args, wait_for_previous_kernel
 
 _LOG2E = 1.4426950408889634
 _MINUS_2_LOG2E = tl.constexpr(-2.0 * _LOG2E)
@@ -49,40 +50,6 @@ def _tanh(x):
     e = tl.exp2(tl.abs(x) * _MINUS_2_LOG2E)
     t = (1.0 - e) / (1.0 + e)
     return tl.where(x < 0.0, -t, t)
-
-
-# Four one-byte cache values (one 32-bit register) to four float16 (two), exactly: float8 through
-# the packed conversion; int8 b as the float16 of bits 0x64 | (b ^ 0x80), which is 1152 + b, less 1152.
-_E4M3_TO_F16 = tl.constexpr("{ .reg .b16 lo, hi; mov.b32 {lo, hi}, $2; cvt.rn.f16x2.e4m3x2 $0, lo; cvt.rn.f16x2.e4m3x2 $1, hi; }")
-_E5M2_TO_F16 = tl.constexpr("{ .reg .b16 lo, hi; mov.b32 {lo, hi}, $2; cvt.rn.f16x2.e5m2x2 $0, lo; cvt.rn.f16x2.e5m2x2 $1, hi; }")
-_INT8_TO_F16 = tl.constexpr("{ .reg .b32 t, lo, hi, bias; xor.b32 t, $2, 0x80808080; prmt.b32 lo, t, 0x64646464, 0x4140; "
-                             "prmt.b32 hi, t, 0x64646464, 0x4342; mov.b32 bias, 0x64806480; sub.f16x2 $0, lo, bias; "
-                             "sub.f16x2 $1, hi, bias; }")
-
-
-@triton.jit
-def _to_f16(x, PTX: tl.constexpr):
-    """A one-byte cache tile in float16 (exact). On the GPU through PTX the compiler cannot move: a
-    plain conversion it moves past the tile's trip through shared memory into the dot's operand
-    layout, which then reads the one-byte tile a byte at a time (sm_90, Triton 3.6: 64 LDS.U8 an
-    iteration, 250 registers); converted where written, the tile is stored in float16 and read back by
-    ldmatrix, as a 16-bit cache's is. The interpreter runs no PTX: there the plain conversion, same
-    values."""
-    if not PTX:
-        y = x.to(tl.float16)
-    elif x.dtype == tl.float8e4nv:
-        y = _ptx_to_f16(x, _E4M3_TO_F16)
-    elif x.dtype == tl.float8e5:
-        y = _ptx_to_f16(x, _E5M2_TO_F16)
-    else:
-        y = _ptx_to_f16(x, _INT8_TO_F16)
-    return y
-
-
-@triton.jit
-def _ptx_to_f16(x, ASM: tl.constexpr):
-    return tl.inline_asm_elementwise(ASM, "=r,=r,r", [x.to(tl.uint8, bitcast=True)], dtype=tl.float16,
-                                     is_pure=False, pack=4)
 
 
 @triton.jit
@@ -263,7 +230,7 @@ def _paged_attention_kernel(
             mask=n_valid[None, :] & dim_valid[:, None],
             other=0.0,
         )
-        k = _to_f16(k, PTX) if DOT_F16 else k.to(q.dtype)
+        k = to_f16(k, PTX) if DOT_F16 else k.to(q.dtype)
         if IEEE_DOT:
             qk = tl.dot(q, k, input_precision="ieee")
         else:
@@ -293,7 +260,7 @@ def _paged_attention_kernel(
             mask=n_valid[:, None] & dim_valid[None, :],
             other=0.0,
         )
-        v = _to_f16(v, PTX) if DOT_F16 else v.to(q.dtype)
+        v = to_f16(v, PTX) if DOT_F16 else v.to(q.dtype)
         pw = p
         if KV_SCALED:
             # Each value's scale weighs its probability (the sum l_i keeps the unweighted p), relative
@@ -574,7 +541,7 @@ def paged_attention(
         batch,
         KV_SCALED=k_scale is not None,
         DOT_F16=k_cache.element_size() == 1 and query.dtype != torch.float32,
-        PTX=not interpreted(),
+        PTX=ptx_conversions(),
         FLAT=flat,
         GROUP=group,
         BLOCK_Q=block_q,

@@ -33,6 +33,7 @@ import triton.language as tl
 
 from tokenmill.kernels.q8_0 import Q8Weight
 from tokenmill.kernels.triton_activation import gate_activation
+from tokenmill.kernels.triton_convert import ptx_conversions, to_f16
 from tokenmill.kernels.triton_launch import pdl_launch_args, wait_for_previous_kernel
 from tokenmill.kernels.triton_norm import WEIGHTINGS, weigh
 
@@ -59,12 +60,14 @@ SHAPE_TILES = {
 
 
 @triton.jit
-def _row_dots(w, xf, s_rows, k0, n_ok, K, Q8: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def _row_dots(w, xf, s_rows, k0, n_ok, K, Q8: tl.constexpr, PTX: tl.constexpr, BLOCK_N: tl.constexpr,
+              BLOCK_K: tl.constexpr):
     """The tile's ``BLOCK_N`` partial dot products with the row ``xf`` ``[1, BLOCK_K]`` (float32). With
     Q8, each block of 32 int8 values is summed against ``x`` first and times its scale once: the
-    scales, a row's ``BLOCK_K / 32`` consecutive float16s, cost one load and one multiply a block."""
+    scales, a row's ``BLOCK_K / 32`` consecutive float16s, cost one load and one multiply a block;
+    the values reach float32 through float16 (``to_f16``), not the conversion unit."""
     if Q8:
-        sums = tl.sum(tl.reshape(w.to(tl.float32), (BLOCK_N, BLOCK_K // 32, 32))
+        sums = tl.sum(tl.reshape(to_f16(w, PTX).to(tl.float32), (BLOCK_N, BLOCK_K // 32, 32))
                       * tl.reshape(xf, (1, BLOCK_K // 32, 32)), axis=2)
         kb = k0 // 32 + tl.arange(0, BLOCK_K // 32)
         scale = tl.load(s_rows + kb[None, :], mask=n_ok[:, None] & (kb[None, :] < K // 32), other=0.0)
@@ -76,7 +79,7 @@ def _row_dots(w, xf, s_rows, k0, n_ok, K, Q8: tl.constexpr, BLOCK_N: tl.constexp
 def _gemv_kernel(x_ptr, norm_w_ptr, w_ptr, w_scale_ptr, bias_ptr, res_ptr, out_ptr,
                  N, K, stride_w, stride_s, eps,
                  NORM: tl.constexpr, WEIGHTING: tl.constexpr, GATED: tl.constexpr, GELU: tl.constexpr,
-                 ADD_RES: tl.constexpr, HAS_BIAS: tl.constexpr, Q8: tl.constexpr,
+                 ADD_RES: tl.constexpr, HAS_BIAS: tl.constexpr, Q8: tl.constexpr, PTX: tl.constexpr,
                  PDL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ROW_TILES: tl.constexpr):
     """A program owns ``ROW_TILES`` consecutive tiles of ``BLOCK_N`` rows: with more than one, the row's
     statistics are computed once for them all, and the last weight load of a tile fetches the next
@@ -138,11 +141,11 @@ def _gemv_kernel(x_ptr, norm_w_ptr, w_ptr, w_scale_ptr, bias_ptr, res_ptr, out_p
                     nw = tl.load(norm_w_ptr + ks, mask=(ks < K) & (WEIGHTING != 3), other=0.0).to(tl.float32)
                     x = weigh(x.to(tl.float32) * rstd, nw, WEIGHTING).to(x.dtype)
             xf = x.to(tl.float32)[None, :]
-            acc += _row_dots(w, xf, s_rows, k0, n_ok, K, Q8, BLOCK_N, BLOCK_K)
+            acc += _row_dots(w, xf, s_rows, k0, n_ok, K, Q8, PTX, BLOCK_N, BLOCK_K)
             w = w_next
             if GATED:
                 u_next = tl.load(u_nxt, mask=nxt_mask, other=0.0, eviction_policy="evict_first")
-                acc_u += _row_dots(u, xf, t_rows, k0, n_ok, K, Q8, BLOCK_N, BLOCK_K)
+                acc_u += _row_dots(u, xf, t_rows, k0, n_ok, K, Q8, PTX, BLOCK_N, BLOCK_K)
                 u = u_next
 
         out_ty = out_ptr.dtype.element_ty
@@ -193,7 +196,7 @@ def _gemv(x: torch.Tensor, weight: torch.Tensor | Q8Weight, bias: torch.Tensor |
         bias if bias is not None else weight, residual if residual is not None else out, out,
         n, k, weight.stride(0), scales.stride(0) if scales is not None else 0, float(eps),
         NORM=norm_weight is not None, WEIGHTING=WEIGHTINGS[weighting], GATED=gated, GELU=activation == "gelu_tanh",
-        ADD_RES=residual is not None, HAS_BIAS=bias is not None, Q8=scales is not None,
+        ADD_RES=residual is not None, HAS_BIAS=bias is not None, Q8=scales is not None, PTX=ptx_conversions(),
         BLOCK_N=block_n, BLOCK_K=block_k, ROW_TILES=row_tiles, num_warps=num_warps,
         **pdl_launch_args(x.device),
     )

@@ -12,6 +12,7 @@ import triton
 import triton.language as tl
 
 from tokenmill.kernels.q8_0 import BLOCK, Q8Weight
+from tokenmill.kernels.triton_convert import ptx_conversions, to_f16
 from tokenmill.kernels.triton_launch import pdl_launch_args, wait_for_previous_kernel
 
 
@@ -23,7 +24,7 @@ TILES = ((16, 16, 32, 512, 4, 3), (32, 32, 32, 256, 4, 4), (128, 64, 64, 128, 4,
 
 @triton.jit(do_not_specialize=["M"])  # the row count changes with every batch
 def _q8_matmul_kernel(x_ptr, w_ptr, s_ptr, bias_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_sn, stride_om,
-                      HAS_BIAS: tl.constexpr, IEEE_DOT: tl.constexpr, PDL: tl.constexpr,
+                      HAS_BIAS: tl.constexpr, IEEE_DOT: tl.constexpr, PTX: tl.constexpr, PDL: tl.constexpr,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                       NUM_STAGES: tl.constexpr):
     wait_for_previous_kernel(PDL)
@@ -41,8 +42,9 @@ def _q8_matmul_kernel(x_ptr, w_ptr, s_ptr, bias_ptr, out_ptr, M, N, K, stride_xm
         x = tl.load(x_rows + ks[None, :], mask=(rows[:, None] < M) & (ks[None, :] < K), other=0.0)
         w = tl.load(w_rows + ks[None, :], mask=(cols[:, None] < N) & (ks[None, :] < K), other=0)  # [N, K] int8
         scale = tl.load(s_rows + kb[None, :], mask=(cols[:, None] < N) & (kb[None, :] < K // 32), other=0.0)
-        # Each value times its block's scale (a [BLOCK_N, blocks, 32] view), rounded to x's dtype.
-        blocks = tl.reshape(w.to(tl.float32), (BLOCK_N, BLOCK_K // 32, 32)) * scale.to(tl.float32)[:, :, None]
+        # Each value (through float16, not the conversion unit) times its block's scale (a
+        # [BLOCK_N, blocks, 32] view), rounded to x's dtype.
+        blocks = tl.reshape(to_f16(w, PTX).to(tl.float32), (BLOCK_N, BLOCK_K // 32, 32)) * scale.to(tl.float32)[:, :, None]
         weights = tl.trans(tl.reshape(blocks, (BLOCK_N, BLOCK_K)).to(x.dtype))
         if IEEE_DOT:
             acc += tl.dot(x, weights, input_precision="ieee")
@@ -71,7 +73,7 @@ def q8_matmul(x: torch.Tensor, weight: Q8Weight, bias: torch.Tensor | None,
     _q8_matmul_kernel[(triton.cdiv(m, block_m), triton.cdiv(n, block_n))](
         x, weight.qweight, weight.scales, bias if bias is not None else x, out, m, n, k,
         x.stride(0), weight.qweight.stride(0), weight.scales.stride(0), out.stride(0),
-        HAS_BIAS=bias is not None, IEEE_DOT=x.dtype == torch.float32,
+        HAS_BIAS=bias is not None, IEEE_DOT=x.dtype == torch.float32, PTX=ptx_conversions(),
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, NUM_STAGES=num_stages, num_warps=num_warps,
         **pdl_launch_args(x.device),
     )
