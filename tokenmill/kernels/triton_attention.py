@@ -132,7 +132,7 @@ def _paged_attention_kernel(
     bt_stride,
     num_q_heads,
     head_dim,
-    block_size,
+    block_size: tl.constexpr,  # an engine's one block size: divisions by it become shifts
     num_splits,
     batch,
     KV_SCALED: tl.constexpr,
