@@ -96,6 +96,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=64, help="attention: decode sequences (the tile follows)")
     parser.add_argument("--sms", type=int, default=132, help="attention: the GPU's SMs, which the tile and split follow")
     parser.add_argument("--query", type=int, default=1, help="attention: query tokens a sequence (a prefill chunk)")
+    parser.add_argument("--tile", help="attention: force BLOCK_M,BLOCK_N,num_warps,num_stages (else the engine's)")
     parser.add_argument("--q8", action="store_true", help="gemv: a Q8_0 weight (Llama-3-8B's gate|up shape)")
     parser.add_argument("--rows", type=int, default=128, help="q8-matmul: activation rows (the tile follows)")
     parser.add_argument("--sass", help="write the whole disassembly here")
@@ -107,6 +108,9 @@ def main() -> None:
                                                      "v_scale": torch.zeros(40, 16, heads, dtype=torch.bfloat16)}
         batch = args.batch
         triton_attention.num_sms = lambda device: args.sms  # choose as on the GPU, not as on the CPU (one SM)
+        if args.tile:
+            tile = tuple(int(v) for v in args.tile.split(","))
+            triton_attention._tile_config = lambda *_: tile
 
         q = args.query
 

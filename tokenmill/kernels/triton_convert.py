@@ -52,3 +52,31 @@ def to_f16(x, PTX: tl.constexpr):
 def _ptx_to_f16(x, ASM: tl.constexpr):
     return tl.inline_asm_elementwise(ASM, "=r,=r,r", [x.to(tl.uint8, bitcast=True)], dtype=tl.float16,
                                      is_pure=False, pack=4)
+
+
+# One 32-bit word of four int8 (the first in its low byte) in, the four values in float32 out.
+_INT8X4_TO_F32 = tl.constexpr("{ .reg .b32 t, lo, hi, bias; .reg .b16 a, b, c, d; xor.b32 t, $4, 0x80808080; "
+                              "prmt.b32 lo, t, 0x64646464, 0x4140; prmt.b32 hi, t, 0x64646464, 0x4342; "
+                              "mov.b32 bias, 0x64806480; sub.f16x2 lo, lo, bias; sub.f16x2 hi, hi, bias; "
+                              "mov.b32 {a, b}, lo; mov.b32 {c, d}, hi; cvt.f32.f16 $0, a; cvt.f32.f16 $1, b; "
+                              "cvt.f32.f16 $2, c; cvt.f32.f16 $3, d; }")
+
+
+@triton.jit
+def int8x4_to_f32(words, PTX: tl.constexpr):
+    """int8 values read four to an int32 word (``[R, W]``, little-endian) as float32 ``[R, 4 W]`` in
+    memory order. A tile loaded as int8 reaches PTX that takes four bytes a register only after the
+    compiler has taken every byte out of its load and packed them again (sm_90, Triton 3.6: about
+    three instructions a value in the Q8_0 GEMV); loaded as words, the bytes stay where they came."""
+    if PTX:
+        v0, v1, v2, v3 = tl.inline_asm_elementwise(_INT8X4_TO_F32, "=f,=f,=f,=f,r", [words],
+                                                   dtype=(tl.float32, tl.float32, tl.float32, tl.float32),
+                                                   is_pure=True, pack=1)
+    else:  # each byte sign-extended by shifts
+        v0 = ((words << 24) >> 24).to(tl.float32)
+        v1 = ((words << 16) >> 24).to(tl.float32)
+        v2 = ((words << 8) >> 24).to(tl.float32)
+        v3 = (words >> 24).to(tl.float32)
+    # [R, W, 2, 2], a join's new axis last: [.., a, b] is byte 2 a + b, the bytes in memory order.
+    values = tl.join(tl.join(v0, v2), tl.join(v1, v3))
+    return tl.reshape(values, (values.shape[0], values.shape[1] * 4))

@@ -33,7 +33,7 @@ import triton.language as tl
 
 from tokenmill.kernels.q8_0 import Q8Weight
 from tokenmill.kernels.triton_activation import gate_activation
-from tokenmill.kernels.triton_convert import ptx_conversions, to_f16
+from tokenmill.kernels.triton_convert import int8x4_to_f32, ptx_conversions
 from tokenmill.kernels.triton_launch import pdl_launch_args, wait_for_previous_kernel
 from tokenmill.kernels.triton_norm import WEIGHTINGS, weigh
 
@@ -65,35 +65,42 @@ def _row_dots(w, xf, s_rows, k0, n_ok, K, Q8: tl.constexpr, PTX: tl.constexpr, B
     """The tile's ``BLOCK_N`` partial dot products with the row ``xf`` ``[1, BLOCK_K]`` (float32). With
     Q8, each block of 32 int8 values is summed against ``x`` first and times its scale once: the
     scales, a row's ``BLOCK_K / 32`` consecutive float16s, cost one load and one multiply a block;
-    the values reach float32 through float16 (``to_f16``), not the conversion unit."""
+    the values, read four to a word, reach float32 through float16 (``int8x4_to_f32``), not the
+    conversion unit."""
     if Q8:
-        sums = tl.sum(tl.reshape(to_f16(w, PTX).to(tl.float32), (BLOCK_N, BLOCK_K // 32, 32))
+        sums = tl.sum(tl.reshape(int8x4_to_f32(w, PTX), (BLOCK_N, BLOCK_K // 32, 32))
                       * tl.reshape(xf, (1, BLOCK_K // 32, 32)), axis=2)
         kb = k0 // 32 + tl.arange(0, BLOCK_K // 32)
         scale = tl.load(s_rows + kb[None, :], mask=n_ok[:, None] & (kb[None, :] < K // 32), other=0.0)
-        return tl.sum(sums * scale.to(tl.float32), axis=1)
-    return tl.sum(xf * w.to(tl.float32), axis=1)
+        dots = tl.sum(sums * scale.to(tl.float32), axis=1)
+    else:
+        dots = tl.sum(xf * w.to(tl.float32), axis=1)
+    return dots
 
 
 @triton.jit
 def _gemv_kernel(x_ptr, norm_w_ptr, w_ptr, w_scale_ptr, bias_ptr, res_ptr, out_ptr,
                  N, K, stride_w, stride_s, eps,
                  NORM: tl.constexpr, WEIGHTING: tl.constexpr, GATED: tl.constexpr, GELU: tl.constexpr,
-                 ADD_RES: tl.constexpr, HAS_BIAS: tl.constexpr, Q8: tl.constexpr, PTX: tl.constexpr,
+                 ADD_RES: tl.constexpr, HAS_BIAS: tl.constexpr, Q8: tl.constexpr, W_PACK: tl.constexpr,
+                 PTX: tl.constexpr,
                  PDL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ROW_TILES: tl.constexpr):
     """A program owns ``ROW_TILES`` consecutive tiles of ``BLOCK_N`` rows: with more than one, the row's
     statistics are computed once for them all, and the last weight load of a tile fetches the next
     tile's first, so the stream runs on across tiles."""
     tile0 = tl.program_id(0) * ROW_TILES
     ks0 = tl.arange(0, BLOCK_K)
+    # The weight's elements: a Q8_0 weight is read as int32 words of four values (W_PACK = 4).
+    kw0 = tl.arange(0, BLOCK_K // W_PACK)
+    KW = K // W_PACK
     ns = tile0 * BLOCK_N + tl.arange(0, BLOCK_N)
-    first = (ns < N)[:, None] & (ks0[None, :] < K)
+    first = (ns < N)[:, None] & (kw0[None, :] < KW)
     w_rows = w_ptr + ns.to(tl.int64)[:, None] * stride_w
     u_rows = w_rows + N.to(tl.int64) * stride_w
-    w = tl.load(w_rows + ks0[None, :], mask=first, other=0.0, eviction_policy="evict_first")
+    w = tl.load(w_rows + kw0[None, :], mask=first, other=0.0, eviction_policy="evict_first")
     u = w
     if GATED:
-        u = tl.load(u_rows + ks0[None, :], mask=first, other=0.0, eviction_policy="evict_first")
+        u = tl.load(u_rows + kw0[None, :], mask=first, other=0.0, eviction_policy="evict_first")
     wait_for_previous_kernel(PDL)
 
     # The row's statistics, BLOCK_K at a time (a whole row of Gemma-3-27B's 5376 held at once
@@ -114,15 +121,15 @@ def _gemv_kernel(x_ptr, norm_w_ptr, w_ptr, w_scale_ptr, bias_ptr, res_ptr, out_p
         t_rows = s_rows + N.to(tl.int64) * stride_s
         # The next tile's rows and its first K tile (masked off past the program's last tile).
         later = (ns + BLOCK_N < N) & (t + 1 < ROW_TILES)
-        later_first = later[:, None] & (ks0[None, :] < K)
-        later_w = w_rows + BLOCK_N * stride_w.to(tl.int64) + ks0[None, :]
+        later_first = later[:, None] & (kw0[None, :] < KW)
+        later_w = w_rows + BLOCK_N * stride_w.to(tl.int64) + kw0[None, :]
         later_u = later_w + N.to(tl.int64) * stride_w
         acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
         acc_u = tl.zeros((BLOCK_N,), dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
             ks = k0 + ks0
-            nxt = ks + BLOCK_K
-            nxt_mask = n_ok[:, None] & (nxt[None, :] < K)
+            nxt = (k0 + BLOCK_K) // W_PACK + kw0
+            nxt_mask = n_ok[:, None] & (nxt[None, :] < KW)
             w_nxt = w_rows + nxt[None, :]
             u_nxt = u_rows + nxt[None, :]
             if ROW_TILES > 1:  # the tile's last pass fetches the next tile's first weights
@@ -191,12 +198,15 @@ def _gemv(x: torch.Tensor, weight: torch.Tensor | Q8Weight, bias: torch.Tensor |
     if tiles is None:
         tiles = TILES[kind] if scales is not None else SHAPE_TILES.get((kind, n, k), TILES[kind])
     block_n, block_k, num_warps, row_tiles = (*tiles, 1) if len(tiles) == 3 else tiles
+    w_pack = 1 if scales is None else 4  # a Q8_0 weight's int8 values read as int32 words of four
+    words = weight if w_pack == 1 else weight.view(torch.int32)
     _gemv_kernel[(triton.cdiv(triton.cdiv(n, block_n), row_tiles),)](
-        x, norm_weight if norm_weight is not None else x, weight, scales if scales is not None else weight,
+        x, norm_weight if norm_weight is not None else x, words, scales if scales is not None else weight,
         bias if bias is not None else weight, residual if residual is not None else out, out,
-        n, k, weight.stride(0), scales.stride(0) if scales is not None else 0, float(eps),
+        n, k, words.stride(0), scales.stride(0) if scales is not None else 0, float(eps),
         NORM=norm_weight is not None, WEIGHTING=WEIGHTINGS[weighting], GATED=gated, GELU=activation == "gelu_tanh",
-        ADD_RES=residual is not None, HAS_BIAS=bias is not None, Q8=scales is not None, PTX=ptx_conversions(),
+        ADD_RES=residual is not None, HAS_BIAS=bias is not None, Q8=scales is not None, W_PACK=w_pack,
+        PTX=ptx_conversions(),
         BLOCK_N=block_n, BLOCK_K=block_k, ROW_TILES=row_tiles, num_warps=num_warps,
         **pdl_launch_args(x.device),
     )
