@@ -74,6 +74,20 @@ def capture_graphs(keys: Iterable[K], prepare: Callable[[K], None], forward: Cal
     return graphs, pool
 
 
+def stage_step_inputs(static: Any, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                      padded: int) -> None:
+    """Copy a step's ids, positions, slots and block tables into a graph's static buffers (``static``'s
+    ``input_ids``, ``positions``, ``slot_mapping`` and ``block_tables``), its rows first; the padding
+    rows up to ``padded`` write nowhere (slot -1)."""
+    rows, seqs, width = input_ids.shape[0], meta.block_tables[0].shape[0], meta.block_tables[0].shape[1]
+    static.input_ids[:rows].copy_(input_ids)
+    static.positions[:rows].copy_(positions)
+    for g, (slots, table) in enumerate(zip(meta.slot_mapping, meta.block_tables)):
+        static.slot_mapping[g, :rows].copy_(slots)
+        static.block_tables[g, :seqs, :width].copy_(table)
+    static.slot_mapping[:, rows:padded].fill_(-1)
+
+
 class DecodeGraphs:
     def __init__(self, model: torch.nn.Module, kv_caches: list, num_kv_groups: int, max_num_seqs: int,
                  max_blocks_per_seq: int, block_size: int, vocab_size: int, dtype: torch.dtype,
@@ -164,13 +178,7 @@ class DecodeGraphs:
         logits and greedy token ids (views of static buffers: read before the next replay)."""
         batch = input_ids.shape[0]
         size = self.padded_size(batch)
-        width = meta.block_tables[0].shape[1]
-        self.input_ids[:batch].copy_(input_ids)
-        self.positions[:batch].copy_(positions)
-        for g, (slots, table) in enumerate(zip(meta.slot_mapping, meta.block_tables)):
-            self.slot_mapping[g, :batch].copy_(slots)
-            self.block_tables[g, :batch, :width].copy_(table)
-        self.slot_mapping[:, batch:size].fill_(-1)
+        stage_step_inputs(self, input_ids, positions, meta, size)
         self.seq_lens[:batch].copy_(meta.seq_lens)
         self.seq_lens[batch:size].fill_(1)
         self.graph_for(batch, meta.max_seq_len).replay()

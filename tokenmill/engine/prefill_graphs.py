@@ -26,7 +26,7 @@ import time
 
 import torch
 
-from tokenmill.engine.cuda_graphs import capture_graphs
+from tokenmill.engine.cuda_graphs import capture_graphs, stage_step_inputs
 from tokenmill.layers.attention import AttentionMetadata
 from tokenmill.layers.sampler import greedy_argmax
 
@@ -103,13 +103,7 @@ class PrefillGraphs:
         ``[1, vocab]`` and greedy id (views of static buffers: read before the next replay)."""
         total = input_ids.shape[0]
         size = self.padded_size(total)
-        width = meta.block_tables[0].shape[1]
-        self.input_ids[:total].copy_(input_ids)
-        self.positions[:total].copy_(positions)
-        for g, (slots, table) in enumerate(zip(meta.slot_mapping, meta.block_tables)):
-            self.slot_mapping[g, :total].copy_(slots)
-            self.block_tables[g, :, :width].copy_(table)
-        self.slot_mapping[:, total:size].fill_(-1)
+        stage_step_inputs(self, input_ids, positions, meta, size)
         self.query_start_loc.copy_(meta.query_start_loc)
         self.seq_lens.copy_(meta.seq_lens)
         self.last_row.fill_(total - 1)
