@@ -18,7 +18,8 @@
 #  `ttft-profile` = a lone 100-token prompt's time to first token, its kernels and host functions;
 #  `study-attention-short` = decode attention tiles and split counts at the static-decode and workload batches;
 #  `startup-profile` = cProfile over building a Llama-3-8B engine;
-#  `study-attention-prefill` = Llama-3-8B's prefill attention, every tile;
+#  `study-attention-prefill` = Llama-3-8B's prefill attention, every tile (`study-attention-prefill-quantized`:
+#   over int8 and fp8 caches);
 #  `study-attention-splits` = Llama-3-8B's decode attention at 1-16 KV splits from 1 to 128 sequences
 #   (`study-attention-splits-gemma`: head dim 256, groups of 2 and 8);
 #  `study-gemv-rows` = the one-row GEMV's tiles with several tiles of rows a program.)
@@ -114,6 +115,11 @@ for part in "$@"; do
       # Llama-3-8B's prefill attention (a 2,048-token prompt; four 512-token chunks over 4k contexts), every tile.
       timeout 500 python3 benchmarks/study_attention_tiles.py prefill --shapes 4 --jobs 8 \
         --out "$OUT/attention-tiles-prefill.jsonl" 2>&1 | tail -10 ;;
+    study-attention-prefill-quantized)
+      for kv in int8 fp8; do
+        timeout 250 python3 benchmarks/study_attention_tiles.py prefill --shapes 4 --kv-dtype $kv --jobs 12 \
+          --out "$OUT/attention-tiles-prefill-quantized.jsonl" 2>&1 | tail -3
+      done ;;
     study-q8)
       timeout 560 python3 benchmarks/study_q8.py --out "$OUT/study-q8.json" 2>&1 | tee "$OUT/study-q8.log" | tail -30 ;;
     kernel-profile-q8)
