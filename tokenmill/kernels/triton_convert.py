@@ -1,9 +1,9 @@
 """One-byte values (int8, float8) to float16, exactly, through inline PTX.
 
-Every int8 and float8 value is a float16, and the GPU gets there cheaply: float8 two values an
-instruction (``cvt.rn.f16x2.e4m3x2``), int8 by placing the byte's bits in a float16's mantissa
-(the float16 of bits ``0x64 | (b ^ 0x80)`` is ``1152 + b``) and subtracting 1152, four values in
-five instructions, where Triton's own conversions take the SM's conversion unit (16 values a clock)
+Every int8 and float8 value is a float16, and the GPU gets there cheaply: float8 e4m3 two values an
+instruction (``cvt.rn.f16x2.e4m3x2``), e5m2 as a float16's high byte, int8 by placing the byte's
+bits in a float16's mantissa (the float16 of bits ``0x64 | (b ^ 0x80)`` is ``1152 + b``) and
+subtracting 1152, four values in five instructions, where Triton's own conversions take the SM's conversion unit (16 values a clock)
 for each int8 value and bring float8 to bfloat16 one value at a time. The PTX is opaque to the
 compiler, which therefore leaves it where it is written: a plain conversion of a tile bound for
 ``tl.dot`` it moves past the tile's trip through shared memory, which then reads the one-byte tile
@@ -22,8 +22,9 @@ from tokenmill.kernels.triton_launch import interpreted
 # Four one-byte values (one 32-bit register) in, four float16 (two registers) out.
 _E4M3_TO_F16 = tl.constexpr("{ .reg .b16 lo, hi; mov.b32 {lo, hi}, $2; cvt.rn.f16x2.e4m3x2 $0, lo; "
                             "cvt.rn.f16x2.e4m3x2 $1, hi; }")
-_E5M2_TO_F16 = tl.constexpr("{ .reg .b16 lo, hi; mov.b32 {lo, hi}, $2; cvt.rn.f16x2.e5m2x2 $0, lo; "
-                            "cvt.rn.f16x2.e5m2x2 $1, hi; }")
+# float8 e5m2 is the high byte of the float16 of the same value: two byte permutes (no conversion
+# instruction, so any GPU; float8 e4m3 caches need compute capability 8.9, checked at start-up).
+_E5M2_TO_F16 = tl.constexpr("prmt.b32 $0, $2, 0, 0x1404; prmt.b32 $1, $2, 0, 0x3424;")
 _INT8_TO_F16 = tl.constexpr("{ .reg .b32 t, lo, hi, bias; xor.b32 t, $2, 0x80808080; prmt.b32 lo, t, 0x64646464, 0x4140; "
                             "prmt.b32 hi, t, 0x64646464, 0x4342; mov.b32 bias, 0x64806480; sub.f16x2 $0, lo, bias; "
                             "sub.f16x2 $1, hi, bias; }")
