@@ -133,6 +133,21 @@ def test_sampled_requests_compile_nothing_after_start_up(tmp_path) -> None:
     assert _compiled_kernel_variants() == before
 
 
+def test_prompts_past_the_prefill_graphs_compile_nothing_after_start_up(tmp_path) -> None:
+    """A lone prompt longer than the largest prefill graph runs eagerly in one chunk, and several
+    prompts share a step: the warm-up compiled their attention variants (the longest chunk alone is
+    left to the 64-token one's variant)."""
+    make_model_dir("llama3", tmp_path)
+    llm = LLM(str(tmp_path), device="cuda", dtype="bfloat16", max_num_seqs=8, max_model_len=4096,
+              max_num_batched_tokens=4096)
+    before = _compiled_kernel_variants()
+    g = torch.Generator().manual_seed(5)
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    llm.generate([torch.randint(0, 256, (3000,), generator=g).tolist()], params, use_tqdm=False)
+    llm.generate([torch.randint(0, 256, (n,), generator=g).tolist() for n in (700, 90, 5)], params, use_tqdm=False)
+    assert _compiled_kernel_variants() == before
+
+
 def test_graphs_match_eager_across_context_buckets_and_decode_shaped_prefill(tmp_path) -> None:
     """Contexts below and above the short-context graphs' bound (256), greedy from the graph's
     own argmax (no logprobs) and through the sampler (logprobs); then one-token prefill chunks,

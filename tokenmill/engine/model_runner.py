@@ -241,7 +241,9 @@ class ModelRunner:
             shapes |= {(q, max_model_len - 1, 1) for q in few}
         if self.max_num_seqs > 2:
             shapes |= {(q, q, self.max_num_seqs - 1) for q in few}
-        shapes |= {(q, context, 0) for q, context, rows in list(shapes) if rows == 1}  # each chunk alone too
+        # Each chunk alone too (a lone sequence's tiles are not flat), but for the longest past 64 tokens:
+        # it takes the 64-token one's attention variant and would cost a forward of the whole budget.
+        shapes |= {(q, context, 0) for q, context, rows in list(shapes) if rows == 1 and (q < longest or q <= 64)}
         for query_len, context, rows in sorted(shapes):
             total = query_len + rows
             groups = self.num_kv_groups
