@@ -193,6 +193,28 @@ def test_prefill_graphs_match_eager(arch: str, tmp_path) -> None:
     assert graphs.engine.core.runner.prefill_graphs.replays >= 6
 
 
+@pytest.mark.parametrize("arch", ["llama3", "gemma3", "gemma4-kv-shared"])
+def test_mixed_step_graphs_match_eager(arch: str, tmp_path) -> None:
+    """Several prompts at once under a 96-token budget: steps of several sequences' chunks, then chunks
+    beside sequences that decode, replayed from the mixed-step graphs (greedy and sampled rows, a
+    sequence count well under the graphs' own); tokens and logprobs are the eager engine's."""
+    make_model_dir(arch, tmp_path)
+    g = torch.Generator().manual_seed(6)
+    prompts = [torch.randint(0, 256, (n,), generator=g).tolist() for n in (3, 40, 150, 70, 9)]
+    greedy = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=2)
+    seeded = SamplingParams(temperature=0.9, top_p=0.9, seed=11, max_tokens=10, ignore_eos=True, logprobs=2)
+    params = [greedy, seeded, greedy, seeded, greedy]
+    options = dict(device="cuda", dtype="float32", max_num_batched_tokens=96, max_num_seqs=16)
+    want = LLM(str(tmp_path), enforce_eager=True, **options).generate(prompts, params, use_tqdm=False)
+    graphs = LLM(str(tmp_path), **options)
+    got = graphs.generate(prompts, params, use_tqdm=False)
+    for a, b in zip(want, got):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        for x, y in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
+            assert set(x) == set(y) and all(abs(x[t] - y[t]) < 1e-4 for t in x)
+    assert graphs.engine.core.runner.mixed_graphs.replays >= 3
+
+
 def test_logit_bias_and_full_vocabulary_logprobs_on_cuda(tmp_path) -> None:
     """The bias reaches greedy rows of CUDA-graph steps too (the graph's own argmax must not
     be taken), and matches the CPU path; logprobs=-1 gives the whole vocabulary."""

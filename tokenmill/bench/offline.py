@@ -405,14 +405,17 @@ def bench_startup(ceilings: Ceilings, shape: str = "llama3-8b") -> list[dict]:
     started = time.perf_counter()
     engine = make_engine(shape, max_num_seqs=256)
     total = time.perf_counter() - started
-    graphs, prefill = engine.core.runner.graphs, engine.core.runner.prefill_graphs
+    runner = engine.core.runner
+    graphs, prefill, mixed = runner.graphs, runner.prefill_graphs, runner.mixed_graphs
     phases = engine.startup_seconds
     rows = [{"name": f"startup/{shape}", "seconds_total": total, **phases,
              "unaccounted_seconds": total - sum(phases.values()),
              "graph_capture_seconds": graphs.capture_seconds if graphs else None,
              "graph_batch_sizes": graphs.sizes if graphs else None,
              "prefill_graph_capture_seconds": prefill.capture_seconds if prefill else None,
-             "prefill_graph_tokens": prefill.sizes if prefill else None}]
+             "prefill_graph_tokens": prefill.sizes if prefill else None,
+             "mixed_graph_capture_seconds": mixed.capture_seconds if mixed else None,
+             "mixed_graph_tokens": mixed.sizes if mixed else None}]
     rng, vocab = random.Random(0), engine.model_config.vocab_size
     cost = StepCostModel.of(engine.core.runner.model, engine.model_config)
     sampled = {"temperature": 1.0, "top_p": 0.9, "top_k": 50, "repetition_penalty": 1.1}

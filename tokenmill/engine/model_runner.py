@@ -100,7 +100,8 @@ class InFlightStep:
 
 
 # The paths a step's forward takes (every rank takes the one rank 0 chose).
-DECODE_GRAPH, VERIFY_GRAPH, PREFILL_GRAPH, EAGER = "decode_graph", "verify_graph", "prefill_graph", "eager"
+DECODE_GRAPH, VERIFY_GRAPH, PREFILL_GRAPH, MIXED_GRAPH, EAGER = (
+    "decode_graph", "verify_graph", "prefill_graph", "mixed_graph", "eager")
 
 
 @dataclass
@@ -212,16 +213,21 @@ class ModelRunner:
         self.staging = HostStaging(device)
         self.rows = SequenceRows(self.num_kv_groups, cfg.vocab_size)
         self.graphs: DecodeGraphs | None = None
-        self.prefill_graphs: PrefillGraphs | None = None
+        self.prefill_graphs: PrefillGraphs | None = None  # one sequence's prompt or chunk
+        self.mixed_graphs: PrefillGraphs | None = None  # short steps of several sequences carrying prefill
         if cuda_graphs and device.type == "cuda":
             max_blocks = -(-max_model_len // block_size)
             self.graphs = DecodeGraphs(model, self.kv_caches, len(num_blocks), max_num_seqs, max_blocks, block_size,
                                        cfg.vocab_size, dtype, device, verify_len, max_verify_seqs)
             self.graphs.capture()
-            self.prefill_graphs = PrefillGraphs(model, self.kv_caches, len(num_blocks),
-                                                min(max_num_batched_tokens, max_model_len), max_blocks,
+            budget = min(max_num_batched_tokens, max_model_len)
+            self.prefill_graphs = PrefillGraphs(model, self.kv_caches, len(num_blocks), budget, max_blocks,
                                                 cfg.vocab_size, dtype, device)
             self.prefill_graphs.capture(self.graphs.pool)
+            if max_num_seqs > 1:
+                self.mixed_graphs = PrefillGraphs(model, self.kv_caches, len(num_blocks), budget, max_blocks,
+                                                  cfg.vocab_size, dtype, device, max_seqs=max_num_seqs)
+                self.mixed_graphs.capture(self.graphs.pool)
 
     @torch.inference_mode()
     def warm_up(self, max_num_batched_tokens: int, max_model_len: int) -> None:
@@ -342,6 +348,9 @@ class ModelRunner:
         elif (self.prefill_graphs is not None and len(seqs) == 1 and self.prefill_graphs.padded_size(total)
               and not prompt_rows and rows_per_seq in ([], [1])):
             path = PREFILL_GRAPH  # one sequence's prompt or chunk: the LM head on its last row, if any
+        elif (self.mixed_graphs is not None and self.mixed_graphs.padded_size(total, len(seqs))
+              and not prompt_rows and len(logits_rows) == len(sampled)):
+            path = MIXED_GRAPH  # chunks beside decode rows, each sampling sequence one row (no drafts)
         plan = StepPlan({"input_ids": ids, "positions": positions, "slot_mapping": slots,
                          "query_start_loc": query_start, "seq_lens": seq_lens, "block_tables": tables,
                          "logits_rows": logits_rows,
@@ -374,8 +383,9 @@ class ModelRunner:
             return (logits[t["logits_rows"]], None) if plan.picks_rows else (logits, greedy_ids)
         if plan.path == VERIFY_GRAPH:
             return self.graphs.run_verify(t["input_ids"], t["positions"], meta)
-        if plan.path == PREFILL_GRAPH:
-            logits, greedy_ids = self.prefill_graphs.run(t["input_ids"], t["positions"], meta)
+        if plan.path in (PREFILL_GRAPH, MIXED_GRAPH):
+            graphs = self.prefill_graphs if plan.path == PREFILL_GRAPH else self.mixed_graphs
+            logits, greedy_ids = graphs.run(t["input_ids"], t["positions"], meta, t["logits_rows"])
             return (logits, greedy_ids) if len(plan.arrays["logits_rows"]) else (None, None)
         hidden = self.model(t["input_ids"], t["positions"], self.kv_caches, meta)
         if not len(plan.arrays["logits_rows"]):

@@ -1,21 +1,29 @@
-"""CUDA graphs for prefill steps of one sequence: a lone prompt's time to first token.
+"""CUDA graphs for steps that carry prefill: a lone prompt's time to first token, and a new
+prompt's chunk beside the sequences that decode.
 
 Launched eagerly, a prefill step is a few hundred kernels, each costing tens of
 microseconds of Python and driver time on the host: for a prompt of a few hundred
 tokens that is several times the GPU's own work, so a request arriving at an idle
-engine waits on the host. A step whose only sequence brings 2 … ``MAX_TOKENS``
-query tokens (a whole short prompt, or one chunk of a longer one, after a cached
-prefix or not) is padded to the next captured token count and replayed instead.
+engine waits on the host, and one arriving at a busy engine holds up every sequence
+decoding beside it. Two sets of graphs, one class: steps whose only sequence brings
+2 … ``MAX_TOKENS`` query tokens (a whole short prompt, or one chunk of a longer one,
+after a cached prefix or not), and steps of several sequences (chunks and decode rows
+together) of up to ``MIXED_MAX_TOKENS`` tokens, past which the GPU's work outlasts the
+host's launches. Either is padded to the next captured token count and replayed.
 
-Padding rows sit after the sequence's real ones, outside its query (the step's
+Padding rows sit after the real ones, outside every query (the step's
 ``query_start_loc`` ends at the real count), so attention gives them nothing and no
 real row sees them; they write to slot -1 (no cache write), keep whatever ids and
 positions an earlier step left (always in the model's range) and compute garbage
-nobody reads. The LM head runs on the last real row alone, so the graph
-ends with that row's logits and greedy id. The split count of the KV range is fixed
-at capture for a context as long as the padded query, and each program divides the
-actual range in the kernel, so a chunk deep into a long prompt gives the same
-result, only with fewer programs than an eager step would choose.
+nobody reads. A graph of several sequences is captured for ``max_seqs`` of them; the
+sequences a step lacks have empty queries, and attention numbers the real query tiles in
+one flat range (``triton_attention.query_tiles``) sized at capture for the most that
+``max_seqs`` sequences of that many tokens can have, its extra programs exiting at once.
+The LM head runs on the rows that sample alone (``logits_rows``; row 0 fills the rest),
+so the graph ends with their logits and greedy ids. The split count of the KV range is
+fixed at capture for a context as long as the padded query, and each program divides the
+actual range in the kernel, so a chunk deep into a long prompt gives the same result,
+only with fewer programs than an eager step would choose.
 """
 
 from __future__ import annotations
@@ -37,27 +45,31 @@ logger = logging.getLogger(__name__)
 # (a fifth of the step wasted at worst). Above the largest the GPU's work outlasts the host's launches.
 TOKEN_COUNTS = (16, 32, 64, 96, 128, 192, 256, 320, 384, 448, 512, 640, 768, 896, 1024, 1280, 1536, 1792, 2048)
 MAX_TOKENS = TOKEN_COUNTS[-1]
+MIXED_MAX_TOKENS = 256
 
 
 class PrefillGraphs:
     def __init__(self, model: torch.nn.Module, kv_caches: list, num_kv_groups: int, max_tokens: int,
-                 max_blocks_per_seq: int, vocab_size: int, dtype: torch.dtype, device: torch.device) -> None:
-        """Graphs for every count of ``TOKEN_COUNTS`` up to ``max_tokens`` (a step's token budget, the
-        model's length), and one of ``max_tokens`` itself below the largest count."""
+                 max_blocks_per_seq: int, vocab_size: int, dtype: torch.dtype, device: torch.device,
+                 max_seqs: int = 1) -> None:
+        """Graphs for steps of up to ``max_seqs`` sequences, for every count of ``TOKEN_COUNTS`` up to
+        ``max_tokens`` (a step's token budget, the model's length; ``MIXED_MAX_TOKENS`` for several
+        sequences), and one of ``max_tokens`` itself below the largest count."""
         self.model = model
         self.kv_caches = kv_caches
-        limit = min(max_tokens, MAX_TOKENS)
+        self.max_seqs = max_seqs
+        limit = min(max_tokens, MAX_TOKENS if max_seqs == 1 else MIXED_MAX_TOKENS)
         self.sizes = [n for n in TOKEN_COUNTS if n < limit] + ([limit] if limit >= 2 else [])
         rows = self.sizes[-1] if self.sizes else 0
         self.input_ids = torch.zeros(rows, dtype=torch.int64, device=device)
         self.positions = torch.zeros(rows, dtype=torch.int64, device=device)
         self.slot_mapping = torch.full((num_kv_groups, rows), -1, dtype=torch.int64, device=device)
-        self.query_start_loc = torch.zeros(2, dtype=torch.int32, device=device)
-        self.seq_lens = torch.ones(1, dtype=torch.int32, device=device)
-        self.block_tables = torch.zeros(num_kv_groups, 1, max_blocks_per_seq, dtype=torch.int32, device=device)
-        self.last_row = torch.zeros(1, dtype=torch.int64, device=device)
-        self.logits = torch.zeros(1, vocab_size, dtype=dtype, device=device)
-        self.greedy_ids = torch.zeros(1, dtype=torch.int64, device=device)
+        self.query_start_loc = torch.zeros(max_seqs + 1, dtype=torch.int32, device=device)
+        self.seq_lens = torch.ones(max_seqs, dtype=torch.int32, device=device)
+        self.block_tables = torch.zeros(num_kv_groups, max_seqs, max_blocks_per_seq, dtype=torch.int32, device=device)
+        self.logits_rows = torch.zeros(max_seqs, dtype=torch.int64, device=device)
+        self.logits = torch.zeros(max_seqs, vocab_size, dtype=dtype, device=device)
+        self.greedy_ids = torch.zeros(max_seqs, dtype=torch.int64, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.capture_seconds = 0.0
         self.replays = 0
@@ -72,41 +84,51 @@ class PrefillGraphs:
             max_seq_len=size,
         )
         hidden = self.model(self.input_ids[:size], self.positions[:size], self.kv_caches, meta)
-        logits = self.model.compute_logits(hidden[self.last_row], out=self.logits)
-        self.greedy_ids.copy_(greedy_argmax(logits))
+        rows = min(size, self.max_seqs)  # no step of ``size`` tokens samples more rows
+        logits = self.model.compute_logits(hidden[self.logits_rows[:rows]], out=self.logits[:rows])
+        self.greedy_ids[:rows] = greedy_argmax(logits)
 
     @torch.inference_mode()
     def capture(self, pool: object = None) -> None:
-        """Capture every size, largest first, in ``pool`` (the decode graphs'): the prefill graphs add
-        only what their largest step needs beyond the largest decode graph."""
+        """Capture every size, largest first, in ``pool`` (the decode graphs'): these graphs add only
+        what their largest step needs beyond the largest decode graph."""
         started = time.monotonic()
 
         def prepare(size: int) -> None:
-            self.query_start_loc[1] = size  # the sequence's whole query, with no context before it
-            self.seq_lens.fill_(size)
-            self.last_row.fill_(size - 1)
+            # The first sequence holds the whole query, with no context before it; the others none.
+            self.query_start_loc[1:] = size
+            self.seq_lens.zero_()
+            self.seq_lens[0] = size
+            self.logits_rows.fill_(size - 1)
 
         self.graphs, _ = capture_graphs(sorted(self.sizes, reverse=True), prepare, self._forward, pool)
         self.capture_seconds = time.monotonic() - started
         if self.graphs:
-            logger.info("captured %d prefill graphs (one sequence, %s tokens) in %.1f s", len(self.graphs),
-                        self.sizes, self.capture_seconds)
+            logger.info("captured %d prefill graphs (%s, %s tokens) in %.1f s", len(self.graphs),
+                        "one sequence" if self.max_seqs == 1 else f"up to {self.max_seqs} sequences", self.sizes,
+                        self.capture_seconds)
 
-    def padded_size(self, num_tokens: int) -> int | None:
-        """The captured token count a step of ``num_tokens`` (one sequence) pads to; None if too long."""
+    def padded_size(self, num_tokens: int, num_seqs: int = 1) -> int | None:
+        """The captured token count a step of ``num_tokens`` in ``num_seqs`` sequences pads to; None if
+        it has no graph."""
         i = bisect.bisect_left(self.sizes, num_tokens)
-        return self.sizes[i] if i < len(self.sizes) and num_tokens >= 2 else None
+        fits = i < len(self.sizes) and num_tokens >= 2 and num_seqs <= self.max_seqs
+        return self.sizes[i] if fits else None
 
-    def run(self, input_ids: torch.Tensor, positions: torch.Tensor,
-            meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
-        """Copy the step's inputs into the static buffers and replay; returns the last row's logits
-        ``[1, vocab]`` and greedy id (views of static buffers: read before the next replay)."""
-        total = input_ids.shape[0]
-        size = self.padded_size(total)
+    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+            logits_rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Copy the step's inputs into the static buffers and replay; returns the logits ``[rows,
+        vocab]`` and greedy ids of its ``logits_rows`` (views of static buffers: read before the next
+        replay)."""
+        total, seqs, rows = input_ids.shape[0], meta.seq_lens.shape[0], logits_rows.shape[0]
+        size = self.padded_size(total, seqs)
         stage_step_inputs(self, input_ids, positions, meta, size)
-        self.query_start_loc.copy_(meta.query_start_loc)
-        self.seq_lens.copy_(meta.seq_lens)
-        self.last_row.fill_(total - 1)
+        self.query_start_loc[:seqs + 1].copy_(meta.query_start_loc)
+        self.query_start_loc[seqs + 1:] = meta.query_start_loc[-1]  # the missing sequences: empty queries
+        self.seq_lens[:seqs].copy_(meta.seq_lens)
+        self.seq_lens[seqs:].zero_()
+        self.logits_rows.zero_()  # (every index stays within the rows this graph computes)
+        self.logits_rows[:rows].copy_(logits_rows)
         self.graphs[size].replay()
         self.replays += 1
-        return self.logits, self.greedy_ids
+        return self.logits[:rows], self.greedy_ids[:rows]
