@@ -3,8 +3,9 @@
 Every int8 and float8 value is a float16, and the GPU gets there cheaply: float8 e4m3 two values an
 instruction (``cvt.rn.f16x2.e4m3x2``), e5m2 as a float16's high byte, int8 by placing the byte's
 bits in a float16's mantissa (the float16 of bits ``0x64 | (b ^ 0x80)`` is ``1152 + b``) and
-subtracting 1152, four values in five instructions, where Triton's own conversions take the SM's conversion unit (16 values a clock)
-for each int8 value and bring float8 to bfloat16 one value at a time. The PTX is opaque to the
+subtracting 1152, four values in five instructions, where Triton's own conversions take the SM's
+conversion unit (16 values a clock) for each int8 value and bring float8 to bfloat16 one value at a
+time. The PTX is opaque to the
 compiler, which therefore leaves it where it is written: a plain conversion of a tile bound for
 ``tl.dot`` it moves past the tile's trip through shared memory, which then reads the one-byte tile
 a byte at a time (sm_90, Triton 3.6: 64 ``LDS.U8`` an iteration of the attention loop).
@@ -25,9 +26,10 @@ _E4M3_TO_F16 = tl.constexpr("{ .reg .b16 lo, hi; mov.b32 {lo, hi}, $2; cvt.rn.f1
 # float8 e5m2 is the high byte of the float16 of the same value: two byte permutes (no conversion
 # instruction, so any GPU; float8 e4m3 caches need compute capability 8.9, checked at start-up).
 _E5M2_TO_F16 = tl.constexpr("prmt.b32 $0, $2, 0, 0x1404; prmt.b32 $1, $2, 0, 0x3424;")
-_INT8_TO_F16 = tl.constexpr("{ .reg .b32 t, lo, hi, bias; xor.b32 t, $2, 0x80808080; prmt.b32 lo, t, 0x64646464, 0x4140; "
-                            "prmt.b32 hi, t, 0x64646464, 0x4342; mov.b32 bias, 0x64806480; sub.f16x2 $0, lo, bias; "
-                            "sub.f16x2 $1, hi, bias; }")
+# int8: four bytes of ``{src}`` to float16 pairs ``{lo}`` (bytes 0, 1) and ``{hi}`` (bytes 2, 3).
+_INT8_PAIRS = ("xor.b32 t, {src}, 0x80808080; prmt.b32 lo, t, 0x64646464, 0x4140; prmt.b32 hi, t, 0x64646464, 0x4342; "
+               "mov.b32 bias, 0x64806480; sub.f16x2 {lo}, lo, bias; sub.f16x2 {hi}, hi, bias;")
+_INT8_TO_F16 = tl.constexpr("{ .reg .b32 t, lo, hi, bias; " + _INT8_PAIRS.format(src="$2", lo="$0", hi="$1") + " }")
 
 
 def ptx_conversions() -> bool:
@@ -56,11 +58,10 @@ def _ptx_to_f16(x, ASM: tl.constexpr):
 
 
 # One 32-bit word of four int8 (the first in its low byte) in, the four values in float32 out.
-_INT8X4_TO_F32 = tl.constexpr("{ .reg .b32 t, lo, hi, bias; .reg .b16 a, b, c, d; xor.b32 t, $4, 0x80808080; "
-                              "prmt.b32 lo, t, 0x64646464, 0x4140; prmt.b32 hi, t, 0x64646464, 0x4342; "
-                              "mov.b32 bias, 0x64806480; sub.f16x2 lo, lo, bias; sub.f16x2 hi, hi, bias; "
-                              "mov.b32 {a, b}, lo; mov.b32 {c, d}, hi; cvt.f32.f16 $0, a; cvt.f32.f16 $1, b; "
-                              "cvt.f32.f16 $2, c; cvt.f32.f16 $3, d; }")
+_INT8X4_TO_F32 = tl.constexpr("{ .reg .b32 t, lo, hi, bias; .reg .b16 a, b, c, d; "
+                              + _INT8_PAIRS.format(src="$4", lo="lo", hi="hi")
+                              + " mov.b32 {a, b}, lo; mov.b32 {c, d}, hi; cvt.f32.f16 $0, a; cvt.f32.f16 $1, b;"
+                              " cvt.f32.f16 $2, c; cvt.f32.f16 $3, d; }")
 
 
 @triton.jit
