@@ -230,7 +230,7 @@ def _paged_attention_kernel(
             mask=n_valid[None, :] & dim_valid[:, None],
             other=0.0,
         )
-        k = to_f16(k, PTX) if DOT_F16 else k.to(q.dtype)
+        k = to_f16(k, PTX, True) if DOT_F16 else k.to(q.dtype)  # read along d: converted in its operand layout
         if IEEE_DOT:
             qk = tl.dot(q, k, input_precision="ieee")
         else:
@@ -260,7 +260,7 @@ def _paged_attention_kernel(
             mask=n_valid[:, None] & dim_valid[None, :],
             other=0.0,
         )
-        v = to_f16(v, PTX) if DOT_F16 else v.to(q.dtype)
+        v = to_f16(v, PTX, False) if DOT_F16 else v.to(q.dtype)  # gathered across keys: converted first
         pw = p
         if KV_SCALED:
             # Each value's scale weighs its probability (the sum l_i keeps the unweighted p), relative

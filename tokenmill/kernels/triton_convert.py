@@ -5,10 +5,14 @@ instruction (``cvt.rn.f16x2.e4m3x2``), e5m2 as a float16's high byte, int8 by pl
 bits in a float16's mantissa (the float16 of bits ``0x64 | (b ^ 0x80)`` is ``1152 + b``) and
 subtracting 1152, four values in five instructions, where Triton's own conversions take the SM's
 conversion unit (16 values a clock) for each int8 value and bring float8 to bfloat16 one value at a
-time. The PTX is opaque to the
-compiler, which therefore leaves it where it is written: a plain conversion of a tile bound for
-``tl.dot`` it moves past the tile's trip through shared memory, which then reads the one-byte tile
-a byte at a time (sm_90, Triton 3.6: 64 ``LDS.U8`` an iteration of the attention loop).
+time. Where the PTX may
+run is the caller's choice (``MOVABLE``). Fixed where it is written, a tile bound for ``tl.dot``
+goes through shared memory converted, in float16, and reaches the dot through ``ldmatrix``: the
+way for a tile whose dot operand gathers values across its rows (attention's V), which the compiler,
+moving the conversion past that trip, reads from the one-byte tile a byte at a time (sm_90, Triton
+3.6: 64 ``LDS.U8`` an iteration). Movable, the compiler converts in the operand's own layout: the way
+for a tile read along its contiguous dimension (attention's K: eight bytes a load), which then
+skips the float16 round trip through shared memory.
 
 Triton's interpreter runs no PTX: there (``PTX`` false) the plain conversion, the same values.
 """
@@ -38,23 +42,23 @@ def ptx_conversions() -> bool:
 
 
 @triton.jit
-def to_f16(x, PTX: tl.constexpr):
-    """``x`` (int8, float8 e4m3 or e5m2) in float16, exactly."""
+def to_f16(x, PTX: tl.constexpr, MOVABLE: tl.constexpr):
+    """``x`` (int8, float8 e4m3 or e5m2) in float16, exactly; ``MOVABLE``: the compiler may move it."""
     if not PTX:
         y = x.to(tl.float16)
     elif x.dtype == tl.float8e4nv:
-        y = _ptx_to_f16(x, _E4M3_TO_F16)
+        y = _ptx_to_f16(x, _E4M3_TO_F16, MOVABLE)
     elif x.dtype == tl.float8e5:
-        y = _ptx_to_f16(x, _E5M2_TO_F16)
+        y = _ptx_to_f16(x, _E5M2_TO_F16, MOVABLE)
     else:
-        y = _ptx_to_f16(x, _INT8_TO_F16)
+        y = _ptx_to_f16(x, _INT8_TO_F16, MOVABLE)
     return y
 
 
 @triton.jit
-def _ptx_to_f16(x, ASM: tl.constexpr):
+def _ptx_to_f16(x, ASM: tl.constexpr, MOVABLE: tl.constexpr):
     return tl.inline_asm_elementwise(ASM, "=r,=r,r", [x.to(tl.uint8, bitcast=True)], dtype=tl.float16,
-                                     is_pure=False, pack=4)
+                                     is_pure=MOVABLE, pack=4)
 
 
 # One 32-bit word of four int8 (the first in its low byte) in, the four values in float32 out.
