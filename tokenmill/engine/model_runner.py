@@ -19,8 +19,8 @@ from __future__ import annotations
 
 import itertools
 import logging
-from operator import attrgetter
 from dataclasses import dataclass, field
+from operator import attrgetter
 from pathlib import Path
 from typing import Protocol
 

@@ -82,15 +82,15 @@ def _row_dots(w, xf, s_rows, k0, n_ok, K, Q8: tl.constexpr, PTX: tl.constexpr, B
 def _gemv_kernel(x_ptr, norm_w_ptr, w_ptr, w_scale_ptr, bias_ptr, res_ptr, out_ptr,
                  N, K, stride_w, stride_s, eps,
                  NORM: tl.constexpr, WEIGHTING: tl.constexpr, GATED: tl.constexpr, GELU: tl.constexpr,
-                 ADD_RES: tl.constexpr, HAS_BIAS: tl.constexpr, Q8: tl.constexpr, W_PACK: tl.constexpr,
-                 PTX: tl.constexpr,
+                 ADD_RES: tl.constexpr, HAS_BIAS: tl.constexpr, Q8: tl.constexpr, PTX: tl.constexpr,
                  PDL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ROW_TILES: tl.constexpr):
     """A program owns ``ROW_TILES`` consecutive tiles of ``BLOCK_N`` rows: with more than one, the row's
     statistics are computed once for them all, and the last weight load of a tile fetches the next
     tile's first, so the stream runs on across tiles."""
     tile0 = tl.program_id(0) * ROW_TILES
     ks0 = tl.arange(0, BLOCK_K)
-    # The weight's elements: a Q8_0 weight is read as int32 words of four values (W_PACK = 4).
+    # The weight's elements: a Q8_0 weight is read as int32 words of four values.
+    W_PACK: tl.constexpr = 4 if Q8 else 1
     kw0 = tl.arange(0, BLOCK_K // W_PACK)
     KW = K // W_PACK
     ns = tile0 * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -198,15 +198,13 @@ def _gemv(x: torch.Tensor, weight: torch.Tensor | Q8Weight, bias: torch.Tensor |
     if tiles is None:
         tiles = TILES[kind] if scales is not None else SHAPE_TILES.get((kind, n, k), TILES[kind])
     block_n, block_k, num_warps, row_tiles = (*tiles, 1) if len(tiles) == 3 else tiles
-    w_pack = 1 if scales is None else 4  # a Q8_0 weight's int8 values read as int32 words of four
-    words = weight if w_pack == 1 else weight.view(torch.int32)
+    words = weight if scales is None else weight.view(torch.int32)  # Q8_0: int8 values read four a word
     _gemv_kernel[(triton.cdiv(triton.cdiv(n, block_n), row_tiles),)](
         x, norm_weight if norm_weight is not None else x, words, scales if scales is not None else weight,
         bias if bias is not None else weight, residual if residual is not None else out, out,
         n, k, words.stride(0), scales.stride(0) if scales is not None else 0, float(eps),
         NORM=norm_weight is not None, WEIGHTING=WEIGHTINGS[weighting], GATED=gated, GELU=activation == "gelu_tanh",
-        ADD_RES=residual is not None, HAS_BIAS=bias is not None, Q8=scales is not None, W_PACK=w_pack,
-        PTX=ptx_conversions(),
+        ADD_RES=residual is not None, HAS_BIAS=bias is not None, Q8=scales is not None, PTX=ptx_conversions(),
         BLOCK_N=block_n, BLOCK_K=block_k, ROW_TILES=row_tiles, num_warps=num_warps,
         **pdl_launch_args(x.device),
     )
