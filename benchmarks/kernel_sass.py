@@ -32,7 +32,7 @@ from triton.runtime.jit import JITFunction
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "kernels"))
 from test_triton_compile import HOPPER, LAUNCH_OPTIONS, Launch  # noqa: E402
 
-from tokenmill.kernels import q8_0, reference, triton_attention, triton_gemv, triton_ops, triton_q8_matmul  # noqa: E402
+from tokenmill.kernels import q8_0, triton_attention, triton_gemv, triton_ops, triton_q8_matmul  # noqa: E402
 
 KV_DTYPES = {"bf16": torch.bfloat16, "int8": torch.int8, "fp8": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
 
@@ -115,8 +115,7 @@ def main() -> None:
         q = args.query
 
         def call() -> None:
-            triton_ops.paged_attention(torch.zeros(batch * q, 4 * heads, dim, dtype=torch.bfloat16), cache,
-                                       cache if dtype == torch.bfloat16 else reference.keys_innermost(cache),
+            triton_ops.paged_attention(torch.zeros(batch * q, 4 * heads, dim, dtype=torch.bfloat16), cache, cache,
                                        torch.arange(0, batch * q + 1, q, dtype=torch.int32),
                                        torch.full((batch,), 300, dtype=torch.int32),
                                        torch.zeros(batch, 20, dtype=torch.int32), 0.1, max_query_len=q,

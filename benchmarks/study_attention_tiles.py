@@ -38,7 +38,7 @@ import triton.testing
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from tokenmill.kernels import reference, triton_attention  # noqa: E402
+from tokenmill.kernels import triton_attention  # noqa: E402
 
 BLOCK_SIZE = 16
 DTYPE = torch.bfloat16
@@ -74,8 +74,6 @@ class Batch:
             values = (values * 40).clamp(-127, 127).round() if kv_dtype == torch.int8 else (values * 100).clamp(-448, 448)
             self.scales = torch.rand(2, sum(blocks), BLOCK_SIZE, hkv, device="cuda", dtype=DTYPE) * 0.02
         self.k, self.v = values.to(kv_dtype)
-        if self.scales is not None:  # as the engine stores a one-byte V
-            self.v = reference.keys_innermost(self.v)
         perm = torch.randperm(sum(blocks), device="cuda").int()
         self.tables = torch.zeros(len(specs), width, dtype=torch.int32, device="cuda")
         used = 0

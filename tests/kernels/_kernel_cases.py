@@ -250,21 +250,12 @@ def check_rope_write_kv(
 
 
 def _quantized_cache(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, cache_dtype: torch.dtype,
-                     device: str, values_keys_innermost: bool = True, gen: torch.Generator | None = None
-                     ) -> tuple[torch.Tensor, ...]:
-    """Quantized K and V caches and their (bfloat16) scales, V laid out as the engine lays it out
-    (``values_keys_innermost``) or with its last dimension contiguous. Zeroed; with ``gen``, the values
-    are random finite ones instead (a reused block's earlier tenants)."""
-    shape = (num_blocks, block_size, num_kv_heads, head_dim)
-    k, v = (torch.zeros(shape, dtype=cache_dtype, device=device) for _ in range(2))
-    if gen is not None:
-        for cache in (k, v):
-            stale = torch.randn(shape, generator=gen, device=device) * 50
-            cache.copy_(stale.round().clamp(-127, 127).to(torch.int8) if cache_dtype == torch.int8 else stale.to(cache_dtype))
-    if values_keys_innermost:
-        v = reference.keys_innermost(v)
-    return (k, v, torch.zeros(shape[:3], dtype=torch.bfloat16, device=device),
-            torch.zeros(shape[:3], dtype=torch.bfloat16, device=device))
+                     device: str) -> tuple[torch.Tensor, ...]:
+    """Zeroed quantized K and V caches and their (bfloat16) scales."""
+    shape = (num_blocks, block_size, num_kv_heads)
+    return (torch.zeros(*shape, head_dim, dtype=cache_dtype, device=device),
+            torch.zeros(*shape, head_dim, dtype=cache_dtype, device=device),
+            torch.zeros(shape, dtype=torch.bfloat16, device=device), torch.zeros(shape, dtype=torch.bfloat16, device=device))
 
 
 def check_quantized_kv_write(ops, *, num_tokens: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
@@ -307,26 +298,6 @@ def check_quantized_kv_write(ops, *, num_tokens: int, num_kv_heads: int, head_di
         assert ((got_q - ref_q).abs() <= _unit_in_last_place(ref_q, cache_dtype)).all(), f"{name} values: {where}"
 
 
-def check_quantized_kv_write_of_nan(ops, *, cache_dtype: torch.dtype, device: str) -> None:
-    """A NaN in K or V is stored as 0 (its head's other values as its scale makes them): a one-byte cache
-    holds only finite values (the GPU's attention reads the stale keys of a sequence's last block, weighing them 0)."""
-    gen, seed = fresh_generator(device)
-    num_tokens, num_kv_heads, head_dim = 4, 2, 64
-    cos_sin = reference.rotary_cos_sin(1.0 / (10000.0 ** (torch.arange(0, head_dim, 2, device=device) / head_dim)), 8)
-    k = _randn((num_tokens, num_kv_heads, head_dim), torch.float32, device, gen)
-    v = _randn((num_tokens, num_kv_heads, head_dim), torch.float32, device, gen)
-    k[1, 0, 3] = v[2, 1, 5] = float("nan")
-    caches = _quantized_cache(1, 16, num_kv_heads, head_dim, cache_dtype, device)
-    ops.rotary_embedding_and_write_kv(torch.zeros(num_tokens, dtype=torch.int64, device=device),
-                                      _randn((num_tokens, num_kv_heads, head_dim), torch.float32, device, gen),
-                                      k, v, cos_sin, caches[0], caches[1], torch.arange(num_tokens, device=device),
-                                      k_scale=caches[2], v_scale=caches[3])
-    for name, cache, token, head, dim in (("k", caches[0], 1, 0, 3), ("v", caches[1], 2, 1, 5)):
-        values = cache.float()[0, :num_tokens]
-        assert torch.isfinite(values).all(), f"{name} cache holds a non-finite value: seed={seed} {cache_dtype}"
-        assert values[token, head, dim] == 0, f"{name}'s NaN stored as {values[token, head, dim]}: seed={seed}"
-
-
 def _unit_in_last_place(x: torch.Tensor, cache_dtype: torch.dtype) -> torch.Tensor:
     """At most the spacing of ``cache_dtype``'s values around ``x`` (float32 values of that dtype)."""
     if cache_dtype == torch.int8:
@@ -339,16 +310,15 @@ def _unit_in_last_place(x: torch.Tensor, cache_dtype: torch.dtype) -> torch.Tens
 def check_quantized_attention(ops, *, specs: list[tuple[int, int]], num_q_heads: int, num_kv_heads: int,
                               head_dim: int, dtype: torch.dtype, cache_dtype: torch.dtype, device: str,
                               sliding_window: int | None = None, num_splits: int | None = None,
-                              value_magnitude: float = 1.0, values_keys_innermost: bool = True) -> None:
+                              value_magnitude: float = 1.0) -> None:
     """Attention over a quantized cache against the reference reading the same bytes and scales; values
-    of ``value_magnitude`` (small ones: scales far below one). The cache's blocks start out holding
-    random values, as reused blocks do past a sequence's last key."""
+    of ``value_magnitude`` (small ones: scales far below one)."""
     gen, seed = fresh_generator(device)
     block_size = 16
     blocks_per_seq = [-(-ctx // block_size) for _, ctx in specs]
     num_blocks = sum(blocks_per_seq) + 1
     k_cache, v_cache, k_scale, v_scale = _quantized_cache(num_blocks, block_size, num_kv_heads, head_dim, cache_dtype,
-                                                          device, values_keys_innermost, gen)
+                                                          device)
     tables = torch.zeros((len(specs), max(blocks_per_seq)), dtype=torch.int32, device=device)
     first = 1
     for b, (_, ctx) in enumerate(specs):
@@ -367,8 +337,7 @@ def check_quantized_attention(ops, *, specs: list[tuple[int, int]], num_q_heads:
     ref = reference.paged_attention(*args, k_scale=k_scale, v_scale=v_scale)
     got = ops.paged_attention(*args, max_query_len=max(q_lens), k_scale=k_scale, v_scale=v_scale,
                               num_splits=num_splits)
-    where = (f"seed={seed} specs={specs} Hq={num_q_heads} Hkv={num_kv_heads} D={head_dim} {dtype} {cache_dtype} "
-             f"keys innermost={values_keys_innermost}")
+    where = f"seed={seed} specs={specs} Hq={num_q_heads} Hkv={num_kv_heads} D={head_dim} {dtype} {cache_dtype}"
     err = rel_err(got, ref)
     assert err < ATTN_TOL[dtype], f"rel err {err:.2e}: {where}"
 
@@ -390,9 +359,6 @@ def _interpret_quantized_kv(ops) -> None:
                               dtype=torch.float16, cache_dtype=torch.int8, device="cpu", num_splits=1)
     check_quantized_attention(ops, specs=[(1, 230)], num_q_heads=4, num_kv_heads=1, head_dim=64, dtype=torch.float32,
                               cache_dtype=torch.int8, device="cpu", sliding_window=101, num_splits=1)
-    # V with its last dimension contiguous (not the engine's layout, which the kernel also reads).
-    check_quantized_attention(ops, specs=[(1, 70), (3, 40)], num_q_heads=4, num_kv_heads=2, head_dim=64,
-                              dtype=torch.float16, cache_dtype=torch.int8, device="cpu", values_keys_innermost=False)
 
 
 if triton is not None:

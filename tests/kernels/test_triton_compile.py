@@ -26,7 +26,7 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 from triton.runtime.jit import JITFunction  # noqa: E402
 
-from tokenmill.kernels import q8_0, reference, triton_gemv, triton_ops  # noqa: E402
+from tokenmill.kernels import q8_0, triton_gemv, triton_ops  # noqa: E402
 
 HOPPER = GPUTarget("cuda", 90, 32)
 HOPPER_MAX_SHARED = 232448  # bytes of shared memory one block may take on sm_90 (227 KiB)
@@ -62,9 +62,7 @@ class Launch:
         signature, constexprs = {}, {}
         for param in fn.params:
             value = bound.arguments[param.name]
-            # An int argument of 1 is a constant to the JIT (unless told not to specialize on it), as
-            # a V cache's key stride is: compiled as the GPU compiles it.
-            if param.is_constexpr or (type(value) is int and value == 1 and not param.do_not_specialize):
+            if param.is_constexpr:
                 signature[param.name] = "constexpr"
                 constexprs[param.name] = value
             else:
@@ -164,8 +162,7 @@ def _launches(monkeypatch: pytest.MonkeyPatch) -> list[Launch]:
                                               "fp32")
         quantized = (torch.int8, torch.float8_e4m3fn, torch.float8_e5m2) if dtype == torch.bfloat16 else ()
         for cache_dtype in quantized:  # a quantized cache, under bf16 queries
-            qk, qv = torch.zeros(4, 16, 2, 128, dtype=cache_dtype), reference.keys_innermost(
-                torch.zeros(4, 16, 2, 128, dtype=cache_dtype))  # V as the engine stores it
+            qk, qv = (torch.zeros(4, 16, 2, 128, dtype=cache_dtype) for _ in range(2))
             ks, vs = (torch.zeros(4, 16, 2, dtype=torch.bfloat16) for _ in range(2))
             for kv_amax in (None, torch.ones(2)):  # each token's own magnitudes, or a checkpoint's
                 triton_ops.rotary_embedding_and_write_kv(positions, rand(3, 8, 128), rand(3, 2, 128), rand(3, 2, 128),
@@ -241,9 +238,9 @@ def test_every_kernel_compiles_for_hopper(monkeypatch: pytest.MonkeyPatch) -> No
             ("_rope_write_kv_kernel", "QUANTIZED", True),
             ("_rope_write_kv_kernel", "STATIC_AMAX", True), ("_rms_norm_kernel", "SCALE_AFTER", True),
             ("_gemv_kernel", "Q8", True), ("_gemv_kernel", "PTX", True), ("_q8_matmul_kernel", "PTX", True),
-            ("_paged_attention_kernel", "PTX", True), ("_paged_attention_kernel", "V_KEYS_INNER", True)} <= {
+            ("_paged_attention_kernel", "PTX", True)} <= {
         (launch.fn.__name__, key, launch.constexprs.get(key)) for launch in launches
-        for key in ("KV_SCALED", "DOT_F16", "QUANTIZED", "STATIC_AMAX", "SCALE_AFTER", "Q8", "PTX", "V_KEYS_INNER")}
+        for key in ("KV_SCALED", "DOT_F16", "QUANTIZED", "STATIC_AMAX", "SCALE_AFTER", "Q8", "PTX")}
     for kernel, weightings in (("_rms_norm_kernel", {0, 1, 2, 3}), ("_rope_write_kv_kernel", {0, 1, 2}),
                                ("_gemv_kernel", {0, 1, 2})):
         assert {(kernel, "WEIGHTING", w) for w in weightings} <= variants, kernel

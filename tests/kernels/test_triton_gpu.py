@@ -268,11 +268,6 @@ def test_quantized_kv_write(cache_dtype, dtype, shape, static) -> None:
 
 
 @pytest.mark.parametrize("cache_dtype", QUANTIZED_KV, ids=str)
-def test_quantized_kv_write_stores_nan_as_zero(cache_dtype) -> None:
-    cases.check_quantized_kv_write_of_nan(triton_ops, cache_dtype=cache_dtype, device="cuda")
-
-
-@pytest.mark.parametrize("cache_dtype", QUANTIZED_KV, ids=str)
 @pytest.mark.parametrize("dtype,specs,window,splits", [
     (torch.bfloat16, [(1, 4000)] * 4, None, None), (torch.bfloat16, [(1, 900), (37, 600)], 256, None),
     (torch.bfloat16, [(1, 3000)], None, 7), (torch.float32, [(1, 900), (37, 600)], None, None)])

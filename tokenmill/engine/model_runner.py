@@ -180,7 +180,7 @@ def allocate_kv_caches(layout: KVLayout, num_blocks: list[int], block_size: int,
         scales = torch.zeros(shape, dtype=KV_SCALE_DTYPE, device=device) if is_quantized(dtype) else None
         tensors += [cache] if scales is None else [cache, scales]
         for j, layer in enumerate(owners):
-            own[layer] = KVCache.over(cache[j, 0], cache[j, 1], *((scales[j, 0], scales[j, 1]) if scales is not None else ()))
+            own[layer] = KVCache(cache[j, 0], cache[j, 1], *((scales[j, 0], scales[j, 1]) if scales is not None else ()))
     return tensors, [own[src] for src in layout.source]
 
 

@@ -5,9 +5,7 @@ Layouts shared by all implementations:
 
 - KV cache of one layer: ``k_cache`` and ``v_cache`` of shape
   ``[num_blocks, block_size, num_kv_heads, head_dim]``; token slot ``s`` lives
-  at ``[s // block_size, s % block_size]``. Its last dimension is contiguous, except
-  in a one-byte (int8, float8) ``v_cache``, which the engine stores keys innermost
-  (``keys_innermost``): the same shape and indices, other strides.
+  at ``[s // block_size, s % block_size]``.
 - Ragged batch of ``B`` sequences and ``T`` query tokens: ``query_start_loc``
   ``[B+1]`` int32 (prefix sums of query lengths), ``seq_lens`` ``[B]`` int32
   (context length *including* this step's tokens, whose K/V are already
@@ -38,36 +36,14 @@ def quantize_kv(x: torch.Tensor, cache_dtype: torch.dtype,
     magnitude (or ``static_amax``, a checkpoint's calibrated one for the whole tensor, beyond which
     values are clipped) over the dtype's largest value, rounded up to bfloat16 before ``x`` is
     divided by it: the stored scale is exactly the one used, and nothing overflows. int8 rounds to
-    the nearest integer; float8 rounds as the cast does. NaN is stored as 0: a one-byte cache holds only
-    finite values (the GPU's attention reads, and weighs 0, the stale keys of a sequence's last block)."""
+    the nearest integer; float8 rounds as the cast does."""
     qmax = kv_qmax(cache_dtype)
     amax = x.float().abs().amax(dim=-1) if static_amax is None else static_amax.float().expand(x.shape[:-1])
     scale = (amax / qmax * (1 + 2**-7)).to(torch.bfloat16)  # bf16 rounds within 2**-9: never below amax / qmax
     safe = torch.where(scale > 0, scale.float(), torch.ones_like(amax))  # an all-zero head stays zero
-    scaled = (x.float() / safe[..., None]).nan_to_num(nan=0.0).clamp(-qmax, qmax)
+    scaled = (x.float() / safe[..., None]).clamp(-qmax, qmax)
     q = scaled.round().to(torch.int8) if cache_dtype == torch.int8 else scaled.to(cache_dtype)
     return q, scale
-
-
-def keys_innermost(cache: torch.Tensor) -> torch.Tensor:
-    """A contiguous cache ``[num_blocks, block_size, H, D]``'s memory seen with each block's keys innermost:
-    the same shape and indices, strides ``[block_size H D, 1, block_size D, block_size]``. How the
-    engine stores a one-byte V: attention's second dot sums over keys, and a tile read along keys is
-    converted to float16 where the dot's operand is, as K's tile is read along D (a tile read along D
-    would cross shared memory once more to be gathered across keys, or be read there a byte at a time)."""
-    num_blocks, block_size, heads, dim = cache.shape
-    return cache.view(num_blocks, heads, dim, block_size).permute(0, 3, 1, 2)
-
-
-def values_keys_innermost(v_cache: torch.Tensor) -> bool:
-    """Whether ``v_cache`` is stored as ``keys_innermost`` stores it; False for a contiguous last
-    dimension. Any other layout is a ValueError."""
-    if v_cache.stride(-1) == 1:
-        return False
-    if v_cache.stride(1) != 1 or v_cache.element_size() != 1:
-        raise ValueError("a V cache needs its last dimension contiguous, or one-byte values with each block's keys "
-                         f"innermost (keys_innermost); got {v_cache.dtype} of strides {tuple(v_cache.stride())}")
-    return True
 
 
 def write_kv_cache(
@@ -87,13 +63,13 @@ def write_kv_cache(
     num_blocks, block_size = k_cache.shape[:2]
     valid = slot_mapping >= 0
     slots = slot_mapping[valid].long()
-    where = (slots // block_size, slots % block_size)  # indices, not a flat view: V may be keys innermost
     for i, (x, cache, scales) in enumerate(((key, k_cache, k_scale), (value, v_cache, v_scale))):
+        flat = cache.view(num_blocks * block_size, *cache.shape[2:])
         if scales is None:
-            cache[where] = x[valid].to(cache.dtype)
+            flat[slots] = x[valid].to(cache.dtype)
             continue
         q, scale = quantize_kv(x[valid], cache.dtype, None if kv_amax is None else kv_amax[i])
-        cache.view(torch.uint8)[where] = q.view(torch.uint8)  # CPU float8 tensors take no index_put
+        flat.view(torch.uint8)[slots] = q.view(torch.uint8)  # CPU float8 tensors take no index_put
         scales.view(num_blocks * block_size, -1)[slots] = scale
 
 

@@ -23,7 +23,6 @@ import torch
 import triton
 import triton.language as tl
 
-from tokenmill.kernels.reference import values_keys_innermost
 from tokenmill.kernels.triton_convert import ptx_conversions, to_f16
 from tokenmill.kernels.triton_launch import num_sms, pdl_launch_args, wait_for_previous_kernel
 
@@ -55,12 +54,9 @@ def _tanh(x):
 
 @triton.jit
 def _tile_blocks(bt_row, start, end, block_size, BLOCK_N: tl.constexpr):
-    """The cache block of each token ``start`` … ``start + BLOCK_N`` of a sequence (0 from the block after
-    ``end``'s on). Masked by block, not by token: the compiler then knows a block's ``block_size`` tokens
-    share one id, and reads a keys-innermost V tile a block's keys a load (``start`` a multiple of
-    ``block_size``)."""
-    blk = (start + tl.arange(0, BLOCK_N)) // block_size
-    return tl.load(bt_row + blk, mask=blk < (end + block_size - 1) // block_size, other=0).to(tl.int64)
+    """The cache block of each token ``start`` … ``start + BLOCK_N`` of a sequence (0 from ``end`` on)."""
+    n = start + tl.arange(0, BLOCK_N)
+    return tl.load(bt_row + n // block_size, mask=n < end, other=0).to(tl.int64)
 
 
 @triton.jit
@@ -125,7 +121,6 @@ def _paged_attention_kernel(
     vc_stride_block,
     vc_stride_slot,
     vc_stride_head,
-    vc_stride_dim,
     k_scale_ptr,
     v_scale_ptr,
     ks_stride_block,
@@ -142,7 +137,6 @@ def _paged_attention_kernel(
     batch,
     KV_SCALED: tl.constexpr,
     DOT_F16: tl.constexpr,
-    V_KEYS_INNER: tl.constexpr,
     PTX: tl.constexpr,
     FLAT: tl.constexpr,
     GROUP: tl.constexpr,
@@ -201,9 +195,7 @@ def _paged_attention_kernel(
     kv_hi = context + tl.minimum(q_len, tile_lo + BLOCK_Q)
     kv_lo = 0
     if USE_WINDOW:
-        # From the start of the block of the first key in the window (masked below): every tile then
-        # starts a block's first key, and the block is the sequence's (the window's first key is in it).
-        kv_lo = tl.maximum(context + tile_lo - window + 1, 0) // block_size * block_size
+        kv_lo = tl.maximum(context + tile_lo - window + 1, 0)
     chunk = tl.cdiv(tl.cdiv(kv_hi - kv_lo, num_splits), BLOCK_N) * BLOCK_N
     split_lo = kv_lo + split * chunk
     split_hi = tl.minimum(split_lo + chunk, kv_hi)
@@ -263,22 +255,12 @@ def _paged_attention_kernel(
         p = tl.exp2(qk - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
         v_off = block * vc_stride_block + slot * vc_stride_slot + kv_head * vc_stride_head
-        if V_KEYS_INNER:
-            # A one-byte V stored keys innermost (``reference.keys_innermost``) is read along its dot's
-            # reduction, as K is, and converted in its operand layout; masked by block (16-byte loads):
-            # the keys past the split's end in its last block are the sequence's own or a block's
-            # earlier tenants', finite (a one-byte cache holds no NaN), and weigh 0 (p and the scale
-            # are masked by key).
-            v_valid = (n // block_size) < (split_hi + block_size - 1) // block_size
-        else:
-            v_valid = n_valid
         v = tl.load(
-            v_cache_ptr + v_off[:, None] + dims[None, :] * vc_stride_dim,
-            mask=v_valid[:, None] & dim_valid[None, :],
+            v_cache_ptr + v_off[:, None] + dims[None, :],
+            mask=n_valid[:, None] & dim_valid[None, :],
             other=0.0,
         )
-        # Else gathered across keys: converted before its trip through shared memory.
-        v = to_f16(v, PTX, V_KEYS_INNER) if DOT_F16 else v.to(q.dtype)
+        v = to_f16(v, PTX, False) if DOT_F16 else v.to(q.dtype)  # gathered across keys: converted first
         pw = p
         if KV_SCALED:
             # Each value's scale weighs its probability (the sum l_i keeps the unweighted p), relative
@@ -491,10 +473,9 @@ def paged_attention(
         out = torch.empty_like(query)
     if num_tokens == 0 or batch == 0:
         return out
-    for t in (query, k_cache, out):
+    for t in (query, k_cache, v_cache, out):
         if t.stride(-1) != 1:
             raise ValueError("paged_attention needs a contiguous last dimension")
-    v_keys_inner = values_keys_innermost(v_cache)
     if softcap is not None and not softcap > 0:
         raise ValueError(f"softcap must be positive, got {softcap}")
     if (k_scale is None) != (v_scale is None):
@@ -548,7 +529,6 @@ def paged_attention(
         v_cache.stride(0),
         v_cache.stride(1),
         v_cache.stride(2),
-        v_cache.stride(3),
         k_scale if k_scale is not None else out,  # unused by the kernel when KV_SCALED is off
         v_scale if v_scale is not None else out,
         *(k_scale.stride() if k_scale is not None else (0, 0, 0)),
@@ -561,7 +541,6 @@ def paged_attention(
         batch,
         KV_SCALED=k_scale is not None,
         DOT_F16=k_cache.element_size() == 1 and query.dtype != torch.float32,
-        V_KEYS_INNER=v_keys_inner,
         PTX=ptx_conversions(),
         FLAT=flat,
         GROUP=group,

@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tokenmill.kernels.reference import kv_qmax, values_keys_innermost
+from tokenmill.kernels.reference import kv_qmax
 from tokenmill.kernels.triton_launch import pdl_launch_args, wait_for_previous_kernel
 from tokenmill.kernels.triton_norm import WEIGHTINGS, weigh
 
@@ -83,11 +83,9 @@ def _kv_scale(amax, QMAX: tl.constexpr):
 def _quantize(x, scale, QMAX: tl.constexpr, dtype: tl.constexpr):
     """``x`` (float32) over its head's ``scale``, clamped to the dtype's range, in ``dtype``: int8 rounds
     to the nearest integer (ties away from zero, where torch rounds them to even: a rare half step),
-    float8 as the cast does; NaN is stored as 0 (attention reads the stale keys of a sequence's last
-    block, weighed 0: none may be NaN). The division is IEEE's (a plain ``/`` is an approximate one on
-    the GPU), so a value quantizes as the reference's does."""
-    y = tl.math.div_rn(x, scale)
-    y = tl.minimum(tl.maximum(tl.where(y == y, y, 0.0), -QMAX), QMAX)
+    float8 as the cast does. The division is IEEE's (a plain ``/`` is an approximate one on the GPU), so
+    a value quantizes as the reference's does."""
+    y = tl.minimum(tl.maximum(tl.math.div_rn(x, scale), -QMAX), QMAX)
     if dtype == tl.int8:
         y = tl.where(y >= 0.0, tl.floor(y + 0.5), -tl.floor(-y + 0.5))
     return y.to(dtype)
@@ -98,7 +96,7 @@ def _rope_write_kv_kernel(
     positions_ptr, q_ptr, k_ptr, v_ptr, cos_sin_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_ptr,
     q_norm_ptr, k_norm_ptr, eps,
     q_stride_t, q_stride_h, k_stride_t, k_stride_h, v_stride_t, v_stride_h, cos_sin_stride,
-    kc_stride_block, kc_stride_slot, kc_stride_head, vc_stride_block, vc_stride_slot, vc_stride_head, vc_stride_dim,
+    kc_stride_block, kc_stride_slot, kc_stride_head, vc_stride_block, vc_stride_slot, vc_stride_head,
     k_scale_ptr, v_scale_ptr, ks_stride_block, ks_stride_slot, ks_stride_head,
     vs_stride_block, vs_stride_slot, vs_stride_head, kv_amax_ptr,
     block_size, num_q_heads, num_kv_heads, half, head_dim,
@@ -150,7 +148,7 @@ def _rope_write_kv_kernel(
             k_dst = k_slot + (h0 + kh) * kc_stride_head + idx[None, :]
             vmask = (kh < live_heads - h0) & (dims < head_dim)
             v = tl.load(v_row + (h0 + kh) * v_stride_h + dims, mask=vmask)
-            v_dst = v_slot + (h0 + kh) * vc_stride_head + dims * vc_stride_dim
+            v_dst = v_slot + (h0 + kh) * vc_stride_head + dims
             if QUANTIZED:
                 # One scale per token and head, for K and for V, stored beside the one-byte values.
                 heads = h0 + tl.arange(0, BLOCK_HK)
@@ -213,10 +211,9 @@ def rotary_embedding_and_write_kv(
     rot_dim = cos_sin_cache.shape[-1]
     if rot_dim != head_dim:
         raise ValueError(f"rot_dim {rot_dim} must equal head_dim {head_dim}")
-    for t in (query, key, value, cos_sin_cache, k_cache):
+    for t in (query, key, value, cos_sin_cache, k_cache, v_cache):
         if t.stride(-1) != 1:
             raise ValueError("rotary_embedding_and_write_kv needs a contiguous last dimension")
-    values_keys_innermost(v_cache)  # or keys innermost
     if num_tokens:
         half = rot_dim // 2
         block_half = triton.next_power_of_2(half)
@@ -231,7 +228,7 @@ def rotary_embedding_and_write_kv(
             query.stride(0), query.stride(1), key.stride(0), key.stride(1), value.stride(0), value.stride(1),
             cos_sin_cache.stride(0),
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-            v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), v_cache.stride(3),
+            v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
             k_scale if quantized else query, v_scale if quantized else query,  # unused when not QUANTIZED
             *(k_scale.stride() if quantized else (0, 0, 0)), *(v_scale.stride() if quantized else (0, 0, 0)),
             kv_amax if kv_amax is not None else query,

@@ -12,7 +12,6 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from tokenmill.kernels.reference import keys_innermost
 from tokenmill.layers import ops
 from tokenmill.layers.rotary import RotaryEmbedding
 
@@ -25,13 +24,6 @@ class KVCache:
     v: torch.Tensor
     k_scale: torch.Tensor | None = None
     v_scale: torch.Tensor | None = None
-
-    @classmethod
-    def over(cls, k: torch.Tensor, v: torch.Tensor, k_scale: torch.Tensor | None = None,
-             v_scale: torch.Tensor | None = None) -> KVCache:
-        """A layer's cache over contiguous K and V memory; a quantized (one-byte) V is used with each
-        block's keys innermost (``reference.keys_innermost``, where the GPU's attention reads it fastest)."""
-        return cls(k, v if k_scale is None else keys_innermost(v), k_scale, v_scale)
 
 
 @dataclass
