@@ -62,7 +62,9 @@ class Launch:
         signature, constexprs = {}, {}
         for param in fn.params:
             value = bound.arguments[param.name]
-            if param.is_constexpr:
+            # An int argument of 1 is a constant to the JIT (unless told not to specialize on it), as a
+            # contiguous stride is: compiled as the GPU compiles it.
+            if param.is_constexpr or (type(value) is int and value == 1 and not param.do_not_specialize):
                 signature[param.name] = "constexpr"
                 constexprs[param.name] = value
             else:

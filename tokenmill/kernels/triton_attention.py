@@ -375,9 +375,10 @@ def _tile_config(block_d: int, group: int, max_query_len: int, elem_bytes: int, 
       against 34.4, 64 x 8k and 64 x 2k within 1% of each other; 64 keys in 2 stages, the tile
       before, lost 6-30% to the better of the two at every point; attention-splits-315ca5f. In
       the engine, Llama-3-8B at batch 64 over 8k tokens: 22.4 ms a step against 27.8). Over a
-      one-byte (int8, float8) cache such a program reads 128 keys in 3 stages at every grid size
-      (16 x 4k: 84.5 us against 130 for 64 keys in 2 stages; 64 x 8k: 560 against 952 for 64 keys in
-      4 stages, the best of every tile at both points; h200-2026-12-01/kv-ptx-convert-313c5e4).
+      one-byte (int8, float8) cache every decode program reads 128 keys in 3 stages, split or not
+      (64 x 8k, one split: 560 us against 952 for 64 keys in 4 stages, the best of every tile;
+      h200-2026-12-01/kv-ptx-convert-313c5e4. 16 x 4k, split: 71.5 us against 102 for 64 keys in 2
+      stages; h200-2026-12-01/k-direct-00f1141).
     - 256, decode: 64 keys, 4 warps, 2 stages (batch 64 at 2k context, group 2: 290 us,
       3.7 TB/s; 32 keys took 366 us). Prefill (64 rows): 32 keys, 4 warps, 3 stages,
       128-204 TFLOP/s against 89-106 for 8 warps and 2 stages; 64 keys at 4 warps spill.
@@ -393,7 +394,7 @@ def _tile_config(block_d: int, group: int, max_query_len: int, elem_bytes: int, 
     block_m = _block_rows(group, max_query_len)
     if block_d <= 128:
         block_n, num_warps, num_stages = 64, 4, 2
-        if num_splits == 1 and block_m < 64 and elem_bytes == 1:
+        if block_m < 64 and elem_bytes == 1:
             block_n, num_stages = 128, 3
         elif num_splits == 1 and block_m < 64:
             block_n, num_stages = (128, 2) if programs_per_sm < 2 else (64, 4)
