@@ -208,9 +208,9 @@ def main() -> None:
                 batch = Batch(specs, head_dim, hq, hkv, kv_dtype)
                 point = {"part": args.part, "head_dim": head_dim, "group": hq // hkv, "seqs": len(specs),
                          "q": specs[0][0], "ctx": specs[0][1], "kv_dtype": args.kv_dtype}
-                chosen, _ = triton_attention.launch_plan(triton.next_power_of_2(head_dim), hq // hkv, hkv, len(specs),
-                                                         batch.query.shape[0], batch.max_q, batch.max_ctx,
-                                                         batch.k.element_size(), batch.query.device)
+                chosen, _, _ = triton_attention.launch_plan(triton.next_power_of_2(head_dim), hq // hkv, hkv,
+                                                            len(specs), batch.query.shape[0], batch.max_q,
+                                                            batch.max_ctx, batch.k.element_size(), batch.query.device)
                 results = []
                 candidates = [(tile, splits) for tile in [*tiles, None] for splits in _splits(args.points)]
                 for tile, splits in [*candidates, ("cap", None)]:

@@ -422,14 +422,15 @@ def query_tiles(batch: int, num_tokens: int, max_query_len: int, block_q: int) -
 
 def launch_plan(block_d: int, group: int, num_kv_heads: int, batch: int, num_tokens: int, max_query_len: int,
                 max_context: int, elem_bytes: int, device: torch.device, num_splits: int | None = None
-                ) -> tuple[tuple[int, int, int, int], int]:
-    """The tile (``_tile_config``) and the KV split count a launch takes; ``num_splits`` forces the latter."""
-    tiles, seqs, _ = query_tiles(batch, num_tokens, max_query_len, _block_rows(group, max_query_len) // group)
-    work_units = tiles * seqs * num_kv_heads
+                ) -> tuple[tuple[int, int, int, int], int, tuple[int, int, bool]]:
+    """The tile (``_tile_config``), the KV split count (``num_splits`` forces it) and the query tiles
+    (``query_tiles``) a launch takes."""
+    grid = query_tiles(batch, num_tokens, max_query_len, _block_rows(group, max_query_len) // group)
+    work_units = grid[0] * grid[1] * num_kv_heads
     if num_splits is None:
         num_splits = _choose_num_splits(work_units, max_context, device, block_d)
     tile = _tile_config(block_d, group, max_query_len, elem_bytes, num_splits, work_units / num_sms(device))
-    return tile, num_splits
+    return tile, num_splits, grid
 
 
 def paged_attention(
@@ -491,12 +492,11 @@ def paged_attention(
         raise ValueError(f"num_splits must be in [1, {_MAX_SPLITS}], got {num_splits}")
     block_d = triton.next_power_of_2(head_dim)
     max_context = block_tables.shape[1] * block_size if max_seq_len is None else max_seq_len
-    (block_m, block_n, num_warps, num_stages), num_splits = launch_plan(
+    (block_m, block_n, num_warps, num_stages), num_splits, (tiles, seqs, flat) = launch_plan(
         block_d, group, num_kv_heads, batch, num_tokens, max_query_len, max_context, k_cache.element_size(),
         query.device, num_splits,
     )
     block_q = block_m // group
-    tiles, seqs, flat = query_tiles(batch, num_tokens, max_query_len, block_q)
     write_partials = num_splits > 1
     if write_partials:
         part_acc = torch.empty(

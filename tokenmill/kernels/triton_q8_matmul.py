@@ -44,7 +44,8 @@ def _q8_matmul_kernel(x_ptr, w_ptr, s_ptr, bias_ptr, out_ptr, M, N, K, stride_xm
         scale = tl.load(s_rows + kb[None, :], mask=(cols[:, None] < N) & (kb[None, :] < K // 32), other=0.0)
         # Each value (through float16, not the conversion unit) times its block's scale (a
         # [BLOCK_N, blocks, 32] view), rounded to x's dtype.
-        blocks = tl.reshape(to_f16(w, PTX, False).to(tl.float32), (BLOCK_N, BLOCK_K // 32, 32)) * scale.to(tl.float32)[:, :, None]
+        blocks = (tl.reshape(to_f16(w, PTX, False).to(tl.float32), (BLOCK_N, BLOCK_K // 32, 32))
+                  * scale.to(tl.float32)[:, :, None])
         weights = tl.trans(tl.reshape(blocks, (BLOCK_N, BLOCK_K)).to(x.dtype))
         if IEEE_DOT:
             acc += tl.dot(x, weights, input_precision="ieee")
