@@ -32,6 +32,11 @@ ATTN_TOL = {torch.float32: 1e-4, torch.float16: 2e-3, torch.bfloat16: 1e-2}
 # Elementwise kernels replicate the reference's roundings: differences are a few ulps.
 ELEMWISE_TOL = {torch.float32: 1e-5, torch.float16: 1e-3, torch.bfloat16: 8e-3}
 Q8_FP16_TOL = 6e-3
+# A gated GEMV in float16 rounds three times in a row (the gate, its activation, the product), as the
+# reference does; where the two float32 sums straddle a rounding point (their order differs), each
+# rounding can land an ulp (2^-11) apart and the next carries it on: up to ~1.5e-3 of an output, and
+# over 13 outputs a relative error of 1.4e-3 was seen (seed 2265102476), about 1 run in 500.
+GATED_FP16_TOL = 3e-3
 # The attention kernel's float32 tanh (softcapping), against float64: absolute error anywhere
 # (it cancels to a few ulps of 1 near 0), relative error from |x| = 0.5 on.
 TANH_ABS_TOL, TANH_REL_TOL = 5e-7, 1e-6
@@ -438,7 +443,9 @@ def check_gemv(ops, *, kind: str, n: int, k: int, dtype: torch.dtype, device: st
     err = rel_err(got, ref)
     # The reference rounds its dequantized Q8_0 matrix to the activations' dtype; the kernel sums each
     # block in float32 unrounded: in float16 that is up to a few parts in 1e3 after the gate.
-    tol = max(ELEMWISE_TOL[dtype], Q8_FP16_TOL) if q8 and dtype == torch.float16 else ELEMWISE_TOL[dtype]
+    tol = ELEMWISE_TOL[dtype]
+    if dtype == torch.float16:
+        tol = max(tol, Q8_FP16_TOL if q8 else GATED_FP16_TOL if gated else tol)
     assert err < tol, f"rel err {err:.2e}: {where}"
 
 
