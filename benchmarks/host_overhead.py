@@ -1,14 +1,18 @@
-"""The engine's host work per step, with the model's forward stubbed out: what the
-GPU must hide (or wait for) at large batch. Runs on the CPU; no GPU needed.
+"""The engine's host work per step, phase by phase: what the GPU must hide (or wait for) at
+large batch.
 
-python benchmarks/host_overhead.py [--batch 256] [--steps 100] [--no-async]
-Prints ms per step and the share of its phases (schedule, input preparation,
-sampling, completion).
+python benchmarks/host_overhead.py [--batch 256] [--steps 100] [--no-async] [--profile N]
+    on the CPU, the model's forward stubbed out: the host's work alone;
+python benchmarks/host_overhead.py --shape llama3.2-1b [--batch 256] ...
+    on the GPU, the real forward of a shape with random weights: ``collect`` is then the time the
+    host waits for the GPU, and a step that costs more than the graph's replay is host-bound.
 """
 
 import argparse
 import collections
+import cProfile
 import functools
+import pstats
 import sys
 import tempfile
 import time
@@ -20,8 +24,20 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from helpers import make_model_dir  # noqa: E402
 
 from tokenmill import SamplingParams  # noqa: E402
-from tokenmill.engine.config import EngineConfig
+from tokenmill.bench.offline import make_engine  # noqa: E402
+from tokenmill.engine.config import EngineConfig  # noqa: E402
 from tokenmill.engine.llm_engine import LLMEngine  # noqa: E402
+
+
+def stubbed_engine(batch: int, async_scheduling: bool) -> LLMEngine:
+    model_dir = Path(tempfile.mkdtemp())
+    make_model_dir("llama3", model_dir)
+    engine = LLMEngine(EngineConfig(model=str(model_dir), device="cpu", dtype="float32", max_num_seqs=batch,
+                                    num_kv_blocks=64 * batch, async_scheduling=async_scheduling))
+    model, cfg = engine.core.runner.model, engine.model_config
+    model.forward = lambda ids, positions, kv, meta: torch.zeros(ids.shape[0], cfg.hidden_size)
+    model.compute_logits = lambda hidden, out=None: torch.zeros(hidden.shape[0], cfg.vocab_size)
+    return engine
 
 
 def main() -> None:
@@ -29,14 +45,14 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=256)
     parser.add_argument("--steps", type=int, default=100)
     parser.add_argument("--no-async", action="store_true")
+    parser.add_argument("--shape", default=None, help="run this shape's real forward on the GPU (random weights)")
+    parser.add_argument("--profile", type=int, default=0, metavar="N",
+                        help="after the timed steps, the N functions with the most time of their own (cProfile)")
     args = parser.parse_args()
-    model_dir = Path(tempfile.mkdtemp())
-    make_model_dir("llama3", model_dir)
-    engine = LLMEngine(EngineConfig(model=str(model_dir), device="cpu", dtype="float32", max_num_seqs=args.batch,
-                                    num_kv_blocks=64 * args.batch, async_scheduling=not args.no_async))
-    model, cfg = engine.core.runner.model, engine.model_config
-    model.forward = lambda ids, positions, kv, meta: torch.zeros(ids.shape[0], cfg.hidden_size)
-    model.compute_logits = lambda hidden, out=None: torch.zeros(hidden.shape[0], cfg.vocab_size)
+    if args.shape:
+        engine = make_engine(args.shape, max_num_seqs=args.batch, async_scheduling=not args.no_async)
+    else:
+        engine = stubbed_engine(args.batch, not args.no_async)
     phases: collections.Counter[str] = collections.Counter()
 
     def timed(obj, name: str) -> None:
@@ -52,8 +68,9 @@ def main() -> None:
         setattr(obj, name, wrapper)
 
     core = engine.core
-    for obj, name in ((core.scheduler, "schedule"), (core.runner, "_prepare"), (core.runner, "_sampling_batch"),
-                      (core.runner, "sampler"), (core, "_complete"), (engine.outputs, "process")):
+    for obj, name in ((core.scheduler, "schedule"), (core.runner, "_prepare"), (core.runner, "_forward"),
+                      (core.runner, "_sampling_batch"), (core.runner, "sampler"), (core.runner, "collect"),
+                      (core, "_complete"), (engine.outputs, "process")):
         timed(obj, name)
     params = SamplingParams(temperature=0, max_tokens=engine.max_model_len - 128, ignore_eos=True)
     for i in range(args.batch):
@@ -65,9 +82,23 @@ def main() -> None:
     for _ in range(args.steps):
         engine.step()
     per_step = (time.perf_counter() - started) / args.steps
-    print(f"batch {args.batch}, async {not args.no_async}: host {per_step * 1e3:.3f} ms per step")
+    where = f"{args.shape} on the GPU" if args.shape else "forward stubbed"
+    print(f"batch {args.batch}, async {not args.no_async}, {where}: {per_step * 1e3:.3f} ms per step")
     for name, seconds in phases.most_common():
         print(f"  {name:16s} {seconds / args.steps * 1e3:.3f} ms")
+    if args.shape:
+        graph = core.runner.graphs.graph_for(args.batch, 128 + 20 + args.steps)
+        replay = (lambda: [graph.replay() for _ in range(20)])
+        replay()
+        torch.cuda.synchronize()
+        started = time.perf_counter()
+        replay()
+        torch.cuda.synchronize()
+        print(f"  the step's graph replayed alone: {(time.perf_counter() - started) / 20 * 1e3:.3f} ms")
+    if args.profile:
+        profile = cProfile.Profile()
+        profile.runcall(lambda: [engine.step() for _ in range(args.steps)])
+        pstats.Stats(profile).sort_stats("tottime").print_stats(args.profile)
 
 
 if __name__ == "__main__":

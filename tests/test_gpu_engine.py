@@ -297,3 +297,27 @@ def test_structured_outputs_on_cuda() -> None:
     for schema, out in zip(schemas, outputs[1:]):
         assert out.outputs[0].finish_reason == "stop", (schema, out.outputs[0].text)
         jsonschema.validate(json.loads(out.outputs[0].text), schema)
+
+
+def test_host_staging_sends_every_array_whole() -> None:
+    """One pinned copy carries arrays of several dtypes and shapes, empty ones included, each back
+    under its name and on a 16-byte boundary (as Triton's kernels are compiled for); the next send
+    reuses the buffer only after the copy before has left it."""
+    import numpy as np
+
+    from tokenmill.engine.host_staging import HostStaging
+
+    rng = np.random.default_rng(0)
+    staging = HostStaging(torch.device("cuda"), capacity=64)  # small: the second send must grow it
+    for step in range(3):
+        arrays = {"ids": rng.integers(0, 1 << 40, 7 + step), "lens": rng.integers(0, 99, 3).astype(np.int32),
+                  "tables": rng.integers(0, 99, (2, 3, 5 + step)).astype(np.int32),
+                  "empty": np.zeros(0, dtype=np.int64), "no_rows": np.zeros((1, 0, 1), dtype=np.int32),
+                  "temperature": rng.random(5).astype(np.float32), "top_k": rng.integers(0, 50, 5),
+                  "flags": rng.random(4) > 0.5}
+        sent = staging.send(arrays)
+        assert list(sent) == list(arrays)
+        for name, a in arrays.items():
+            assert sent[name].device.type == "cuda" and tuple(sent[name].shape) == a.shape
+            assert sent[name].data_ptr() % 16 == 0
+            np.testing.assert_array_equal(sent[name].cpu().numpy(), a)

@@ -75,17 +75,22 @@ def test_ties_at_the_edge_are_kept_whole() -> None:
 
 
 def test_max_top_k_is_the_largest_cut_of_a_sampled_row() -> None:
+    import numpy as np
+
     from tokenmill import SamplingParams
     from tokenmill.engine.model_runner import max_top_k
+    from tokenmill.engine.sequence_rows import sampling_row
 
-    def rows(*kinds: dict) -> list[SamplingParams]:
-        return [SamplingParams(**kind) for kind in kinds]
+    def cut(vocab: int, *kinds: dict) -> int:
+        """max_top_k over the sampling columns of rows of these parameters, as a step builds them."""
+        values = np.array([sampling_row(SamplingParams(**kind), vocab) for kind in kinds])
+        return max_top_k(values[:, 0].astype(np.float32), values[:, 1].astype(np.int64), vocab)
 
-    assert max_top_k(rows({"top_k": 20, "top_p": 0.8}, {"top_k": 50}, {"temperature": 0.0, "top_k": 500}), 1000) == 50
-    assert max_top_k(rows({"top_k": 20}, {"top_p": 0.9}), 1000) == 20
-    assert max_top_k(rows({"temperature": 1.0}), 1000) == 0  # nothing cuts
-    assert max_top_k(rows({"top_k": 5000}), 10**6) == 5000
-    assert max_top_k(rows({"top_k": 900}, {"top_k": 800}), 800) == 0  # the whole vocabulary
+    assert cut(1000, {"top_k": 20, "top_p": 0.8}, {"top_k": 50}, {"temperature": 0.0, "top_k": 500}) == 50
+    assert cut(1000, {"top_k": 20}, {"top_p": 0.9}) == 20
+    assert cut(1000, {"temperature": 1.0}, {"top_k": -1}) == 0  # nothing cuts
+    assert cut(10**6, {"top_k": 5000}) == 5000
+    assert cut(800, {"top_k": 900}, {"top_k": 800}) == 0  # the whole vocabulary
 
 
 def test_top_k_top_p_keeps_what_the_definition_keeps() -> None:

@@ -11,7 +11,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tokenmill.engine.sequence import Sequence, SequenceStatus
-from tokenmill.engine.sequence_rows import SequenceRows
+from tokenmill.engine.sequence_rows import (
+    GRAMMAR, LOGIT_BIAS, LOGPROBS, MIN_TOKENS, PENALTIES, PROMPT_LOGPROBS, SEEDED, SequenceRows)
 from tokenmill.layers.sampler import inverse_temperature
 from tokenmill.sampling_params import SamplingParams
 
@@ -27,6 +28,9 @@ params_strategy = st.builds(
     presence_penalty=st.sampled_from([0.0, -1.5]),
     frequency_penalty=st.sampled_from([0.0, 0.7]),
     prompt_logprobs=st.sampled_from([None, 0, 2]),
+    logprobs=st.sampled_from([None, 0, 3]),
+    min_tokens=st.sampled_from([0, 4]),
+    logit_bias=st.sampled_from([None, {}, {5: 1.5}]),
 )
 
 
@@ -55,7 +59,18 @@ def test_sampling_columns_are_each_rows_parameters(params: list[SamplingParams],
     np.testing.assert_array_equal(columns["top_k"], [min(max(p.top_k, 0), VOCAB) for p in expanded])
     for name in ("top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty"):
         np.testing.assert_array_equal(columns[name], np.array([getattr(p, name) for p in expanded], np.float32))
-    np.testing.assert_array_equal(rows.prompt_logprobs[index], [p.prompt_logprobs is not None for p in params])
+    # Each row's flags say what its sampling needs besides the columns (a step none of whose rows sets
+    # one builds no per-sequence lists).
+    wanted = {PROMPT_LOGPROBS: [p.prompt_logprobs is not None for p in params],
+              LOGPROBS: [p.logprobs is not None for p in params], MIN_TOKENS: [p.min_tokens > 0 for p in params],
+              LOGIT_BIAS: [bool(p.logit_bias) for p in params], PENALTIES: [p.uses_penalties for p in params],
+              SEEDED: [False] * len(params), GRAMMAR: [False] * len(params)}
+    for flag, expected in wanted.items():
+        np.testing.assert_array_equal(rows.flags[index] & flag > 0, expected)
+    union = 0
+    for flag, expected in wanted.items():
+        union |= flag if any(expected) else 0
+    assert rows.union_flags(index) == union
 
 
 def test_rows_are_reclaimed_from_sequences_that_stopped_running_then_grown() -> None:

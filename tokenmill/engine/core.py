@@ -41,7 +41,7 @@ from tokenmill.engine.messages import (
     RequestDelta,
     SeqDelta,
 )
-from tokenmill.engine.model_runner import InFlightStep, build_model
+from tokenmill.engine.model_runner import InFlightStep, StepResult, build_model
 from tokenmill.engine.rank import (
     RankSetup,
     check_tensor_parallel,
@@ -266,8 +266,9 @@ class EngineCore:
         generator = None
         if params.seed is not None:
             generator = torch.Generator(device=self.device).manual_seed((params.seed * 65537 + index) % (1 << 63))
+        limit = self.max_model_len if params.max_tokens is None else min(self.max_model_len, len(ids) + params.max_tokens)
         return Sequence(next(self._seq_ids), request_id, index, list(ids), params, now, generator,
-                        eos_token_ids=self.model_config.eos_token_ids)
+                        eos_token_ids=self.model_config.eos_token_ids, token_limit=limit)
 
     def abort_request(self, request_id: str) -> None:
         """Stop a request now and free its blocks; unknown ids are ignored (it may have
@@ -384,7 +385,7 @@ class EngineCore:
         a time."""
         if not self.config.async_scheduling or self._speculating():
             return False
-        return not any(seq.draft_token_ids for seq in in_flight.batch.seqs)
+        return self.spec is None or not any(seq.draft_token_ids for seq in in_flight.batch.seqs)
 
     def _speculating(self) -> bool:
         return self.spec is not None and len(self.scheduler.running) < self.spec.disable_by_batch_size
@@ -441,12 +442,14 @@ class EngineCore:
         self._advance(batch)
         for rows in step.prompt_rows:  # each prompt position's logprobs are given once
             rows.seq.next_prompt_logprob_position = rows.first + rows.count
+        pending_index = step.pending_index
         for seq in step.sampled_seqs:
-            num_tokens = len(seq.token_ids)
-            step.pending_index.append(num_tokens)
-            seq.token_ids.append(PENDING)
+            token_ids = seq.token_ids
+            num_tokens = len(token_ids)
+            pending_index.append(num_tokens)
+            token_ids.append(PENDING)
             seq.num_pending += 1
-            if self._reaches_length_limit(seq.params, num_tokens + 1 - seq.num_prompt_tokens, num_tokens + 1):
+            if num_tokens + 1 >= seq.token_limit:
                 # This token is its last whatever it is: leave the batch now, not a step late.
                 self.scheduler.finish(seq)
         return step
@@ -460,8 +463,14 @@ class EngineCore:
                 delta = self._delta(self.requests[seq.request_id])
                 delta.prompt_logprobs = (delta.prompt_logprobs or []) + values
         ended: dict[str, CoreRequest] = {}
-        for seq, index, tokens, logprobs in zip(result.sampled_seqs, step.pending_index, result.token_ids,
-                                                result.logprobs):
+        rest = self._accept_plain(result, step.pending_index) if result.single_ids is not None else range(
+            len(result.sampled_seqs))
+        for i in rest:
+            seq, index = result.sampled_seqs[i], step.pending_index[i]
+            if result.single_ids is None:
+                tokens, logprobs = result.token_ids[i], result.logprobs[i]
+            else:
+                tokens, logprobs = [result.single_ids[i]], [None]
             if index >= len(seq.token_ids) or seq.token_ids[index] != PENDING:
                 continue  # the sequence ended meanwhile: nobody wants this token
             request = self.requests[seq.request_id]
@@ -489,6 +498,29 @@ class EngineCore:
             if self._request_done(request):
                 self._delta(request).finished = True
                 self._retire(request)
+
+    def _accept_plain(self, result: StepResult, pending_index: list[int]) -> list[int]:
+        """The common case of ``_complete`` at a fraction of its cost a sequence: a lone sequence
+        (``n`` = 1) whose one new token neither ends it nor needs logprobs or a grammar takes it
+        here. Returns the positions of the others among the step's sampled sequences, which the
+        rest of ``_complete`` takes one by one."""
+        rest, deltas = [], self._deltas
+        for i, (seq, index, token) in enumerate(zip(result.sampled_seqs, pending_index, result.single_ids)):
+            token_ids = seq.token_ids
+            if (index + 1 >= seq.token_limit or token in seq.stop_ids or seq.matcher is not None
+                    or seq.params.n != 1 or seq.request_id in deltas or seq.params.logprobs is not None
+                    or index >= len(token_ids) or token_ids[index] != PENDING):
+                rest.append(i)
+                continue
+            token_ids[index] = token
+            seq.num_pending -= 1
+            deltas[seq.request_id] = RequestDelta(
+                seq.request_id, [SeqDelta(seq.index, [token])], num_cached_tokens=seq.num_cached_tokens,
+                num_preemptions=seq.num_preemptions, first_scheduled_time=seq.first_scheduled_time,
+                spec_drafts=seq.spec_drafts, spec_draft_tokens=seq.spec_draft_tokens,
+                spec_accepted_tokens=seq.spec_accepted_tokens)
+        self.stats.generation_tokens += len(result.sampled_seqs) - len(rest)
+        return rest
 
     def _retire(self, request: CoreRequest) -> None:
         """Forget a request whose sequences have all ended."""
@@ -543,15 +575,12 @@ class EngineCore:
                 seq.finish_reason = "stop"
             elif token in params.stop_token_ids:
                 seq.finish_reason, seq.stop_reason = "stop", token
-        if seq.finish_reason is None and self._reaches_length_limit(params, num_output, index + 1):
+        if seq.finish_reason is None and index + 1 >= seq.token_limit:
             seq.finish_reason = "length"
         if seq.finish_reason is not None:
             out.finish_reason, out.stop_reason = seq.finish_reason, seq.stop_reason
             seq.drop_pending()
             self.scheduler.finish(seq)
-
-    def _reaches_length_limit(self, params: SamplingParams, num_output: int, num_tokens: int) -> bool:
-        return (params.max_tokens is not None and num_output >= params.max_tokens) or num_tokens >= self.max_model_len
 
     # ------------------------------------------------------------------ stats
     def _advance(self, batch: ScheduledBatch) -> None:
@@ -561,7 +590,8 @@ class EngineCore:
         for seq, n in zip(batch.seqs, batch.num_tokens):
             start = seq.num_computed_tokens
             end = seq.num_computed_tokens = start + n
-            prompt_tokens += max(0, min(end, len(seq.prompt_token_ids)) - start)
+            if start < len(seq.prompt_token_ids):
+                prompt_tokens += min(end, len(seq.prompt_token_ids)) - start
         self.stats.prompt_tokens += prompt_tokens
 
     def _snapshot(self) -> CoreStats:

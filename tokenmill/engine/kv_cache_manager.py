@@ -134,9 +134,11 @@ class KVCacheManager:
                 seq.tables_changed()
 
     def commit_step(self, seqs: list[Sequence]) -> None:
-        """``commit_computed_blocks`` for every sequence of a step that still runs."""
+        """``commit_computed_blocks`` for every sequence of a step that still runs (called only for
+        those whose computed tokens reach past their committed blocks: most steps, none do)."""
+        size = self.block_size
         for seq in seqs:
-            if not seq.is_finished:
+            if seq.num_computed_tokens >= (seq.num_committed_blocks + 1) * size and not seq.is_finished:
                 self.commit_computed_blocks(seq)
 
     def commit_computed_blocks(self, seq: Sequence) -> None:

@@ -33,7 +33,8 @@ from tokenmill.engine.host_staging import HostStaging
 from tokenmill.engine.prefill_graphs import PrefillGraphs
 from tokenmill.engine.scheduler import ScheduledBatch
 from tokenmill.engine.sequence import PENDING, Sequence
-from tokenmill.engine.sequence_rows import SequenceRows
+from tokenmill.engine.sequence_rows import (
+    GRAMMAR, LOGIT_BIAS, LOGPROBS, MIN_TOKENS, PENALTIES, PROMPT_LOGPROBS, SEEDED, SequenceRows)
 from tokenmill.engine.penalty_counts import PenaltyCounts
 from tokenmill.engine.structured_outputs import HostBitmask, apply_grammars
 from tokenmill.layers.attention import AttentionMetadata, KVCache
@@ -43,7 +44,6 @@ from tokenmill.loader.kv_layout import KV_SCALE_DTYPE, KVLayout, is_quantized
 from tokenmill.loader.weights import iter_checkpoint
 from tokenmill.models.registry import model_class
 from tokenmill.outputs import Logprobs
-from tokenmill.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -56,6 +56,9 @@ class StepResult:
     sampled_seqs: list[Sequence] = field(default_factory=list)
     token_ids: list[list[int]] = field(default_factory=list)
     logprobs: list[list[Logprobs | None]] = field(default_factory=list)
+    # Instead of the two above when every sequence sampled one token and nothing else (no drafts,
+    # logprobs or generator states): each one's token, the most common step read without a list each.
+    single_ids: list[int] | None = None
     # A seeded sequence with drafts: its generator's state after each of its rows' draws.
     generator_states: dict[Sequence, list[torch.Tensor]] = field(default_factory=dict)
     # Prompt logprobs computed this step: seq -> logprobs of its next prompt positions.
@@ -97,6 +100,7 @@ class InFlightStep:
     prompt_logprobs: dict[Sequence, list[Logprobs]] = field(default_factory=dict)
     pending_index: list[int] = field(default_factory=list)  # where each sampled token goes (engine)
     pending_sample: PendingSample | None = None  # set while ``sample`` is still to run
+    sampling_flags: int = 0  # every ``sequence_rows`` flag a sampled row sets
 
 
 # The paths a step's forward takes (every rank takes the one rank 0 chose).
@@ -116,6 +120,9 @@ class StepPlan:
     path: str
     picks_rows: bool  # a decode graph scores every row; the logits rows are picked out after it
     num_sampled_rows: int
+    # Every row's id is the step before's sample of the same row (decode after decode of the same
+    # sequences): the input ids are those samples as they lie on the device.
+    pending_in_order: bool = False
 
 
 class Peers(Protocol):
@@ -140,6 +147,8 @@ class StepInputs:
     rows_per_seq: list[int]  # sampled rows of each sampled sequence: 1 + its drafts
     sampling_columns: dict[str, torch.Tensor]  # per sampled row, named as SamplingBatch's fields
     prompt_rows: list[PromptLogprobRows]
+    host_sampling: dict[str, np.ndarray]  # the same columns on the host
+    sampling_flags: int  # every ``sequence_rows`` flag a sampled row sets
 
 
 def build_model(cfg: ModelConfig, model_dir: Path | None, dtype: torch.dtype, device: torch.device,
@@ -305,14 +314,16 @@ class ModelRunner:
                 s.scheduled_token_ids(st, n) for s, st, n in zip(seqs, starts.tolist(), batch.num_tokens)),
                 dtype=np.int64, count=total)
         ends = starts + counts
-        scheduled = np.fromiter(map(attrgetter("num_scheduled_tokens"), seqs), dtype=np.int64, count=len(seqs))
-        sampling_seqs = np.flatnonzero(ends == scheduled)  # their last known token is in this step
+        # A sequence samples when the step reaches its last known token (or its last draft).
+        scheduled = np.fromiter(map(len, map(attrgetter("token_ids"), seqs)), dtype=np.int64, count=len(seqs))
+        scheduled += np.fromiter(map(len, map(attrgetter("draft_token_ids"), seqs)), dtype=np.int64, count=len(seqs))
+        sampling_seqs = np.flatnonzero(ends == scheduled)
         sampled = [seqs[b] for b in sampling_seqs.tolist()]
         drafts = np.fromiter(map(len, map(attrgetter("draft_token_ids"), sampled)), dtype=np.int64, count=len(sampled))
         rows_per_seq = (drafts + 1).tolist()
         prompt_logits_rows: list[int] = []
         prompt_rows: list[PromptLogprobRows] = []
-        for b in np.flatnonzero(self.rows.prompt_logprobs[rows]).tolist():
+        for b in np.flatnonzero(self.rows.flags[rows] & PROMPT_LOGPROBS).tolist():
             seq = seqs[b]
             # Rows whose next token is still a prompt token give prompt logprobs, each once:
             # a recompute after preemption skips the positions already given.
@@ -332,10 +343,15 @@ class ModelRunner:
                                   or any(n > 1 for n in previous.rows_per_seq)):
             # (A step with drafts is verified before the next is scheduled: its row per sequence is unknown.)
             raise RuntimeError("a pending token is scheduled, but no step in flight holds it as its one sample")
-        row_of = {seq: i for i, seq in enumerate(previous.sampled_seqs)} if len(pending_rows) else {}
-        pending_sources = np.fromiter((row_of[seqs[b]] for b in owner[pending_rows].tolist()), dtype=np.int64,
-                                      count=len(pending_rows))
-        sampling = self.rows.sampling_columns(np.repeat(rows[sampling_seqs], drafts + 1))
+        in_order = len(pending_rows) == total and previous.sampled_seqs == seqs
+        if in_order:
+            pending_sources = np.arange(total)
+        else:
+            row_of = {seq: i for i, seq in enumerate(previous.sampled_seqs)} if len(pending_rows) else {}
+            pending_sources = np.fromiter((row_of[seqs[b]] for b in owner[pending_rows].tolist()),
+                                          dtype=np.int64, count=len(pending_rows))
+        sampling_rows = np.repeat(rows[sampling_seqs], drafts + 1)
+        sampling = self.rows.sampling_columns(sampling_rows)
         max_query_len = int(counts.max())
         path, picks_rows = EAGER, False
         if self.graphs is not None and max_query_len == 1 and self.graphs.padded_size(len(seqs)):
@@ -355,20 +371,23 @@ class ModelRunner:
                          "query_start_loc": query_start, "seq_lens": seq_lens, "block_tables": tables,
                          "logits_rows": logits_rows,
                          "pending_rows": pending_rows.astype(np.int64), "pending_sources": pending_sources},
-                        max_query_len, int(seq_lens.max()), path, picks_rows, sum(rows_per_seq))
+                        max_query_len, int(seq_lens.max()), path, picks_rows, sum(rows_per_seq), in_order)
         if self.peers is not None:
             self.peers.send(plan)
         t = self._stage(plan, previous.token_ids if len(pending_rows) else None,
                         {f"sampling.{name}": column for name, column in sampling.items()})
         return StepInputs(plan, t, logits_rows, sampled, rows_per_seq,
-                          {name: t[f"sampling.{name}"] for name in sampling}, prompt_rows)
+                          {name: t[f"sampling.{name}"] for name in sampling}, prompt_rows, sampling,
+                          self.rows.union_flags(sampling_rows))
 
     def _stage(self, plan: StepPlan, previous_ids: torch.Tensor | None,
                extra: dict[str, np.ndarray] | None = None) -> dict[str, torch.Tensor]:
         """The plan's arrays (and ``extra``) on the device in one copy, pending ids filled in from
         ``previous_ids`` (the step before's samples, on the device)."""
         t = self.staging.send({**plan.arrays, **(extra or {})})
-        if len(plan.arrays["pending_rows"]):
+        if plan.pending_in_order:
+            t["input_ids"] = previous_ids
+        elif len(plan.arrays["pending_rows"]):
             t["input_ids"][t["pending_rows"]] = previous_ids[t["pending_sources"]]
         return t
 
@@ -392,15 +411,20 @@ class ModelRunner:
             return None, None  # pure prefill chunks: no LM-head work at all
         return self.model.compute_logits(hidden[t["logits_rows"]]), None
 
-    def _sampling_batch(self, seqs: list[Sequence], rows_per_seq: list[int],
-                        columns: dict[str, torch.Tensor]) -> SamplingBatch:
-        """Per-row parameters: the numeric ones arrive as ``columns``, already on the device. A sequence
-        with drafts has a row per position, each as plain decoding would sample there (its seed's
-        generator drawn on in order, its stop tokens banned while that position is short of
-        ``min_tokens``). The penalties' token counts are left to ``sample``."""
-        owners = [(s, offset) for s, n in zip(seqs, rows_per_seq) for offset in range(n)]
-        seqs = [s for s, _ in owners]
-        params = [s.params for s in seqs]
+    def _sampling_batch(self, seqs: list[Sequence], inputs: StepInputs) -> SamplingBatch:
+        """Per-row parameters: the numeric ones arrive as ``inputs.sampling_columns``, already on the
+        device. A sequence with drafts has a row per position, each as plain decoding would sample
+        there (its seed's generator drawn on in order, its stop tokens banned while that position is
+        short of ``min_tokens``). The penalties' token counts are left to ``sample``."""
+        host, flags = inputs.host_sampling, inputs.sampling_flags
+        batch = SamplingBatch(
+            **inputs.sampling_columns, generators=[None] * len(host["temperature"]), num_logprobs=-1,
+            all_greedy=bool((host["temperature"] == 0).all()),
+            max_top_k=max_top_k(host["temperature"], host["top_k"], self.cfg.vocab_size))
+        if not flags & (LOGPROBS | MIN_TOKENS | LOGIT_BIAS | SEEDED):
+            return batch  # (most steps: nothing is read from the sequences one by one)
+        owners = [(s, offset) for s, n in zip(seqs, inputs.rows_per_seq) for offset in range(n)]
+        params = [s.params for s, _ in owners]
 
         def sparse(entries: list[tuple], *dtypes: torch.dtype) -> tuple[torch.Tensor, ...] | None:
             """The columns of ``entries`` (row, token id, ...) on the device; None if there are none."""
@@ -409,17 +433,12 @@ class ModelRunner:
             return tuple(torch.tensor(c, dtype=d, device=self.device) for c, d in zip(zip(*entries), dtypes))
 
         nums = [num_top_logprobs(p.logprobs, self.cfg.vocab_size) for p in params if p.logprobs is not None]
-        batch = SamplingBatch(
-            **columns,
-            generators=[s.generator for s in seqs],
-            keep_generator_states=frozenset(row for row, (s, _) in enumerate(owners)
-                                            if s.generator is not None and s.draft_token_ids),
-            num_logprobs=max(nums) if nums else -1,
-            all_greedy=all(p.temperature == 0 for p in params),
-            max_top_k=max_top_k(params, self.cfg.vocab_size),
-        )
+        batch.num_logprobs = max(nums) if nums else -1
+        batch.generators = [s.generator for s, _ in owners]
+        batch.keep_generator_states = frozenset(row for row, (s, _) in enumerate(owners)
+                                                if s.generator is not None and s.draft_token_ids)
         banned = []
-        for row in [row for row, p in enumerate(params) if p.min_tokens]:  # (most requests set none)
+        for row in [row for row, p in enumerate(params) if p.min_tokens]:
             seq, offset = owners[row]
             if seq.num_output_tokens + offset < seq.params.min_tokens:
                 banned += [(row, tok) for tok in seq.stop_token_ids_for_min_tokens]
@@ -436,7 +455,8 @@ class ModelRunner:
         pending on the host (``PENDING``) are the sampled ids of ``previous``, taken on the device."""
         inputs = self._prepare(batch, previous)
         logits_rows, sampled, prompt_rows = inputs.logits_rows, inputs.sampled, inputs.prompt_rows
-        step = InFlightStep(batch, sampled_seqs=sampled, rows_per_seq=inputs.rows_per_seq, prompt_rows=prompt_rows)
+        step = InFlightStep(batch, sampled_seqs=sampled, rows_per_seq=inputs.rows_per_seq, prompt_rows=prompt_rows,
+                            sampling_flags=inputs.sampling_flags)
         logits, greedy_ids = self._forward(inputs.plan, inputs.tensors)
         if logits is None:
             return step
@@ -444,9 +464,9 @@ class ModelRunner:
         if prompt_rows:
             self._prompt_logprobs(logits[:num_prompt_rows], prompt_rows, step.prompt_logprobs)
         if sampled:
-            batch = self._sampling_batch(sampled, inputs.rows_per_seq, inputs.sampling_columns)
+            batch = self._sampling_batch(sampled, inputs)
             step.pending_sample = PendingSample(logits[num_prompt_rows:], batch, greedy_ids)
-            if previous is None or not any(s.matcher is not None for s in sampled):
+            if previous is None or not inputs.sampling_flags & GRAMMAR:
                 self.sample(step)
         return step
 
@@ -461,13 +481,14 @@ class ModelRunner:
         firsts = itertools.accumulate([0, *step.rows_per_seq[:-1]])
         # (A matcher that took its stop token belongs to a sequence that ended: its row is thrown away.)
         constrained = [(row, seq.matcher, seq.draft_token_ids) for row, seq in zip(firsts, step.sampled_seqs)
-                       if seq.matcher is not None and not seq.matcher.is_terminated()]
+                       if seq.matcher is not None and not seq.matcher.is_terminated()
+                       ] if step.sampling_flags & GRAMMAR else []
         if constrained:  # structured outputs: only the tokens each grammar allows next
             logits = logits.float()  # (a copy of a graph's bf16 output)
             apply_grammars(logits, constrained, self.host_bitmask)
             greedy_ids = None
         penalty_rows = None
-        if any(s.params.uses_penalties for s in step.sampled_seqs):
+        if step.sampling_flags & PENALTIES:
             read, penalty_rows = self.penalties.rows(
                 [s for s, n in zip(step.sampled_seqs, step.rows_per_seq) for _ in range(n)])
             batch.penalties = (self.penalties.counts, self.penalties.prompt, read)
@@ -495,6 +516,9 @@ class ModelRunner:
             step.done.synchronize()
         token_ids, logprobs, logprob_ids = step.host
         flat_ids = token_ids.tolist()
+        if logprobs is None and not step.generator_states and len(flat_ids) == len(step.sampled_seqs):
+            result.single_ids = flat_ids
+            return result
         values, ids = (logprobs.tolist(), logprob_ids.tolist()) if logprobs is not None else (None, None)
         row = 0
         for seq, n in zip(step.sampled_seqs, step.rows_per_seq):
@@ -533,9 +557,11 @@ class ModelRunner:
             row += count
 
 
-def max_top_k(params: list[SamplingParams], vocab_size: int) -> int:
-    """The largest top-k of a sampled row that cuts the vocabulary; 0 if none does."""
-    return max((p.top_k for p in params if p.temperature > 0 and 0 < p.top_k < vocab_size), default=0)
+def max_top_k(temperature: np.ndarray, top_k: np.ndarray, vocab_size: int) -> int:
+    """The largest top-k of a sampled row (``sampling_row``'s columns) that cuts the vocabulary; 0 if
+    none does."""
+    cuts = top_k[(temperature > 0) & (top_k > 0) & (top_k < vocab_size)]
+    return int(cuts.max()) if len(cuts) else 0
 
 
 def num_top_logprobs(requested: int, vocab_size: int) -> int:

@@ -132,11 +132,11 @@ class OutputProcessor:
             self._fail(state, delta.error)
             state.error_invalid = delta.error_invalid
             return True
-        if state.metrics.first_scheduled_time is None:
-            state.metrics.first_scheduled_time = delta.first_scheduled_time
-            state.num_cached_tokens = delta.num_cached_tokens
-        state.metrics.num_cached_tokens = state.num_cached_tokens
-        state.metrics.num_preemptions = delta.num_preemptions
+        metrics = state.metrics
+        if metrics.first_scheduled_time is None:
+            metrics.first_scheduled_time = delta.first_scheduled_time
+            metrics.num_cached_tokens = state.num_cached_tokens = delta.num_cached_tokens
+        metrics.num_preemptions = delta.num_preemptions
         if delta.spec_drafts:
             state.metrics.spec_decode_num_drafts = delta.spec_drafts
             state.metrics.spec_decode_num_draft_tokens = delta.spec_draft_tokens
@@ -177,6 +177,12 @@ class OutputProcessor:
         """Append a sequence's new tokens; True if a stop string ended it here (the core
         does not know yet)."""
         params = state.params
+        if delta.finish_reason is None and not delta.logprobs and not params.stop_strings:
+            # (Most steps: tokens that end nothing and no stop string to look for.)
+            seq.token_ids += delta.token_ids
+            if seq.detokenizer is not None:
+                seq.text += "".join(map(seq.detokenizer.add, delta.token_ids))
+            return False
         last = len(delta.token_ids) - 1
         for i, token in enumerate(delta.token_ids):
             seq.token_ids.append(token)

@@ -102,20 +102,24 @@ class Scheduler:
         wave_start = not self.running
         budget = self.config.max_num_batched_tokens
         i = 0
-        while i < len(self.running) and budget > 0:
-            seq = self.running[i]
-            if seq.draft_token_ids:  # drafts take what is left of the budget after the known token
-                del seq.draft_token_ids[max(0, budget - (seq.num_tokens - seq.num_computed_tokens)):]
-            num_new = min(seq.num_scheduled_tokens - seq.num_computed_tokens, budget)
-            while not self.kv.allocate(seq, num_new):
-                victim = self.running.pop()
+        running, allocate, seqs, num_tokens = self.running, self.kv.allocate, batch.seqs, batch.num_tokens
+        while i < len(running) and budget > 0:  # (every step, every running sequence: kept lean)
+            seq = running[i]
+            drafts = seq.draft_token_ids
+            if drafts:  # drafts take what is left of the budget after the known token
+                del drafts[max(0, budget - (len(seq.token_ids) - seq.num_computed_tokens)):]
+            num_new = len(seq.token_ids) + len(drafts) - seq.num_computed_tokens
+            if num_new > budget:
+                num_new = budget
+            while not allocate(seq, num_new):
+                victim = running.pop()
                 self._preempt(victim)
                 batch.num_preempted += 1
                 if victim is seq:
                     break
             else:
-                batch.seqs.append(seq)
-                batch.num_tokens.append(num_new)
+                seqs.append(seq)
+                num_tokens.append(num_new)
                 budget -= num_new
                 i += 1
         if batch.num_preempted == 0 and (wave_start or not self.config.static_batching):

@@ -66,10 +66,16 @@ class Sequence:
     spec_drafts: int = 0  # verifications with drafts
     spec_draft_tokens: int = 0  # drafts proposed (and computed)
     spec_accepted_tokens: int = 0  # drafts that stood
+    # The token count at which the sequence ends for its length (``max_tokens`` or the model's
+    # length, whichever comes first): the engine sets it; ``stop_ids`` the tokens that may end it.
+    token_limit: int = field(default=1 << 62, repr=False)
+    stop_ids: frozenset[int] = field(default=frozenset(), init=False, repr=False)
 
     def __post_init__(self) -> None:
         if not self.token_ids:
             self.token_ids = list(self.prompt_token_ids)
+        eos = () if self.params.ignore_eos else self.eos_token_ids
+        self.stop_ids = frozenset((*eos, *self.params.stop_token_ids))
 
     def tables_changed(self) -> None:
         self.tables_stale = True

@@ -13,6 +13,8 @@ are reclaimed (the arrays grow when that frees none).
 
 from __future__ import annotations
 
+from operator import attrgetter
+
 import numpy as np
 
 from tokenmill.engine.sequence import Sequence, SequenceStatus
@@ -24,6 +26,20 @@ from tokenmill.sampling_params import SamplingParams
 SAMPLING_COLUMNS = {"temperature": np.float32, "top_k": np.int64, "top_p": np.float32, "min_p": np.float32,
                     "repetition_penalty": np.float32, "presence_penalty": np.float32,
                     "frequency_penalty": np.float32}
+
+
+# What a row needs besides its numeric sampling columns, one bit each: a step whose rows set none
+# of them samples without looking at its sequences one by one.
+PROMPT_LOGPROBS, LOGPROBS, MIN_TOKENS, LOGIT_BIAS, SEEDED, PENALTIES, GRAMMAR = (1 << i for i in range(7))
+
+
+def row_flags(seq: Sequence) -> int:
+    """``seq``'s bits of the flags above (a grammar is attached before a sequence is first scheduled)."""
+    params = seq.params
+    return ((PROMPT_LOGPROBS if params.prompt_logprobs is not None else 0)
+            | (LOGPROBS if params.logprobs is not None else 0) | (MIN_TOKENS if params.min_tokens else 0)
+            | (LOGIT_BIAS if params.logit_bias else 0) | (SEEDED if seq.generator is not None else 0)
+            | (PENALTIES if params.uses_penalties else 0) | (GRAMMAR if seq.matcher is not None else 0))
 
 
 def sampling_row(params: SamplingParams, vocab_size: int) -> tuple[float, ...]:
@@ -38,7 +54,7 @@ class SequenceRows:
         self.owners: list[Sequence | None] = [None] * capacity
         self.free = list(range(capacity))
         self.sampling = np.zeros((capacity, len(SAMPLING_COLUMNS)), dtype=np.float64)
-        self.prompt_logprobs = np.zeros(capacity, dtype=bool)
+        self.flags = np.zeros(capacity, dtype=np.uint8)
         self.tables = np.zeros((num_groups, capacity, 1), dtype=np.int32)
         self.table_lens = np.zeros(capacity, dtype=np.int64)
 
@@ -51,7 +67,7 @@ class SequenceRows:
                 self._take(seq)
             elif seq.tables_stale:
                 self._write_tables(seq, row)
-        return np.fromiter((seq.row for seq in seqs), dtype=np.int64, count=len(seqs))
+        return np.fromiter(map(attrgetter("row"), seqs), dtype=np.int64, count=len(seqs))
 
     def block_tables(self, rows: np.ndarray) -> np.ndarray:
         """``[groups, len(rows), longest table]`` int32, zero past each sequence's table."""
@@ -65,14 +81,17 @@ class SequenceRows:
         columns["inv_temperature"] = inverse_temperature(columns["temperature"])
         return columns
 
+    def union_flags(self, rows: np.ndarray) -> int:
+        """Every flag any of ``rows`` sets."""
+        return int(np.bitwise_or.reduce(self.flags[rows])) if len(rows) else 0
+
     def _take(self, seq: Sequence) -> None:
         if not self.free:
             self._reclaim()
         row = seq.row = self.free.pop()
         self.owners[row] = seq
-        params = seq.params
-        self.sampling[row] = sampling_row(params, self.vocab_size)
-        self.prompt_logprobs[row] = params.prompt_logprobs is not None
+        self.sampling[row] = sampling_row(seq.params, self.vocab_size)
+        self.flags[row] = row_flags(seq)
         self._write_tables(seq, row)
 
     def _write_tables(self, seq: Sequence, row: int) -> None:
@@ -99,6 +118,6 @@ class SequenceRows:
         self.owners += [None] * old
         self.free = list(range(old, 2 * old))
         self.sampling = np.concatenate([self.sampling, np.zeros_like(self.sampling)])
-        self.prompt_logprobs = np.concatenate([self.prompt_logprobs, np.zeros_like(self.prompt_logprobs)])
+        self.flags = np.concatenate([self.flags, np.zeros_like(self.flags)])
         self.tables = np.concatenate([self.tables, np.zeros_like(self.tables)], axis=1)
         self.table_lens = np.concatenate([self.table_lens, np.zeros_like(self.table_lens)])
