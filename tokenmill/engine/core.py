@@ -20,6 +20,7 @@ import time
 import weakref
 from concurrent.futures import FIRST_COMPLETED, wait
 from dataclasses import dataclass
+from operator import attrgetter
 from pathlib import Path
 from typing import Any
 
@@ -596,7 +597,7 @@ class EngineCore:
 
     def _snapshot(self) -> CoreStats:
         scheduler, kv, stats = self.scheduler, self.kv, self.stats
-        running = {seq.request_id for seq in scheduler.running}
+        running = set(map(attrgetter("request_id"), scheduler.running))
         waiting = {seq.request_id for seq in scheduler.waiting if seq.status is SequenceStatus.WAITING} - running
         stats.num_running, stats.num_waiting = len(running), len(waiting)
         stats.kv_usage = kv.usage()

@@ -340,7 +340,7 @@ class ModelRunner:
         seq_lens = ends.astype(np.int32)
         pending_rows = np.flatnonzero(ids == PENDING)
         if len(pending_rows) and (previous is None or len(previous.rows_per_seq) != len(previous.sampled_seqs)
-                                  or any(n > 1 for n in previous.rows_per_seq)):
+                                  or sum(previous.rows_per_seq) != len(previous.sampled_seqs)):
             # (A step with drafts is verified before the next is scheduled: its row per sequence is unknown.)
             raise RuntimeError("a pending token is scheduled, but no step in flight holds it as its one sample")
         in_order = len(pending_rows) == total and previous.sampled_seqs == seqs

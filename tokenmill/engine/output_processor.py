@@ -148,15 +148,17 @@ class OutputProcessor:
         ended_here = []
         num_new = 0
         seq_ended = False  # (only then can every sequence have ended)
-        for seq_delta in delta.seqs:
-            seq = state.seqs[seq_delta.index]
-            if seq.finished:
+        seqs = state.seqs
+        for seq_delta in delta.seqs:  # (every step, every running request: kept lean)
+            seq = seqs[seq_delta.index]
+            if seq.finish_reason is not None:
                 continue
             changed = True
             num_new += len(seq_delta.token_ids)
             if self._apply_tokens(state, seq, seq_delta):
                 ended_here.append(seq.index)
-            seq_ended = seq_ended or seq.finished
+            if seq.finish_reason is not None:
+                seq_ended = True
         if num_new:
             if state.last_token_time is None:
                 state.metrics.first_token_time = now
