@@ -240,6 +240,47 @@ def test_overlapped_steps_match_one_step_at_a_time(model_dir) -> None:
     assert [o[2] for o in overlapped][:2] == ["stop", "length"]
 
 
+def test_plain_tokens_end_up_as_the_general_path_takes_them(model_dir, monkeypatch) -> None:
+    """``EngineCore._accept_plain`` takes a lone sequence's token that ends nothing without the
+    general path. With it turned off (every token through the general path) a batch that mixes plain
+    requests with stop tokens, stop strings, length limits, n > 1, logprobs and min_tokens gives the
+    same outputs and counts the same tokens."""
+    from tokenmill.engine.core import EngineCore
+
+    prompts = [[1, 2, 3] * 5, [7, 8, 9, 10] * 9, [11] * 3, [4, 5] * 20, [2, 3, 2, 3, 6] * 4]
+    probe = LLM(str(model_dir), device="cpu", dtype="float32", max_num_seqs=8)
+    free = probe.generate(prompts[:3], greedy(20, ignore_eos=True), use_tqdm=False)
+    tokens = free[0].outputs[0].token_ids
+    # A stop token first sampled after the logprob request has left the batch (a step with logprobs
+    # takes every token through the general path).
+    stop_at = next(i for i in range(8, len(tokens)) if tokens[i] not in tokens[:i])
+    params = [greedy(20, stop_token_ids=[tokens[stop_at]], ignore_eos=True),
+              greedy(20, stop=[free[1].outputs[0].text[3:6]], ignore_eos=True),
+              SamplingParams(temperature=0.8, seed=1, n=2, max_tokens=9),
+              greedy(3, logprobs=2),
+              greedy(16, min_tokens=10)]
+    taken = []
+    plain = EngineCore._accept_plain
+
+    def counting(self, result, pending_index):
+        rest = plain(self, result, pending_index)
+        taken.append(len(result.sampled_seqs) - len(rest))
+        return rest
+
+    def run() -> tuple[list, int]:
+        llm = LLM(str(model_dir), device="cpu", dtype="float32", max_num_seqs=8)
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        return ([(c.token_ids, c.text, c.finish_reason, c.stop_reason, c.logprobs) for o in outs for c in o.outputs],
+                llm.engine.core.stats.generation_tokens)
+
+    monkeypatch.setattr(EngineCore, "_accept_plain", counting)
+    fast = run()
+    assert sum(taken) > 0, "the plain path must take tokens for this test to compare anything"
+    monkeypatch.setattr(EngineCore, "_accept_plain", lambda self, result, pending_index: range(len(result.sampled_seqs)))
+    assert run() == fast
+    assert fast[0][0][:3] == (tokens[:stop_at + 1], fast[0][0][1], "stop") and fast[0][1][2] == "stop"
+
+
 def test_penalised_steps_overlap_and_count_every_token(llm, model_dir) -> None:
     """Penalties read token counts kept on the device, each step's sample added in place after it:
     a penalised step launches under the one in flight and samples at once (nothing held back), and
