@@ -464,14 +464,12 @@ class EngineCore:
                 delta = self._delta(self.requests[seq.request_id])
                 delta.prompt_logprobs = (delta.prompt_logprobs or []) + values
         ended: dict[str, CoreRequest] = {}
-        rest = self._accept_plain(result, step.pending_index) if result.single_ids is not None else range(
-            len(result.sampled_seqs))
+        plain = result.starts is None and not result.generator_states
+        rest = self._accept_plain(result, step.pending_index) if plain else range(len(result.sampled_seqs))
         for i in rest:
-            seq, index = result.sampled_seqs[i], step.pending_index[i]
-            if result.single_ids is None:
-                tokens, logprobs = result.token_ids[i], result.logprobs[i]
-            else:
-                tokens, logprobs = [result.single_ids[i]], [None]
+            seq, index, rows = result.sampled_seqs[i], step.pending_index[i], result.rows(i)
+            tokens = result.token_ids[rows.start:rows.stop]
+            logprobs = result.logprobs.get(i) or [None] * len(tokens)
             if index >= len(seq.token_ids) or seq.token_ids[index] != PENDING:
                 continue  # the sequence ended meanwhile: nobody wants this token
             request = self.requests[seq.request_id]
@@ -506,7 +504,7 @@ class EngineCore:
         here. Returns the positions of the others among the step's sampled sequences, which the
         rest of ``_complete`` takes one by one."""
         rest, deltas = [], self._deltas
-        for i, (seq, index, token) in enumerate(zip(result.sampled_seqs, pending_index, result.single_ids)):
+        for i, (seq, index, token) in enumerate(zip(result.sampled_seqs, pending_index, result.token_ids)):
             token_ids = seq.token_ids
             if (index + 1 >= seq.token_limit or token in seq.stop_ids or seq.matcher is not None
                     or seq.params.n != 1 or seq.request_id in deltas or seq.params.logprobs is not None

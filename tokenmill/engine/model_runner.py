@@ -54,15 +54,21 @@ class StepResult:
     drafts one at each of the ``1 + drafts`` positions."""
 
     sampled_seqs: list[Sequence] = field(default_factory=list)
-    token_ids: list[list[int]] = field(default_factory=list)
-    logprobs: list[list[Logprobs | None]] = field(default_factory=list)
-    # Instead of the two above when every sequence sampled one token and nothing else (no drafts,
-    # logprobs or generator states): each one's token, the most common step read without a list each.
-    single_ids: list[int] | None = None
+    # Every sampled row's token, each sequence's rows together: with one row each (no drafts, most
+    # steps) the i-th sequence's token is ``token_ids[i]`` and ``starts`` is None; otherwise
+    # ``starts[i]`` is its first row (and ``starts[-1]`` the row count).
+    token_ids: list[int] = field(default_factory=list)
+    starts: list[int] | None = None
+    # Each row's logprobs, by the sequence's place among ``sampled_seqs``: only those that asked.
+    logprobs: dict[int, list[Logprobs]] = field(default_factory=dict)
     # A seeded sequence with drafts: its generator's state after each of its rows' draws.
     generator_states: dict[Sequence, list[torch.Tensor]] = field(default_factory=dict)
     # Prompt logprobs computed this step: seq -> logprobs of its next prompt positions.
     prompt_logprobs: dict[Sequence, list[Logprobs]] = field(default_factory=dict)
+
+    def rows(self, i: int) -> range:
+        """The rows of the i-th sampled sequence."""
+        return range(i, i + 1) if self.starts is None else range(self.starts[i], self.starts[i + 1])
 
 
 @dataclass
@@ -515,22 +521,19 @@ class ModelRunner:
         elif step.done is not None:
             step.done.synchronize()
         token_ids, logprobs, logprob_ids = step.host
-        flat_ids = token_ids.tolist()
-        if logprobs is None and not step.generator_states and len(flat_ids) == len(step.sampled_seqs):
-            result.single_ids = flat_ids
-            return result
+        result.token_ids = token_ids.tolist()
+        if len(result.token_ids) != len(step.sampled_seqs):
+            result.starts = list(itertools.accumulate(step.rows_per_seq, initial=0))
+        if logprobs is None and not step.generator_states:
+            return result  # (most steps)
         values, ids = (logprobs.tolist(), logprob_ids.tolist()) if logprobs is not None else (None, None)
-        row = 0
-        for seq, n in zip(step.sampled_seqs, step.rows_per_seq):
-            result.token_ids.append(flat_ids[row:row + n])
-            if step.generator_states and row in step.generator_states:
-                result.generator_states[seq] = [step.generator_states[r] for r in range(row, row + n)]
-            if values is None or seq.params.logprobs is None:
-                result.logprobs.append([None] * n)
-            else:
+        for i, seq in enumerate(step.sampled_seqs):
+            rows = result.rows(i)
+            if step.generator_states and rows.start in step.generator_states:
+                result.generator_states[seq] = [step.generator_states[r] for r in rows]
+            if values is not None and seq.params.logprobs is not None:
                 keep = 1 + num_top_logprobs(seq.params.logprobs, self.cfg.vocab_size)
-                result.logprobs.append([_logprob_dict(ids[r], values[r], keep) for r in range(row, row + n)])
-            row += n
+                result.logprobs[i] = [_logprob_dict(ids[r], values[r], keep) for r in rows]
         return result
 
     @torch.inference_mode()
