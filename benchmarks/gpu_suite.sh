@@ -22,7 +22,8 @@
 #   over int8 and fp8 caches);
 #  `study-attention-splits` = Llama-3-8B's decode attention at 1-16 KV splits from 1 to 128 sequences
 #   (`study-attention-splits-gemma`: head dim 256, groups of 2 and 8);
-#  `study-gemv-rows` = the one-row GEMV's tiles with several tiles of rows a program.)
+#  `study-gemv-rows` = the one-row GEMV's tiles with several tiles of rows a program;
+#  `study-argmax` = the greedy argmax's chunks a row against the row count, benchmarks/study_argmax.py.)
 # Results and logs go to $OUT (the device tool brings them back).
 set -o pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
@@ -74,6 +75,8 @@ for part in "$@"; do
     prefill-profile)
       python3 benchmarks/profile_kernels.py --shape qwen3-0.6b --prefill --out "$OUT/prefill-profile.json" 2>&1 \
         | grep -v "it/s]" | tail -40 ;;
+    study-argmax)
+      python3 benchmarks/study_argmax.py --out "$OUT/study-argmax.json" 2>&1 | tail -20 ;;
     study-gemv)
       python3 benchmarks/study_gemv.py --out "$OUT/study-gemv.json" 2>&1 | tee "$OUT/study-gemv.log" | tail -60 ;;
     study-gemv-gemma3)

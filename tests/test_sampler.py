@@ -196,10 +196,11 @@ def test_penalties() -> None:
     assert math.isclose(out[0, 1].item(), -5.0)
 
 
+@pytest.mark.parametrize("rows", [5, 70])  # (many chunks a row below 64 rows, few from there)
 @pytest.mark.parametrize("vocab", [8192, 128256, 151936, 1009, 7])
-def test_greedy_argmax_is_argmax_with_first_maximum_on_ties(vocab: int) -> None:
+def test_greedy_argmax_is_argmax_with_first_maximum_on_ties(vocab: int, rows: int) -> None:
     gen = torch.Generator().manual_seed(vocab)
-    logits = torch.randn(5, vocab, generator=gen).to(torch.bfloat16)
+    logits = torch.randn(rows, vocab, generator=gen).to(torch.bfloat16)
     # Ties across chunk borders and inside one chunk: the first index must win.
     logits[1, [vocab // 3, vocab - 1]] = 50.0
     logits[2, [vocab - 2, vocab - 1]] = 50.0

@@ -89,12 +89,16 @@ def exponential_noise(shape: tuple[int, int], generators: list[torch.Generator |
     return noise
 
 
-def greedy_argmax(logits: torch.Tensor) -> torch.Tensor:
+def greedy_argmax(logits: torch.Tensor, max_chunks: int | None = None) -> torch.Tensor:
     """``logits.argmax(-1)`` (the first maximum) in two passes: torch reduces a row in one
     thread block, which at batch 1 leaves the GPU idle for 28 us over a 128k vocabulary
-    (H200); splitting each row into up to 256 equal chunks fills it."""
+    (H200); splitting each row into up to ``max_chunks`` equal chunks fills it. From 64 rows the
+    rows fill it themselves and 4 chunks a row read fastest (``benchmarks/study_argmax.py``: 128,256
+    tokens at 256 rows, 49 us against 71 in 256 chunks)."""
     rows, vocab = logits.shape
-    chunks = next(c for c in range(min(256, vocab), 0, -1) if vocab % c == 0)
+    if max_chunks is None:
+        max_chunks = 256 if rows < 64 else 4
+    chunks = next(c for c in range(min(max_chunks, vocab), 0, -1) if vocab % c == 0)
     if chunks == 1:
         return logits.argmax(dim=-1)
     width = vocab // chunks
