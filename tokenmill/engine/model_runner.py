@@ -389,7 +389,8 @@ class ModelRunner:
     def _stage(self, plan: StepPlan, previous_ids: torch.Tensor | None,
                extra: dict[str, np.ndarray] | None = None) -> dict[str, torch.Tensor]:
         """The plan's arrays (and ``extra``) on the device in one copy, pending ids filled in from
-        ``previous_ids`` (the step before's samples, on the device)."""
+        ``previous_ids`` (the step before's samples, on the device; taken whole as the input ids
+        when every row is pending in their order)."""
         t = self.staging.send({**plan.arrays, **(extra or {})})
         if plan.pending_in_order:
             t["input_ids"] = previous_ids
