@@ -43,13 +43,15 @@ class EngineMachine(RuleBasedStateMachine):
         self.live: list[Sequence] = []
         self.next_id = 0
 
-    @rule(stem=st.sampled_from(STEMS), tail=st.lists(st.integers(0, 3), max_size=9))
-    def add(self, stem: list[int], tail: list[int]) -> None:
+    @rule(stem=st.sampled_from(STEMS), tail=st.lists(st.integers(0, 3), max_size=9), n=st.integers(1, 2))
+    def add(self, stem: list[int], tail: list[int], n: int) -> None:
         prompt = stem + tail
-        seq = Sequence(self.next_id, str(self.next_id), 0, prompt, SamplingParams(max_tokens=8), time.time(), None)
-        self.next_id += 1
-        self.scheduler.add(seq)
-        self.live.append(seq)
+        request_id = str(self.next_id)  # (n sequences of one request, as for SamplingParams.n)
+        for index in range(n):
+            seq = Sequence(self.next_id, request_id, index, prompt, SamplingParams(max_tokens=8), time.time(), None)
+            self.next_id += 1
+            self.scheduler.add(seq)
+            self.live.append(seq)
 
     @precondition(lambda self: any(s.num_computed_tokens == s.num_tokens - 1 for s in self.scheduler.running))
     @rule(drafts=st.lists(st.integers(0, 3), min_size=1, max_size=4))
@@ -91,6 +93,12 @@ class EngineMachine(RuleBasedStateMachine):
     @rule()
     def preempt_newest(self) -> None:
         self.scheduler._preempt(self.scheduler.running.pop())
+
+    @invariant()
+    def request_gauges_match_the_queues(self) -> None:
+        running = {seq.request_id for seq in self.scheduler.running}
+        waiting = {seq.request_id for seq in self.scheduler.waiting} - running
+        assert (self.scheduler.num_running_requests, self.scheduler.num_waiting_requests) == (len(running), len(waiting))
 
     @invariant()
     def ref_counts_match_block_tables(self) -> None:

@@ -244,3 +244,17 @@ def test_a_constraint_that_compiles_too_long_fails_its_request_only(monkeypatch)
     with pytest.raises(ValueError, match="took longer than"):
         llm.generate([PROMPT], SamplingParams(structured_outputs={"regex": "[a-z]+"}), use_tqdm=False)
     assert llm.generate([PROMPT], SamplingParams(max_tokens=4), use_tqdm=False)[0].outputs[0].token_ids
+
+
+def test_a_request_aborted_while_its_constraint_compiles_ends_quietly(llm: LLM) -> None:
+    """Its sequences were never queued: the abort ends them without touching the scheduler's queue
+    (it raised there once), and the engine serves on with nothing left behind."""
+    engine = llm.engine
+    params = SamplingParams(max_tokens=8, structured_outputs=StructuredOutputsParams(json=SCHEMA))
+    engine.add_request("compiling", PROMPT, params, stream=False)
+    assert engine.core._compiling and not engine.core.scheduler.waiting
+    engine.abort_request("compiling")
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert engine.core.scheduler.num_waiting_requests == engine.core.scheduler.num_running_requests == 0
+    assert llm.generate([PROMPT], SamplingParams(max_tokens=4), use_tqdm=False)[0].outputs[0].token_ids

@@ -20,7 +20,6 @@ import time
 import weakref
 from concurrent.futures import FIRST_COMPLETED, wait
 from dataclasses import dataclass
-from operator import attrgetter
 from pathlib import Path
 from typing import Any
 
@@ -595,9 +594,7 @@ class EngineCore:
 
     def _snapshot(self) -> CoreStats:
         scheduler, kv, stats = self.scheduler, self.kv, self.stats
-        running = set(map(attrgetter("request_id"), scheduler.running))
-        waiting = {seq.request_id for seq in scheduler.waiting if seq.status is SequenceStatus.WAITING} - running
-        stats.num_running, stats.num_waiting = len(running), len(waiting)
+        stats.num_running, stats.num_waiting = scheduler.num_running_requests, scheduler.num_waiting_requests
         stats.kv_usage = kv.usage()
         stats.kv_blocks_in_use = kv.num_blocks_in_use
         stats.kv_blocks_cached = kv.num_cached
