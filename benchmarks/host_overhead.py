@@ -1,7 +1,7 @@
 """The engine's host work per step, phase by phase: what the GPU must hide (or wait for) at
 large batch.
 
-python benchmarks/host_overhead.py [--batch 256] [--steps 100] [--no-async] [--profile N]
+python benchmarks/host_overhead.py [--batch 256] [--waiting 0] [--steps 100] [--no-async] [--profile N]
     on the CPU, the model's forward stubbed out: the host's work alone;
 python benchmarks/host_overhead.py --shape llama3.2-1b [--batch 256] ...
     on the GPU, the real forward of a shape with random weights: ``collect`` is then the time the
@@ -45,6 +45,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=256)
     parser.add_argument("--steps", type=int, default=100)
     parser.add_argument("--no-async", action="store_true")
+    parser.add_argument("--waiting", type=int, default=0, help="requests queued behind the running batch")
     parser.add_argument("--shape", default=None, help="run this shape's real forward on the GPU (random weights)")
     parser.add_argument("--profile", type=int, default=0, metavar="N",
                         help="after the timed steps, the N functions with the most time of their own (cProfile)")
@@ -73,7 +74,7 @@ def main() -> None:
                       (core, "_complete"), (engine.outputs, "process")):
         timed(obj, name)
     params = SamplingParams(temperature=0, max_tokens=engine.max_model_len - 128, ignore_eos=True)
-    for i in range(args.batch):
+    for i in range(args.batch + args.waiting):
         engine.add_request(str(i), [1 + i % 50] * 128, params, stream=False)
     for _ in range(20):
         engine.step()
@@ -83,7 +84,8 @@ def main() -> None:
         engine.step()
     per_step = (time.perf_counter() - started) / args.steps
     where = f"{args.shape} on the GPU" if args.shape else "forward stubbed"
-    print(f"batch {args.batch}, async {not args.no_async}, {where}: {per_step * 1e3:.3f} ms per step")
+    print(f"batch {args.batch}, {args.waiting} waiting, async {not args.no_async}, {where}: "
+          f"{per_step * 1e3:.3f} ms per step")
     for name, seconds in phases.most_common():
         print(f"  {name:16s} {seconds / args.steps * 1e3:.3f} ms")
     if args.shape:
