@@ -192,9 +192,13 @@ class Scheduler:
         if seq.status is SequenceStatus.RUNNING:
             self.running.remove(seq)
             self._count(seq, -1, 0)
-        elif seq.status is SequenceStatus.WAITING and seq in self.waiting:  # (not while its grammar compiles)
-            self.waiting.remove(seq)
-            self._count(seq, 0, -1)
+        elif seq.status is SequenceStatus.WAITING:
+            try:
+                self.waiting.remove(seq)
+            except ValueError:
+                pass  # never queued: its constraint was still compiling
+            else:
+                self._count(seq, 0, -1)
         self.kv.free(seq)
         seq.draft_token_ids.clear()
         self._order.pop(seq, None)
