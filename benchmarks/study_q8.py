@@ -8,7 +8,7 @@ matmul rate where that is longer).
 Each runs inside a CUDA graph over enough distinct weight sets that nothing is served from L2
 (``study_gemv.time_graph``); each variant is first checked against the torch reference.
 
-    python benchmarks/study_q8.py [--rows 1,8,32,128,512] --out study-q8.json
+    python benchmarks/study_q8.py [--rows 8,32,128,512] [--no-gemv] --out study-q8.json
 """
 
 from __future__ import annotations
@@ -32,10 +32,13 @@ GEMV_SWEEP = [(block_n, block_k, warps) for block_n in (4, 8, 16, 32) for block_
               for warps in (4, 8)]
 # And the kinds' default tiles with a program owning several tiles of rows.
 GEMV_SWEEP += [(block_n, 1024, 4, row_tiles) for block_n in (4, 16) for row_tiles in (2, 4, 8)]
-# (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) by the largest row count they are tried at.
+# (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages[, split_k]) by the largest row count they are tried at; K
+# split 2-8 ways where a projection's column tiles alone give an SM about one program.
 MATMUL_SWEEP = {
-    16: [(16, bn, bk, w, s) for bn in (16, 32, 64) for bk in (128, 256, 512) for w in (4,) for s in (3, 4)],
-    64: [(bm, bn, bk, w, 4) for bm in (32, 64) for bn in (32, 64, 128) for bk in (128, 256) for w in (4, 8)],
+    16: [(16, bn, bk, w, s) for bn in (16, 32, 64) for bk in (128, 256, 512) for w in (4,) for s in (3, 4)]
+    + [(16, bn, bk, 4, 3, sk) for bn in (32, 64) for bk in (256, 512) for sk in (2, 4, 8)],
+    64: [(bm, bn, bk, w, 4) for bm in (32, 64) for bn in (32, 64, 128) for bk in (128, 256) for w in (4, 8)]
+    + [(32, bn, 256, 4, 4, sk) for bn in (32, 64) for sk in (2, 4)],
     1 << 62: [(bm, bn, bk, w, s) for bm in (64, 128) for bn in (64, 128, 256) for bk in (64, 128) for w in (4, 8)
               for s in (3, 4) if bm * bn <= 128 * 128],
 }
@@ -128,11 +131,13 @@ def matmul_rows(ceilings: Ceilings, row_counts: list[int]) -> list[dict]:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--rows", default="8,32,128,512", help="row counts for the matmul (the GEMV takes one)")
+    parser.add_argument("--no-gemv", action="store_true", help="the matmul's rows only")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     ceilings = measure_ceilings()
     print(f"copy bandwidth {ceilings.bandwidth / 1e12:.2f} TB/s; matmul tiles now {TILES}")
-    result = {"environment": environment(ceilings, " ".join(sys.argv)), "gemv": gemv_rows(ceilings.bandwidth)}
+    result = {"environment": environment(ceilings, " ".join(sys.argv)),
+              "gemv": [] if args.no_gemv else gemv_rows(ceilings.bandwidth)}
     result["matmul"] = matmul_rows(ceilings, [int(m) for m in args.rows.split(",")])
     if args.out:
         with open(args.out, "w") as f:

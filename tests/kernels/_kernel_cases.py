@@ -639,14 +639,21 @@ def _interpret_gemv(ops) -> None:
                tiles=(4, 64, 4, 3))
 
 
-def check_q8_matmul(ops, *, m: int, n: int, k: int, dtype: torch.dtype, device: str, bias: bool) -> None:
-    """Rows times a Q8_0 weight (prefill, decode batches) against the reference's dequantized matmul."""
+def check_q8_matmul(ops, *, m: int, n: int, k: int, dtype: torch.dtype, device: str, bias: bool,
+                    tiles: tuple[int, ...] | None = None) -> None:
+    """Rows times a Q8_0 weight (prefill, decode batches) against the reference's dequantized matmul;
+    with ``tiles`` the Triton matmul launched with those tiles (``triton_q8_matmul.q8_matmul``'s)."""
     gen, seed = fresh_generator(device)
     x = _randn((m, k), dtype, device, gen)
     weight = q8_0.quantize(_randn((n, k), dtype, device, gen) * k**-0.5)
     b = _randn((n,), dtype, device, gen) if bias else None
-    ref, got = reference.linear(x, weight, b), ops.linear(x, weight, b)
-    where = f"seed={seed} q8_matmul m={m} n={n} k={k} bias={bias} {dtype}"
+    if tiles is None:
+        got = ops.linear(x, weight, b)
+    else:
+        from tokenmill.kernels.triton_q8_matmul import q8_matmul
+        got = q8_matmul(x, weight, b, tiles)
+    ref = reference.linear(x, weight, b)
+    where = f"seed={seed} q8_matmul m={m} n={n} k={k} bias={bias} {dtype} tiles={tiles}"
     assert got.shape == ref.shape and got.dtype == ref.dtype, where
     err = rel_err(got, ref)
     assert err < ELEMWISE_TOL[dtype], f"rel err {err:.2e}: {where}"
@@ -657,6 +664,11 @@ def _interpret_q8_matmul(ops) -> None:
     for dtype in (torch.float16, torch.float32):
         check_q8_matmul(ops, m=3, n=70, k=96, dtype=dtype, device="cpu", bias=True)
         check_q8_matmul(ops, m=37, n=130, k=160, dtype=dtype, device="cpu", bias=False)
+        # K split in parts of whole 64-wide steps: 5 steps over 2 and 3 parts (the last one short or
+        # empty), bias added after the parts' sum.
+        for split_k, bias in ((2, True), (3, False), (4, True)):
+            check_q8_matmul(ops, m=5, n=40, k=320, dtype=dtype, device="cpu", bias=bias,
+                            tiles=(16, 32, 64, 4, 2, split_k))
 
 
 def check_sample(ops, *, rows: int, vocab: int, device: str, splits: int | None = None) -> None:

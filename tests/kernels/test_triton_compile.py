@@ -26,7 +26,7 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 from triton.runtime.jit import JITFunction  # noqa: E402
 
-from tokenmill.kernels import q8_0, triton_gemv, triton_ops  # noqa: E402
+from tokenmill.kernels import q8_0, triton_gemv, triton_ops, triton_q8_matmul  # noqa: E402
 
 HOPPER = GPUTarget("cuda", 90, 32)
 HOPPER_MAX_SHARED = 232448  # bytes of shared memory one block may take on sm_90 (227 KiB)
@@ -191,6 +191,7 @@ def _launches(monkeypatch: pytest.MonkeyPatch) -> list[Launch]:
         triton_ops.norm_linear(row, rand(4096), 1e-6, packed, None, gated=True)
         triton_ops.linear_residual(row, packed, None, rand(1, 128))
         triton_ops.linear(rand(40, 4096), packed, rand(128))  # more rows: the Q8_0 matmul
+        triton_q8_matmul.q8_matmul(rand(8, 4096), packed, rand(128), (16, 32, 512, 4, 3, 4))  # K split in 4
         triton_ops.linear(row, proj, None)  # one dense row alone (Gemma's o and down): the GEMV
         if dtype == torch.bfloat16:  # each shape's own tiles and several rows' tiles a program, on small weights
             row_tiles = {("plain",): (4, 2048, 4, 4), ("norm",): (8, 1024, 4, 2), ("gated",): (4, 1024, 4, 8)}

@@ -323,6 +323,13 @@ def test_q8_matmul(dtype, m, n, k, bias) -> None:
     cases.check_q8_matmul(triton_ops, m=m, n=n, k=k, dtype=dtype, device="cuda", bias=bias)
 
 
+@pytest.mark.parametrize("split_k", [2, 4, 8])
+@pytest.mark.parametrize("m,n,k,bias", [(8, 4096, 4096, False), (5, 1000, 14336, True)])
+def test_q8_matmul_with_k_split(split_k, m, n, k, bias) -> None:
+    cases.check_q8_matmul(triton_ops, m=m, n=n, k=k, dtype=torch.bfloat16, device="cuda", bias=bias,
+                          tiles=(16, 32, 512, 4, 3, split_k))
+
+
 def test_fused_gemv_takes_one_row() -> None:
     x = torch.zeros(2, 64, device="cuda", dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="at most 1 row"):
