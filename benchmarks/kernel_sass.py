@@ -10,7 +10,7 @@ comes before timing a change on the GPU:
     pip install --no-deps --target /tmp/triton-gpu triton==<the GPU's version>
     PYTHONPATH=/tmp/triton-gpu python benchmarks/kernel_sass.py attention --kv int8 [--batch 64] [--query 1] [--sass FILE]
     PYTHONPATH=/tmp/triton-gpu python benchmarks/kernel_sass.py gemv --q8
-    PYTHONPATH=/tmp/triton-gpu python benchmarks/kernel_sass.py q8-matmul [--rows 128]
+    PYTHONPATH=/tmp/triton-gpu python benchmarks/kernel_sass.py q8-matmul [--rows 128] [--split-k 4]
 """
 
 from __future__ import annotations
@@ -99,6 +99,7 @@ def main() -> None:
     parser.add_argument("--tile", help="attention: force BLOCK_M,BLOCK_N,num_warps,num_stages (else the engine's)")
     parser.add_argument("--q8", action="store_true", help="gemv: a Q8_0 weight (Llama-3-8B's gate|up shape)")
     parser.add_argument("--rows", type=int, default=128, help="q8-matmul: activation rows (the tile follows)")
+    parser.add_argument("--split-k", type=int, default=None, help="q8-matmul: split K this many ways (the rows' tile)")
     parser.add_argument("--sass", help="write the whole disassembly here")
     args = parser.parse_args()
     if args.kernel == "attention":  # Llama-3-8B's heads over 8k-token contexts, one decode token each
@@ -123,8 +124,11 @@ def main() -> None:
         launch = intercept("_paged_attention_kernel", call)
     elif args.kernel == "q8-matmul":  # Llama-3-8B's gate|up in Q8_0
         weight = q8_0.quantize(torch.randn(28672, 4096))
-        launch = intercept("_q8_matmul_kernel",
-                           lambda: triton_q8_matmul.q8_matmul(torch.randn(args.rows, 4096).bfloat16(), weight, None))
+        tiles = None
+        if args.split_k:
+            tiles = (*next(t[1:6] for t in triton_q8_matmul.TILES if args.rows <= t[0]), args.split_k)
+        launch = intercept("_q8_matmul_kernel", lambda: triton_q8_matmul.q8_matmul(
+            torch.randn(args.rows, 4096).bfloat16(), weight, None, tiles))
     else:
         n, k = 28672, 4096
         weight = torch.randn(n, k).bfloat16()
