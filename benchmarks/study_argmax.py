@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
+from pathlib import Path
 
 import torch
 
@@ -46,8 +48,8 @@ def main() -> None:
             print(f"vocab {vocab:6d} batch {batch:3d}: " + "  ".join(f"{c}:{t:6.1f}" for c, t in times.items())
                   + f"  us (floor {floor * 1e6:.1f})")
     if args.out:
-        with open(args.out, "w") as f:
-            json.dump({"environment": environment(ceilings, "benchmarks/study_argmax.py"), "rows": rows}, f, indent=1)
+        Path(args.out).write_text(json.dumps({"environment": environment(ceilings, " ".join(sys.argv)),
+                                              "rows": rows}, indent=1))
 
 
 if __name__ == "__main__":

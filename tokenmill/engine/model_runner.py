@@ -321,11 +321,11 @@ class ModelRunner:
                 dtype=np.int64, count=total)
         ends = starts + counts
         # A sequence samples when the step reaches its last known token (or its last draft).
-        scheduled = np.fromiter(map(len, map(attrgetter("token_ids"), seqs)), dtype=np.int64, count=len(seqs))
-        scheduled += np.fromiter(map(len, map(attrgetter("draft_token_ids"), seqs)), dtype=np.int64, count=len(seqs))
-        sampling_seqs = np.flatnonzero(ends == scheduled)
+        all_drafts = np.fromiter(map(len, map(attrgetter("draft_token_ids"), seqs)), dtype=np.int64, count=len(seqs))
+        known = np.fromiter(map(len, map(attrgetter("token_ids"), seqs)), dtype=np.int64, count=len(seqs))
+        sampling_seqs = np.flatnonzero(ends == known + all_drafts)
         sampled = [seqs[b] for b in sampling_seqs.tolist()]
-        drafts = np.fromiter(map(len, map(attrgetter("draft_token_ids"), sampled)), dtype=np.int64, count=len(sampled))
+        drafts = all_drafts[sampling_seqs]
         rows_per_seq = (drafts + 1).tolist()
         prompt_logits_rows: list[int] = []
         prompt_rows: list[PromptLogprobRows] = []
@@ -345,8 +345,7 @@ class ModelRunner:
         logits_rows = np.concatenate([np.asarray(prompt_logits_rows, dtype=np.int64), firsts + within])
         seq_lens = ends.astype(np.int32)
         pending_rows = np.flatnonzero(ids == PENDING)
-        if len(pending_rows) and (previous is None or len(previous.rows_per_seq) != len(previous.sampled_seqs)
-                                  or sum(previous.rows_per_seq) != len(previous.sampled_seqs)):
+        if len(pending_rows) and (previous is None or sum(previous.rows_per_seq) != len(previous.sampled_seqs)):
             # (A step with drafts is verified before the next is scheduled: its row per sequence is unknown.)
             raise RuntimeError("a pending token is scheduled, but no step in flight holds it as its one sample")
         in_order = len(pending_rows) == total and previous.sampled_seqs == seqs
@@ -448,7 +447,7 @@ class ModelRunner:
         for row in [row for row, p in enumerate(params) if p.min_tokens]:
             seq, offset = owners[row]
             if seq.num_output_tokens + offset < seq.params.min_tokens:
-                banned += [(row, tok) for tok in seq.stop_token_ids_for_min_tokens]
+                banned += [(row, tok) for tok in seq.stop_ids]
         batch.banned = sparse(banned, torch.int64, torch.int64)
         biased = [(row, tok, value) for row, p in enumerate(params) if p.logit_bias
                   for tok, value in p.logit_bias.items()]
@@ -487,9 +486,10 @@ class ModelRunner:
         logits, batch, greedy_ids = pending.logits, pending.batch, pending.greedy_ids
         firsts = itertools.accumulate([0, *step.rows_per_seq[:-1]])
         # (A matcher that took its stop token belongs to a sequence that ended: its row is thrown away.)
-        constrained = [(row, seq.matcher, seq.draft_token_ids) for row, seq in zip(firsts, step.sampled_seqs)
-                       if seq.matcher is not None and not seq.matcher.is_terminated()
-                       ] if step.sampling_flags & GRAMMAR else []
+        constrained = []
+        if step.sampling_flags & GRAMMAR:
+            constrained = [(row, seq.matcher, seq.draft_token_ids) for row, seq in zip(firsts, step.sampled_seqs)
+                           if seq.matcher is not None and not seq.matcher.is_terminated()]
         if constrained:  # structured outputs: only the tokens each grammar allows next
             logits = logits.float()  # (a copy of a graph's bf16 output)
             apply_grammars(logits, constrained, self.host_bitmask)

@@ -138,9 +138,9 @@ class OutputProcessor:
             metrics.num_cached_tokens = state.num_cached_tokens = delta.num_cached_tokens
         metrics.num_preemptions = delta.num_preemptions
         if delta.spec_drafts:
-            state.metrics.spec_decode_num_drafts = delta.spec_drafts
-            state.metrics.spec_decode_num_draft_tokens = delta.spec_draft_tokens
-            state.metrics.spec_decode_num_accepted_tokens = delta.spec_accepted_tokens
+            metrics.spec_decode_num_drafts = delta.spec_drafts
+            metrics.spec_decode_num_draft_tokens = delta.spec_draft_tokens
+            metrics.spec_decode_num_accepted_tokens = delta.spec_accepted_tokens
         changed = False
         if delta.prompt_logprobs and state.prompt_logprobs is not None:
             state.prompt_logprobs.extend(delta.prompt_logprobs)
@@ -161,8 +161,8 @@ class OutputProcessor:
                 seq_ended = True
         if num_new:
             if state.last_token_time is None:
-                state.metrics.first_token_time = now
-                result.ttfts.append(now - state.metrics.arrival_time)
+                metrics.first_token_time = now
+                result.ttfts.append(now - metrics.arrival_time)
             else:
                 result.itls.append(((now - state.last_token_time) / num_new, num_new))
             state.last_token_time = now

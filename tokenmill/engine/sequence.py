@@ -67,7 +67,8 @@ class Sequence:
     spec_draft_tokens: int = 0  # drafts proposed (and computed)
     spec_accepted_tokens: int = 0  # drafts that stood
     # The token count at which the sequence ends for its length (``max_tokens`` or the model's
-    # length, whichever comes first): the engine sets it; ``stop_ids`` the tokens that may end it.
+    # length, whichever comes first): the engine sets it; ``stop_ids`` the tokens that may end it
+    # (banned until ``min_tokens`` are out).
     token_limit: int = field(default=1 << 62, repr=False)
     stop_ids: frozenset[int] = field(default=frozenset(), init=False, repr=False)
 
@@ -119,12 +120,6 @@ class Sequence:
     @property
     def is_finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
-
-    @property
-    def stop_token_ids_for_min_tokens(self) -> list[int]:
-        """Tokens that would end the sequence, banned until ``min_tokens`` are out."""
-        eos = [] if self.params.ignore_eos else list(self.eos_token_ids)
-        return eos + list(self.params.stop_token_ids)
 
     def full_block_hashes(self, block_size: int) -> list[BlockHash]:
         """Hashes of every full block of known tokens, extended as the sequence grows."""
