@@ -23,12 +23,14 @@
 #  `study-attention-splits` = Llama-3-8B's decode attention at 1-16 KV splits from 1 to 128 sequences
 #   (`study-attention-splits-gemma`: head dim 256, groups of 2 and 8);
 #  `study-gemv-rows` = the one-row GEMV's tiles with several tiles of rows a program;
-#  `study-argmax` = the greedy argmax's chunks a row against the row count, benchmarks/study_argmax.py.)
+#  `study-argmax` = the greedy argmax's chunks a row against the row count, benchmarks/study_argmax.py;
+#  `study-skinny` = the few-row matmul's tiles and K splits at 4-64 rows, dense and Q8_0, benchmarks/study_skinny.py.)
 # Results and logs go to $OUT (the device tool brings them back).
 set -o pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 OUT=${OUT:-benchmarks/results/out}
 mkdir -p "$OUT"
+OUT=$(cd "$OUT" && pwd)  # parts that change directory write here too
 nvidia-smi --query-gpu=name,memory.total,memory.used,clocks.sm,clocks.mem --format=csv | tee "$OUT/nvidia-smi.txt"
 # Kernel tests are bound by Triton compiling on the host: spread them over processes when pytest-xdist is there
 # (12 of the 16 cores), and name the slowest tests so that the part's time can be planned.
@@ -77,6 +79,9 @@ for part in "$@"; do
         | grep -v "it/s]" | tail -40 ;;
     study-argmax)
       python3 benchmarks/study_argmax.py --out "$OUT/study-argmax.json" 2>&1 | tail -20 ;;
+    study-skinny)
+      (cd benchmarks && timeout 500 python3 study_skinny.py --out "$OUT/study-skinny.json" 2>&1 | grep -v Warning \
+        | tail -24) ;;
     study-gemv)
       python3 benchmarks/study_gemv.py --out "$OUT/study-gemv.json" 2>&1 | tee "$OUT/study-gemv.log" | tail -60 ;;
     study-gemv-gemma3)

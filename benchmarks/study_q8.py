@@ -1,6 +1,7 @@
 """Q8_0 projections (tokenmill/kernels/q8_0.py) against bf16 on Llama-3-8B's shapes, over tiles:
 the fused one-row GEMV (with its neighbours: the norm in front of qkv and gate|up, the activation
-behind gate|up, the residual add behind o and down) and the Q8_0 matmul at 2-512 rows, beside
+behind gate|up, the residual add behind o and down) and the tiled Q8_0 matmul at 65 rows and more
+(fewer take the few-row matmul: benchmarks/study_skinny.py), beside
 cuBLAS on the bf16 weight and the floor (the packed bytes, int8 values and a float16 scale every 32,
 over the copy bandwidth measured in the same call; with many rows, or their FLOPs at the measured
 matmul rate where that is longer).
@@ -8,7 +9,7 @@ matmul rate where that is longer).
 Each runs inside a CUDA graph over enough distinct weight sets that nothing is served from L2
 (``study_gemv.time_graph``); each variant is first checked against the torch reference.
 
-    python benchmarks/study_q8.py [--rows 8,32,128,512] [--no-gemv] --out study-q8.json
+    python benchmarks/study_q8.py [--rows 128,512] [--no-gemv] --out study-q8.json
 """
 
 from __future__ import annotations
@@ -32,13 +33,9 @@ GEMV_SWEEP = [(block_n, block_k, warps) for block_n in (4, 8, 16, 32) for block_
               for warps in (4, 8)]
 # And the kinds' default tiles with a program owning several tiles of rows.
 GEMV_SWEEP += [(block_n, 1024, 4, row_tiles) for block_n in (4, 16) for row_tiles in (2, 4, 8)]
-# (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages[, split_k]) by the largest row count they are tried at; K
-# split 2-8 ways where a projection's column tiles alone give an SM about one program.
+# (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) by the largest row count they are tried at.
 MATMUL_SWEEP = {
-    16: [(16, bn, bk, w, s) for bn in (16, 32, 64) for bk in (128, 256, 512) for w in (4,) for s in (3, 4)]
-    + [(16, bn, bk, 4, 3, sk) for bn in (32, 64) for bk in (256, 512) for sk in (2, 4, 8)],
-    64: [(bm, bn, bk, w, 4) for bm in (32, 64) for bn in (32, 64, 128) for bk in (128, 256) for w in (4, 8)]
-    + [(32, bn, 256, 4, 4, sk) for bn in (32, 64) for sk in (2, 4)],
+    128: [(bm, bn, bk, w, 4) for bm in (32, 64) for bn in (32, 64, 128) for bk in (128, 256) for w in (4, 8)],
     1 << 62: [(bm, bn, bk, w, s) for bm in (64, 128) for bn in (64, 128, 256) for bk in (64, 128) for w in (4, 8)
               for s in (3, 4) if bm * bn <= 128 * 128],
 }
@@ -130,7 +127,7 @@ def matmul_rows(ceilings: Ceilings, row_counts: list[int]) -> list[dict]:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--rows", default="8,32,128,512", help="row counts for the matmul (the GEMV takes one)")
+    parser.add_argument("--rows", default="128,512", help="row counts for the matmul (the GEMV takes one)")
     parser.add_argument("--no-gemv", action="store_true", help="the matmul's rows only")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()

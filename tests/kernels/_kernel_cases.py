@@ -639,21 +639,26 @@ def _interpret_gemv(ops) -> None:
                tiles=(4, 64, 4, 3))
 
 
-def check_q8_matmul(ops, *, m: int, n: int, k: int, dtype: torch.dtype, device: str, bias: bool,
-                    tiles: tuple[int, ...] | None = None) -> None:
-    """Rows times a Q8_0 weight (prefill, decode batches) against the reference's dequantized matmul;
-    with ``tiles`` the Triton matmul launched with those tiles (``triton_q8_matmul.q8_matmul``'s)."""
+def check_matmul(ops, *, m: int, n: int, k: int, dtype: torch.dtype, device: str, bias: bool, q8: bool = True,
+                 kernel: str | None = None, tiles: tuple[int, ...] | None = None) -> None:
+    """Rows times a weight (Q8_0 with ``q8``, else dense in x's dtype) against the reference: through
+    ``ops.linear``, or the Triton ``kernel`` (``"q8_matmul"``, the tiled Q8_0 matmul; ``"skinny"``,
+    the few-row matmul) with ``tiles``."""
     gen, seed = fresh_generator(device)
     x = _randn((m, k), dtype, device, gen)
-    weight = q8_0.quantize(_randn((n, k), dtype, device, gen) * k**-0.5)
+    weight = _randn((n, k), dtype, device, gen) * k**-0.5
+    weight = q8_0.quantize(weight) if q8 else weight
     b = _randn((n,), dtype, device, gen) if bias else None
-    if tiles is None:
-        got = ops.linear(x, weight, b)
-    else:
+    if kernel == "q8_matmul":
         from tokenmill.kernels.triton_q8_matmul import q8_matmul
         got = q8_matmul(x, weight, b, tiles)
+    elif kernel == "skinny":
+        from tokenmill.kernels.triton_skinny_matmul import skinny_matmul
+        got = skinny_matmul(x, weight, b, tiles)
+    else:
+        got = ops.linear(x, weight, b)
     ref = reference.linear(x, weight, b)
-    where = f"seed={seed} q8_matmul m={m} n={n} k={k} bias={bias} {dtype} tiles={tiles}"
+    where = f"seed={seed} {kernel or 'linear'} m={m} n={n} k={k} q8={q8} bias={bias} {dtype} tiles={tiles}"
     assert got.shape == ref.shape and got.dtype == ref.dtype, where
     err = rel_err(got, ref)
     assert err < ELEMWISE_TOL[dtype], f"rel err {err:.2e}: {where}"
@@ -662,13 +667,23 @@ def check_q8_matmul(ops, *, m: int, n: int, k: int, dtype: torch.dtype, device: 
 def _interpret_q8_matmul(ops) -> None:
     # Rows and features ending inside a tile, K a multiple of 32 but not of the tile's 64.
     for dtype in (torch.float16, torch.float32):
-        check_q8_matmul(ops, m=3, n=70, k=96, dtype=dtype, device="cpu", bias=True)
-        check_q8_matmul(ops, m=37, n=130, k=160, dtype=dtype, device="cpu", bias=False)
-        # K split in parts of whole 64-wide steps: 5 steps over 2 and 3 parts (the last one short or
-        # empty), bias added after the parts' sum.
-        for split_k, bias in ((2, True), (3, False), (4, True)):
-            check_q8_matmul(ops, m=5, n=40, k=320, dtype=dtype, device="cpu", bias=bias,
-                            tiles=(16, 32, 64, 4, 2, split_k))
+        check_matmul(ops, m=70, n=130, k=160, dtype=dtype, device="cpu", bias=True, kernel="q8_matmul")
+        check_matmul(ops, m=5, n=70, k=96, dtype=dtype, device="cpu", bias=False, kernel="q8_matmul",
+                     tiles=(16, 32, 64, 4, 2))
+
+
+def _interpret_skinny_matmul(ops) -> None:
+    # The few rows ``ops.linear`` sends it (dense and Q8_0), rows and columns ending inside a tile; K
+    # split over 2-4 parts of whole 64-wide steps (5 steps: the last part short or empty), the bias
+    # added after the parts' sum; a second call finds the tile counters reset.
+    for dtype in (torch.float16, torch.float32):
+        for q8 in (False, True):
+            check_matmul(ops, m=3, n=70, k=96, dtype=dtype, device="cpu", bias=True, q8=q8)
+            check_matmul(ops, m=37, n=130, k=160, dtype=dtype, device="cpu", bias=False, q8=q8, kernel="skinny",
+                         tiles=(64, 64, 64, 4, 2, 1))
+            for split_k, bias in ((2, True), (3, False), (4, True), (4, True)):  # 4 twice: counters reset
+                check_matmul(ops, m=5, n=40, k=320, dtype=dtype, device="cpu", bias=bias, q8=q8, kernel="skinny",
+                             tiles=(16, 32, 64, 4, 2, split_k))
 
 
 def check_sample(ops, *, rows: int, vocab: int, device: str, splits: int | None = None) -> None:
@@ -768,6 +783,7 @@ INTERPRET_CASES = {
     "penalties": _interpret_penalties,
     "gemv": _interpret_gemv,
     "q8_matmul": _interpret_q8_matmul,
+    "skinny_matmul": _interpret_skinny_matmul,
     "paged_attention": _interpret_attention,
     "paged_attention_gemma": _interpret_attention_gemma,
     "rms_norm": _interpret_rms_norm,

@@ -26,7 +26,7 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 from triton.runtime.jit import JITFunction  # noqa: E402
 
-from tokenmill.kernels import q8_0, triton_gemv, triton_ops, triton_q8_matmul  # noqa: E402
+from tokenmill.kernels import q8_0, triton_gemv, triton_ops, triton_skinny_matmul  # noqa: E402
 
 HOPPER = GPUTarget("cuda", 90, 32)
 HOPPER_MAX_SHARED = 232448  # bytes of shared memory one block may take on sm_90 (227 KiB)
@@ -190,8 +190,16 @@ def _launches(monkeypatch: pytest.MonkeyPatch) -> list[Launch]:
         triton_ops.norm_linear(row, rand(4096), 1e-6, packed, None)
         triton_ops.norm_linear(row, rand(4096), 1e-6, packed, None, gated=True)
         triton_ops.linear_residual(row, packed, None, rand(1, 128))
-        triton_ops.linear(rand(40, 4096), packed, rand(128))  # more rows: the Q8_0 matmul
-        triton_q8_matmul.q8_matmul(rand(8, 4096), packed, rand(128), (16, 32, 512, 4, 3, 4))  # K split in 4
+        triton_ops.linear(rand(100, 4096), packed, rand(128))  # more rows: the tiled Q8_0 matmul
+        for rows in (8, 20, 40):  # a few rows: the few-row matmul (Q8_0 up to 64 rows, dense up to 32)
+            triton_ops.linear(rand(rows, 4096), packed, rand(128))
+            triton_ops.linear(rand(rows, 4096), rand(128, 4096), None)
+        if dtype == torch.bfloat16:  # K split as on the GPU, whose SMs the split follows (one SM here)
+            for weight in (packed, rand(128, 4096)):
+                for block_m, splits in ((16, (2, 4, 8)), (32, (2,)), (64, (4,))):
+                    for split in splits:
+                        triton_skinny_matmul.skinny_matmul(rand(block_m, 4096), weight, None,
+                                                           (block_m, 64, 128, 4, 4, split))
         triton_ops.linear(row, proj, None)  # one dense row alone (Gemma's o and down): the GEMV
         if dtype == torch.bfloat16:  # each shape's own tiles and several rows' tiles a program, on small weights
             row_tiles = {("plain",): (4, 2048, 4, 4), ("norm",): (8, 1024, 4, 2), ("gated",): (4, 1024, 4, 8)}
@@ -230,7 +238,7 @@ def test_every_kernel_compiles_for_hopper(monkeypatch: pytest.MonkeyPatch) -> No
     monkeypatch.undo()
     names = {launch.fn.__name__ for launch in launches}
     assert {"_paged_attention_kernel", "_merge_splits_kernel", "_rms_norm_kernel", "_rope_write_kv_kernel",
-            "_act_and_mul_kernel", "_gemv_kernel", "_q8_matmul_kernel", "_sample_kernel",
+            "_act_and_mul_kernel", "_gemv_kernel", "_q8_matmul_kernel", "_skinny_matmul_kernel", "_sample_kernel",
             "_race_parts_kernel", "_penalties_kernel"} <= names, names
     variants = {(launch.fn.__name__, key, launch.constexprs.get(key)) for launch in launches for key in
                 ("SOFTCAP", "WEIGHTING", "GELU_TANH", "BLOCK_D", "ADD_AFTER", "GELU")}
@@ -241,6 +249,7 @@ def test_every_kernel_compiles_for_hopper(monkeypatch: pytest.MonkeyPatch) -> No
             ("_rope_write_kv_kernel", "QUANTIZED", True),
             ("_rope_write_kv_kernel", "STATIC_AMAX", True), ("_rms_norm_kernel", "SCALE_AFTER", True),
             ("_gemv_kernel", "Q8", True), ("_gemv_kernel", "PTX", True), ("_q8_matmul_kernel", "PTX", True),
+            ("_skinny_matmul_kernel", "QUANTIZED", True), ("_skinny_matmul_kernel", "QUANTIZED", False),
             ("_paged_attention_kernel", "PTX", True)} <= {
         (launch.fn.__name__, key, launch.constexprs.get(key)) for launch in launches
         for key in ("KV_SCALED", "DOT_F16", "QUANTIZED", "STATIC_AMAX", "SCALE_AFTER", "Q8", "PTX")}
@@ -292,11 +301,14 @@ def test_the_batch_shape_makes_no_new_kernel_variant(monkeypatch: pytest.MonkeyP
                                        torch.tensor([width * 16, 5], dtype=torch.int32), tables, 0.1,
                                        max_query_len=2, num_splits=splits)
     packed = q8_0.quantize(torch.randn(128, 256, generator=gen).bfloat16())
-    for rows in (33, 48, 64, 100):  # one tile class (TILES: up to 128 rows)
+    for rows in (65, 100, 128):  # one tile class (TILES: up to 128 rows)
+        triton_ops.linear(torch.randn(rows, 256, generator=gen).bfloat16(), packed, None)
+    for rows in (2, 9, 16):  # the few-row matmul's first row tile
         triton_ops.linear(torch.randn(rows, 256, generator=gen).bfloat16(), packed, None)
     for rows in (1, 7, 64):
         _sample(gen, rows, 5000)
         _penalties(gen, rows, 1000)
     assert {name: len(keys) for name, keys in seen.items()} == {
-        "_paged_attention_kernel": 1, "_merge_splits_kernel": 1, "_q8_matmul_kernel": 1, "_sample_kernel": 1,
+        "_paged_attention_kernel": 1, "_merge_splits_kernel": 1, "_q8_matmul_kernel": 1, "_skinny_matmul_kernel": 1,
+        "_sample_kernel": 1,
         "_race_parts_kernel": 1, "_penalties_kernel": 1}

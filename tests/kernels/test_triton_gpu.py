@@ -24,7 +24,7 @@ pytestmark = pytest.mark.gpu
 if not torch.cuda.is_available() or importlib.util.find_spec("triton") is None:
     pytest.skip("needs CUDA and triton", allow_module_level=True)
 
-from tokenmill.kernels import reference, triton_ops  # noqa: E402
+from tokenmill.kernels import q8_0, reference, triton_ops  # noqa: E402
 
 
 def _load_cases():
@@ -318,16 +318,38 @@ def test_fused_gemv_of_q8_0_weights(kind, n, k) -> None:
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("m,n,k,bias", [(2, 4096, 4096, False), (64, 14336, 4096, False), (517, 4096, 14336, False),
-                                        (33, 1000, 320, True)])
-def test_q8_matmul(dtype, m, n, k, bias) -> None:
-    cases.check_q8_matmul(triton_ops, m=m, n=n, k=k, dtype=dtype, device="cuda", bias=bias)
+                                        (33, 1000, 320, True), (100, 1000, 320, True)])
+@pytest.mark.parametrize("q8", [True, False], ids=["q8_0", "dense"])
+def test_linear_of_several_rows(dtype, m, n, k, bias, q8) -> None:
+    """Through ``linear`` as the models call it: the few-row matmul, the tiled Q8_0 one, or cuBLAS."""
+    cases.check_matmul(triton_ops, m=m, n=n, k=k, dtype=dtype, device="cuda", bias=bias, q8=q8)
 
 
-@pytest.mark.parametrize("split_k", [2, 4, 8])
-@pytest.mark.parametrize("m,n,k,bias", [(8, 4096, 4096, False), (5, 1000, 14336, True)])
-def test_q8_matmul_with_k_split(split_k, m, n, k, bias) -> None:
-    cases.check_q8_matmul(triton_ops, m=m, n=n, k=k, dtype=torch.bfloat16, device="cuda", bias=bias,
-                          tiles=(16, 32, 512, 4, 3, split_k))
+@pytest.mark.parametrize("split_k", [1, 2, 4, 8])
+@pytest.mark.parametrize("block_m,m,n,k,bias", [(16, 8, 4096, 4096, False), (16, 5, 1000, 14336, True),
+                                                (64, 40, 4096, 4096, True)])
+@pytest.mark.parametrize("q8", [True, False], ids=["q8_0", "dense"])
+def test_skinny_matmul_with_k_split(split_k, block_m, m, n, k, bias, q8) -> None:
+    for _ in range(2):  # the second launch finds every tile's counter reset by the first
+        cases.check_matmul(triton_ops, m=m, n=n, k=k, dtype=torch.bfloat16, device="cuda", bias=bias, q8=q8,
+                           kernel="skinny", tiles=(block_m, 64, 128, 4, 4, split_k))
+
+
+def test_skinny_matmul_in_a_cuda_graph_replayed() -> None:
+    """Split parts summed by the last program, counters reset, replay after replay."""
+    from tokenmill.kernels.triton_skinny_matmul import skinny_matmul
+    x = torch.randn(8, 4096, device="cuda", dtype=torch.bfloat16)
+    weight = q8_0.quantize(torch.randn(4096, 4096, device="cuda") / 64)
+    want = reference.linear(x, weight, None)
+    skinny_matmul(x, weight, None)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        got = skinny_matmul(x, weight, None)
+    for _ in range(3):
+        x.copy_(torch.randn_like(x))
+        want = reference.linear(x, weight, None)
+        graph.replay()
+        torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
 
 
 def test_fused_gemv_takes_one_row() -> None:

@@ -25,7 +25,7 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 
 @pytest.mark.parametrize(
     "kernel",
-    ["gemv", "q8_matmul", "paged_attention", "paged_attention_gemma", "rms_norm", "offset_rms_norm", "gemma_norms", "quantized_kv",
+    ["gemv", "q8_matmul", "skinny_matmul", "paged_attention", "paged_attention_gemma", "rms_norm", "offset_rms_norm", "gemma_norms", "quantized_kv",
      "rotary_embedding_and_write_kv", "silu_and_mul", "gelu_tanh_and_mul",
      "sample", "penalties"],
 )

@@ -18,14 +18,18 @@ from tokenmill.kernels.triton_penalties import apply_penalties
 from tokenmill.kernels.triton_q8_matmul import q8_matmul
 from tokenmill.kernels.triton_rotary import rotary_embedding_and_write_kv, rotary_embedding_query
 from tokenmill.kernels.triton_sampling import sample
+from tokenmill.kernels.triton_skinny_matmul import skinny_matmul, takes as skinny_takes
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor | Q8Weight, bias: torch.Tensor | None) -> torch.Tensor:
     """``reference.linear`` on the GPU: one row through the GEMV (a Q8_0 weight read packed; at one row
     it streams a dense projection faster than cuBLAS, which splits K and reduces in a second kernel),
-    more rows through the Q8_0 matmul or cuBLAS."""
+    a few rows through the few-row matmul (``triton_skinny_matmul``), more through the tiled Q8_0
+    matmul or cuBLAS."""
     if x.shape[0] <= GEMV_MAX_ROWS:
         return gemv_linear(x, weight, bias)
+    if skinny_takes(x.shape[0], weight):
+        return skinny_matmul(x, weight, bias)
     return q8_matmul(x, weight, bias) if isinstance(weight, Q8Weight) else torch.nn.functional.linear(x, weight, bias)
 
 __all__ = ["GEMV_MAX_ROWS", "add_rms_norm", "apply_penalties", "fp32_weight_rms_norm", "gelu_tanh_and_mul", "linear", "linear_residual",

@@ -1,5 +1,6 @@
 """Triton matmul of activations by a Q8_0 weight (see ``q8_0.py`` and ``reference.linear``), for
-the steps with more than one row (prefill chunks, decode batches): each weight tile is read as
+the steps with more rows than the few-row matmul takes (prefill chunks, large decode batches; see
+``triton_skinny_matmul.py``): each weight tile is read as
 int8 with its float16 scales and dequantized in registers to the activations' dtype, rounded as
 the reference's dequantized matrix is, before ``tl.dot``. Dequantizing the whole matrix for cuBLAS
 instead would read and write it three times over per step.
@@ -16,22 +17,17 @@ from tokenmill.kernels.triton_convert import ptx_conversions, to_f16
 from tokenmill.kernels.triton_launch import pdl_launch_args, wait_for_previous_kernel
 
 
-# Tiles by rows (``(max rows, BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages, split_k)``, the first
-# that holds ``M``): few rows want narrow column tiles, so that enough programs stream the weight at
-# once (the sweep of benchmarks/study_q8.py on Llama-3-8B's projections, H200). ``split_k`` > 1 gives
-# each column tile that many programs over parts of K, their float32 partial sums added after (the
-# sweep tries it where a projection's column tiles alone leave SMs with one program).
-TILES = ((16, 16, 32, 512, 4, 3, 1), (32, 32, 32, 256, 4, 4, 1), (128, 64, 64, 128, 4, 3, 1),
-         (1 << 62, 128, 64, 64, 8, 3, 1))
+# Tiles by rows (``(max rows, BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages)``, the first that
+# holds ``M``; the sweep of benchmarks/study_q8.py on Llama-3-8B's projections, H200). Fewer rows than
+# these take the few-row matmul (``triton_skinny_matmul``) on the GPU.
+TILES = ((128, 64, 64, 128, 4, 3), (1 << 62, 128, 64, 64, 8, 3))
 
 
 @triton.jit(do_not_specialize=["M"])  # the row count changes with every batch
 def _q8_matmul_kernel(x_ptr, w_ptr, s_ptr, bias_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_sn, stride_om,
                       HAS_BIAS: tl.constexpr, IEEE_DOT: tl.constexpr, PTX: tl.constexpr, PDL: tl.constexpr,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                      NUM_STAGES: tl.constexpr, SPLIT_K: tl.constexpr):
-    """With ``SPLIT_K`` > 1, program ``(i, j, s)`` sums the ``s``-th of ``SPLIT_K`` parts of K (whole
-    ``BLOCK_K`` steps) into ``out`` ``[SPLIT_K, M, N]`` float32, without the bias."""
+                      NUM_STAGES: tl.constexpr):
     wait_for_previous_kernel(PDL)
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -41,12 +37,7 @@ def _q8_matmul_kernel(x_ptr, w_ptr, s_ptr, bias_ptr, out_ptr, M, N, K, stride_xm
     w_rows = w_ptr + cols.to(tl.int64)[:, None] * stride_wn
     s_rows = s_ptr + cols.to(tl.int64)[:, None] * stride_sn
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    k_start, k_end = 0, K
-    if SPLIT_K > 1:
-        part = tl.cdiv(tl.cdiv(K, BLOCK_K), SPLIT_K) * BLOCK_K
-        k_start = tl.program_id(2) * part
-        k_end = tl.minimum(k_start + part, K)
-    for k0 in tl.range(k_start, k_end, BLOCK_K, num_stages=NUM_STAGES):
+    for k0 in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
         ks = k0 + ks0
         kb = k0 // 32 + kb0
         x = tl.load(x_rows + ks[None, :], mask=(rows[:, None] < M) & (ks[None, :] < K), other=0.0)
@@ -63,8 +54,6 @@ def _q8_matmul_kernel(x_ptr, w_ptr, s_ptr, bias_ptr, out_ptr, M, N, K, stride_xm
             acc += tl.dot(x, weights)
     if HAS_BIAS:  # into the float32 sum, rounded once with it, as addmm does
         acc += tl.load(bias_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
-    if SPLIT_K > 1:
-        out_ptr += tl.program_id(2).to(tl.int64) * M * N
     tl.store(out_ptr + rows.to(tl.int64)[:, None] * stride_om + cols[None, :], acc.to(out_ptr.dtype.element_ty),
              mask=(rows[:, None] < M) & (cols[None, :] < N))
 
@@ -72,8 +61,7 @@ def _q8_matmul_kernel(x_ptr, w_ptr, s_ptr, bias_ptr, out_ptr, M, N, K, stride_xm
 def q8_matmul(x: torch.Tensor, weight: Q8Weight, bias: torch.Tensor | None,
               tiles: tuple[int, ...] | None = None) -> torch.Tensor:
     """``x`` ``[M, K]`` times the Q8_0 ``weight`` ``[N, K]`` transposed (+ ``bias``): ``[M, N]`` in x's
-    dtype. ``tiles``: force ``(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages[, split_k])`` (the tile
-    study)."""
+    dtype. ``tiles``: force ``(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages)`` (the tile study)."""
     m, k = x.shape
     n = weight.shape[0]
     if weight.shape[1] != k or k % BLOCK:
@@ -83,20 +71,12 @@ def q8_matmul(x: torch.Tensor, weight: Q8Weight, bias: torch.Tensor | None,
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0:
         return out
-    block_m, block_n, block_k, num_warps, num_stages, *split = tiles or next(t[1:] for t in TILES if m <= t[0])
-    split_k = min(split[0] if split else 1, triton.cdiv(k, block_k))
-    # Split K: float32 partial sums [split_k, M, N], added (then the bias) and rounded once after.
-    target = out if split_k == 1 else torch.empty((split_k, m, n), dtype=torch.float32, device=x.device)
-    _q8_matmul_kernel[(triton.cdiv(m, block_m), triton.cdiv(n, block_n), split_k)](
-        x, weight.qweight, weight.scales, bias if bias is not None else x, target, m, n, k,
-        x.stride(0), weight.qweight.stride(0), weight.scales.stride(0), n if split_k > 1 else out.stride(0),
-        HAS_BIAS=bias is not None and split_k == 1, IEEE_DOT=x.dtype == torch.float32, PTX=ptx_conversions(),
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, NUM_STAGES=num_stages, SPLIT_K=split_k,
+    block_m, block_n, block_k, num_warps, num_stages = tiles or next(t[1:] for t in TILES if m <= t[0])
+    _q8_matmul_kernel[(triton.cdiv(m, block_m), triton.cdiv(n, block_n))](
+        x, weight.qweight, weight.scales, bias if bias is not None else x, out, m, n, k,
+        x.stride(0), weight.qweight.stride(0), weight.scales.stride(0), out.stride(0),
+        HAS_BIAS=bias is not None, IEEE_DOT=x.dtype == torch.float32, PTX=ptx_conversions(),
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, NUM_STAGES=num_stages,
         num_warps=num_warps, **pdl_launch_args(x.device),
     )
-    if split_k > 1:
-        total = target.sum(dim=0)
-        if bias is not None:
-            total += bias.float()
-        out.copy_(total)
     return out

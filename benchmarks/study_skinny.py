@@ -1,0 +1,101 @@
+"""The few-row matmul (tokenmill/kernels/triton_skinny_matmul.py: ``weight @ x.T``, K split with a
+fixed-order reduction) on Llama-3-8B's projections at 4-64 rows, dense bf16 and Q8_0, over its
+tiles, beside cuBLAS on the bf16 weight and the Q8_0 matmul in use, and the floor (the weight's bytes
+over the copy bandwidth measured in the same call, or the FLOPs at the measured matmul rate where
+that is longer). Each runs inside a CUDA graph over enough weight copies that nothing is served from
+L2 (``study_gemv.time_graph``), after a check against the torch reference. The variants compile in
+parallel processes first (Triton's disk cache), then load in this one.
+
+    python benchmarks/study_skinny.py [--rows 4,8,16,32,64] --out study-skinny.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing
+import sys
+
+import torch
+import torch.nn.functional as F
+
+from study_gemv import L2_BYTES, MODELS, time_graph
+from study_q8 import DT, packed_weights, rel_err
+from tokenmill.bench.hardware import environment, measure_ceilings
+from tokenmill.kernels import reference
+from tokenmill.kernels.q8_0 import quantize
+from tokenmill.kernels.triton_q8_matmul import q8_matmul
+from tokenmill.kernels.triton_skinny_matmul import skinny_matmul
+
+# (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages, split_k) by the largest row count they are tried at.
+SWEEP = {bound: [(block_m, bn, bk, 4, 4, sk) for bn in (64, 128) for bk in (128, 256) for sk in (1, 2, 4, 8)]
+         for bound, block_m in ((16, 16), (32, 32), (64, 64))}
+
+
+def compile_some(jobs: list[tuple[bool, tuple[int, ...]]]) -> None:
+    w = torch.randn(256, 512, device="cuda")
+    packed, dense = quantize(w), w.to(DT)
+    x = torch.randn(4, 512, device="cuda", dtype=DT)
+    for quantized, tiles in jobs:
+        try:
+            skinny_matmul(x, packed if quantized else dense, None, tiles)
+        except Exception as e:  # noqa: BLE001 - reported, the variant is left out of the timing
+            print("compile", quantized, tiles, type(e).__name__, str(e)[:200], flush=True)
+    torch.cuda.synchronize()
+
+
+def compile_all(workers: int) -> None:
+    jobs = [(q, t) for tiles in SWEEP.values() for t in tiles for q in (False, True)]
+    ctx = multiprocessing.get_context("spawn")
+    with ctx.Pool(workers) as pool:
+        pool.map(compile_some, [jobs[i::workers] for i in range(workers)])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--rows", default="4,8,16,32,64")
+    parser.add_argument("--workers", type=int, default=12)
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    compile_all(args.workers)
+    ceilings = measure_ceilings()
+    print(f"copy bandwidth {ceilings.bandwidth / 1e12:.2f} TB/s")
+    rows = []
+    for name, n, k, _ in MODELS["llama3-8b"][2]:
+        packed = packed_weights(n, k)
+        dense = [w.dequantize(DT) for w in packed[:max(4, -(-L2_BYTES // (n * k * 2)))]]
+        for m in (int(v) for v in args.rows.split(",")):
+            x = torch.randn(m, k, device="cuda", dtype=DT)
+            row = {"name": f"skinny/llama3-8b/{name}/m{m}", "m": m, "n": n, "k": k,
+                   "cublas_bf16_us": time_graph(lambda x=x: [F.linear(x, w) for w in dense]) * 1e3 / len(dense),
+                   "q8_matmul_us": time_graph(lambda x=x: [q8_matmul(x, w, None) for w in packed]) * 1e3 / len(packed)}
+            for kind, weights in (("bf16", dense), ("q8", packed)):
+                timed = []
+                for tiles in next(v for bound, v in sorted(SWEEP.items()) if m <= bound):
+                    try:
+                        err = rel_err(skinny_matmul(x, weights[0], None, tiles), reference.linear(x, weights[0], None))
+                    except Exception:  # noqa: BLE001 - did not compile (reported above)
+                        continue
+                    us = time_graph(lambda x=x, t=tiles, ws=weights: [skinny_matmul(x, w, None, t) for w in ws]) * 1e3
+                    timed.append({"tiles": list(tiles), "us": us / len(weights), "rel_err": err})
+                timed.sort(key=lambda t: t["us"])
+                weight_bytes = n * k * (1 + 2 / 32) if kind == "q8" else n * k * 2
+                row[f"{kind}_floor_us"] = ceilings.floor(weight_bytes + 2 * m * (n + k), 2 * m * n * k) * 1e6
+                row[f"{kind}_best"] = timed[0]
+                row[f"{kind}_tiles"] = timed
+            row["floor_us"] = row["bf16_floor_us"]  # the row's floor: the dense weight's
+            row["fraction_of_floor"] = row["bf16_floor_us"] / row["bf16_best"]["us"]
+            rows.append(row)
+            print(f"{name:<8} m={m:<3} bf16: floor {row['bf16_floor_us']:6.2f} cuBLAS {row['cublas_bf16_us']:6.2f} "
+                  f"skinny {row['bf16_best']['us']:6.2f} {row['bf16_best']['tiles']} | q8: floor {row['q8_floor_us']:6.2f} "
+                  f"matmul {row['q8_matmul_us']:6.2f} skinny {row['q8_best']['us']:6.2f} {row['q8_best']['tiles']} "
+                  f"err {row['q8_best']['rel_err']:.0e}", flush=True)
+        del packed, dense
+        torch.cuda.empty_cache()
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"environment": environment(ceilings, " ".join(sys.argv)), "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

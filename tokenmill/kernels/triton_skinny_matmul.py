@@ -1,0 +1,145 @@
+"""Triton matmul for a few rows (decode batches, short chunks): ``x`` ``[M, K]`` times ``weight``
+``[N, K]`` transposed, dense or Q8_0 (see ``q8_0.py``), computed as ``weight @ x.T``.
+
+With so few rows a projection is bound by reading its weight, and two things decide how close it
+gets: whether the weight tile reaches the tensor cores without a detour, and whether enough programs
+stream it at once. Here the weight tile is the left operand, taken from registers (a Q8_0 tile
+dequantized there, as the reference rounds it, with no transpose through shared memory), and the few
+rows are the narrow right one. Where a projection's column tiles alone leave SMs short of programs,
+``SPLIT_K`` programs share a column tile's K: each writes its float32 partial sum, and the last of
+them to finish (a counter per tile, reset by that program) adds the parts in a fixed order, so the
+result does not depend on which finished first, and no second kernel is launched.
+
+On the H200 inside CUDA graphs (``python benchmarks/study_skinny.py``), Llama-3-8B's projections at
+8 rows: dense qkv / gate|up / o / down 15.6 / 57.9 / 11.2 / 31.6 µs against cuBLAS's 16.2 / 58.0 /
+13.7 / 33.5; Q8_0 19.2 / 60.5 / 13.1 / 32.7 µs against 23.7 / 83.8 / 17.5 / 54.2 for the tiled
+matmul (``triton_q8_matmul.py``), which dequantizes into shared memory and stays in use past
+``MAX_ROWS``.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from tokenmill.kernels.q8_0 import BLOCK, Q8Weight
+from tokenmill.kernels.triton_convert import ptx_conversions, to_f16
+from tokenmill.kernels.triton_launch import num_sms, pdl_launch_args, wait_for_previous_kernel
+
+# The most rows this kernel takes: past them cuBLAS (dense) and the tiled Q8_0 matmul were faster.
+MAX_ROWS = {"dense": 32, "q8_0": 64}
+# Programs an SM that the K split aims at: a Q8_0 tile spends longer dequantizing than loading, so
+# more of them in flight hide the loads (the study's best split for each projection, within 6%).
+_PROGRAMS_PER_SM = {"dense": 1, "q8_0": 4}
+_MAX_SPLIT = 8
+BLOCK_N, BLOCK_K, NUM_WARPS, NUM_STAGES = 64, 128, 4, 4
+
+_counters: dict[torch.device, torch.Tensor] = {}
+
+
+@triton.jit(do_not_specialize=["M"])  # the row count changes with every batch
+def _skinny_matmul_kernel(x_ptr, w_ptr, s_ptr, bias_ptr, out_ptr, part_ptr, count_ptr, M, N, K,
+                          stride_xm, stride_wn, stride_sn, stride_om,
+                          QUANTIZED: tl.constexpr, HAS_BIAS: tl.constexpr, IEEE_DOT: tl.constexpr,
+                          PTX: tl.constexpr, PDL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                          BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr, SPLIT_K: tl.constexpr):
+    """Program ``(j, i, s)``: output columns ``j``, rows ``i``, the ``s``-th of ``SPLIT_K`` parts of K
+    (whole ``BLOCK_K`` steps; a part may be empty)."""
+    wait_for_previous_kernel(PDL)
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+    ks0 = tl.arange(0, BLOCK_K)
+    kb0 = tl.arange(0, BLOCK_K // 32)
+    w_rows = w_ptr + cols.to(tl.int64)[:, None] * stride_wn
+    s_rows = s_ptr + cols.to(tl.int64)[:, None] * stride_sn
+    x_cols = x_ptr + rows.to(tl.int64)[None, :] * stride_xm
+    part = tl.cdiv(tl.cdiv(K, BLOCK_K), SPLIT_K) * BLOCK_K
+    k_start = tl.program_id(2) * part
+    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    for k0 in tl.range(k_start, tl.minimum(k_start + part, K), BLOCK_K, num_stages=NUM_STAGES):
+        ks = k0 + ks0
+        xt = tl.load(x_cols + ks[:, None], mask=(rows[None, :] < M) & (ks[:, None] < K), other=0.0)  # [K, M]
+        w = tl.load(w_rows + ks[None, :], mask=(cols[:, None] < N) & (ks[None, :] < K), other=0)
+        if QUANTIZED:  # each int8 (through float16) times its block's scale, rounded to x's dtype
+            kb = k0 // 32 + kb0
+            scale = tl.load(s_rows + kb[None, :], mask=(cols[:, None] < N) & (kb[None, :] < K // 32), other=0.0)
+            blocks = (tl.reshape(to_f16(w, PTX, False).to(tl.float32), (BLOCK_N, BLOCK_K // 32, 32))
+                      * scale.to(tl.float32)[:, :, None])
+            w = tl.reshape(blocks, (BLOCK_N, BLOCK_K)).to(xt.dtype)
+        if IEEE_DOT:
+            acc += tl.dot(w, xt, input_precision="ieee")
+        else:
+            acc += tl.dot(w, xt)
+    mask = (rows[None, :] < M) & (cols[:, None] < N)
+    if SPLIT_K > 1:
+        offsets = rows.to(tl.int64)[None, :] * N + cols[:, None]
+        tl.store(part_ptr + tl.program_id(2).to(tl.int64) * M * N + offsets, acc, mask=mask)
+        tl.debug_barrier()  # every thread's part written before the counter says so
+        tile = tl.program_id(1) * tl.num_programs(0) + tl.program_id(0)
+        if tl.atomic_add(count_ptr + tile, 1, sem="acq_rel") != SPLIT_K - 1:
+            return
+        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+        for s in tl.static_range(SPLIT_K):  # from L2: another SM wrote them
+            acc += tl.load(part_ptr + s * M * N + offsets, mask=mask, other=0.0, cache_modifier=".cg")
+        tl.store(count_ptr + tile, 0)
+    if HAS_BIAS:  # into the float32 sum, rounded once with it, as addmm does
+        acc += tl.load(bias_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[:, None]
+    tl.store(out_ptr + rows.to(tl.int64)[None, :] * stride_om + cols[:, None], acc.to(out_ptr.dtype.element_ty),
+             mask=mask)
+
+
+def takes(m: int, weight: torch.Tensor | Q8Weight) -> bool:
+    """Whether ``m`` rows times ``weight`` go through this kernel on the GPU."""
+    return m <= MAX_ROWS["q8_0" if isinstance(weight, Q8Weight) else "dense"]
+
+
+def default_tiles(m: int, n: int, k: int, quantized: bool, device: torch.device) -> tuple[int, ...]:
+    """``(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages, split_k)``: rows in tiles of 16, 32 or 64
+    (one compiled variant for each), K split in a power of two of parts up to ``_MAX_SPLIT`` so that
+    about ``_PROGRAMS_PER_SM`` programs share an SM."""
+    block_m = 16 if m <= 16 else 32 if m <= 32 else 64
+    tiles = triton.cdiv(n, BLOCK_N) * triton.cdiv(m, block_m)
+    want = _PROGRAMS_PER_SM["q8_0" if quantized else "dense"] * num_sms(device) // tiles
+    split = 1
+    while split * 2 <= min(want, _MAX_SPLIT, triton.cdiv(k, BLOCK_K)):
+        split *= 2
+    return block_m, BLOCK_N, BLOCK_K, NUM_WARPS, NUM_STAGES, split
+
+
+def _tile_counters(device: torch.device, tiles: int) -> torch.Tensor:
+    """Zeroed int32 counters the split programs of a tile count on, kept per device: every launch
+    leaves them zero, and launches on one stream run one after another."""
+    counters = _counters.get(device)
+    if counters is None or counters.numel() < tiles:
+        counters = _counters[device] = torch.zeros(max(1 << 14, tiles), dtype=torch.int32, device=device)
+    return counters
+
+
+def skinny_matmul(x: torch.Tensor, weight: torch.Tensor | Q8Weight, bias: torch.Tensor | None,
+                  tiles: tuple[int, ...] | None = None) -> torch.Tensor:
+    """``x @ weight.T (+ bias)`` in x's dtype. ``tiles``: force ``default_tiles``' choice (the study)."""
+    m, k = x.shape
+    quantized = isinstance(weight, Q8Weight)
+    w = weight.qweight if quantized else weight
+    n = w.shape[0]
+    if w.shape[1] != k or (quantized and k % BLOCK):
+        raise ValueError(f"shapes x {tuple(x.shape)}, weight {tuple(weight.shape)} do not match")
+    if x.stride(-1) != 1 or w.stride(-1) != 1:
+        raise ValueError("skinny_matmul needs x's and the weight's rows contiguous")
+    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    if m == 0:
+        return out
+    block_m, block_n, block_k, num_warps, num_stages, split_k = tiles or default_tiles(m, n, k, quantized, x.device)
+    split_k = min(split_k, triton.cdiv(k, block_k))
+    grid = (triton.cdiv(n, block_n), triton.cdiv(m, block_m), split_k)
+    partials = torch.empty((split_k, m, n), dtype=torch.float32, device=x.device) if split_k > 1 else out
+    _skinny_matmul_kernel[grid](
+        x, w, weight.scales if quantized else w, bias if bias is not None else x, out, partials,
+        _tile_counters(x.device, grid[0] * grid[1]), m, n, k, x.stride(0), w.stride(0),
+        weight.scales.stride(0) if quantized else 0, out.stride(0),
+        QUANTIZED=quantized, HAS_BIAS=bias is not None, IEEE_DOT=x.dtype == torch.float32, PTX=ptx_conversions(),
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, NUM_STAGES=num_stages, SPLIT_K=split_k,
+        num_warps=num_warps, **pdl_launch_args(x.device),
+    )
+    return out
