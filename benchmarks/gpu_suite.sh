@@ -24,7 +24,8 @@
 #   (`study-attention-splits-gemma`: head dim 256, groups of 2 and 8);
 #  `study-gemv-rows` = the one-row GEMV's tiles with several tiles of rows a program;
 #  `study-argmax` = the greedy argmax's chunks a row against the row count, benchmarks/study_argmax.py;
-#  `study-skinny` = the few-row matmul's tiles and K splits at 4-64 rows, dense and Q8_0, benchmarks/study_skinny.py.)
+#  `study-skinny` = the few-row matmul's tiles and K splits at 4-64 rows, dense and Q8_0, benchmarks/study_skinny.py;
+#  `study-q8-dp4a` = the one-row Q8_0 GEMV against one on a row quantized to int8 (dp4a), benchmarks/study_q8_dp4a.py.)
 # Results and logs go to $OUT (the device tool brings them back).
 set -o pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
@@ -82,6 +83,9 @@ for part in "$@"; do
     study-skinny)
       (cd benchmarks && timeout 500 python3 study_skinny.py --out "$OUT/study-skinny.json" 2>&1 | grep -v Warning \
         | tail -24) ;;
+    study-q8-dp4a)
+      (cd benchmarks && timeout 300 python3 study_q8_dp4a.py --out "$OUT/study-q8-dp4a.json" 2>&1 | grep -v Warning \
+        | tail -8) ;;
     study-gemv)
       python3 benchmarks/study_gemv.py --out "$OUT/study-gemv.json" 2>&1 | tee "$OUT/study-gemv.log" | tail -60 ;;
     study-gemv-gemma3)

@@ -23,6 +23,13 @@ CASES = Path(__file__).with_name("_kernel_cases.py")
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
+def _interpreter_env() -> dict[str, str]:
+    env = dict(os.environ)
+    env["TRITON_INTERPRET"] = "1"
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH")) if p)
+    return env
+
+
 @pytest.mark.parametrize(
     "kernel",
     ["gemv", "q8_matmul", "skinny_matmul", "paged_attention", "paged_attention_gemma", "rms_norm", "offset_rms_norm", "gemma_norms", "quantized_kv",
@@ -30,10 +37,17 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
      "sample", "penalties"],
 )
 def test_kernel_under_interpreter(kernel: str) -> None:
-    env = dict(os.environ)
-    env["TRITON_INTERPRET"] = "1"
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH")) if p)
     proc = subprocess.run(
-        [sys.executable, str(CASES), kernel], env=env, capture_output=True, text=True, timeout=300
+        [sys.executable, str(CASES), kernel], env=_interpreter_env(), capture_output=True, text=True, timeout=300
     )
     assert proc.returncode == 0, f"{kernel} failed under the interpreter:\n{proc.stdout}\n{proc.stderr}"
+
+
+def test_study_candidate_kernels_under_interpreter() -> None:
+    """Kernels that a study measures before any enters the engine (benchmarks/study_q8_dp4a.py: the
+    one-row Q8_0 GEMV on a row quantized to int8) match the reference too, so a study's timing is of
+    a kernel known to be right."""
+    proc = subprocess.run([sys.executable, "study_q8_dp4a.py", "--check"], cwd=REPO_ROOT / "benchmarks",
+                          env=_interpreter_env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, f"{proc.stdout}\n{proc.stderr}"
+    assert proc.stdout.count("rel err") == 4, proc.stdout
