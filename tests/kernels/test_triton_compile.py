@@ -312,3 +312,19 @@ def test_the_batch_shape_makes_no_new_kernel_variant(monkeypatch: pytest.MonkeyP
         "_paged_attention_kernel": 1, "_merge_splits_kernel": 1, "_q8_matmul_kernel": 1, "_skinny_matmul_kernel": 1,
         "_sample_kernel": 1,
         "_race_parts_kernel": 1, "_penalties_kernel": 1}
+
+
+def test_linear_leaves_layouts_the_few_row_matmul_cannot_read_to_cublas(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rows or a dense weight whose elements are not contiguous along K go to cuBLAS, whose answer
+    is right for any layout; contiguous ones to the few-row matmul."""
+    launched: list[str] = []
+    monkeypatch.setattr(JITFunction, "run", lambda self, *a, grid, warmup, **k: launched.append(self.__name__))
+    gen = torch.Generator().manual_seed(0)
+    x, weight = torch.randn(8, 64, generator=gen), torch.randn(64, 96, generator=gen)
+    want = x @ weight
+    got = triton_ops.linear(x, weight.t(), None)  # a transposed view: K is its rows' stride
+    assert not launched and torch.allclose(got, want, atol=1e-5)
+    got = triton_ops.linear(x.t().contiguous().t(), weight.t().contiguous(), None)  # K strided in x
+    assert not launched and torch.allclose(got, want, atol=1e-5)
+    triton_ops.linear(x, weight.t().contiguous(), None)
+    assert launched == ["_skinny_matmul_kernel"]

@@ -28,7 +28,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor | Q8Weight, bias: torch.Tensor 
     matmul or cuBLAS."""
     if x.shape[0] <= GEMV_MAX_ROWS:
         return gemv_linear(x, weight, bias)
-    if skinny_takes(x.shape[0], weight):
+    if skinny_takes(x, weight):
         return skinny_matmul(x, weight, bias)
     return q8_matmul(x, weight, bias) if isinstance(weight, Q8Weight) else torch.nn.functional.linear(x, weight, bias)
 

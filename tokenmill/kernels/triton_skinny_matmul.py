@@ -89,9 +89,12 @@ def _skinny_matmul_kernel(x_ptr, w_ptr, s_ptr, bias_ptr, out_ptr, part_ptr, coun
              mask=mask)
 
 
-def takes(m: int, weight: torch.Tensor | Q8Weight) -> bool:
-    """Whether ``m`` rows times ``weight`` go through this kernel on the GPU."""
-    return m <= MAX_ROWS["q8_0" if isinstance(weight, Q8Weight) else "dense"]
+def takes(x: torch.Tensor, weight: torch.Tensor | Q8Weight) -> bool:
+    """Whether ``x`` times ``weight`` go through this kernel on the GPU: few enough rows, each row of
+    both contiguous (a Q8_0 weight's always is; other layouts stay with cuBLAS)."""
+    if isinstance(weight, Q8Weight):
+        return x.shape[0] <= MAX_ROWS["q8_0"] and x.stride(-1) == 1
+    return x.shape[0] <= MAX_ROWS["dense"] and x.stride(-1) == 1 and weight.stride(-1) == 1
 
 
 def default_tiles(m: int, n: int, k: int, quantized: bool, device: torch.device) -> tuple[int, ...]:
