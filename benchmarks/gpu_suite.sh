@@ -25,7 +25,8 @@
 #  `study-gemv-rows` = the one-row GEMV's tiles with several tiles of rows a program;
 #  `study-argmax` = the greedy argmax's chunks a row against the row count, benchmarks/study_argmax.py;
 #  `study-skinny` = the few-row matmul's tiles and K splits at 4-64 rows, dense and Q8_0, benchmarks/study_skinny.py;
-#  `study-q8-dp4a` = the one-row Q8_0 GEMV against one on a row quantized to int8 (dp4a), benchmarks/study_q8_dp4a.py.)
+#  `study-q8-a8` = Q8_0 projections on rows quantized to int8 (dp4a at one row, int8 tensor cores at more)
+#   against the kernels in use, benchmarks/study_q8_a8.py.)
 # Results and logs go to $OUT (the device tool brings them back).
 set -o pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
@@ -83,9 +84,9 @@ for part in "$@"; do
     study-skinny)
       (cd benchmarks && timeout 500 python3 study_skinny.py --out "$OUT/study-skinny.json" 2>&1 | grep -v Warning \
         | tail -24) ;;
-    study-q8-dp4a)
-      (cd benchmarks && timeout 300 python3 study_q8_dp4a.py --out "$OUT/study-q8-dp4a.json" 2>&1 | grep -v Warning \
-        | tail -8) ;;
+    study-q8-a8)
+      (cd benchmarks && timeout 500 python3 study_q8_a8.py --out "$OUT/study-q8-a8.json" 2>&1 | grep -v Warning \
+        | tail -22) ;;
     study-gemv)
       python3 benchmarks/study_gemv.py --out "$OUT/study-gemv.json" 2>&1 | tee "$OUT/study-gemv.log" | tail -60 ;;
     study-gemv-gemma3)
