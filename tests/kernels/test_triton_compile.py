@@ -328,3 +328,18 @@ def test_linear_leaves_layouts_the_few_row_matmul_cannot_read_to_cublas(monkeypa
     assert not launched and torch.allclose(got, want, atol=1e-5)
     triton_ops.linear(x, weight.t().contiguous(), None)
     assert launched == ["_skinny_matmul_kernel"]
+
+
+def test_the_few_row_matmul_keeps_every_counter_array_a_graph_may_hold() -> None:
+    """A launch with more split tiles than the counters hold gets a longer array; the shorter one
+    stays alive (a CUDA graph captured with it still reads it), and both start zeroed."""
+    from tokenmill.kernels import triton_skinny_matmul as skinny
+
+    device = torch.device("cpu")
+    skinny._counters.pop(device, None)
+    first = skinny._tile_counters(device, 10)
+    assert skinny._tile_counters(device, first.numel()) is first
+    longer = skinny._tile_counters(device, first.numel() + 1)
+    assert longer.numel() > first.numel() and not longer.any()
+    assert [id(c) for c in skinny._counters[device]] == [id(first), id(longer)]
+    skinny._counters.pop(device)

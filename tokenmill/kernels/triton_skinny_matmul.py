@@ -35,7 +35,8 @@ _PROGRAMS_PER_SM = {"dense": 1, "q8_0": 4}
 _MAX_SPLIT = 8
 BLOCK_N, BLOCK_K, NUM_WARPS, NUM_STAGES = 64, 128, 4, 4
 
-_counters: dict[torch.device, torch.Tensor] = {}
+# Per device, every counter array made (the last one in use): one a CUDA graph captured stays valid.
+_counters: dict[torch.device, list[torch.Tensor]] = {}
 
 
 @triton.jit(do_not_specialize=["M"])  # the row count changes with every batch
@@ -112,11 +113,12 @@ def default_tiles(m: int, n: int, k: int, quantized: bool, device: torch.device)
 
 def _tile_counters(device: torch.device, tiles: int) -> torch.Tensor:
     """Zeroed int32 counters the split programs of a tile count on, kept per device: every launch
-    leaves them zero, and launches on one stream run one after another."""
-    counters = _counters.get(device)
-    if counters is None or counters.numel() < tiles:
-        counters = _counters[device] = torch.zeros(max(1 << 14, tiles), dtype=torch.int32, device=device)
-    return counters
+    leaves them zero, and launches on one stream run one after another. A launch with more tiles
+    than they hold gets a longer array; the old one is kept, since a captured graph may use it."""
+    made = _counters.setdefault(device, [])
+    if not made or made[-1].numel() < tiles:
+        made.append(torch.zeros(max(1 << 12, tiles), dtype=torch.int32, device=device))
+    return made[-1]
 
 
 def skinny_matmul(x: torch.Tensor, weight: torch.Tensor | Q8Weight, bias: torch.Tensor | None,
@@ -139,7 +141,7 @@ def skinny_matmul(x: torch.Tensor, weight: torch.Tensor | Q8Weight, bias: torch.
     partials = torch.empty((split_k, m, n), dtype=torch.float32, device=x.device) if split_k > 1 else out
     _skinny_matmul_kernel[grid](
         x, w, weight.scales if quantized else w, bias if bias is not None else x, out, partials,
-        _tile_counters(x.device, grid[0] * grid[1]), m, n, k, x.stride(0), w.stride(0),
+        _tile_counters(x.device, grid[0] * grid[1]) if split_k > 1 else out, m, n, k, x.stride(0), w.stride(0),
         weight.scales.stride(0) if quantized else 0, out.stride(0),
         QUANTIZED=quantized, HAS_BIAS=bias is not None, IEEE_DOT=x.dtype == torch.float32, PTX=ptx_conversions(),
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, NUM_STAGES=num_stages, SPLIT_K=split_k,
