@@ -1,5 +1,6 @@
 """The few-row matmul (tokenmill/kernels/triton_skinny_matmul.py: ``weight @ x.T``, K split with a
-fixed-order reduction) on Llama-3-8B's projections at 4-64 rows, dense bf16 and Q8_0, over its
+fixed-order reduction) on Llama-3-8B's projections at 4-64 rows (and past them, where it does not
+run yet: ``--rows 128,256``), dense bf16 and Q8_0, over its
 tiles, beside cuBLAS on the bf16 weight and the Q8_0 matmul in use, and the floor (the weight's bytes
 over the copy bandwidth measured in the same call, or the FLOPs at the measured matmul rate where
 that is longer). Each runs inside a CUDA graph over enough weight copies that nothing is served from
@@ -30,6 +31,8 @@ from tokenmill.kernels.triton_skinny_matmul import skinny_matmul
 # (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages, split_k) by the largest row count they are tried at.
 SWEEP = {bound: [(block_m, bn, bk, 4, 4, sk) for bn in (64, 128) for bk in (128, 256) for sk in (1, 2, 4, 8)]
          for bound, block_m in ((16, 16), (32, 32), (64, 64))}
+# Past 64 rows (where the tiled Q8_0 matmul and cuBLAS run now): 128-row tiles, K unsplit.
+SWEEP[1 << 62] = [(128, bn, bk, warps, 3, 1) for bn in (64, 128) for bk in (64, 128) for warps in (4, 8)]
 
 
 def compile_some(jobs: list[tuple[bool, tuple[int, ...]]]) -> None:
