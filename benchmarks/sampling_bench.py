@@ -20,13 +20,10 @@ workload through the engine with each kind of sampling.
 from __future__ import annotations
 
 import argparse
-import json
-import sys
-from pathlib import Path
 
 import torch
 
-from tokenmill.bench.hardware import environment, measure_ceilings, time_cuda
+from tokenmill.bench.hardware import measure_ceilings, time_cuda, write_rows
 from tokenmill.bench.offline import decode_steps, make_engine, release, run_workload, standard_workload
 from tokenmill.kernels import reference, triton_ops
 from tokenmill.layers.sampler import greedy_argmax, largest_logits
@@ -122,8 +119,7 @@ def main() -> None:
         print(f"{row['name']:40s} {row['output_tok_per_s']:9,.0f} out tok/s ({row['of_greedy']:.1%} of greedy, "
               f"{row['fraction_of_floor']:.0%} of floor)")
     if args.out:
-        Path(args.out).write_text(json.dumps({"environment": environment(ceilings, " ".join(sys.argv)),
-                                              "rows": rows}, indent=1))
+        write_rows(args.out, ceilings, rows)
 
 
 if __name__ == "__main__":

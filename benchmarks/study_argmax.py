@@ -8,13 +8,10 @@ may cost more than they bring.
 from __future__ import annotations
 
 import argparse
-import json
-import sys
-from pathlib import Path
 
 import torch
 
-from tokenmill.bench.hardware import environment, measure_ceilings, time_cuda
+from tokenmill.bench.hardware import measure_ceilings, time_cuda, write_rows
 from tokenmill.layers.sampler import greedy_argmax
 
 VOCABS = (128256, 151936, 262208)
@@ -48,8 +45,7 @@ def main() -> None:
             print(f"vocab {vocab:6d} batch {batch:3d}: " + "  ".join(f"{c}:{t:6.1f}" for c, t in times.items())
                   + f"  us (floor {floor * 1e6:.1f})")
     if args.out:
-        Path(args.out).write_text(json.dumps({"environment": environment(ceilings, " ".join(sys.argv)),
-                                              "rows": rows}, indent=1))
+        write_rows(args.out, ceilings, rows)
 
 
 if __name__ == "__main__":

@@ -25,9 +25,7 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
 import os
-import sys
 
 import torch
 import triton
@@ -35,7 +33,7 @@ import triton.language as tl
 
 from study_gemv import MODELS, time_graph
 from study_q8 import DT, packed_weights, rel_err
-from tokenmill.bench.hardware import environment, measure_ceilings
+from tokenmill.bench.hardware import measure_ceilings, write_rows
 from tokenmill.kernels import q8_0, reference, triton_ops
 from tokenmill.kernels.triton_gemv import _gemv
 
@@ -254,8 +252,7 @@ def main() -> None:
         del packed, dense
         torch.cuda.empty_cache()
     if args.out:
-        with open(args.out, "w") as f:
-            json.dump({"environment": environment(ceilings, " ".join(sys.argv)), "rows": rows}, f, indent=1)
+        write_rows(args.out, ceilings, rows)
 
 
 if __name__ == "__main__":

@@ -7,13 +7,10 @@ program streams each row, so at small batches a program's own bandwidth bounds t
 from __future__ import annotations
 
 import argparse
-import json
-import sys
-from pathlib import Path
 
 import torch
 
-from tokenmill.bench.hardware import environment, measure_ceilings, time_cuda
+from tokenmill.bench.hardware import measure_ceilings, time_cuda, write_rows
 from tokenmill.kernels import triton_sampling
 
 VOCAB = 151936
@@ -42,8 +39,7 @@ def main() -> None:
                              "us": seconds * 1e6, "floor_us": floor * 1e6, "fraction_of_floor": floor / seconds})
                 print(f"{rows[-1]['name']:48s} {seconds * 1e6:8.1f} us (floor {floor * 1e6:.1f} us)")
     if args.out:
-        Path(args.out).write_text(json.dumps({"environment": environment(ceilings, " ".join(sys.argv)),
-                                              "rows": rows}, indent=1))
+        write_rows(args.out, ceilings, rows)
 
 
 if __name__ == "__main__":

@@ -13,16 +13,14 @@ parallel processes first (Triton's disk cache), then load in this one.
 from __future__ import annotations
 
 import argparse
-import json
 import multiprocessing
-import sys
 
 import torch
 import torch.nn.functional as F
 
 from study_gemv import L2_BYTES, MODELS, time_graph
 from study_q8 import DT, packed_weights, rel_err
-from tokenmill.bench.hardware import environment, measure_ceilings
+from tokenmill.bench.hardware import measure_ceilings, write_rows
 from tokenmill.kernels import reference
 from tokenmill.kernels.q8_0 import quantize
 from tokenmill.kernels.triton_q8_matmul import q8_matmul
@@ -96,8 +94,7 @@ def main() -> None:
         del packed, dense
         torch.cuda.empty_cache()
     if args.out:
-        with open(args.out, "w") as f:
-            json.dump({"environment": environment(ceilings, " ".join(sys.argv)), "rows": rows}, f, indent=1)
+        write_rows(args.out, ceilings, rows)
 
 
 if __name__ == "__main__":

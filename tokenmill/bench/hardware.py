@@ -3,11 +3,14 @@ same run: device-memory bandwidth and the bf16 matrix rate."""
 
 from __future__ import annotations
 
+import json
 import os
 import platform
 import subprocess
+import sys
 from dataclasses import asdict, dataclass
 from datetime import datetime, timezone
+from pathlib import Path
 
 import torch
 
@@ -82,3 +85,9 @@ def environment(ceilings: Ceilings | None, command: str) -> dict:
         "command": command,
         "ceilings": asdict(ceilings) if ceilings else None,
     }
+
+
+def write_rows(path: str, ceilings: Ceilings | None, rows: list[dict]) -> None:
+    """A benchmark's result file: its ``environment`` (the command: this process's) and ``rows``."""
+    Path(path).write_text(json.dumps({"environment": environment(ceilings, " ".join(sys.argv)), "rows": rows},
+                                     indent=1))
