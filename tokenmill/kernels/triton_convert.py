@@ -86,3 +86,16 @@ def int8x4_to_f32(words, PTX: tl.constexpr):
     # [R, W, 2, 2], a join's new axis last: [.., a, b] is byte 2 a + b, the bytes in memory order.
     values = tl.join(tl.join(v0, v2), tl.join(v1, v3))
     return tl.reshape(values, (values.shape[0], values.shape[1] * 4))
+
+
+@triton.jit
+def q8_0_tile(w, s_rows, k0, K, rows_ok, PTX: tl.constexpr):
+    """A Q8_0 weight tile ``w`` (int8 ``[R, BLOCK_K]``, K positions ``k0`` on) in float32: each value
+    (through float16, not the conversion unit) times its block's scale, read from ``s_rows`` (each
+    row's scales, ``[R, 1]`` pointers; ``rows_ok``: the rows in range). Rounded to the activations'
+    dtype by the caller, it is the reference's dequantized matrix."""
+    BLOCK_K: tl.constexpr = w.shape[1]
+    kb = k0 // 32 + tl.arange(0, BLOCK_K // 32)
+    scale = tl.load(s_rows + kb[None, :], mask=rows_ok[:, None] & (kb[None, :] < K // 32), other=0.0)
+    blocks = tl.reshape(to_f16(w, PTX, False).to(tl.float32), (w.shape[0], BLOCK_K // 32, 32))
+    return tl.reshape(blocks * scale.to(tl.float32)[:, :, None], (w.shape[0], BLOCK_K))

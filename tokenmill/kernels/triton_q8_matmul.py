@@ -13,7 +13,7 @@ import triton
 import triton.language as tl
 
 from tokenmill.kernels.q8_0 import BLOCK, Q8Weight
-from tokenmill.kernels.triton_convert import ptx_conversions, to_f16
+from tokenmill.kernels.triton_convert import ptx_conversions, q8_0_tile
 from tokenmill.kernels.triton_launch import pdl_launch_args, wait_for_previous_kernel
 
 
@@ -32,22 +32,15 @@ def _q8_matmul_kernel(x_ptr, w_ptr, s_ptr, bias_ptr, out_ptr, M, N, K, stride_xm
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     ks0 = tl.arange(0, BLOCK_K)
-    kb0 = tl.arange(0, BLOCK_K // 32)
     x_rows = x_ptr + rows.to(tl.int64)[:, None] * stride_xm
     w_rows = w_ptr + cols.to(tl.int64)[:, None] * stride_wn
     s_rows = s_ptr + cols.to(tl.int64)[:, None] * stride_sn
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
         ks = k0 + ks0
-        kb = k0 // 32 + kb0
         x = tl.load(x_rows + ks[None, :], mask=(rows[:, None] < M) & (ks[None, :] < K), other=0.0)
         w = tl.load(w_rows + ks[None, :], mask=(cols[:, None] < N) & (ks[None, :] < K), other=0)  # [N, K] int8
-        scale = tl.load(s_rows + kb[None, :], mask=(cols[:, None] < N) & (kb[None, :] < K // 32), other=0.0)
-        # Each value (through float16, not the conversion unit) times its block's scale (a
-        # [BLOCK_N, blocks, 32] view), rounded to x's dtype.
-        blocks = (tl.reshape(to_f16(w, PTX, False).to(tl.float32), (BLOCK_N, BLOCK_K // 32, 32))
-                  * scale.to(tl.float32)[:, :, None])
-        weights = tl.trans(tl.reshape(blocks, (BLOCK_N, BLOCK_K)).to(x.dtype))
+        weights = tl.trans(q8_0_tile(w, s_rows, k0, K, cols < N, PTX).to(x.dtype))
         if IEEE_DOT:
             acc += tl.dot(x, weights, input_precision="ieee")
         else:

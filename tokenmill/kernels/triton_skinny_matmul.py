@@ -24,7 +24,7 @@ import triton
 import triton.language as tl
 
 from tokenmill.kernels.q8_0 import BLOCK, Q8Weight
-from tokenmill.kernels.triton_convert import ptx_conversions, to_f16
+from tokenmill.kernels.triton_convert import ptx_conversions, q8_0_tile
 from tokenmill.kernels.triton_launch import num_sms, pdl_launch_args, wait_for_previous_kernel
 
 # The most rows this kernel takes: past them cuBLAS (dense) and the tiled Q8_0 matmul were faster.
@@ -51,7 +51,6 @@ def _skinny_matmul_kernel(x_ptr, w_ptr, s_ptr, bias_ptr, out_ptr, part_ptr, coun
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
     ks0 = tl.arange(0, BLOCK_K)
-    kb0 = tl.arange(0, BLOCK_K // 32)
     w_rows = w_ptr + cols.to(tl.int64)[:, None] * stride_wn
     s_rows = s_ptr + cols.to(tl.int64)[:, None] * stride_sn
     x_cols = x_ptr + rows.to(tl.int64)[None, :] * stride_xm
@@ -62,12 +61,8 @@ def _skinny_matmul_kernel(x_ptr, w_ptr, s_ptr, bias_ptr, out_ptr, part_ptr, coun
         ks = k0 + ks0
         xt = tl.load(x_cols + ks[:, None], mask=(rows[None, :] < M) & (ks[:, None] < K), other=0.0)  # [K, M]
         w = tl.load(w_rows + ks[None, :], mask=(cols[:, None] < N) & (ks[None, :] < K), other=0)
-        if QUANTIZED:  # each int8 (through float16) times its block's scale, rounded to x's dtype
-            kb = k0 // 32 + kb0
-            scale = tl.load(s_rows + kb[None, :], mask=(cols[:, None] < N) & (kb[None, :] < K // 32), other=0.0)
-            blocks = (tl.reshape(to_f16(w, PTX, False).to(tl.float32), (BLOCK_N, BLOCK_K // 32, 32))
-                      * scale.to(tl.float32)[:, :, None])
-            w = tl.reshape(blocks, (BLOCK_N, BLOCK_K)).to(xt.dtype)
+        if QUANTIZED:  # rounded to x's dtype, as the reference's dequantized matrix is
+            w = q8_0_tile(w, s_rows, k0, K, cols < N, PTX).to(xt.dtype)
         if IEEE_DOT:
             acc += tl.dot(w, xt, input_precision="ieee")
         else:
