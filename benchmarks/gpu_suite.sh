@@ -25,7 +25,7 @@
 #  `study-gemv-rows` = the one-row GEMV's tiles with several tiles of rows a program;
 #  `study-argmax` = the greedy argmax's chunks a row against the row count, benchmarks/study_argmax.py;
 #  `study-skinny` = the few-row matmul's tiles and K splits at 4-64 rows, dense and Q8_0, benchmarks/study_skinny.py
-#   (`study-skinny-large`: at 128-512 rows, against cuBLAS and the tiled Q8_0 matmul that run there);
+#   (`study-skinny-large`: at 128-2048 rows, where it takes Q8_0 weights only, against cuBLAS);
 #  `study-q8-a8` = Q8_0 projections on rows quantized to int8 (dp4a at one row, int8 tensor cores at more)
 #   against the kernels in use, benchmarks/study_q8_a8.py.)
 # Results and logs go to $OUT (the device tool brings them back).
@@ -83,7 +83,7 @@ for part in "$@"; do
     study-argmax)
       python3 benchmarks/study_argmax.py --out "$OUT/study-argmax.json" 2>&1 | tail -20 ;;
     study-skinny|study-skinny-large)
-      rows=4,8,16,32,64; [ "$part" = study-skinny-large ] && rows=128,256,512
+      rows=4,8,16,32,64; [ "$part" = study-skinny-large ] && rows=128,256,512,2048
       (cd benchmarks && timeout 500 python3 study_skinny.py --rows $rows --out "$OUT/$part.json" 2>&1 \
         | grep -v Warning | tail -24) ;;
     study-q8-a8)

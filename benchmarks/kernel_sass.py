@@ -10,7 +10,6 @@ comes before timing a change on the GPU:
     pip install --no-deps --target /tmp/triton-gpu triton==<the GPU's version>
     PYTHONPATH=/tmp/triton-gpu python benchmarks/kernel_sass.py attention --kv int8 [--batch 64] [--query 1] [--sass FILE]
     PYTHONPATH=/tmp/triton-gpu python benchmarks/kernel_sass.py gemv --q8
-    PYTHONPATH=/tmp/triton-gpu python benchmarks/kernel_sass.py q8-matmul [--rows 128]
     PYTHONPATH=/tmp/triton-gpu python benchmarks/kernel_sass.py skinny [--q8] [--rows 8]
 """
 
@@ -33,7 +32,7 @@ from triton.runtime.jit import JITFunction
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "kernels"))
 from test_triton_compile import HOPPER, LAUNCH_OPTIONS, Launch  # noqa: E402
 
-from tokenmill.kernels import q8_0, triton_attention, triton_gemv, triton_ops, triton_q8_matmul, triton_skinny_matmul  # noqa: E402
+from tokenmill.kernels import q8_0, triton_attention, triton_gemv, triton_ops, triton_skinny_matmul  # noqa: E402
 
 KV_DTYPES = {"bf16": torch.bfloat16, "int8": torch.int8, "fp8": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
 
@@ -92,14 +91,14 @@ def report(kernel: triton.compiler.CompiledKernel, sass_out: str | None) -> None
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("kernel", choices=["attention", "gemv", "q8-matmul", "skinny"])
+    parser.add_argument("kernel", choices=["attention", "gemv", "skinny"])
     parser.add_argument("--kv", choices=list(KV_DTYPES), default="bf16", help="attention: the cache's dtype")
     parser.add_argument("--batch", type=int, default=64, help="attention: decode sequences (the tile follows)")
     parser.add_argument("--query", type=int, default=1, help="attention: query tokens a sequence (a prefill chunk)")
     parser.add_argument("--tile", help="attention: force BLOCK_M,BLOCK_N,num_warps,num_stages (else the engine's)")
     parser.add_argument("--q8", action="store_true", help="gemv, skinny: a Q8_0 weight (Llama-3-8B's gate|up shape)")
     parser.add_argument("--rows", type=int, default=None,
-                        help="q8-matmul, skinny: activation rows (the tile follows; default 128 and 8)")
+                        help="skinny: activation rows (the tile follows; default 8)")
     parser.add_argument("--sms", type=int, default=132, help="attention, skinny: the GPU's SMs, which the tile and split follow")
     parser.add_argument("--sass", help="write the whole disassembly here")
     args = parser.parse_args()
@@ -123,10 +122,6 @@ def main() -> None:
                                        torch.zeros(batch, 20, dtype=torch.int32), 0.1, max_query_len=q,
                                        max_seq_len=8192, **scales)
         launch = intercept("_paged_attention_kernel", call)
-    elif args.kernel == "q8-matmul":  # Llama-3-8B's gate|up in Q8_0
-        weight = q8_0.quantize(torch.randn(28672, 4096))
-        launch = intercept("_q8_matmul_kernel", lambda: triton_q8_matmul.q8_matmul(
-            torch.randn(args.rows or 128, 4096).bfloat16(), weight, None))
     elif args.kernel == "skinny":  # Llama-3-8B's o (dense or Q8_0): the split the GPU's SMs give it
         weight = torch.randn(4096, 4096).bfloat16()
         weight = q8_0.quantize(weight) if args.q8 else weight

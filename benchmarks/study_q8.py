@@ -1,15 +1,13 @@
-"""Q8_0 projections (tokenmill/kernels/q8_0.py) against bf16 on Llama-3-8B's shapes, over tiles:
-the fused one-row GEMV (with its neighbours: the norm in front of qkv and gate|up, the activation
-behind gate|up, the residual add behind o and down) and the tiled Q8_0 matmul at 65 rows and more
-(fewer take the few-row matmul: benchmarks/study_skinny.py), beside
-cuBLAS on the bf16 weight and the floor (the packed bytes, int8 values and a float16 scale every 32,
-over the copy bandwidth measured in the same call; with many rows, or their FLOPs at the measured
-matmul rate where that is longer).
+"""The fused one-row Q8_0 GEMV (tokenmill/kernels/triton_gemv.py, with its neighbours: the norm in
+front of qkv and gate|up, the activation behind gate|up, the residual add behind o and down) on
+Llama-3-8B's shapes over its tiles, against the bf16 GEMV and the floor (the packed bytes, int8
+values and a float16 scale every 32, over the copy bandwidth measured in the same call). More rows
+take the few-row matmul: benchmarks/study_skinny.py.
 
 Each runs inside a CUDA graph over enough distinct weight sets that nothing is served from L2
 (``study_gemv.time_graph``); each variant is first checked against the torch reference.
 
-    python benchmarks/study_q8.py [--rows 128,512] [--no-gemv] --out study-q8.json
+    python benchmarks/study_q8.py --out study-q8.json
 """
 
 from __future__ import annotations
@@ -19,26 +17,17 @@ import json
 import sys
 
 import torch
-import triton
-import torch.nn.functional as F
 
 from study_gemv import EPS, L2_BYTES, MODELS, time_graph
-from tokenmill.bench.hardware import Ceilings, environment, measure_ceilings
+from tokenmill.bench.hardware import environment, measure_ceilings
 from tokenmill.kernels import q8_0, reference
 from tokenmill.kernels.triton_gemv import _gemv
-from tokenmill.kernels.triton_q8_matmul import TILES, q8_matmul
 
 DT = torch.bfloat16
 GEMV_SWEEP = [(block_n, block_k, warps) for block_n in (4, 8, 16, 32) for block_k in (1024, 2048, 4096)
               for warps in (4, 8)]
 # And the kinds' default tiles with a program owning several tiles of rows.
 GEMV_SWEEP += [(block_n, 1024, 4, row_tiles) for block_n in (4, 16) for row_tiles in (2, 4, 8)]
-# (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) by the largest row count they are tried at.
-MATMUL_SWEEP = {
-    128: [(bm, bn, bk, w, 4) for bm in (32, 64) for bn in (32, 64, 128) for bk in (128, 256) for w in (4, 8)],
-    1 << 62: [(bm, bn, bk, w, s) for bm in (64, 128) for bn in (64, 128, 256) for bk in (64, 128) for w in (4, 8)
-              for s in (3, 4) if bm * bn <= 128 * 128],
-}
 
 
 def packed_weights(n: int, k: int) -> list[q8_0.Q8Weight]:
@@ -92,50 +81,13 @@ def gemv_rows(bandwidth: float) -> list[dict]:
     return rows
 
 
-def matmul_rows(ceilings: Ceilings, row_counts: list[int]) -> list[dict]:
-    """``m`` rows: cuBLAS on the bf16 weight against the Q8_0 matmul over its sweep's tiles."""
-    rows = []
-    for name, n, k, _ in MODELS["llama3-8b"][2]:
-        packed = packed_weights(n, k)
-        dense = [w.dequantize(DT) for w in packed[:max(4, -(-L2_BYTES // (n * k * 2)))]]
-        for m in row_counts:
-            x = torch.randn(m, k, device="cuda", dtype=DT)
-            cublas_us = time_graph(lambda x=x: [F.linear(x, w) for w in dense]) * 1e3 / len(dense)
-            candidates = next(v for bound, v in sorted(MATMUL_SWEEP.items()) if m <= bound)
-            timed = []
-            for tiles in candidates:
-                try:
-                    q8_matmul(x, packed[0], None, tiles)
-                except triton.runtime.errors.OutOfResources:
-                    continue
-                err = rel_err(q8_matmul(x, packed[0], None, tiles), reference.linear(x, packed[0], None))
-                us = time_graph(lambda x=x, tiles=tiles: [q8_matmul(x, w, None, tiles) for w in packed]) * 1e3 / len(packed)
-                timed.append({"tiles": list(tiles), "us": us, "rel_err": err})
-            default_us = time_graph(lambda x=x: [q8_matmul(x, w, None) for w in packed]) * 1e3 / len(packed)
-            timed.sort(key=lambda t: t["us"])
-            floor_us = ceilings.floor(n * k * (1 + 2 / 32) + 2 * m * (n + k), 2 * m * n * k) * 1e6
-            best = timed[0]
-            rows.append({"name": f"q8_matmul/llama3-8b/{name}/m{m}", "m": m, "n": n, "k": k, "floor_us": floor_us,
-                         "cublas_bf16_us": cublas_us, "default_us": default_us, "best_us": best["us"],
-                         "fraction_of_floor": floor_us / best["us"], "tiles": timed})
-            print(f"matmul {name:<8} m={m:<4} floor {floor_us:7.2f} us  cuBLAS bf16 {cublas_us:7.2f}  "
-                  f"q8 default {default_us:7.2f}  best {best['us']:7.2f} {best['tiles']} err {best['rel_err']:.1e}")
-        del packed, dense
-        torch.cuda.empty_cache()
-    return rows
-
-
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--rows", default="128,512", help="row counts for the matmul (the GEMV takes one)")
-    parser.add_argument("--no-gemv", action="store_true", help="the matmul's rows only")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     ceilings = measure_ceilings()
-    print(f"copy bandwidth {ceilings.bandwidth / 1e12:.2f} TB/s; matmul tiles now {TILES}")
-    result = {"environment": environment(ceilings, " ".join(sys.argv)),
-              "gemv": [] if args.no_gemv else gemv_rows(ceilings.bandwidth)}
-    result["matmul"] = matmul_rows(ceilings, [int(m) for m in args.rows.split(",")])
+    print(f"copy bandwidth {ceilings.bandwidth / 1e12:.2f} TB/s")
+    result = {"environment": environment(ceilings, " ".join(sys.argv)), "gemv": gemv_rows(ceilings.bandwidth)}
     if args.out:
         with open(args.out, "w") as f:
             json.dump(result, f, indent=1)

@@ -10,8 +10,8 @@ ones, against the kernels in use, which bring every int8 weight to float first.
 - 2-512 rows: the int8 tensor cores, a ``tl.dot`` of int8 tiles a block of 32 along K, each block's
   int32 sums times the weight's and the rows' scales into a float32 accumulator (the weight tile on
   the left, as in ``triton_skinny_matmul``), after the rows' quantization kernel (its time included);
-  against what ``linear`` runs now (the few-row matmul to 64 rows, then the tiled Q8_0 matmul) and
-  cuBLAS on the bf16 weight.
+  against what ``linear`` runs now (the few-row matmul, which dequantizes each weight tile in
+  registers) and cuBLAS on the bf16 weight.
 
 Each runs inside a CUDA graph over enough weight copies that nothing is served from L2
 (``study_gemv.time_graph``), after a check against the torch reference on the dequantized weight

@@ -1,11 +1,11 @@
 """The few-row matmul (tokenmill/kernels/triton_skinny_matmul.py: ``weight @ x.T``, K split with a
-fixed-order reduction) on Llama-3-8B's projections at 4-64 rows (and past them, where it does not
-run yet: ``--rows 128,256``), dense bf16 and Q8_0, over its
-tiles, beside cuBLAS on the bf16 weight and the Q8_0 matmul in use, and the floor (the weight's bytes
-over the copy bandwidth measured in the same call, or the FLOPs at the measured matmul rate where
-that is longer). Each runs inside a CUDA graph over enough weight copies that nothing is served from
-L2 (``study_gemv.time_graph``), after a check against the torch reference. The variants compile in
-parallel processes first (Triton's disk cache), then load in this one.
+fixed-order reduction) on Llama-3-8B's projections at 4-64 rows (and past them, where it takes Q8_0
+weights only: ``--rows 128,256,512,2048``), dense bf16 and Q8_0, over its tiles, beside cuBLAS on
+the bf16 weight and the floor (the weight's bytes over the copy bandwidth measured in the same call,
+or the FLOPs at the measured matmul rate where that is longer). Each runs inside a CUDA graph over
+enough weight copies that nothing is served from L2 (``study_gemv.time_graph``), after a check
+against the torch reference. The variants compile in parallel processes first (Triton's disk
+cache), then load in this one.
 
     python benchmarks/study_skinny.py [--rows 4,8,16,32,64] --out study-skinny.json
 """
@@ -23,14 +23,16 @@ from study_q8 import DT, packed_weights, rel_err
 from tokenmill.bench.hardware import measure_ceilings, write_rows
 from tokenmill.kernels import reference
 from tokenmill.kernels.q8_0 import quantize
-from tokenmill.kernels.triton_q8_matmul import q8_matmul
 from tokenmill.kernels.triton_skinny_matmul import skinny_matmul
 
 # (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages, split_k) by the largest row count they are tried at.
 SWEEP = {bound: [(block_m, bn, bk, 4, 4, sk) for bn in (64, 128) for bk in (128, 256) for sk in (1, 2, 4, 8)]
          for bound, block_m in ((16, 16), (32, 32), (64, 64))}
-# Past 64 rows (where the tiled Q8_0 matmul and cuBLAS run now): 128-row tiles, K unsplit.
-SWEEP[1 << 62] = [(128, bn, bk, warps, 3, 1) for bn in (64, 128) for bk in (64, 128) for warps in (4, 8)]
+# Past 64 rows: 64-row tiles as at 64 rows, and
+# 128-row tiles of 8 warps (the fastest of a sweep over 64-128 columns and K steps, 4-8 warps, at
+# 128-512 rows: h200-2026-12-01/q8-tiles-b4c3d66/study-skinny-large.json), K split or not.
+SWEEP[1 << 62] = ([(64, 64, 128, 4, 4, sk) for sk in (1, 2, 4)]
+                  + [(128, bn, 128, 8, 3, sk) for bn in (64, 128) for sk in (1, 2, 4)])
 
 
 def compile_some(jobs: list[tuple[bool, tuple[int, ...]]]) -> None:
@@ -68,8 +70,7 @@ def main() -> None:
         for m in (int(v) for v in args.rows.split(",")):
             x = torch.randn(m, k, device="cuda", dtype=DT)
             row = {"name": f"skinny/llama3-8b/{name}/m{m}", "m": m, "n": n, "k": k,
-                   "cublas_bf16_us": time_graph(lambda x=x: [F.linear(x, w) for w in dense]) * 1e3 / len(dense),
-                   "q8_matmul_us": time_graph(lambda x=x: [q8_matmul(x, w, None) for w in packed]) * 1e3 / len(packed)}
+                   "cublas_bf16_us": time_graph(lambda x=x: [F.linear(x, w) for w in dense]) * 1e3 / len(dense)}
             for kind, weights in (("bf16", dense), ("q8", packed)):
                 timed = []
                 for tiles in next(v for bound, v in sorted(SWEEP.items()) if m <= bound):
@@ -89,7 +90,7 @@ def main() -> None:
             rows.append(row)
             print(f"{name:<8} m={m:<3} bf16: floor {row['bf16_floor_us']:6.2f} cuBLAS {row['cublas_bf16_us']:6.2f} "
                   f"skinny {row['bf16_best']['us']:6.2f} {row['bf16_best']['tiles']} | q8: floor {row['q8_floor_us']:6.2f} "
-                  f"matmul {row['q8_matmul_us']:6.2f} skinny {row['q8_best']['us']:6.2f} {row['q8_best']['tiles']} "
+                  f"skinny {row['q8_best']['us']:6.2f} {row['q8_best']['tiles']} "
                   f"err {row['q8_best']['rel_err']:.0e}", flush=True)
         del packed, dense
         torch.cuda.empty_cache()

@@ -265,7 +265,7 @@ def test_speculative_decoding_on_cuda_gives_plain_decodings_tokens(arch: str, tm
 
 @pytest.mark.parametrize("arch", ["llama3", "gemma3"])
 def test_q8_0_weights_on_cuda_match_the_cpu_path(arch: str, tmp_path) -> None:
-    """Packed Q8_0 projections through the Triton GEMV (decode) and the Q8_0 matmul (prefill),
+    """Packed Q8_0 projections through the Triton GEMV (decode) and the few-row matmul (prefill),
     CUDA graphs included, against the torch reference on the CPU over the same packed values."""
     make_model_dir(arch, tmp_path)
     prompts = parity_prompts()[:6]

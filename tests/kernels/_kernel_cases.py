@@ -642,17 +642,13 @@ def _interpret_gemv(ops) -> None:
 def check_matmul(ops, *, m: int, n: int, k: int, dtype: torch.dtype, device: str, bias: bool, q8: bool = True,
                  kernel: str | None = None, tiles: tuple[int, ...] | None = None) -> None:
     """Rows times a weight (Q8_0 with ``q8``, else dense in x's dtype) against the reference: through
-    ``ops.linear``, or the Triton ``kernel`` (``"q8_matmul"``, the tiled Q8_0 matmul; ``"skinny"``,
-    the few-row matmul) with ``tiles``."""
+    ``ops.linear``, or the few-row matmul (``kernel="skinny"``) with ``tiles``."""
     gen, seed = fresh_generator(device)
     x = _randn((m, k), dtype, device, gen)
     weight = _randn((n, k), dtype, device, gen) * k**-0.5
     weight = q8_0.quantize(weight) if q8 else weight
     b = _randn((n,), dtype, device, gen) if bias else None
-    if kernel == "q8_matmul":
-        from tokenmill.kernels.triton_q8_matmul import q8_matmul
-        got = q8_matmul(x, weight, b, tiles)
-    elif kernel == "skinny":
+    if kernel == "skinny":
         from tokenmill.kernels.triton_skinny_matmul import skinny_matmul
         got = skinny_matmul(x, weight, b, tiles)
     else:
@@ -664,19 +660,15 @@ def check_matmul(ops, *, m: int, n: int, k: int, dtype: torch.dtype, device: str
     assert err < ELEMWISE_TOL[dtype], f"rel err {err:.2e}: {where}"
 
 
-def _interpret_q8_matmul(ops) -> None:
-    # Rows and features ending inside a tile, K a multiple of 32 but not of the tile's 64.
-    for dtype in (torch.float16, torch.float32):
-        check_matmul(ops, m=70, n=130, k=160, dtype=dtype, device="cpu", bias=True, kernel="q8_matmul")
-        check_matmul(ops, m=5, n=70, k=96, dtype=dtype, device="cpu", bias=False, kernel="q8_matmul",
-                     tiles=(16, 32, 64, 4, 2))
-
-
 def _interpret_skinny_matmul(ops) -> None:
     # The few rows ``ops.linear`` sends it (dense and Q8_0), rows and columns ending inside a tile; K
     # split over 2-4 parts of whole 64-wide steps (5 steps: the last part short or empty), the bias
-    # added after the parts' sum; a second call finds the tile counters reset.
+    # added after the parts' sum; a second call finds the tile counters reset. Q8_0 past 64 rows: the
+    # large tile, K a multiple of 32 but not of its step, unsplit and split.
     for dtype in (torch.float16, torch.float32):
+        check_matmul(ops, m=70, n=130, k=160, dtype=dtype, device="cpu", bias=True)
+        check_matmul(ops, m=130, n=70, k=288, dtype=dtype, device="cpu", bias=False, kernel="skinny",
+                     tiles=(128, 128, 64, 8, 3, 2))
         for q8 in (False, True):
             check_matmul(ops, m=3, n=70, k=96, dtype=dtype, device="cpu", bias=True, q8=q8)
             check_matmul(ops, m=37, n=130, k=160, dtype=dtype, device="cpu", bias=False, q8=q8, kernel="skinny",
@@ -782,7 +774,6 @@ INTERPRET_CASES = {
     "sample": _interpret_sample,
     "penalties": _interpret_penalties,
     "gemv": _interpret_gemv,
-    "q8_matmul": _interpret_q8_matmul,
     "skinny_matmul": _interpret_skinny_matmul,
     "paged_attention": _interpret_attention,
     "paged_attention_gemma": _interpret_attention_gemma,

@@ -190,8 +190,8 @@ def _launches(monkeypatch: pytest.MonkeyPatch) -> list[Launch]:
         triton_ops.norm_linear(row, rand(4096), 1e-6, packed, None)
         triton_ops.norm_linear(row, rand(4096), 1e-6, packed, None, gated=True)
         triton_ops.linear_residual(row, packed, None, rand(1, 128))
-        triton_ops.linear(rand(100, 4096), packed, rand(128))  # more rows: the tiled Q8_0 matmul
-        for rows in (8, 20, 40):  # a few rows: the few-row matmul (Q8_0 up to 64 rows, dense up to 32)
+        triton_ops.linear(rand(100, 4096), packed, rand(128))  # Q8_0 past 64 rows: the large tile
+        for rows in (8, 20, 40):  # a few rows: the few-row matmul (dense up to 32)
             triton_ops.linear(rand(rows, 4096), packed, rand(128))
             triton_ops.linear(rand(rows, 4096), rand(128, 4096), None)
         if dtype == torch.bfloat16:  # K split as on the GPU, whose SMs the split follows (one SM here)
@@ -238,7 +238,7 @@ def test_every_kernel_compiles_for_hopper(monkeypatch: pytest.MonkeyPatch) -> No
     monkeypatch.undo()
     names = {launch.fn.__name__ for launch in launches}
     assert {"_paged_attention_kernel", "_merge_splits_kernel", "_rms_norm_kernel", "_rope_write_kv_kernel",
-            "_act_and_mul_kernel", "_gemv_kernel", "_q8_matmul_kernel", "_skinny_matmul_kernel", "_sample_kernel",
+            "_act_and_mul_kernel", "_gemv_kernel", "_skinny_matmul_kernel", "_sample_kernel",
             "_race_parts_kernel", "_penalties_kernel"} <= names, names
     variants = {(launch.fn.__name__, key, launch.constexprs.get(key)) for launch in launches for key in
                 ("SOFTCAP", "WEIGHTING", "GELU_TANH", "BLOCK_D", "ADD_AFTER", "GELU")}
@@ -248,7 +248,7 @@ def test_every_kernel_compiles_for_hopper(monkeypatch: pytest.MonkeyPatch) -> No
     assert {("_paged_attention_kernel", "KV_SCALED", True), ("_paged_attention_kernel", "DOT_F16", True),
             ("_rope_write_kv_kernel", "QUANTIZED", True),
             ("_rope_write_kv_kernel", "STATIC_AMAX", True), ("_rms_norm_kernel", "SCALE_AFTER", True),
-            ("_gemv_kernel", "Q8", True), ("_gemv_kernel", "PTX", True), ("_q8_matmul_kernel", "PTX", True),
+            ("_gemv_kernel", "Q8", True), ("_gemv_kernel", "PTX", True),
             ("_skinny_matmul_kernel", "QUANTIZED", True), ("_skinny_matmul_kernel", "QUANTIZED", False),
             ("_paged_attention_kernel", "PTX", True)} <= {
         (launch.fn.__name__, key, launch.constexprs.get(key)) for launch in launches
@@ -283,8 +283,9 @@ def _specialization(fn: JITFunction, args: tuple, kwargs: dict) -> tuple:
 
 def test_the_batch_shape_makes_no_new_kernel_variant(monkeypatch: pytest.MonkeyPatch) -> None:
     """A request's step must not compile: block tables of any width and any split count (both change
-    with every batch) and any row count of the Q8_0 matmul reuse one variant per kernel, within a
-    query-length class and whether KV ranges are split at all."""
+    with every batch) and any row count of a Q8_0 projection reuse one variant per kernel, within a
+    query-length class, whether KV ranges are split at all, and the few-row matmul's row-tile class
+    (up to 16 rows, or past 64)."""
     seen: dict[str, set[tuple]] = {}
 
     def record(self: JITFunction, *args: Any, grid: Any, warmup: bool, **kwargs: Any) -> None:
@@ -301,15 +302,13 @@ def test_the_batch_shape_makes_no_new_kernel_variant(monkeypatch: pytest.MonkeyP
                                        torch.tensor([width * 16, 5], dtype=torch.int32), tables, 0.1,
                                        max_query_len=2, num_splits=splits)
     packed = q8_0.quantize(torch.randn(128, 256, generator=gen).bfloat16())
-    for rows in (65, 100, 128):  # one tile class (TILES: up to 128 rows)
-        triton_ops.linear(torch.randn(rows, 256, generator=gen).bfloat16(), packed, None)
-    for rows in (2, 9, 16):  # the few-row matmul's first row tile
+    for rows in (2, 9, 16, 65, 100, 128, 300):  # the few-row matmul's first row tile, then its large one
         triton_ops.linear(torch.randn(rows, 256, generator=gen).bfloat16(), packed, None)
     for rows in (1, 7, 64):
         _sample(gen, rows, 5000)
         _penalties(gen, rows, 1000)
     assert {name: len(keys) for name, keys in seen.items()} == {
-        "_paged_attention_kernel": 1, "_merge_splits_kernel": 1, "_q8_matmul_kernel": 1, "_skinny_matmul_kernel": 1,
+        "_paged_attention_kernel": 1, "_merge_splits_kernel": 1, "_skinny_matmul_kernel": 2,
         "_sample_kernel": 1,
         "_race_parts_kernel": 1, "_penalties_kernel": 1}
 

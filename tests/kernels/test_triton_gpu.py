@@ -318,21 +318,24 @@ def test_fused_gemv_of_q8_0_weights(kind, n, k) -> None:
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("m,n,k,bias", [(2, 4096, 4096, False), (64, 14336, 4096, False), (517, 4096, 14336, False),
-                                        (33, 1000, 320, True), (100, 1000, 320, True)])
+                                        (33, 1000, 320, True), (100, 1000, 320, True), (128, 4096, 14336, True)])
 @pytest.mark.parametrize("q8", [True, False], ids=["q8_0", "dense"])
 def test_linear_of_several_rows(dtype, m, n, k, bias, q8) -> None:
-    """Through ``linear`` as the models call it: the few-row matmul, the tiled Q8_0 one, or cuBLAS."""
+    """Through ``linear`` as the models call it: the few-row matmul (its K split where 128-row tiles
+    leave SMs idle, as at 128 rows of 4096 columns) or cuBLAS."""
     cases.check_matmul(triton_ops, m=m, n=n, k=k, dtype=dtype, device="cuda", bias=bias, q8=q8)
 
 
 @pytest.mark.parametrize("split_k", [1, 2, 4, 8])
 @pytest.mark.parametrize("block_m,m,n,k,bias", [(16, 8, 4096, 4096, False), (16, 5, 1000, 14336, True),
-                                                (64, 40, 4096, 4096, True)])
+                                                (64, 40, 4096, 4096, True), (128, 200, 4096, 4096, True)])
 @pytest.mark.parametrize("q8", [True, False], ids=["q8_0", "dense"])
 def test_skinny_matmul_with_k_split(split_k, block_m, m, n, k, bias, q8) -> None:
+    from tokenmill.kernels.triton_skinny_matmul import LARGE_TILE
+    tile = LARGE_TILE if block_m == LARGE_TILE[0] else (block_m, 64, 128, 4, 4)
     for _ in range(2):  # the second launch finds every tile's counter reset by the first
         cases.check_matmul(triton_ops, m=m, n=n, k=k, dtype=torch.bfloat16, device="cuda", bias=bias, q8=q8,
-                           kernel="skinny", tiles=(block_m, 64, 128, 4, 4, split_k))
+                           kernel="skinny", tiles=(*tile, split_k))
 
 
 def test_skinny_matmul_in_a_cuda_graph_replayed() -> None:

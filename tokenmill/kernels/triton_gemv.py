@@ -43,9 +43,12 @@ MAX_ROWS = 1
 # Tiles (BLOCK_N, BLOCK_K, num_warps; a fourth, ROW_TILES, gives a program that many consecutive
 # tiles of rows, 1 if absent) by kind of projection: picked on the H200 for Llama-3-8B's
 # K = 4096 and 14336 (the tile sweep in study-gemv-90d5c8a.json, then the engine's latency with 8 and
-# 16 rows for the normed projection: 4.23 vs 4.20 ms); a gated program reads two row sets. A Q8_0
-# projection alone (o, down): rows of half the bytes want narrower tiles (benchmarks/study_q8.py).
-TILES = {"plain": (8, 1024, 4), "norm": (16, 1024, 4), "gated": (4, 1024, 4), "q8": (4, 1024, 4)}
+# 16 rows for the normed projection: 4.23 vs 4.20 ms); a gated program reads two row sets.
+TILES = {"plain": (8, 1024, 4), "norm": (16, 1024, 4), "gated": (4, 1024, 4)}
+# A Q8_0 weight's tiles by kind: the fastest of benchmarks/study_q8.py's sweep on the H200 for
+# Llama-3-8B (benchmarks/results/h200-2026-12-01/q8-tiles-b4c3d66/): qkv 11.17 -> 9.78 us, gate|up
+# 39.05 -> 36.58, o 7.04 -> 6.25, down 21.67 -> 17.00 (half the bytes a row: longer K steps pay).
+Q8_TILES = {"plain": (4, 2048, 4), "norm": (8, 1024, 4), "gated": (8, 1024, 4)}
 # Shapes' own tiles, by (kind, N, K) of a bf16 weight: the fastest of benchmarks/study_gemv.py's sweep
 # on the H200 (benchmarks/results/h200-2026-12-01/gemv-tiles-3683d63/), where it beat the kind's tile
 # by more than 1%. Gemma-3-4B: qkv 8.74 -> 7.63 us, o 4.50 -> 3.90, down 16.59 -> 14.64; Gemma-3-27B:
@@ -194,9 +197,9 @@ def _gemv(x: torch.Tensor, weight: torch.Tensor | Q8Weight, bias: torch.Tensor |
     out = torch.empty((m, n), dtype=out_dtype, device=x.device)
     if m == 0:
         return out
-    kind = "gated" if gated else "norm" if norm_weight is not None else "q8" if scales is not None else "plain"
+    kind = "gated" if gated else "norm" if norm_weight is not None else "plain"
     if tiles is None:
-        tiles = TILES[kind] if scales is not None else SHAPE_TILES.get((kind, n, k), TILES[kind])
+        tiles = Q8_TILES[kind] if scales is not None else SHAPE_TILES.get((kind, n, k), TILES[kind])
     block_n, block_k, num_warps, row_tiles = (*tiles, 1) if len(tiles) == 3 else tiles
     words = weight if scales is None else weight.view(torch.int32)  # Q8_0: int8 values read four a word
     _gemv_kernel[(triton.cdiv(triton.cdiv(n, block_n), row_tiles),)](

@@ -15,7 +15,6 @@ from tokenmill.kernels.triton_gemv import linear as gemv_linear
 from tokenmill.kernels.triton_gemv import linear_residual, norm_linear
 from tokenmill.kernels.triton_norm import add_rms_norm, fp32_weight_rms_norm, offset_rms_norm, rms_norm
 from tokenmill.kernels.triton_penalties import apply_penalties
-from tokenmill.kernels.triton_q8_matmul import q8_matmul
 from tokenmill.kernels.triton_rotary import rotary_embedding_and_write_kv, rotary_embedding_query
 from tokenmill.kernels.triton_sampling import sample
 from tokenmill.kernels.triton_skinny_matmul import skinny_matmul, takes as skinny_takes
@@ -24,13 +23,15 @@ from tokenmill.kernels.triton_skinny_matmul import skinny_matmul, takes as skinn
 def linear(x: torch.Tensor, weight: torch.Tensor | Q8Weight, bias: torch.Tensor | None) -> torch.Tensor:
     """``reference.linear`` on the GPU: one row through the GEMV (a Q8_0 weight read packed; at one row
     it streams a dense projection faster than cuBLAS, which splits K and reduces in a second kernel),
-    a few rows through the few-row matmul (``triton_skinny_matmul``), more through the tiled Q8_0
-    matmul or cuBLAS."""
+    a few dense rows and any number of Q8_0 rows through ``triton_skinny_matmul``, more dense rows
+    through cuBLAS."""
     if x.shape[0] <= GEMV_MAX_ROWS:
         return gemv_linear(x, weight, bias)
     if skinny_takes(x, weight):
         return skinny_matmul(x, weight, bias)
-    return q8_matmul(x, weight, bias) if isinstance(weight, Q8Weight) else torch.nn.functional.linear(x, weight, bias)
+    if isinstance(weight, Q8Weight):
+        raise ValueError("a Q8_0 projection needs its rows contiguous")
+    return torch.nn.functional.linear(x, weight, bias)
 
 __all__ = ["GEMV_MAX_ROWS", "add_rms_norm", "apply_penalties", "fp32_weight_rms_norm", "gelu_tanh_and_mul", "linear", "linear_residual",
            "norm_linear", "offset_rms_norm", "paged_attention", "rms_norm", "rotary_embedding_and_write_kv",

@@ -1,5 +1,6 @@
-"""Triton matmul for a few rows (decode batches, short chunks): ``x`` ``[M, K]`` times ``weight``
-``[N, K]`` transposed, dense or Q8_0 (see ``q8_0.py``), computed as ``weight @ x.T``.
+"""Triton matmul for a few rows (decode batches, short chunks) and every Q8_0 projection of more than
+one row: ``x`` ``[M, K]`` times ``weight`` ``[N, K]`` transposed, dense or Q8_0 (see ``q8_0.py``),
+computed as ``weight @ x.T``.
 
 With so few rows a projection is bound by reading its weight, and two things decide how close it
 gets: whether the weight tile reaches the tensor cores without a detour, and whether enough programs
@@ -12,9 +13,11 @@ result does not depend on which finished first, and no second kernel is launched
 
 On the H200 inside CUDA graphs (``python benchmarks/study_skinny.py``), Llama-3-8B's projections at
 8 rows: dense qkv / gate|up / o / down 15.6 / 57.9 / 11.2 / 31.6 µs against cuBLAS's 16.2 / 58.0 /
-13.7 / 33.5; Q8_0 19.2 / 60.5 / 13.1 / 32.7 µs against 23.7 / 83.8 / 17.5 / 54.2 for the tiled
-matmul (``triton_q8_matmul.py``), which dequantizes into shared memory and stays in use past
-``MAX_ROWS``.
+13.7 / 33.5; Q8_0 19.2 / 60.5 / 13.1 / 32.7 µs against 23.7 / 83.8 / 17.5 / 54.2 for a tiled
+matmul that dequantized into shared memory. Past 32 rows dense projections go to cuBLAS. Q8_0 ones
+stay here at any row count in 128 x 128 tiles: at 128 rows 38.7 / 112.2 / 26.4 / 68.0 µs against
+that tiled matmul's 46.9 / 179.7 / 34.6 / 116.4, at 512 rows 740 against 853 µs for the four, at
+2,048 rows as fast (2,796 against 2,788 µs).
 """
 
 from __future__ import annotations
@@ -27,13 +30,16 @@ from tokenmill.kernels.q8_0 import BLOCK, Q8Weight
 from tokenmill.kernels.triton_convert import ptx_conversions, q8_0_tile
 from tokenmill.kernels.triton_launch import num_sms, pdl_launch_args, wait_for_previous_kernel
 
-# The most rows this kernel takes: past them cuBLAS (dense) and the tiled Q8_0 matmul were faster.
-MAX_ROWS = {"dense": 32, "q8_0": 64}
+# The most dense rows this kernel takes: past them cuBLAS was as fast. Q8_0 rows have no limit.
+MAX_DENSE_ROWS = 32
 # Programs an SM that the K split aims at: a Q8_0 tile spends longer dequantizing than loading, so
 # more of them in flight hide the loads (the study's best split for each projection, within 6%).
 _PROGRAMS_PER_SM = {"dense": 1, "q8_0": 4}
 _MAX_SPLIT = 8
 BLOCK_N, BLOCK_K, NUM_WARPS, NUM_STAGES = 64, 128, 4, 4
+# Past 64 rows: (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages), K split only where these tiles
+# leave SMs without a program (the study's fastest at 128-2,048 rows, split and unsplit).
+LARGE_TILE = (128, 128, 128, 8, 3)
 
 # Per device, every counter array made (the last one in use): one a CUDA graph captured stays valid.
 _counters: dict[torch.device, list[torch.Tensor]] = {}
@@ -89,21 +95,30 @@ def takes(x: torch.Tensor, weight: torch.Tensor | Q8Weight) -> bool:
     """Whether ``x`` times ``weight`` go through this kernel on the GPU: few enough rows, each row of
     both contiguous (a Q8_0 weight's always is; other layouts stay with cuBLAS)."""
     if isinstance(weight, Q8Weight):
-        return x.shape[0] <= MAX_ROWS["q8_0"] and x.stride(-1) == 1
-    return x.shape[0] <= MAX_ROWS["dense"] and x.stride(-1) == 1 and weight.stride(-1) == 1
+        return x.stride(-1) == 1
+    return x.shape[0] <= MAX_DENSE_ROWS and x.stride(-1) == 1 and weight.stride(-1) == 1
 
 
-def default_tiles(m: int, n: int, k: int, quantized: bool, device: torch.device) -> tuple[int, ...]:
+def default_tiles(m: int, n: int, k: int, quantized: bool, device: torch.device,
+                  float32: bool = False) -> tuple[int, ...]:
     """``(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages, split_k)``: rows in tiles of 16, 32 or 64
     (one compiled variant for each), K split in a power of two of parts up to ``_MAX_SPLIT`` so that
-    about ``_PROGRAMS_PER_SM`` programs share an SM."""
-    block_m = 16 if m <= 16 else 32 if m <= 32 else 64
-    tiles = triton.cdiv(n, BLOCK_N) * triton.cdiv(m, block_m)
-    want = _PROGRAMS_PER_SM["q8_0" if quantized else "dense"] * num_sms(device) // tiles
+    about ``_PROGRAMS_PER_SM`` programs share an SM; more rows in ``LARGE_TILE``s, one program an SM
+    (float32 rows in half its K step, which their stages' shared memory needs)."""
+    if m > 64:
+        block_m, block_n, block_k, num_warps, num_stages = LARGE_TILE
+        block_k = block_k // 2 if float32 else block_k
+        per_sm = 1
+    else:
+        block_m = 16 if m <= 16 else 32 if m <= 32 else 64
+        block_n, block_k, num_warps, num_stages = BLOCK_N, BLOCK_K, NUM_WARPS, NUM_STAGES
+        per_sm = _PROGRAMS_PER_SM["q8_0" if quantized else "dense"]
+    tiles = triton.cdiv(n, block_n) * triton.cdiv(m, block_m)
+    want = per_sm * num_sms(device) // tiles
     split = 1
-    while split * 2 <= min(want, _MAX_SPLIT, triton.cdiv(k, BLOCK_K)):
+    while split * 2 <= min(want, _MAX_SPLIT, triton.cdiv(k, block_k)):
         split *= 2
-    return block_m, BLOCK_N, BLOCK_K, NUM_WARPS, NUM_STAGES, split
+    return block_m, block_n, block_k, num_warps, num_stages, split
 
 
 def _tile_counters(device: torch.device, tiles: int) -> torch.Tensor:
@@ -130,7 +145,8 @@ def skinny_matmul(x: torch.Tensor, weight: torch.Tensor | Q8Weight, bias: torch.
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0:
         return out
-    block_m, block_n, block_k, num_warps, num_stages, split_k = tiles or default_tiles(m, n, k, quantized, x.device)
+    block_m, block_n, block_k, num_warps, num_stages, split_k = tiles or default_tiles(
+        m, n, k, quantized, x.device, x.dtype == torch.float32)
     split_k = min(split_k, triton.cdiv(k, block_k))
     grid = (triton.cdiv(n, block_n), triton.cdiv(m, block_m), split_k)
     partials = torch.empty((split_k, m, n), dtype=torch.float32, device=x.device) if split_k > 1 else out
