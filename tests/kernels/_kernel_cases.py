@@ -189,7 +189,9 @@ def check_rms_norm(
         out, ref_out = got, ref
     assert out.dtype == ref_out.dtype and out.shape == ref_out.shape, where
     err = rel_err(out, ref_out)
-    assert err < ELEMWISE_TOL[ref_out.dtype], f"rel err {err:.2e}: {where}"
+    # The normed row is rounded to the input's dtype before a float32 weight multiplies it: where the
+    # two statistics differ in their last bit, an element can round an ulp of that dtype apart.
+    assert err < max(ELEMWISE_TOL[ref_out.dtype], ELEMWISE_TOL[dtype]), f"rel err {err:.2e}: {where}"
 
 
 def check_rope_write_kv(
