@@ -13,7 +13,7 @@ prefill with ``triton.testing.do_bench`` (L2 flushed). The split count is the wr
 own choice. The chosen tiles, then the same with a softcap, are timed last as a check.
 
     python benchmarks/study_attention_tiles.py decode|prefill [--shapes 0,1] [--kv-dtype bf16|int8|fp8]
-        [--points long|short|splits|quantized] [--out FILE] [--jobs N]
+        [--points long|short|splits|quantized] [--tiles M,N,W,S;...] [--out FILE] [--jobs N]
 
 ``--jobs N`` compiles every variant first in N processes (Triton's disk cache keeps them),
 so the timed pass, one process, finds them built.
@@ -145,17 +145,20 @@ def _splits(points: str) -> tuple[int | None, ...]:
     return {"short": SHORT_SPLITS, "splits": SPLIT_COUNTS}.get(points, (None,))
 
 
-def _tiles(part: str, points: str, head_dim: int) -> list[tuple[int, int, int, int]]:
+def _tiles(part: str, points: str, head_dim: int, forced: str | None = None) -> list[tuple[int, int, int, int]]:
+    if forced:
+        return [tuple(int(v) for v in tile.split(",")) for tile in forced.split(";")]
     if part == "prefill":
         return PREFILL_TILES
     return SPLIT_TILES[head_dim] if points == "splits" else DECODE_TILES
 
 
-def compile_only(part: str, shapes: list, worker: int, jobs: int, kv_dtype: torch.dtype, points: str) -> None:
+def compile_only(part: str, shapes: list, worker: int, jobs: int, kv_dtype: torch.dtype, points: str,
+                 forced: str | None) -> None:
     """Run each (shape, tile) of this worker's share once, untimed, so that it is compiled (one split
     and several are two variants)."""
     work = [(shape, specs, tile) for shape in shapes for specs in _points(part, points)
-            for tile in [*_tiles(part, points, shape[0]), None]]
+            for tile in [*_tiles(part, points, shape[0], forced), None]]
     for i, ((head_dim, hq, hkv), specs, tile) in enumerate(work):
         if i % jobs != worker:
             continue
@@ -183,17 +186,20 @@ def main() -> None:
     parser.add_argument("--points", choices=["long", "short", "splits", "quantized"], default="long",
                         help="decode points: long contexts (Gemma's study), the static-decode and workload batches, "
                              "1-128 sequences at 1-16 KV splits in a few tiles, or two long-context batches")
+    parser.add_argument("--tiles", default=None,
+                        help="these tiles only: BLOCK_M,BLOCK_N,num_warps,num_stages separated by ';'")
     parser.add_argument("--worker", type=int, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     shapes = SHAPES[:4] if args.shapes is None else [SHAPES[int(i)] for i in args.shapes.split(",")]
     kv_dtype = KV_DTYPES[args.kv_dtype]
     if args.worker is not None:
-        compile_only(args.part, shapes, args.worker, args.jobs, kv_dtype, args.points)
+        compile_only(args.part, shapes, args.worker, args.jobs, kv_dtype, args.points, args.tiles)
         return
     t0 = time.time()
     if args.jobs > 1 and not args.chosen_only:
-        extra = ["--kv-dtype", args.kv_dtype, "--points", args.points] + ([] if args.shapes is None else
-                                                                          ["--shapes", args.shapes])
+        extra = (["--kv-dtype", args.kv_dtype, "--points", args.points] + ([] if args.shapes is None else
+                                                                           ["--shapes", args.shapes])
+                 + ([] if args.tiles is None else ["--tiles", args.tiles]))
         procs = [subprocess.Popen([sys.executable, __file__, args.part, "--jobs", str(args.jobs), "--worker", str(w),
                                    *extra]) for w in range(args.jobs)]
         for proc in procs:
@@ -203,7 +209,7 @@ def main() -> None:
     decode = args.part == "decode"
     with open(out, "a") as f:
         for head_dim, hq, hkv in shapes:
-            tiles = [] if args.chosen_only else _tiles(args.part, args.points, head_dim)
+            tiles = [] if args.chosen_only else _tiles(args.part, args.points, head_dim, args.tiles)
             for specs in _points(args.part, args.points):
                 batch = Batch(specs, head_dim, hq, hkv, kv_dtype)
                 point = {"part": args.part, "head_dim": head_dim, "group": hq // hkv, "seqs": len(specs),

@@ -83,6 +83,18 @@ def test_paged_attention_mixed_batch(dtype, head_dim, window) -> None:
     )
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("window", [None, 700])
+def test_paged_attention_long_prompts(dtype, head_dim, window) -> None:
+    """Prompts long enough for 128-row query tiles (a whole prompt, a chunk deep in its context) beside
+    a decode row."""
+    cases.check_paged_attention(
+        triton_ops, [(2048, 2048), (1000, 3000), (1, 500)], num_q_heads=32, num_kv_heads=8, head_dim=head_dim,
+        block_size=16, dtype=dtype, device="cuda", sliding_window=window,
+    )
+
+
 @pytest.mark.parametrize("pass_max_query_len", [True, False])
 def test_paged_attention_spec_verify(pass_max_query_len: bool) -> None:
     specs = [(4, _rng.randint(4, 3000)) for _ in range(16)]

@@ -39,6 +39,10 @@ _MIN_TOKENS_PER_SPLIT = 64
 # Shared memory for the pipelined K and V tiles (2 x stages x BLOCK_N x BLOCK_D elements): sm_90
 # gives a block 227 KiB, and the kernel needs some besides.
 _KV_SMEM_BUDGET = 192 * 1024
+# Query rows of a long prompt's program at head dims up to 128, where the grid keeps this many
+# programs an SM (``launch_plan``).
+_WIDE_ROWS = 128
+_WIDE_PROGRAMS_PER_SM = 2
 
 
 @triton.jit
@@ -354,15 +358,16 @@ def _choose_num_splits(work_units: int, max_context: int, device: torch.device, 
 
 def _block_rows(group: int, max_query_len: int) -> int:
     """Rows of a program's query tile, (token, head) pairs: tl.dot needs at least 16. Decode packs just
-    the group; longer queries take up to 64 rows so one K/V tile serves more tokens."""
+    the group; longer queries take up to 64 rows so one K/V tile serves more tokens (128 in
+    ``launch_plan`` where the grid stays full)."""
     return max(16, triton.next_power_of_2(group), min(64, triton.next_power_of_2(max_query_len * group)))
 
 
-def _tile_config(block_d: int, group: int, max_query_len: int, elem_bytes: int, num_splits: int,
+def _tile_config(block_d: int, block_m: int, elem_bytes: int, num_splits: int,
                  programs_per_sm: float) -> tuple[int, int, int, int]:
-    """``(BLOCK_M, BLOCK_N, num_warps, num_stages)`` for a head-dim tile ``block_d``, K/V elements
-    of ``elem_bytes``, ``num_splits`` KV ranges a sequence and a grid of ``programs_per_sm`` before
-    the split.
+    """``(BLOCK_M, BLOCK_N, num_warps, num_stages)`` for a head-dim tile ``block_d``, ``block_m`` query
+    rows, K/V elements of ``elem_bytes``, ``num_splits`` KV ranges a sequence and a grid of
+    ``programs_per_sm`` before the split.
 
     Measured on the H200 (Triton 3.6, bf16; benchmarks/study_attention_tiles.py, results in
     benchmarks/results/h200-2026-11-30/attention-tiles): each decode and prefill choice below was the
@@ -387,12 +392,15 @@ def _tile_config(block_d: int, group: int, max_query_len: int, elem_bytes: int, 
       registers a thread at 4 warps), 3 stages: 104-132 TFLOP/s.
     - 32 rows (a few query tokens times the group, e.g. speculative verification) take the
       decode tiles: the fastest at 256, about 10% behind 64 keys and 8 warps at 512.
+    - 128 rows (long prompts at head dims up to 128): 64 keys, 8 warps (a warpgroup's wgmma for
+      each 64 rows), 3 stages; each K/V tile then serves twice the tokens.
 
     K/V tiles are pipelined through shared memory, ``num_stages`` deep; float32 (tests only)
     keeps 2 stages and halves the K/V tile until it fits ``_KV_SMEM_BUDGET``.
     """
-    block_m = _block_rows(group, max_query_len)
-    if block_d <= 128:
+    if block_m == _WIDE_ROWS:
+        block_n, num_warps, num_stages = 64, 8, 3
+    elif block_d <= 128:
         block_n, num_warps, num_stages = 64, 4, 2
         if block_m < 64 and elem_bytes == 1:
             block_n, num_stages = 128, 3
@@ -424,13 +432,20 @@ def launch_plan(block_d: int, group: int, num_kv_heads: int, batch: int, num_tok
                 max_context: int, elem_bytes: int, device: torch.device, num_splits: int | None = None
                 ) -> tuple[tuple[int, int, int, int], int, tuple[int, int, bool]]:
     """The tile (``_tile_config``), the KV split count (``num_splits`` forces it) and the query tiles
-    (``query_tiles``) a launch takes."""
-    grid = query_tiles(batch, num_tokens, max_query_len, _block_rows(group, max_query_len) // group)
+    (``query_tiles``) a launch takes. Prompts long enough at head dims up to 128 over a 16-bit cache take
+    ``_WIDE_ROWS``-row query tiles where those still give every SM ``_WIDE_PROGRAMS_PER_SM``
+    programs; the grid follows the tile's rows (which a tile study may force)."""
+    block_m = _block_rows(group, max_query_len)
+    if block_d <= 128 and elem_bytes == 2 and block_m == 64 and max_query_len * group >= _WIDE_ROWS:
+        wide = query_tiles(batch, num_tokens, max_query_len, _WIDE_ROWS // group)
+        if wide[0] * wide[1] * num_kv_heads >= _WIDE_PROGRAMS_PER_SM * num_sms(device):
+            block_m = _WIDE_ROWS
+    grid = query_tiles(batch, num_tokens, max_query_len, block_m // group)
     work_units = grid[0] * grid[1] * num_kv_heads
     if num_splits is None:
         num_splits = _choose_num_splits(work_units, max_context, device, block_d)
-    tile = _tile_config(block_d, group, max_query_len, elem_bytes, num_splits, work_units / num_sms(device))
-    return tile, num_splits, grid
+    tile = _tile_config(block_d, block_m, elem_bytes, num_splits, work_units / num_sms(device))
+    return tile, num_splits, query_tiles(batch, num_tokens, max_query_len, tile[0] // group)
 
 
 def paged_attention(
