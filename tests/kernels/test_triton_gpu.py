@@ -87,8 +87,7 @@ def test_paged_attention_mixed_batch(dtype, head_dim, window) -> None:
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("window", [None, 700])
 def test_paged_attention_long_prompts(dtype, head_dim, window) -> None:
-    """Prompts long enough for 128-row query tiles (a whole prompt, a chunk deep in its context) beside
-    a decode row."""
+    """Long prompts (a whole prompt, a chunk deep in its context) beside a decode row."""
     cases.check_paged_attention(
         triton_ops, [(2048, 2048), (1000, 3000), (1, 500)], num_q_heads=32, num_kv_heads=8, head_dim=head_dim,
         block_size=16, dtype=dtype, device="cuda", sliding_window=window,

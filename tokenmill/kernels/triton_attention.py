@@ -39,10 +39,6 @@ _MIN_TOKENS_PER_SPLIT = 64
 # Shared memory for the pipelined K and V tiles (2 x stages x BLOCK_N x BLOCK_D elements): sm_90
 # gives a block 227 KiB, and the kernel needs some besides.
 _KV_SMEM_BUDGET = 192 * 1024
-# Query rows of a long prompt's program at head dims up to 128, where the grid keeps this many
-# programs an SM (``launch_plan``).
-_WIDE_ROWS = 128
-_WIDE_PROGRAMS_PER_SM = 2
 
 
 @triton.jit
@@ -358,8 +354,9 @@ def _choose_num_splits(work_units: int, max_context: int, device: torch.device, 
 
 def _block_rows(group: int, max_query_len: int) -> int:
     """Rows of a program's query tile, (token, head) pairs: tl.dot needs at least 16. Decode packs just
-    the group; longer queries take up to 64 rows so one K/V tile serves more tokens (128 in
-    ``launch_plan`` where the grid stays full)."""
+    the group; longer queries take up to 64 rows so one K/V tile serves more tokens (128 rows, 8 warps,
+    were no faster on Llama-3-8B's prefill: 2,048 tokens 194-200 against 188 us, four 512-token
+    chunks at 4k 557-627 against 563; h200-2026-12-01/q8-all-rows-38327dc/attention-tiles-prefill.jsonl)."""
     return max(16, triton.next_power_of_2(group), min(64, triton.next_power_of_2(max_query_len * group)))
 
 
@@ -392,15 +389,11 @@ def _tile_config(block_d: int, block_m: int, elem_bytes: int, num_splits: int,
       registers a thread at 4 warps), 3 stages: 104-132 TFLOP/s.
     - 32 rows (a few query tokens times the group, e.g. speculative verification) take the
       decode tiles: the fastest at 256, about 10% behind 64 keys and 8 warps at 512.
-    - 128 rows (long prompts at head dims up to 128): 64 keys, 8 warps (a warpgroup's wgmma for
-      each 64 rows), 3 stages; each K/V tile then serves twice the tokens.
 
     K/V tiles are pipelined through shared memory, ``num_stages`` deep; float32 (tests only)
     keeps 2 stages and halves the K/V tile until it fits ``_KV_SMEM_BUDGET``.
     """
-    if block_m == _WIDE_ROWS:
-        block_n, num_warps, num_stages = 64, 8, 3
-    elif block_d <= 128:
+    if block_d <= 128:
         block_n, num_warps, num_stages = 64, 4, 2
         if block_m < 64 and elem_bytes == 1:
             block_n, num_stages = 128, 3
@@ -432,14 +425,8 @@ def launch_plan(block_d: int, group: int, num_kv_heads: int, batch: int, num_tok
                 max_context: int, elem_bytes: int, device: torch.device, num_splits: int | None = None
                 ) -> tuple[tuple[int, int, int, int], int, tuple[int, int, bool]]:
     """The tile (``_tile_config``), the KV split count (``num_splits`` forces it) and the query tiles
-    (``query_tiles``) a launch takes. Prompts long enough at head dims up to 128 over a 16-bit cache take
-    ``_WIDE_ROWS``-row query tiles where those still give every SM ``_WIDE_PROGRAMS_PER_SM``
-    programs; the grid follows the tile's rows (which a tile study may force)."""
+    (``query_tiles``) a launch takes; the grid follows the tile's rows (which a tile study may force)."""
     block_m = _block_rows(group, max_query_len)
-    if block_d <= 128 and elem_bytes == 2 and block_m == 64 and max_query_len * group >= _WIDE_ROWS:
-        wide = query_tiles(batch, num_tokens, max_query_len, _WIDE_ROWS // group)
-        if wide[0] * wide[1] * num_kv_heads >= _WIDE_PROGRAMS_PER_SM * num_sms(device):
-            block_m = _WIDE_ROWS
     grid = query_tiles(batch, num_tokens, max_query_len, block_m // group)
     work_units = grid[0] * grid[1] * num_kv_heads
     if num_splits is None:
