@@ -6,7 +6,13 @@ import sys
 
 from tokenmill.bench.offline import BENCHMARKS, add_bench_args, run_bench
 
-parser = argparse.ArgumentParser()
-parser.add_argument("bench_command", choices=BENCHMARKS)
-add_bench_args(parser)
-sys.exit(run_bench(parser.parse_args()))
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("bench_command", choices=BENCHMARKS)
+    add_bench_args(parser)
+    return run_bench(parser.parse_args())
+
+
+if __name__ == "__main__":
+    sys.exit(main())

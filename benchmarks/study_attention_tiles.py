@@ -38,6 +38,7 @@ import triton.testing
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from tokenmill.bench.hardware import measure_ceilings  # noqa: E402
 from tokenmill.kernels import triton_attention  # noqa: E402
 
 BLOCK_SIZE = 16
@@ -207,6 +208,7 @@ def main() -> None:
         print(f"[{time.time() - t0:5.0f}s] compiled in {args.jobs} processes", flush=True)
     out = args.out or os.path.join(os.environ.get("OUT", "."), f"attention-tiles-{args.part}.jsonl")
     decode = args.part == "decode"
+    ceilings = measure_ceilings()  # each row's floor: its KV bytes at the copy bandwidth or its FLOPs at the matrix rate
     with open(out, "a") as f:
         for head_dim, hq, hkv in shapes:
             tiles = [] if args.chosen_only else _tiles(args.part, args.points, head_dim, args.tiles)
@@ -226,7 +228,12 @@ def main() -> None:
                     else:
                         row = measure(batch, tile, decode, splits=splits)
                         label = ("chosen", *chosen) if tile is None else tile
-                    row = {**point, "tile": label, **row}
+                    floor_us = ceilings.floor(batch.kv_bytes, batch.flops) * 1e6
+                    row = {"name": f"attention-tiles/{args.part}/d{head_dim}/g{hq // hkv}/{args.kv_dtype}/"
+                                   f"{len(specs)}x{specs[0][0]}x{specs[0][1]}/{'-'.join(map(str, label))}"
+                                   + (f"/s{splits}" if splits else ""),
+                           **point, "tile": label, **row, "floor_us": floor_us,
+                           "fraction_of_floor": floor_us / row["us"] if "us" in row else None}
                     f.write(json.dumps(row) + "\n")
                     f.flush()
                     results.append(row)
