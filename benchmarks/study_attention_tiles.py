@@ -208,7 +208,8 @@ def main() -> None:
         print(f"[{time.time() - t0:5.0f}s] compiled in {args.jobs} processes", flush=True)
     out = args.out or os.path.join(os.environ.get("OUT", "."), f"attention-tiles-{args.part}.jsonl")
     decode = args.part == "decode"
-    ceilings = measure_ceilings()  # each row's floor: its KV bytes at the copy bandwidth or its FLOPs at the matrix rate
+    # Each row's floor: its KV bytes at the copy bandwidth, or its FLOPs at the matrix rate.
+    ceilings = measure_ceilings()
     with open(out, "a") as f:
         for head_dim, hq, hkv in shapes:
             tiles = [] if args.chosen_only else _tiles(args.part, args.points, head_dim, args.tiles)
