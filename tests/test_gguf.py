@@ -10,7 +10,7 @@ import gguf
 import numpy as np
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM
 
 from gguf_writer import quantize_q6_k, write_architecture_only, write_gguf
 from helpers import make_model_with_tokenizer
@@ -26,7 +26,7 @@ GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 @pytest.mark.parametrize("arch,matrix_type", [
     ("llama3", "F16"), ("llama3", "Q8_0"), ("llama3", "Q4_0"), ("llama-wide", "Q6_K"),
     ("mistral-window", "F16"), ("mistral-window", "Q8_0"), ("qwen2", "BF16"), ("qwen2", "Q8_0"),
-    ("gemma3-six-layers", "F16"), ("gemma3-six-layers", "Q8_0")])
+    ("qwen3", "F16"), ("qwen3", "Q8_0"), ("gemma3-six-layers", "F16"), ("gemma3-six-layers", "Q8_0")])
 def test_a_gguf_file_gives_transformers_tokens(arch: str, matrix_type: str, tmp_path) -> None:
     """Q8_0 stays packed; F16, BF16, Q4_0 and Q6_K are dequantized as they load."""
     hf_dir = make_model_with_tokenizer(arch, tmp_path / "hf")
@@ -36,7 +36,11 @@ def test_a_gguf_file_gives_transformers_tokens(arch: str, matrix_type: str, tmp_
     assert llm.engine.core.quantization == ("q8_0" if packed else None)
     assert any(isinstance(m, Q8Linear) for m in llm.engine.core.runner.model.modules()) == packed
     outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
-    reference = AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file=path.name, dtype=torch.float32)
+    # transformers' GGUF config leaves the head size at hidden / heads (Qwen3's is not): give it the file's.
+    config = AutoConfig.from_pretrained(str(tmp_path), gguf_file=path.name)
+    config.head_dim = read_gguf_config(path)["head_dim"]
+    reference = AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file=path.name, config=config,
+                                                     dtype=torch.float32)
     assert llm.engine.core.model_config.architecture == type(reference).__name__
     for out in outs:
         ids = torch.tensor([out.prompt_token_ids])
