@@ -30,6 +30,7 @@ import triton
 from triton.runtime.jit import JITFunction
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "kernels"))
+from study_attention_tiles import force_tile  # noqa: E402
 from test_triton_compile import HOPPER, LAUNCH_OPTIONS, Launch  # noqa: E402
 
 from tokenmill.kernels import q8_0, triton_attention, triton_gemv, triton_ops, triton_skinny_matmul  # noqa: E402
@@ -111,7 +112,7 @@ def main() -> None:
         triton_attention.num_sms = lambda device: args.sms  # choose as on the GPU, not as on the CPU (one SM)
         if args.tile:
             tile = tuple(int(v) for v in args.tile.split(","))
-            triton_attention._tile_config = lambda *_: tile
+            force_tile(tile)
 
         q = args.query
 

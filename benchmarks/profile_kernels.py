@@ -17,6 +17,20 @@ from tokenmill.bench.offline import add_workload, make_engine, random_prompt, st
 from tokenmill.sampling_params import SamplingParams
 
 
+def decoding_engine(shape: str, batch: int, max_tokens: int, warm_steps: int, **options):
+    """An engine of ``shape`` (random weights) decoding ``batch`` copies of a 128-token prompt, greedily,
+    ``warm_steps`` steps in (its prefill done, its graphs replaying)."""
+    engine = make_engine(shape, max_num_seqs=max(8, batch), **options)
+    prompt = random_prompt(random.Random(0), 128, engine.model_config.vocab_size)
+    for i in range(batch):
+        engine.add_request(str(i), prompt, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True),
+                           stream=False)
+    for _ in range(warm_steps):
+        engine.step()
+    torch.cuda.synchronize()
+    return engine
+
+
 def kernel_profile(engine, steps: int) -> list[dict]:
     """Per-kernel GPU time per step (kernels inside CUDA graphs included); with overlapped
     steps, ``steps`` calls of ``engine.step`` run about ``steps`` steps."""
@@ -71,16 +85,9 @@ def main() -> None:
                 json.dump({"shape": args.shape, "prefill_steps": rows}, f, indent=1)
         return
     ceilings = measure_ceilings()
-    engine = make_engine(args.shape, max_num_seqs=max(8, args.batch), quantization=args.quantization)
+    engine = decoding_engine(args.shape, args.batch, 300, 10, quantization=args.quantization)
     print(f"bandwidth {ceilings.bandwidth / 1e12:.2f} TB/s")
     result = {"bandwidth": ceilings.bandwidth}
-    prompt = random_prompt(random.Random(0), 128, engine.model_config.vocab_size)
-    for i in range(args.batch):
-        engine.add_request(str(i), prompt, SamplingParams(temperature=0, max_tokens=300, ignore_eos=True),
-                           stream=False)
-    for _ in range(10):
-        engine.step()
-    torch.cuda.synchronize()
     started = time.perf_counter()
     for _ in range(50):
         engine.step()

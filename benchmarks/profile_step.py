@@ -5,27 +5,16 @@ python benchmarks/profile_step.py [SHAPE] [BATCH]   (GPU; random weights in the 
 
 import cProfile
 import pstats
-import random
 import sys
 import time
 
-import torch
-
-from tokenmill.bench.offline import make_engine, random_prompt
-from tokenmill.sampling_params import SamplingParams
+from profile_kernels import decoding_engine
 
 
 def main() -> None:
     shape = sys.argv[1] if len(sys.argv) > 1 else "llama3-8b"
     batch = int(sys.argv[2]) if len(sys.argv) > 2 else 1
-    engine = make_engine(shape, max_num_seqs=max(8, batch))
-    prompt = random_prompt(random.Random(0), 128, engine.model_config.vocab_size)
-    for i in range(batch):
-        engine.add_request(str(i), prompt, SamplingParams(temperature=0, max_tokens=400, ignore_eos=True),
-                           stream=False)
-    for _ in range(20):
-        engine.step()
-    torch.cuda.synchronize()
+    engine = decoding_engine(shape, batch, 400, 20)
     profile = cProfile.Profile()
     steps = 200
     started = time.perf_counter()

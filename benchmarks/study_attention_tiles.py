@@ -7,7 +7,7 @@ head dim.
 
 For decode batches and prefill chunks at head dims 256 and 512 with GQA groups of 2 and 8
 (block 16), and at head dim 128 (``--shapes 4``, with a batch of 64 over 8k tokens), times each candidate ``(BLOCK_M, BLOCK_N, num_warps, num_stages)`` by
-replacing ``triton_attention._tile_config``, and records the registers and spills of the
+replacing ``triton_attention._tile_config`` (and the rows the grid is sized by), and records the registers and spills of the
 kernels it compiled. Decode is timed replayed from a CUDA graph (as the engine runs it),
 prefill with ``triton.testing.do_bench`` (L2 flushed). The split count is the wrapper's
 own choice. The chosen tiles, then the same with a softcap, are timed last as a check.
@@ -61,7 +61,17 @@ KV_DTYPES = {"bf16": torch.bfloat16, "int8": torch.int8, "fp8": torch.float8_e4m
 PREFILL_POINTS = [[(2048, 2048)], [(512, 4096)] * 4]  # (query length, context) per sequence
 DECODE_TILES = [(16, n, w, s) for n in (16, 32, 64, 128) for w in (4, 8) for s in (2, 3, 4)]
 PREFILL_TILES = [(m, n, w, s) for m in (32, 64, 128) for n in (16, 32, 64) for w in (4, 8) for s in (2, 3)]
-CHOSEN = triton_attention._tile_config
+CHOSEN = (triton_attention._tile_config, triton_attention._block_rows)
+
+
+def force_tile(tile: tuple | None) -> None:
+    """Every launch from now takes ``tile`` ``(BLOCK_M, BLOCK_N, num_warps, num_stages)``, its grid
+    sized by its rows; None: the wrapper's own choice again."""
+    if tile is None:
+        triton_attention._tile_config, triton_attention._block_rows = CHOSEN
+    else:
+        triton_attention._tile_config = lambda *_: tile
+        triton_attention._block_rows = lambda *_: tile[0]
 
 
 class Batch:
@@ -112,7 +122,7 @@ def _compiled() -> set:
 
 def measure(batch: Batch, tile: tuple | None, decode: bool, softcap: float | None = None,
             splits: int | None = None) -> dict:
-    triton_attention._tile_config = CHOSEN if tile is None else (lambda *_: tile)
+    force_tile(tile)
     before = _compiled()
     row: dict = {"splits": splits}
     try:
@@ -130,7 +140,7 @@ def measure(batch: Batch, tile: tuple | None, decode: bool, softcap: float | Non
     except Exception as exc:  # noqa: BLE001 - a failing tile is a result too
         row["error"] = str(exc)[-300:]
     finally:
-        triton_attention._tile_config = CHOSEN
+        force_tile(None)
     return row
 
 
@@ -165,7 +175,7 @@ def compile_only(part: str, shapes: list, worker: int, jobs: int, kv_dtype: torc
             continue
         batch = Batch(specs, head_dim, hq, hkv, kv_dtype)
         for softcap in (None, 50.0) if tile is None else (None,):
-            triton_attention._tile_config = CHOSEN if tile is None else (lambda *_, t=tile: t)
+            force_tile(tile)
             for splits in _splits(points)[:2]:
                 try:
                     batch.run(softcap, splits)
