@@ -15,7 +15,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from gguf_writer import quantize_q6_k, write_architecture_only, write_gguf
 from helpers import make_model_with_tokenizer
 from tokenmill import LLM, SamplingParams
-from tokenmill.layers.q8_linear import Q8Linear
+from tokenmill.layers.q8_linear import Q8Weights
 from tokenmill.loader.gguf_checkpoint import read_gguf_config
 from tokenmill.loader.hf_config import ModelLoadError
 
@@ -34,7 +34,7 @@ def test_a_gguf_file_gives_transformers_tokens(arch: str, matrix_type: str, tmp_
     llm = LLM(str(path), device="cpu", dtype="float32")
     packed = matrix_type == "Q8_0"
     assert llm.engine.core.quantization == ("q8_0" if packed else None)
-    assert any(isinstance(m, Q8Linear) for m in llm.engine.core.runner.model.modules()) == packed
+    assert any(isinstance(m, Q8Weights) for m in llm.engine.core.runner.model.modules()) == packed
     outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
     # transformers' GGUF config leaves the head size at hidden / heads (Qwen3's is not): give it the file's.
     config = AutoConfig.from_pretrained(str(tmp_path), gguf_file=path.name)

@@ -47,7 +47,7 @@ def test_q8_0_quantization_gives_transformers_tokens_on_the_quantized_weights(ar
     from helpers import make_model_dir
     from test_parity import parity_prompts, reference_generate
     from tokenmill import LLM, SamplingParams
-    from tokenmill.layers.q8_linear import Q8Linear
+    from tokenmill.layers.q8_linear import Q8Weights
 
     model = make_model_dir(arch, tmp_path)
     with torch.no_grad():
@@ -55,7 +55,7 @@ def test_q8_0_quantization_gives_transformers_tokens_on_the_quantized_weights(ar
             if isinstance(module, torch.nn.Linear) and not name.endswith("lm_head") and module.in_features % 32 == 0:
                 module.weight.copy_(q8_0.quantize(module.weight).dequantize(torch.float32))
     llm = LLM(str(tmp_path), device="cpu", dtype="float32", quantization="q8_0")
-    assert any(isinstance(m, Q8Linear) for m in llm.engine.core.runner.model.modules())
+    assert any(isinstance(m, Q8Weights) for m in llm.engine.core.runner.model.modules())
     prompts = parity_prompts()[:4]
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True), use_tqdm=False)
     for prompt, out in zip(prompts, outs):

@@ -14,13 +14,15 @@ import torch
 import torch.distributed as dist
 from transformers import LlamaConfig
 
-from helpers import SPEC, assert_equal_up_to_a_near_tie, echo_prompts, make_model_dir
+from gguf_writer import write_gguf
+from helpers import SPEC, assert_equal_up_to_a_near_tie, echo_prompts, make_model_dir, make_model_with_tokenizer
 from test_parity import parity_prompts, preempting_pool
 from tokenmill import LLM, SamplingParams
 from tokenmill.distributed import TPGroup
 from tokenmill.engine.model_runner import build_model
 from tokenmill.engine.tp_workers import WorkerError
 from tokenmill.layers.linear import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
+from tokenmill.layers.q8_linear import Q8ColumnParallelLinear, Q8Linear, Q8RowParallelLinear
 from tokenmill.loader import weights
 from tokenmill.loader.hf_config import load_model_config
 
@@ -62,6 +64,33 @@ def test_two_ranks_give_the_single_process_tokens(arch: str, tmp_path) -> None:
         assert core.tp.size == 2 and len(core.workers.processes) == 1
         assert core.scheduler.num_preemptions > 0 and core.kv.hit_tokens > 0
         assert core.kv.num_blocks_in_use == 0
+    finally:
+        shut(llm)
+    assert_equal_up_to_a_near_tie(expected, got, logprob_tol=1e-4, tie=1e-4)
+
+
+@pytest.mark.parametrize("arch,gguf", [("llama3", False), ("gemma3", False), ("gemma4", False), ("llama3", True),
+                                       ("gemma3-six-layers", True)])
+def test_two_ranks_give_the_single_process_tokens_with_q8_0_weights(arch: str, gguf: bool, tmp_path) -> None:
+    """``quantization="q8_0"`` (and a GGUF file's Q8_0 matrices): each rank packs its own share, the
+    row-parallel layers' shares in whole blocks of 32, and their partial sums are all-reduced as the
+    dense layers' are; Gemma 4's unsplit per-layer projections are packed whole on every rank."""
+    if gguf:
+        model = write_gguf(make_model_with_tokenizer(arch, tmp_path / "hf"), tmp_path / "model.gguf", "Q8_0")
+        options = {}
+    else:
+        model = tmp_path
+        make_model_dir(arch, tmp_path)
+        options = {"quantization": "q8_0"}
+    prompts = parity_prompts()[:6]
+    options |= dict(block_size=16, max_num_seqs=4, max_num_batched_tokens=32)
+    expected = engine(model, 1, **options).generate(prompts, GREEDY, use_tqdm=False)
+    llm = engine(model, 2, **options)
+    try:
+        got = llm.generate(prompts, GREEDY, use_tqdm=False)
+        kinds = {type(m) for m in llm.engine.core.runner.model.modules()}
+        assert {Q8ColumnParallelLinear, Q8RowParallelLinear} <= kinds, kinds
+        assert (Q8Linear in kinds) == (arch == "gemma4")
     finally:
         shut(llm)
     assert_equal_up_to_a_near_tie(expected, got, logprob_tol=1e-4, tie=1e-4)
@@ -192,8 +221,7 @@ def test_more_gpus_than_visible_are_refused(tmp_path, monkeypatch) -> None:
         LLM(str(tmp_path), device="cuda:1", tensor_parallel_size=2)
 
 
-@pytest.mark.parametrize("option", [{"tensor_parallel_size": 0}, {"tensor_parallel_size": "2"},
-                                    {"tensor_parallel_size": 2, "quantization": "q8_0"}])
+@pytest.mark.parametrize("option", [{"tensor_parallel_size": 0}, {"tensor_parallel_size": "2"}])
 def test_bad_options_are_clear_errors(option: dict, tmp_path) -> None:
     with pytest.raises(ValueError, match="tensor_parallel_size|tensor parallelism"):
         LLM(str(_config_only(tmp_path)), device="cpu", **option)

@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from tokenmill.layers.q8_linear import Q8Linear
+from tokenmill.layers.q8_linear import Q8Weights
 from tokenmill.loader.hf_config import ModelConfig
 from tokenmill.loader.kv_layout import KVLayout
 
@@ -98,8 +98,9 @@ class StepCostModel:
     @classmethod
     def of(cls, model: torch.nn.Module, cfg: ModelConfig) -> StepCostModel:
         lm_head = getattr(model, "lm_head", None)
-        dense = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear) and m is not lm_head)
-        q8 = sum(m.qweight.numel() for m in model.modules() if isinstance(m, Q8Linear))
+        dense = sum(m.weight.numel() for m in model.modules()
+                    if isinstance(m, torch.nn.Linear) and not isinstance(m, Q8Weights) and m is not lm_head)
+        q8 = sum(m.qweight.numel() for m in model.modules() if isinstance(m, Q8Weights))
         return cls(dense + q8, cfg.vocab_size * cfg.hidden_size, cfg.num_heads, cfg.kv_layout(), q8)
 
     def weight_bytes(self, elem: int = 2) -> float:

@@ -47,6 +47,7 @@ from tokenmill.engine.rank import (
     check_tensor_parallel,
     kv_cache_blocks,
     make_runner,
+    quantize,
     rank_device,
     resolve_device,
 )
@@ -55,8 +56,6 @@ from tokenmill.engine.sequence import PENDING, Sequence, SequenceStatus
 from tokenmill.engine.spec_decode import MAX_FAILED_DRAFTS, TokenHistory, accepted_length, propose_ngram
 from tokenmill.engine.structured_outputs import GRAMMAR_TIMEOUT_S, GrammarCompiler
 from tokenmill.engine.tp_workers import COLLECTIVE_TIMEOUT, WorkerError, WorkerGroup
-from tokenmill.layers.q8_linear import quantize_linears
-from tokenmill.loader.gguf_checkpoint import is_gguf_file, packs_q8_0
 from tokenmill.loader.hf_config import ModelConfig, load_model_config, resolve_dtype
 from tokenmill.loader.kv_layout import is_quantized, resolve_kv_cache_dtype
 from tokenmill.outputs import Logprobs
@@ -134,13 +133,7 @@ class EngineCore:
         started = time.monotonic()
         model = build_model(cfg, None if config.random_weights else model_dir, self.dtype, self.device,
                             max_len, config.seed, self.tp)
-        self.quantization = config.quantization or ("q8_0" if is_gguf_file(model_dir) and packs_q8_0(model_dir)
-                                                    else None)
-        if self.quantization == "q8_0":
-            count = quantize_linears(model)
-            logger.info("%d projections kept in Q8_0 (int8, a float16 scale per 32 values)", count)
-            if self.device.type == "cuda":
-                torch.cuda.empty_cache()  # the dense weights they replaced
+        self.quantization = quantize(model, config, model_dir, self.device)
         load_seconds = time.monotonic() - started
         if any(getattr(m, "kv_amax", None) is not None for m in model.modules()):
             logger.info("the checkpoint's k_scale/v_scale %s", "set the KV cache's scales" if is_quantized(self.kv_dtype)

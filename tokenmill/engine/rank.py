@@ -8,6 +8,7 @@ so the ranks agree by construction on everything but what rank 0 settles for the
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -17,8 +18,11 @@ from tokenmill.distributed import SINGLE, TPGroup, check_divides
 from tokenmill.engine.config import EngineConfig
 from tokenmill.engine.kv_cache_manager import kv_block_counts
 from tokenmill.engine.model_runner import ModelRunner, Peers
-from tokenmill.loader.gguf_checkpoint import is_gguf_file
+from tokenmill.layers.q8_linear import quantize_linears
+from tokenmill.loader.gguf_checkpoint import is_gguf_file, packs_q8_0
 from tokenmill.loader.hf_config import ModelConfig
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -59,13 +63,22 @@ def check_tensor_parallel(config: EngineConfig, cfg: ModelConfig, device: torch.
         if size > visible:
             raise ValueError(f"tensor_parallel_size {size} needs {size} GPUs, but {visible} "
                              f"{'is' if visible == 1 else 'are'} visible")
-    if config.quantization is not None or is_gguf_file(model_dir):
-        raise ValueError("tensor parallelism does not support Q8_0 weights or GGUF files yet: use "
-                         "tensor_parallel_size 1, or a safetensors checkpoint without quantization")
     check_divides("attention heads", cfg.num_heads, size)
     for kv_heads in sorted({spec.num_kv_heads for spec in cfg.kv_layout().groups}, reverse=True):
         check_divides("KV heads", kv_heads, size)
     check_divides("MLP rows (intermediate_size)", cfg.intermediate_size, size)
+
+
+def quantize(model: torch.nn.Module, config: EngineConfig, model_dir: Path, device: torch.device) -> str | None:
+    """Keep the model's projections (this rank's share of them) in Q8_0 where ``quantization`` asks for
+    it or a GGUF file's layer matrices are Q8_0; returns the scheme (None: dense)."""
+    scheme = config.quantization or ("q8_0" if is_gguf_file(model_dir) and packs_q8_0(model_dir) else None)
+    if scheme == "q8_0":
+        count = quantize_linears(model)
+        logger.info("%d projections kept in Q8_0 (int8, a float16 scale per 32 values)", count)
+        if device.type == "cuda":
+            torch.cuda.empty_cache()  # the dense weights they replaced
+    return scheme
 
 
 def kv_cache_blocks(config: EngineConfig, cfg: ModelConfig, device: torch.device, dtype: torch.dtype,

@@ -36,7 +36,7 @@ import torch
 from tokenmill.distributed import destroy_group, init_group
 from tokenmill.engine.config import EngineConfig
 from tokenmill.engine.model_runner import build_model
-from tokenmill.engine.rank import RankSetup, kv_cache_blocks, make_runner, rank_device, resolve_device
+from tokenmill.engine.rank import RankSetup, kv_cache_blocks, make_runner, quantize, rank_device, resolve_device
 from tokenmill.loader.hf_config import load_model_config, resolve_dtype
 from tokenmill.loader.kv_layout import resolve_kv_cache_dtype
 
@@ -211,6 +211,7 @@ def run_worker(config: EngineConfig, model_dir: Path, rank: int, init_method: st
         torch.manual_seed(config.seed)
         max_len = config.max_model_len or cfg.max_position_embeddings
         model = build_model(cfg, None if config.random_weights else model_dir, dtype, device, max_len, config.seed, tp)
+        quantize(model, config, model_dir, device)
         _reply(pipe, "blocks", kv_cache_blocks(config, cfg, device, dtype, kv_dtype, max_len))
         setup: RankSetup = pickle.loads(pipe.recv_bytes())
         runner = make_runner(config, cfg, model, setup, device, dtype, kv_dtype, tp)

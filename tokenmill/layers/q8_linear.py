@@ -8,21 +8,30 @@ from torch import nn
 
 from tokenmill.kernels import q8_0
 from tokenmill.layers import ops
+from tokenmill.layers.linear import ColumnParallelLinear, RowParallelLinear
 
 
-class Q8Linear(nn.Module):
-    """An ``nn.Linear`` whose ``weight`` is a ``Q8Weight``: the model's code calls it, or hands its
-    ``weight`` to the fused ops, as it would a dense one."""
+class Q8Weights:
+    """A linear layer whose weight is kept as Q8_0 buffers (``qweight``, ``scales``): its ``weight``
+    is a ``Q8Weight``, which the layer's own forward, the model's code and the fused ops take in
+    place of a dense matrix."""
+
+    qweight: torch.Tensor
+    scales: torch.Tensor
+
+    @property
+    def weight(self) -> q8_0.Q8Weight:
+        return q8_0.Q8Weight(self.qweight, self.scales)
+
+
+class Q8Linear(Q8Weights, nn.Module):
+    """A plain (not split) ``nn.Linear`` in Q8_0."""
 
     def __init__(self, weight: q8_0.Q8Weight, bias: torch.Tensor | None) -> None:
         super().__init__()
         self.register_buffer("qweight", weight.qweight)
         self.register_buffer("scales", weight.scales)
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
-
-    @property
-    def weight(self) -> q8_0.Q8Weight:
-        return q8_0.Q8Weight(self.qweight, self.scales)
 
     @property
     def in_features(self) -> int:
@@ -36,21 +45,38 @@ class Q8Linear(nn.Module):
         shape = x.shape
         return ops.linear(x.reshape(-1, shape[-1]), self.weight, self.bias).reshape(*shape[:-1], -1)
 
-    def into_stream(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """As ``RowParallelLinear.into_stream`` of one rank (Q8_0 weights are not split across ranks)."""
-        return ops.linear_into_stream(x, self.weight, self.bias, residual)
+
+class Q8ColumnParallelLinear(Q8Weights, ColumnParallelLinear):
+    """A ``ColumnParallelLinear`` whose rank's rows are in Q8_0."""
+
+
+class Q8RowParallelLinear(Q8Weights, RowParallelLinear):
+    """A ``RowParallelLinear`` whose rank's columns are in Q8_0 (whole blocks of 32: its share of K is
+    a multiple of 32), summed over the ranks as the dense one is."""
+
+
+_PACKED = {ColumnParallelLinear: Q8ColumnParallelLinear, RowParallelLinear: Q8RowParallelLinear}
 
 
 def quantize_linears(model: nn.Module, keep: tuple[str, ...] = ("lm_head",)) -> int:
-    """Replace every ``nn.Linear`` of ``model`` whose rows are a multiple of 32 long (but those named in
-    ``keep``) by a ``Q8Linear`` of its weight, quantized from float32; returns how many."""
+    """Keep in Q8_0 every linear layer of ``model`` whose rows (on this rank) are a multiple of 32 long,
+    but those named in ``keep``, quantized from float32; returns how many. A split layer stays itself,
+    its class swapped for its Q8_0 kind (its parts, split and group kept), so its collectives run as
+    before; a plain ``nn.Linear`` becomes a ``Q8Linear``."""
     count = 0
     for name, module in list(model.named_modules()):
         for child_name, child in list(module.named_children()):
             full = f"{name}.{child_name}" if name else child_name
-            if (isinstance(child, nn.Linear) and child_name not in keep and full not in keep
-                    and child.in_features % q8_0.BLOCK == 0):
-                packed = q8_0.quantize(child.weight.data.float())
+            if (not isinstance(child, nn.Linear) or isinstance(child, Q8Weights) or child_name in keep or full in keep
+                    or child.in_features % q8_0.BLOCK):
+                continue
+            packed = q8_0.quantize(child.weight.data.float())
+            if type(child) in _PACKED:
+                del child.weight
+                child.__class__ = _PACKED[type(child)]
+                child.register_buffer("qweight", packed.qweight)
+                child.register_buffer("scales", packed.scales)
+            else:
                 setattr(module, child_name, Q8Linear(packed, None if child.bias is None else child.bias.data))
-                count += 1
+            count += 1
     return count
