@@ -68,3 +68,26 @@ def test_an_unknown_quantization_is_refused() -> None:
 
     with pytest.raises(ValueError, match="quantization must be"):
         LLM(device="cpu", quantization="q4")
+
+
+def test_packed_layers_project_as_their_dense_kinds() -> None:
+    """A column-split layer, a row-split one and a plain ``nn.Linear``, each packed, called directly:
+    what the dense layer computes on the dequantized weight."""
+    from tokenmill.layers.linear import ColumnParallelLinear, RowParallelLinear, Split
+    from tokenmill.layers.q8_linear import Q8ColumnParallelLinear, Q8Linear, Q8RowParallelLinear, quantize_linears
+
+    torch.manual_seed(0)
+    model = torch.nn.Module()
+    model.col = ColumnParallelLinear(64, [Split(96)], bias=True)
+    model.row = RowParallelLinear(Split(64), 48, bias=True)
+    model.plain = torch.nn.Linear(64, 40, bias=False)
+    x = torch.randn(2, 3, 64)
+    dense = {name: (layer.weight.detach().clone(), None if layer.bias is None else layer.bias.detach().clone())
+             for name, layer in model.named_children()}
+    assert quantize_linears(model) == 3
+    assert (type(model.col), type(model.row), type(model.plain)) == (Q8ColumnParallelLinear, Q8RowParallelLinear,
+                                                                      Q8Linear)
+    for name, layer in model.named_children():
+        weight, bias = dense[name]
+        want = torch.nn.functional.linear(x, q8_0.quantize(weight).dequantize(torch.float32), bias)
+        torch.testing.assert_close(layer(x), want)

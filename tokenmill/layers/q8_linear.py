@@ -18,10 +18,16 @@ class Q8Weights:
 
     qweight: torch.Tensor
     scales: torch.Tensor
+    bias: torch.Tensor | None
 
     @property
     def weight(self) -> q8_0.Q8Weight:
         return q8_0.Q8Weight(self.qweight, self.scales)
+
+    def project(self, x: torch.Tensor) -> torch.Tensor:
+        """``x @ weight.T + bias`` over any leading dimensions (``nn.Linear``'s forward takes no Q8_0)."""
+        shape = x.shape
+        return ops.linear(x.reshape(-1, shape[-1]), self.weight, self.bias).reshape(*shape[:-1], -1)
 
 
 class Q8Linear(Q8Weights, nn.Module):
@@ -42,12 +48,14 @@ class Q8Linear(Q8Weights, nn.Module):
         return self.qweight.shape[0]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        shape = x.shape
-        return ops.linear(x.reshape(-1, shape[-1]), self.weight, self.bias).reshape(*shape[:-1], -1)
+        return self.project(x)
 
 
 class Q8ColumnParallelLinear(Q8Weights, ColumnParallelLinear):
     """A ``ColumnParallelLinear`` whose rank's rows are in Q8_0."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.project(x)
 
 
 class Q8RowParallelLinear(Q8Weights, RowParallelLinear):
