@@ -97,6 +97,93 @@ def _flat_tile(query_start_loc_ptr, f, batch, BLOCK_Q: tl.constexpr):
 
 # The block-table width and the split count change with every batch: specialising on their values
 # (1, multiples of 16) would compile new variants inside requests' steps.
+@triton.jit
+def _attend_tiles(acc, m_i, l_i, q, q_pos, lo, hi, split_hi, bt_row, k_cache_ptr, v_cache_ptr, k_scale_ptr,
+                  v_scale_ptr, qk_scale, softcap_log2, window, dims, dim_valid, kv_head, kc_stride_block,
+                  kc_stride_slot, kc_stride_head, vc_stride_block, vc_stride_slot, vc_stride_head, ks_stride_block,
+                  ks_stride_slot, ks_stride_head, vs_stride_block, vs_stride_slot, vs_stride_head,
+                  block_size: tl.constexpr, MASKED: tl.constexpr, KV_SCALED: tl.constexpr, DOT_F16: tl.constexpr,
+                  PTX: tl.constexpr, BLOCK_N: tl.constexpr, USE_WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
+                  IEEE_DOT: tl.constexpr):
+    """The online softmax over the key tiles ``lo`` … ``hi`` (of a split ending at ``split_hi``) folded
+    into ``acc``, ``m_i``, ``l_i``; without ``MASKED`` every row may see every key of every tile."""
+    if KV_SCALED:
+        # A quantized cache's scales (two bytes a token, too narrow for the pipeline's asynchronous
+        # copies) are read a tile ahead, from block ids read a tile before that: no read a tile's dots
+        # wait for depends on another read issued in the same iteration.
+        ks_next, vs_next = _tile_scales(k_scale_ptr, v_scale_ptr, _tile_blocks(bt_row, lo, split_hi, block_size,
+                                                                               BLOCK_N),
+                                        lo, split_hi, kv_head, block_size, ks_stride_block, ks_stride_slot,
+                                        ks_stride_head, vs_stride_block, vs_stride_slot, vs_stride_head, BLOCK_N)
+        blocks_next = _tile_blocks(bt_row, lo + BLOCK_N, split_hi, block_size, BLOCK_N)
+    for start in range(lo, hi, BLOCK_N):
+        n = start + tl.arange(0, BLOCK_N)
+        n_valid = n < split_hi
+        block = _tile_blocks(bt_row, start, split_hi, block_size, BLOCK_N)
+        slot = n % block_size
+        if KV_SCALED:
+            ks, vs = ks_next, vs_next
+            ks_next, vs_next = _tile_scales(k_scale_ptr, v_scale_ptr, blocks_next, start + BLOCK_N, split_hi, kv_head,
+                                            block_size, ks_stride_block, ks_stride_slot, ks_stride_head,
+                                            vs_stride_block, vs_stride_slot, vs_stride_head, BLOCK_N)
+            blocks_next = _tile_blocks(bt_row, start + 2 * BLOCK_N, split_hi, block_size, BLOCK_N)
+        k_off = block * kc_stride_block + slot * kc_stride_slot + kv_head * kc_stride_head
+        k = tl.load(
+            k_cache_ptr + k_off[None, :] + dims[:, None],
+            mask=n_valid[None, :] & dim_valid[:, None],
+            other=0.0,
+        )
+        k = to_f16(k, PTX, True) if DOT_F16 else k.to(q.dtype)  # read along d: converted in its operand layout
+        if IEEE_DOT:
+            qk = tl.dot(q, k, input_precision="ieee")
+        else:
+            qk = tl.dot(q, k)
+        if KV_SCALED:
+            # A quantized cache: each key's scale multiplies its scores (q . (s k) = s (q . k)); the
+            # one-byte values convert exactly to q's dtype.
+            qk = qk * ks[None, :]
+        if SOFTCAP:
+            # qk_scale is scale / cap: the cap applies to the natural-scale score, and only
+            # its result moves to the log2 domain (softcap_log2 = cap * log2(e)).
+            qk = _tanh(qk * qk_scale) * softcap_log2
+        else:
+            qk = qk * qk_scale  # scale * log2(e)
+        if MASKED:
+            allowed = n_valid[None, :] & (n[None, :] <= q_pos[:, None])
+            if USE_WINDOW:
+                allowed = allowed & ((q_pos[:, None] - n[None, :]) < window)
+            qk = tl.where(allowed, qk, float("-inf"))
+
+        m_new = tl.maximum(m_i, tl.max(qk, axis=1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(qk - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        v_off = block * vc_stride_block + slot * vc_stride_slot + kv_head * vc_stride_head
+        v = tl.load(
+            v_cache_ptr + v_off[:, None] + dims[None, :],
+            mask=n_valid[:, None] & dim_valid[None, :],
+            other=0.0,
+        )
+        v = to_f16(v, PTX, False) if DOT_F16 else v.to(q.dtype)  # gathered across keys: converted first
+        pw = p
+        if KV_SCALED:
+            # Each value's scale weighs its probability (the sum l_i keeps the unweighted p), relative
+            # to the tile's largest scale: the weights stay in [0, 1], where p times a small scale would
+            # fall among float16's subnormals, and the largest scale multiplies the tile's sum instead.
+            v_unit = tl.maximum(tl.max(vs, axis=0), 1e-30)
+            pw = p * (vs * (1.0 / v_unit))[None, :]
+        if IEEE_DOT:
+            pv = tl.dot(pw.to(v.dtype), v, input_precision="ieee")
+        else:
+            pv = tl.dot(pw.to(v.dtype), v)
+        if KV_SCALED:
+            pv = pv * v_unit
+        acc = acc * alpha[:, None] + pv
+        m_i = m_new
+
+    return acc, m_i, l_i
+
+
 @triton.jit(do_not_specialize=["bt_stride", "num_splits", "batch"])
 def _paged_attention_kernel(
     q_ptr,
@@ -204,78 +291,40 @@ def _paged_attention_kernel(
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     bt_row = block_tables_ptr + seq.to(tl.int64) * bt_stride
-    if KV_SCALED:
-        # A quantized cache's scales (two bytes a token, too narrow for the pipeline's asynchronous
-        # copies) are read a tile ahead, from block ids read a tile before that: no read a tile's dots
-        # wait for depends on another read issued in the same iteration.
-        ks_next, vs_next = _tile_scales(k_scale_ptr, v_scale_ptr, _tile_blocks(bt_row, split_lo, split_hi, block_size,
-                                                                               BLOCK_N),
-                                        split_lo, split_hi, kv_head, block_size, ks_stride_block, ks_stride_slot,
-                                        ks_stride_head, vs_stride_block, vs_stride_slot, vs_stride_head, BLOCK_N)
-        blocks_next = _tile_blocks(bt_row, split_lo + BLOCK_N, split_hi, block_size, BLOCK_N)
-    for start in range(split_lo, split_hi, BLOCK_N):
-        n = start + tl.arange(0, BLOCK_N)
-        n_valid = n < split_hi
-        block = _tile_blocks(bt_row, start, split_hi, block_size, BLOCK_N)
-        slot = n % block_size
-        if KV_SCALED:
-            ks, vs = ks_next, vs_next
-            ks_next, vs_next = _tile_scales(k_scale_ptr, v_scale_ptr, blocks_next, start + BLOCK_N, split_hi, kv_head,
-                                            block_size, ks_stride_block, ks_stride_slot, ks_stride_head,
-                                            vs_stride_block, vs_stride_slot, vs_stride_head, BLOCK_N)
-            blocks_next = _tile_blocks(bt_row, start + 2 * BLOCK_N, split_hi, block_size, BLOCK_N)
-        k_off = block * kc_stride_block + slot * kc_stride_slot + kv_head * kc_stride_head
-        k = tl.load(
-            k_cache_ptr + k_off[None, :] + dims[:, None],
-            mask=n_valid[None, :] & dim_valid[:, None],
-            other=0.0,
-        )
-        k = to_f16(k, PTX, True) if DOT_F16 else k.to(q.dtype)  # read along d: converted in its operand layout
-        if IEEE_DOT:
-            qk = tl.dot(q, k, input_precision="ieee")
-        else:
-            qk = tl.dot(q, k)
-        if KV_SCALED:
-            # A quantized cache: each key's scale multiplies its scores (q . (s k) = s (q . k)); the
-            # one-byte values convert exactly to q's dtype.
-            qk = qk * ks[None, :]
-        if SOFTCAP:
-            # qk_scale is scale / cap: the cap applies to the natural-scale score, and only
-            # its result moves to the log2 domain (softcap_log2 = cap * log2(e)).
-            qk = _tanh(qk * qk_scale) * softcap_log2
-        else:
-            qk = qk * qk_scale  # scale * log2(e)
-        allowed = n_valid[None, :] & (n[None, :] <= q_pos[:, None])
+    if BLOCK_M >= 64:
+        # A prompt's tile: the keys every row may see (past the window's edge for its last token, up to
+        # its first token's position) go through a loop without the masks; the tiles on either edge keep
+        # them. Tiles stay aligned to split_lo in all three.
+        edge = split_lo
         if USE_WINDOW:
-            allowed = allowed & ((q_pos[:, None] - n[None, :]) < window)
-        qk = tl.where(allowed, qk, float("-inf"))
-
-        m_new = tl.maximum(m_i, tl.max(qk, axis=1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(qk - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        v_off = block * vc_stride_block + slot * vc_stride_slot + kv_head * vc_stride_head
-        v = tl.load(
-            v_cache_ptr + v_off[:, None] + dims[None, :],
-            mask=n_valid[:, None] & dim_valid[None, :],
-            other=0.0,
-        )
-        v = to_f16(v, PTX, False) if DOT_F16 else v.to(q.dtype)  # gathered across keys: converted first
-        pw = p
-        if KV_SCALED:
-            # Each value's scale weighs its probability (the sum l_i keeps the unweighted p), relative
-            # to the tile's largest scale: the weights stay in [0, 1], where p times a small scale would
-            # fall among float16's subnormals, and the largest scale multiplies the tile's sum instead.
-            v_unit = tl.maximum(tl.max(vs, axis=0), 1e-30)
-            pw = p * (vs * (1.0 / v_unit))[None, :]
-        if IEEE_DOT:
-            pv = tl.dot(pw.to(v.dtype), v, input_precision="ieee")
-        else:
-            pv = tl.dot(pw.to(v.dtype), v)
-        if KV_SCALED:
-            pv = pv * v_unit
-        acc = acc * alpha[:, None] + pv
-        m_i = m_new
+            edge = tl.maximum(kv_hi - window, split_lo)
+        full_lo = split_lo + tl.cdiv(edge - split_lo, BLOCK_N) * BLOCK_N
+        full_hi = tl.maximum(split_lo + (tl.minimum(context + tile_lo + 1, split_hi) - split_lo) // BLOCK_N * BLOCK_N,
+                             full_lo)
+        acc, m_i, l_i = _attend_tiles(acc, m_i, l_i, q, q_pos, split_lo, tl.minimum(full_lo, split_hi), split_hi,
+                                      bt_row, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, qk_scale,
+                                      softcap_log2, window, dims, dim_valid, kv_head, kc_stride_block, kc_stride_slot,
+                                      kc_stride_head, vc_stride_block, vc_stride_slot, vc_stride_head,
+                                      ks_stride_block, ks_stride_slot, ks_stride_head, vs_stride_block,
+                                      vs_stride_slot, vs_stride_head, block_size, True, KV_SCALED, DOT_F16, PTX,
+                                      BLOCK_N, USE_WINDOW, SOFTCAP, IEEE_DOT)
+        acc, m_i, l_i = _attend_tiles(acc, m_i, l_i, q, q_pos, full_lo, full_hi, split_hi,
+                                      bt_row, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, qk_scale,
+                                      softcap_log2, window, dims, dim_valid, kv_head, kc_stride_block, kc_stride_slot,
+                                      kc_stride_head, vc_stride_block, vc_stride_slot, vc_stride_head,
+                                      ks_stride_block, ks_stride_slot, ks_stride_head, vs_stride_block,
+                                      vs_stride_slot, vs_stride_head, block_size, False, KV_SCALED, DOT_F16, PTX,
+                                      BLOCK_N, USE_WINDOW, SOFTCAP, IEEE_DOT)
+        masked_lo = full_hi
+    else:
+        masked_lo = split_lo
+    acc, m_i, l_i = _attend_tiles(acc, m_i, l_i, q, q_pos, masked_lo, split_hi, split_hi,
+                                  bt_row, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, qk_scale,
+                                  softcap_log2, window, dims, dim_valid, kv_head, kc_stride_block, kc_stride_slot,
+                                  kc_stride_head, vc_stride_block, vc_stride_slot, vc_stride_head,
+                                  ks_stride_block, ks_stride_slot, ks_stride_head, vs_stride_block,
+                                  vs_stride_slot, vs_stride_head, block_size, True, KV_SCALED, DOT_F16, PTX,
+                                  BLOCK_N, USE_WINDOW, SOFTCAP, IEEE_DOT)
 
     if WRITE_PARTIALS:
         # Partials [T, Hq, S, D] and (max, sum) pairs [T, Hq, S, 2]; empty splits
