@@ -105,8 +105,8 @@ def _launches(monkeypatch: pytest.MonkeyPatch) -> list[Launch]:
             return torch.randn(*shape, generator=gen).to(dtype)
 
         # Attention: decode (split and not, windowed; one program a whole context takes other tiles
-        # in a grid of under two programs an SM, here one KV head) and a ragged prefill, over a
-        # 4-block cache.
+        # in a grid of under two programs an SM, here one KV head) and prefills of 64- and 128-row
+        # tiles, over a 4-block cache.
         k_cache, v_cache = rand(4, 16, 2, 128), rand(4, 16, 2, 128)
         tables = torch.arange(4, dtype=torch.int32).view(1, 4)
         for splits, window, kv_heads in ((1, None, 2), (1, None, 1), (4, None, 2), (2, 32, 2)):
@@ -114,8 +114,10 @@ def _launches(monkeypatch: pytest.MonkeyPatch) -> list[Launch]:
                                        torch.tensor([0, 1], dtype=torch.int32),
                                        torch.tensor([40], dtype=torch.int32), tables, 0.1, window,
                                        num_splits=splits)
-        triton_ops.paged_attention(rand(20, 8, 128), k_cache, v_cache, torch.tensor([0, 20], dtype=torch.int32),
-                                   torch.tensor([50], dtype=torch.int32), tables, 0.1, max_query_len=20)
+        for query_len in (12, 20):  # 64 and 128 rows a program (group 4)
+            triton_ops.paged_attention(rand(query_len, 8, 128), k_cache, v_cache,
+                                       torch.tensor([0, query_len], dtype=torch.int32),
+                                       torch.tensor([50], dtype=torch.int32), tables, 0.1, max_query_len=query_len)
         # Gemma: head dims 256 and 512, GQA groups of 2 and 8; decode (split and not, softcapped,
         # sliding) and prefill-sized queries, which take other tiles. In float32 (tests only, and
         # slow to compile: IEEE dots) just the prefill at 512, whose K/V tiles are cut to fit.
@@ -241,8 +243,9 @@ def test_every_kernel_compiles_for_hopper(monkeypatch: pytest.MonkeyPatch) -> No
             "_act_and_mul_kernel", "_gemv_kernel", "_skinny_matmul_kernel", "_sample_kernel",
             "_race_parts_kernel", "_penalties_kernel"} <= names, names
     variants = {(launch.fn.__name__, key, launch.constexprs.get(key)) for launch in launches for key in
-                ("SOFTCAP", "WEIGHTING", "GELU_TANH", "BLOCK_D", "ADD_AFTER", "GELU")}
+                ("SOFTCAP", "WEIGHTING", "GELU_TANH", "BLOCK_D", "BLOCK_M", "ADD_AFTER", "GELU")}
     assert {("_paged_attention_kernel", "SOFTCAP", True), ("_paged_attention_kernel", "BLOCK_D", 512),
+            ("_paged_attention_kernel", "BLOCK_M", 64), ("_paged_attention_kernel", "BLOCK_M", 128),
             ("_rms_norm_kernel", "ADD_AFTER", True), ("_act_and_mul_kernel", "GELU_TANH", True),
             ("_rope_write_kv_kernel", "BLOCK_D", 512), ("_gemv_kernel", "GELU", True)} <= variants
     assert {("_paged_attention_kernel", "KV_SCALED", True), ("_paged_attention_kernel", "DOT_F16", True),
