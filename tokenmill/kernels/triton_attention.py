@@ -401,13 +401,14 @@ def _choose_num_splits(work_units: int, max_context: int, device: torch.device, 
     return max(1, min(target // work_units, by_length, _MAX_SPLITS))
 
 
-def _block_rows(block_d: int, group: int, max_query_len: int) -> int:
+def _block_rows(block_d: int, group: int, max_query_len: int, elem_bytes: int) -> int:
     """Rows of a program's query tile, (token, head) pairs: tl.dot needs at least 16. Decode packs just
-    the group; longer queries take up to 128 rows at head dims up to 128 (64 past that) so one K/V
-    tile serves more tokens. With the causal mask kept to a prompt's edge tiles, 128 rows took
-    Llama-3-8B's four 512-token chunks over 4k contexts in 477 us against 549 for 64 rows, and a
-    2,048-token prompt in 189 against 187 (h200-2026-12-01/merge-aa3578b/attention-tiles-prefill.jsonl)."""
-    most = 128 if block_d <= 128 else 64
+    the group; longer queries take up to 128 rows at head dims up to 128 over a 16-bit cache (64
+    otherwise) so one K/V tile serves more tokens. With the causal mask kept to a prompt's edge tiles,
+    128 rows took Llama-3-8B's four 512-token chunks over 4k contexts in 471 us against 549 for 64
+    rows, and a 2,048-token prompt in 187 against 187; over an int8 or float8 cache they lost (1,136
+    against 922 us, the K/V converted for every 32 keys; h200-2026-12-01/prefill-rows-5813c17)."""
+    most = 128 if block_d <= 128 and elem_bytes > 1 else 64
     return max(16, triton.next_power_of_2(group), min(most, triton.next_power_of_2(max_query_len * group)))
 
 
@@ -431,8 +432,8 @@ def _tile_config(block_d: int, group: int, max_query_len: int, elem_bytes: int, 
       one-byte (int8, float8) cache every decode program reads 128 keys in 3 stages, split or not
       (64 x 8k, one split: 560 us against 952 for 64 keys in 4 stages, the best of every tile;
       h200-2026-12-01/kv-ptx-convert-313c5e4. 16 x 4k, split: 71.5 us against 102 for 64 keys in 2
-      stages; h200-2026-12-01/k-direct-00f1141). Prefill (128 rows): 32 keys, 4 warps, 3 stages,
-      the fastest of every tile at Llama-3-8B's points (``_block_rows``).
+      stages; h200-2026-12-01/k-direct-00f1141). Prefill over a 16-bit cache (128 rows): 32 keys,
+      4 warps, 3 stages, the fastest or within 3% of it at Llama-3-8B's points (``_block_rows``).
     - 256, decode: 64 keys, 4 warps, 2 stages (batch 64 at 2k context, group 2: 290 us,
       3.7 TB/s; 32 keys took 366 us). Prefill (64 rows): 32 keys, 4 warps, 3 stages,
       128-204 TFLOP/s against 89-106 for 8 warps and 2 stages; 64 keys at 4 warps spill.
@@ -445,7 +446,7 @@ def _tile_config(block_d: int, group: int, max_query_len: int, elem_bytes: int, 
     K/V tiles are pipelined through shared memory, ``num_stages`` deep; float32 (tests only)
     keeps 2 stages and halves the K/V tile until it fits ``_KV_SMEM_BUDGET``.
     """
-    block_m = _block_rows(block_d, group, max_query_len)
+    block_m = _block_rows(block_d, group, max_query_len, elem_bytes)
     if block_d <= 128:
         block_n, num_warps, num_stages = 64, 4, 2
         if block_m < 64 and elem_bytes == 1:
@@ -481,7 +482,7 @@ def launch_plan(block_d: int, group: int, num_kv_heads: int, batch: int, num_tok
                 ) -> tuple[tuple[int, int, int, int], int, tuple[int, int, bool]]:
     """The tile (``_tile_config``), the KV split count (``num_splits`` forces it) and the query tiles
     (``query_tiles``) a launch takes."""
-    grid = query_tiles(batch, num_tokens, max_query_len, _block_rows(block_d, group, max_query_len) // group)
+    grid = query_tiles(batch, num_tokens, max_query_len, _block_rows(block_d, group, max_query_len, elem_bytes) // group)
     work_units = grid[0] * grid[1] * num_kv_heads
     if num_splits is None:
         num_splits = _choose_num_splits(work_units, max_context, device, block_d)
