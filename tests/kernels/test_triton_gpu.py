@@ -86,11 +86,14 @@ def test_paged_attention_mixed_batch(dtype, head_dim, window) -> None:
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("window", [None, 700])
-def test_paged_attention_long_prompts(dtype, head_dim, window) -> None:
-    """Long prompts (a whole prompt, a chunk deep in its context) beside a decode row."""
+@pytest.mark.parametrize("scale", [None, 1.0])
+def test_paged_attention_long_prompts(dtype, head_dim, window, scale) -> None:
+    """Long prompts (a whole prompt, a chunk deep in its context) beside a decode row; at scale 1 the
+    scores are sharp (a row's max jumps by tens of log2 units between some key tiles, by less than
+    the prompt tiles' rescale slack between others)."""
     cases.check_paged_attention(
         triton_ops, [(2048, 2048), (1000, 3000), (1, 500)], num_q_heads=32, num_kv_heads=8, head_dim=head_dim,
-        block_size=16, dtype=dtype, device="cuda", sliding_window=window,
+        block_size=16, dtype=dtype, device="cuda", sliding_window=window, scale=scale,
     )
 
 
