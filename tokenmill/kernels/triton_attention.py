@@ -32,9 +32,6 @@ _MINUS_2_LOG2E = tl.constexpr(-2.0 * _LOG2E)
 # well-defined (never inf - inf) for rows whose first tiles are fully masked.
 _NEG_BIG = tl.constexpr(-1.0e30)
 _MAX_SPLITS = 64
-# How far (log2) a prompt tile's running max may trail a row's true max before its accumulator is
-# rescaled: its weights stay at most 2^8, well inside float16 and bfloat16.
-_RESCALE_SLACK = tl.constexpr(8.0)
 # Query starts a flat-tile program scans at a time.
 _SEQ_CHUNK = tl.constexpr(128)
 # Never fewer KV tokens per split than one K/V tile: a split then costs one tile's latency.
@@ -107,7 +104,7 @@ def _attend_tiles(acc, m_i, l_i, q, q_pos, lo, hi, split_hi, bt_row, k_cache_ptr
                   ks_stride_slot, ks_stride_head, vs_stride_block, vs_stride_slot, vs_stride_head,
                   block_size: tl.constexpr, MASKED: tl.constexpr, KV_SCALED: tl.constexpr, DOT_F16: tl.constexpr,
                   PTX: tl.constexpr, BLOCK_N: tl.constexpr, USE_WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
-                  IEEE_DOT: tl.constexpr, LAZY_RESCALE: tl.constexpr):
+                  IEEE_DOT: tl.constexpr):
     """The online softmax over the key tiles ``lo`` … ``hi`` (of a split ending at ``split_hi``) folded
     into ``acc``, ``m_i``, ``l_i``; without ``MASKED`` every row may see every key of every tile."""
     if KV_SCALED:
@@ -161,22 +158,9 @@ def _attend_tiles(acc, m_i, l_i, q, q_pos, lo, hi, split_hi, bt_row, k_cache_ptr
             qk = tl.where(allowed, qk, float("-inf"))
 
         m_new = tl.maximum(m_i, tl.max(qk, axis=1) * scale)
-        if LAZY_RESCALE:
-            # A prompt's tile rescales its accumulator (BLOCK_D multiplies a row) only when some row's
-            # running max grew by more than _RESCALE_SLACK; otherwise the stale max stays, and the
-            # weights, at most 2^_RESCALE_SLACK, are normalised by a sum kept against the same max.
-            if tl.max(m_new - m_i, axis=0) > _RESCALE_SLACK:
-                alpha = tl.exp2(m_i - m_new)
-                acc = acc * alpha[:, None]
-                l_i = l_i * alpha
-                m_i = m_new
-        else:
-            alpha = tl.exp2(m_i - m_new)
-            acc = acc * alpha[:, None]
-            l_i = l_i * alpha
-            m_i = m_new
-        p = tl.exp2(qk * scale - m_i[:, None])
-        l_i = l_i + tl.sum(p, axis=1)
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(qk * scale - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
         v_off = block * vc_stride_block + slot * vc_stride_slot + kv_head * vc_stride_head
         v = tl.load(
             v_cache_ptr + v_off[:, None] + dims[None, :],
@@ -197,7 +181,8 @@ def _attend_tiles(acc, m_i, l_i, q, q_pos, lo, hi, split_hi, bt_row, k_cache_ptr
             pv = tl.dot(pw.to(v.dtype), v)
         if KV_SCALED:
             pv = pv * v_unit
-        acc = acc + pv
+        acc = acc * alpha[:, None] + pv
+        m_i = m_new
 
     return acc, m_i, l_i
 
@@ -325,14 +310,14 @@ def _paged_attention_kernel(
                                       kc_stride_head, vc_stride_block, vc_stride_slot, vc_stride_head,
                                       ks_stride_block, ks_stride_slot, ks_stride_head, vs_stride_block,
                                       vs_stride_slot, vs_stride_head, block_size, True, KV_SCALED, DOT_F16, PTX,
-                                      BLOCK_N, USE_WINDOW, SOFTCAP, IEEE_DOT, BLOCK_M >= 64)
+                                      BLOCK_N, USE_WINDOW, SOFTCAP, IEEE_DOT)
         acc, m_i, l_i = _attend_tiles(acc, m_i, l_i, q, q_pos, full_lo, full_hi, split_hi,
                                       bt_row, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, qk_scale,
                                       softcap_log2, window, dims, dim_valid, kv_head, kc_stride_block, kc_stride_slot,
                                       kc_stride_head, vc_stride_block, vc_stride_slot, vc_stride_head,
                                       ks_stride_block, ks_stride_slot, ks_stride_head, vs_stride_block,
                                       vs_stride_slot, vs_stride_head, block_size, False, KV_SCALED, DOT_F16, PTX,
-                                      BLOCK_N, USE_WINDOW, SOFTCAP, IEEE_DOT, BLOCK_M >= 64)
+                                      BLOCK_N, USE_WINDOW, SOFTCAP, IEEE_DOT)
         masked_lo = full_hi
     else:
         masked_lo = split_lo
@@ -342,7 +327,7 @@ def _paged_attention_kernel(
                                   kc_stride_head, vc_stride_block, vc_stride_slot, vc_stride_head,
                                   ks_stride_block, ks_stride_slot, ks_stride_head, vs_stride_block,
                                   vs_stride_slot, vs_stride_head, block_size, True, KV_SCALED, DOT_F16, PTX,
-                                  BLOCK_N, USE_WINDOW, SOFTCAP, IEEE_DOT, BLOCK_M >= 64)
+                                  BLOCK_N, USE_WINDOW, SOFTCAP, IEEE_DOT)
 
     if WRITE_PARTIALS:
         # Partials [T, Hq, S, D] and (max, sum) pairs [T, Hq, S, 2]; empty splits
