@@ -136,7 +136,7 @@ def test_sampled_requests_compile_nothing_after_start_up(tmp_path) -> None:
 def test_prompts_past_the_prefill_graphs_compile_nothing_after_start_up(tmp_path) -> None:
     """A lone prompt longer than the largest prefill graph runs eagerly in one chunk, and several
     prompts share a step: the warm-up compiled their attention variants (the longest chunk alone is
-    left to the 64-token one's variant)."""
+    left to the 128-token one's variant)."""
     make_model_dir("llama3", tmp_path)
     llm = LLM(str(tmp_path), device="cuda", dtype="bfloat16", max_num_seqs=8, max_model_len=4096,
               max_num_batched_tokens=4096)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import importlib.util
 import inspect
+import random
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -26,7 +27,9 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 from triton.runtime.jit import JITFunction  # noqa: E402
 
-from tokenmill.kernels import q8_0, triton_gemv, triton_ops, triton_skinny_matmul  # noqa: E402
+from tokenmill.engine.model_runner import warm_up_shapes  # noqa: E402
+from tokenmill.engine.prefill_graphs import capture_sizes  # noqa: E402
+from tokenmill.kernels import q8_0, triton_attention, triton_gemv, triton_ops, triton_skinny_matmul  # noqa: E402
 
 HOPPER = GPUTarget("cuda", 90, 32)
 HOPPER_MAX_SHARED = 232448  # bytes of shared memory one block may take on sm_90 (227 KiB)
@@ -282,6 +285,55 @@ def _specialization(fn: JITFunction, args: tuple, kwargs: dict) -> tuple:
         elif isinstance(value, int) and not isinstance(value, bool) and not param.do_not_specialize:
             key.append((param.name, value == 1, value % 16 == 0))
     return tuple(key)
+
+
+@pytest.mark.parametrize("group,head_dim,kv_dtype", [(1, 128, torch.bfloat16), (2, 128, torch.bfloat16),
+                                                     (4, 128, torch.bfloat16), (8, 128, torch.bfloat16),
+                                                     (2, 256, torch.bfloat16), (4, 128, torch.float8_e4m3fn)])
+def test_the_warm_up_compiles_every_attention_variant_a_prefill_step_takes(
+        monkeypatch: pytest.MonkeyPatch, group: int, head_dim: int, kv_dtype: torch.dtype) -> None:
+    """Any step that carries a chunk (eager past the prefill graphs, or for prompt logprobs) must find
+    its attention variant compiled at start-up, by the warm-up or the prefill graphs' captures: chunks
+    of any length at any depth, alone, beside other chunks or beside decode rows, on an H200's 132 SMs."""
+    seen: set[tuple] = set()
+
+    def record(self: JITFunction, *args: Any, grid: Any, warmup: bool, **kwargs: Any) -> None:
+        seen.add(_specialization(self, args, kwargs))
+
+    monkeypatch.setattr(JITFunction, "run", record)
+    monkeypatch.setattr(triton_attention, "num_sms", lambda device: 132)
+    kv_heads, block_size, budget, max_len, max_seqs = 8, 16, 4096, 8192, 256
+    k_cache = torch.empty(2, block_size, kv_heads, head_dim, dtype=kv_dtype)
+    scales = (torch.ones(2, block_size, kv_heads), torch.ones(2, block_size, kv_heads)) \
+        if kv_dtype.itemsize == 1 else (None, None)
+
+    def step(seqs: list[tuple[int, int]], width: int | None = None) -> None:  # (query tokens, context) a sequence
+        lens = torch.tensor([q for q, _ in seqs])
+        start = torch.zeros(len(seqs) + 1, dtype=torch.int32)
+        start[1:] = torch.cumsum(lens, 0)
+        tables = torch.zeros(len(seqs), width or -(-max(c for _, c in seqs) // block_size), dtype=torch.int32)
+        triton_ops.paged_attention(torch.empty(int(start[-1]), group * kv_heads, head_dim, dtype=torch.bfloat16),
+                                   k_cache, k_cache, start, torch.tensor([c for _, c in seqs], dtype=torch.int32),
+                                   tables, 0.1, max_query_len=int(lens.max()), max_seq_len=max(c for _, c in seqs),
+                                   k_scale=scales[0], v_scale=scales[1])
+
+    for q, context, rows in warm_up_shapes(budget, max_len, max_seqs):
+        step([(q, context)] + [(1, 1)] * rows)
+    for seqs in (1, max_seqs):  # as captured: the first sequence holds the query, the others are empty
+        for size in capture_sizes(budget, seqs):
+            step([(size, size)] + [(0, 0)] * (seqs - 1), width=max_len // block_size)
+    warm, rng = set(seen), random.Random(group * head_dim)
+    for _ in range(400):
+        chunks = [rng.choice((rng.randint(2, 40), rng.randint(2, budget))) for _ in range(rng.choice((1, 1, 2, 3)))]
+        room = budget - sum(chunks)
+        if room < 0:
+            continue
+        decode = rng.choice((0, rng.randint(1, 8), rng.randint(1, min(room, max_seqs - len(chunks)))))
+        seqs = [(q, rng.randint(q, max_len)) for q in chunks] + [(1, rng.randint(1, max_len)) for _ in range(decode)]
+        step(seqs)
+        new = seen - warm
+        assert not new, (f"a step of {[q for q, _ in seqs[:3]]} … ({len(seqs)} sequences) compiles anew: "
+                         f"{[sorted(set(key) - set(near)) for key in new for near in [max(warm, key=lambda w: len(set(w) & set(key)))]]}")
 
 
 def test_the_batch_shape_makes_no_new_kernel_variant(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -199,6 +199,29 @@ def allocate_kv_caches(layout: KVLayout, num_blocks: list[int], block_size: int,
     return tensors, [own[src] for src in layout.source]
 
 
+def warm_up_shapes(max_num_batched_tokens: int, max_model_len: int, max_num_seqs: int) -> list[tuple[int, int, int]]:
+    """The warm-up's forwards as (query tokens of one sequence, its context, decode rows beside it).
+
+    Attention's variants follow its query-tile rows (the next power of two of query tokens times the
+    GQA group, up to 128 or 64), whether the tiles of a ragged batch are numbered flat (a chunk longer
+    than one tile beside other sequences) and whether the KV range is split (a grid under one program
+    an SM). A chunk of 256 tokens fills two tiles of the largest class at every group, 64 at groups
+    of 4 and more; the shorter ones take each smaller class."""
+    longest = max(2, min(max_num_batched_tokens - 1, max_model_len - 1))
+    shapes = {(q, q, 1) for q in (2, 4, 8, 16, 64, 128) if q < longest} | {(longest, longest, 1)}
+    # Chunks of every class beside one decode row deep into the longest context, whose KV ranges
+    # split, and beside the widest batch, whose grid does not.
+    few = [q for q in (2, 4, 8, 16, 32, 64, 256) if q < longest]
+    if longest > 16:
+        shapes |= {(q, max_model_len - 1, 1) for q in few}
+    if max_num_seqs > 2:
+        shapes |= {(q, q, max_num_seqs - 1) for q in few}
+    # Each chunk alone too (a lone sequence's tiles are not flat), but for the longest past 128 tokens:
+    # it takes the 128-token one's attention variant and would cost a forward of the whole budget.
+    shapes |= {(q, context, 0) for q, context, rows in list(shapes) if rows == 1 and (q < longest or q <= 128)}
+    return sorted(shapes)
+
+
 class ModelRunner:
     def __init__(self, cfg: ModelConfig, model: torch.nn.Module, num_blocks: list[int], block_size: int,
                  device: torch.device, dtype: torch.dtype, max_num_seqs: int = 256, max_model_len: int = 2048,
@@ -246,26 +269,14 @@ class ModelRunner:
 
     @torch.inference_mode()
     def warm_up(self, max_num_batched_tokens: int, max_model_len: int) -> None:
-        """Eager forwards in the shapes that prefill steps take (chunks of 2 … the token budget, alone
-        and beside a decode row, whose attention tiles are numbered differently; short chunks deep into
-        a long context, and beside the most decode rows a step can hold, whose attention grid may take
-        other tiles), so that Triton compiles their kernel variants at start-up rather than inside the
-        first requests' steps.
+        """Eager forwards in the shapes that prefill steps take (``warm_up_shapes``: chunks of 2 … the
+        token budget, alone and beside a decode row, whose attention tiles are numbered differently;
+        chunks deep into a long context, and beside the most decode rows a step can hold, whose
+        attention grid may take other tiles), so that Triton compiles their kernel variants at start-up
+        rather than inside the first requests' steps.
         Every token writes to slot -1 (padding) and reads block 0: the cache is left as it was."""
         dev = self.device
-        longest = max(2, min(max_num_batched_tokens - 1, max_model_len - 1))
-        shapes = {(q, q, 1) for q in (2, 4, 8, 16, 64) if q < longest} | {(longest, longest, 1)}
-        # Few query rows (each query-tile class under 64 rows, for GQA groups of 1 to 8): long contexts,
-        # whose KV ranges split, and short ones in the widest batch.
-        few = [q for q in (2, 4, 8, 16, 32) if q < longest]
-        if longest > 16:
-            shapes |= {(q, max_model_len - 1, 1) for q in few}
-        if self.max_num_seqs > 2:
-            shapes |= {(q, q, self.max_num_seqs - 1) for q in few}
-        # Each chunk alone too (a lone sequence's tiles are not flat), but for the longest past 64 tokens:
-        # it takes the 64-token one's attention variant and would cost a forward of the whole budget.
-        shapes |= {(q, context, 0) for q, context, rows in list(shapes) if rows == 1 and (q < longest or q <= 64)}
-        for query_len, context, rows in sorted(shapes):
+        for query_len, context, rows in warm_up_shapes(max_num_batched_tokens, max_model_len, self.max_num_seqs):
             total = query_len + rows
             groups = self.num_kv_groups
             meta = AttentionMetadata(

@@ -48,6 +48,11 @@ MAX_TOKENS = TOKEN_COUNTS[-1]
 MIXED_MAX_TOKENS = 256
 
 
+def capture_sizes(max_tokens: int, max_seqs: int) -> list[int]:
+    """The token counts captured for steps of up to ``max_seqs`` sequences and ``max_tokens`` tokens."""
+    limit = min(max_tokens, MAX_TOKENS if max_seqs == 1 else MIXED_MAX_TOKENS)
+    return [n for n in TOKEN_COUNTS if n < limit] + ([limit] if limit >= 2 else [])
+
 class PrefillGraphs:
     def __init__(self, model: torch.nn.Module, kv_caches: list, num_kv_groups: int, max_tokens: int,
                  max_blocks_per_seq: int, vocab_size: int, dtype: torch.dtype, device: torch.device,
@@ -58,8 +63,7 @@ class PrefillGraphs:
         self.model = model
         self.kv_caches = kv_caches
         self.max_seqs = max_seqs
-        limit = min(max_tokens, MAX_TOKENS if max_seqs == 1 else MIXED_MAX_TOKENS)
-        self.sizes = [n for n in TOKEN_COUNTS if n < limit] + ([limit] if limit >= 2 else [])
+        self.sizes = capture_sizes(max_tokens, max_seqs)
         rows = self.sizes[-1] if self.sizes else 0
         self.input_ids = torch.zeros(rows, dtype=torch.int64, device=device)
         self.positions = torch.zeros(rows, dtype=torch.int64, device=device)
