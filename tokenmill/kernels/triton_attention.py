@@ -60,10 +60,11 @@ def _tile_blocks(bt_row, start, end, block_size, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
-def _tile_scales(k_scale_ptr, v_scale_ptr, block, start, end, kv_head, block_size, ks_stride_block, ks_stride_slot,
-                 ks_stride_head, vs_stride_block, vs_stride_slot, vs_stride_head, BLOCK_N: tl.constexpr):
+def _tile_scales(scales, block, start, end, kv_head, block_size, BLOCK_N: tl.constexpr):
     """The K and V scales (float32) of tokens ``start`` … ``start + BLOCK_N``, held in ``block``s (0 from
-    ``end`` on)."""
+    ``end`` on); ``scales``: each cache's scale pointer and strides (block, slot, head), K's then V's."""
+    k_scale_ptr, ks_stride_block, ks_stride_slot, ks_stride_head, v_scale_ptr, vs_stride_block, vs_stride_slot, \
+        vs_stride_head = scales
     n = start + tl.arange(0, BLOCK_N)
     valid = n < end
     slot = n % block_size
@@ -98,23 +99,21 @@ def _flat_tile(query_start_loc_ptr, f, batch, BLOCK_Q: tl.constexpr):
 # The block-table width and the split count change with every batch: specialising on their values
 # (1, multiples of 16) would compile new variants inside requests' steps.
 @triton.jit
-def _attend_tiles(acc, m_i, l_i, q, q_pos, lo, hi, split_hi, bt_row, k_cache_ptr, v_cache_ptr, k_scale_ptr,
-                  v_scale_ptr, qk_scale, softcap_log2, window, dims, dim_valid, kv_head, kc_stride_block,
-                  kc_stride_slot, kc_stride_head, vc_stride_block, vc_stride_slot, vc_stride_head, ks_stride_block,
-                  ks_stride_slot, ks_stride_head, vs_stride_block, vs_stride_slot, vs_stride_head,
-                  block_size: tl.constexpr, MASKED: tl.constexpr, KV_SCALED: tl.constexpr, DOT_F16: tl.constexpr,
-                  PTX: tl.constexpr, BLOCK_N: tl.constexpr, USE_WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
-                  IEEE_DOT: tl.constexpr):
+def _attend_tiles(acc, m_i, l_i, q, q_pos, lo, hi, split_hi, bt_row, kv_head, cache, scales, qk_scale, softcap_log2,
+                  window, dims, dim_valid, block_size: tl.constexpr, MASKED: tl.constexpr, KV_SCALED: tl.constexpr,
+                  DOT_F16: tl.constexpr, PTX: tl.constexpr, BLOCK_N: tl.constexpr, USE_WINDOW: tl.constexpr,
+                  SOFTCAP: tl.constexpr, IEEE_DOT: tl.constexpr):
     """The online softmax over the key tiles ``lo`` … ``hi`` (of a split ending at ``split_hi``) folded
-    into ``acc``, ``m_i``, ``l_i``; without ``MASKED`` every row may see every key of every tile."""
+    into ``acc``, ``m_i``, ``l_i``; without ``MASKED`` every row may see every key of every tile.
+    ``cache``: the K and V caches' pointers and strides (block, slot, head); ``scales``: theirs."""
+    k_cache_ptr, kc_stride_block, kc_stride_slot, kc_stride_head, v_cache_ptr, vc_stride_block, vc_stride_slot, \
+        vc_stride_head = cache
     if KV_SCALED:
         # A quantized cache's scales (two bytes a token, too narrow for the pipeline's asynchronous
         # copies) are read a tile ahead, from block ids read a tile before that: no read a tile's dots
         # wait for depends on another read issued in the same iteration.
-        ks_next, vs_next = _tile_scales(k_scale_ptr, v_scale_ptr, _tile_blocks(bt_row, lo, split_hi, block_size,
-                                                                               BLOCK_N),
-                                        lo, split_hi, kv_head, block_size, ks_stride_block, ks_stride_slot,
-                                        ks_stride_head, vs_stride_block, vs_stride_slot, vs_stride_head, BLOCK_N)
+        ks_next, vs_next = _tile_scales(scales, _tile_blocks(bt_row, lo, split_hi, block_size, BLOCK_N), lo,
+                                        split_hi, kv_head, block_size, BLOCK_N)
         blocks_next = _tile_blocks(bt_row, lo + BLOCK_N, split_hi, block_size, BLOCK_N)
     for start in range(lo, hi, BLOCK_N):
         n = start + tl.arange(0, BLOCK_N)
@@ -123,9 +122,8 @@ def _attend_tiles(acc, m_i, l_i, q, q_pos, lo, hi, split_hi, bt_row, k_cache_ptr
         slot = n % block_size
         if KV_SCALED:
             ks, vs = ks_next, vs_next
-            ks_next, vs_next = _tile_scales(k_scale_ptr, v_scale_ptr, blocks_next, start + BLOCK_N, split_hi, kv_head,
-                                            block_size, ks_stride_block, ks_stride_slot, ks_stride_head,
-                                            vs_stride_block, vs_stride_slot, vs_stride_head, BLOCK_N)
+            ks_next, vs_next = _tile_scales(scales, blocks_next, start + BLOCK_N, split_hi, kv_head, block_size,
+                                            BLOCK_N)
             blocks_next = _tile_blocks(bt_row, start + 2 * BLOCK_N, split_hi, block_size, BLOCK_N)
         k_off = block * kc_stride_block + slot * kc_stride_slot + kv_head * kc_stride_head
         k = tl.load(
@@ -294,6 +292,10 @@ def _paged_attention_kernel(
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     bt_row = block_tables_ptr + seq.to(tl.int64) * bt_stride
+    cache = (k_cache_ptr, kc_stride_block, kc_stride_slot, kc_stride_head,
+             v_cache_ptr, vc_stride_block, vc_stride_slot, vc_stride_head)
+    scales = (k_scale_ptr, ks_stride_block, ks_stride_slot, ks_stride_head,
+              v_scale_ptr, vs_stride_block, vs_stride_slot, vs_stride_head)
     if BLOCK_M >= 64:
         # A prompt's tile: the keys every row may see (past the window's edge for its last token, up to
         # its first token's position) go through a loop without the masks; the tiles on either edge keep
@@ -305,29 +307,19 @@ def _paged_attention_kernel(
         full_hi = tl.maximum(split_lo + (tl.minimum(context + tile_lo + 1, split_hi) - split_lo) // BLOCK_N * BLOCK_N,
                              full_lo)
         acc, m_i, l_i = _attend_tiles(acc, m_i, l_i, q, q_pos, split_lo, tl.minimum(full_lo, split_hi), split_hi,
-                                      bt_row, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, qk_scale,
-                                      softcap_log2, window, dims, dim_valid, kv_head, kc_stride_block, kc_stride_slot,
-                                      kc_stride_head, vc_stride_block, vc_stride_slot, vc_stride_head,
-                                      ks_stride_block, ks_stride_slot, ks_stride_head, vs_stride_block,
-                                      vs_stride_slot, vs_stride_head, block_size, True, KV_SCALED, DOT_F16, PTX,
-                                      BLOCK_N, USE_WINDOW, SOFTCAP, IEEE_DOT)
+                                      bt_row, kv_head, cache, scales, qk_scale, softcap_log2, window, dims,
+                                      dim_valid, block_size, True, KV_SCALED, DOT_F16, PTX, BLOCK_N, USE_WINDOW,
+                                      SOFTCAP, IEEE_DOT)
         acc, m_i, l_i = _attend_tiles(acc, m_i, l_i, q, q_pos, full_lo, full_hi, split_hi,
-                                      bt_row, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, qk_scale,
-                                      softcap_log2, window, dims, dim_valid, kv_head, kc_stride_block, kc_stride_slot,
-                                      kc_stride_head, vc_stride_block, vc_stride_slot, vc_stride_head,
-                                      ks_stride_block, ks_stride_slot, ks_stride_head, vs_stride_block,
-                                      vs_stride_slot, vs_stride_head, block_size, False, KV_SCALED, DOT_F16, PTX,
-                                      BLOCK_N, USE_WINDOW, SOFTCAP, IEEE_DOT)
+                                      bt_row, kv_head, cache, scales, qk_scale, softcap_log2, window, dims,
+                                      dim_valid, block_size, False, KV_SCALED, DOT_F16, PTX, BLOCK_N, USE_WINDOW,
+                                      SOFTCAP, IEEE_DOT)
         masked_lo = full_hi
     else:
         masked_lo = split_lo
     acc, m_i, l_i = _attend_tiles(acc, m_i, l_i, q, q_pos, masked_lo, split_hi, split_hi,
-                                  bt_row, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, qk_scale,
-                                  softcap_log2, window, dims, dim_valid, kv_head, kc_stride_block, kc_stride_slot,
-                                  kc_stride_head, vc_stride_block, vc_stride_slot, vc_stride_head,
-                                  ks_stride_block, ks_stride_slot, ks_stride_head, vs_stride_block,
-                                  vs_stride_slot, vs_stride_head, block_size, True, KV_SCALED, DOT_F16, PTX,
-                                  BLOCK_N, USE_WINDOW, SOFTCAP, IEEE_DOT)
+                                  bt_row, kv_head, cache, scales, qk_scale, softcap_log2, window, dims, dim_valid,
+                                  block_size, True, KV_SCALED, DOT_F16, PTX, BLOCK_N, USE_WINDOW, SOFTCAP, IEEE_DOT)
 
     if WRITE_PARTIALS:
         # Partials [T, Hq, S, D] and (max, sum) pairs [T, Hq, S, 2]; empty splits
