@@ -287,11 +287,12 @@ def _specialization(fn: JITFunction, args: tuple, kwargs: dict) -> tuple:
     return tuple(key)
 
 
-@pytest.mark.parametrize("group,head_dim,kv_dtype", [(1, 128, torch.bfloat16), (2, 128, torch.bfloat16),
-                                                     (4, 128, torch.bfloat16), (8, 128, torch.bfloat16),
-                                                     (2, 256, torch.bfloat16), (4, 128, torch.float8_e4m3fn)])
+@pytest.mark.parametrize("group,kv_heads,head_dim,kv_dtype", [
+    (1, 32, 128, torch.bfloat16), (2, 8, 128, torch.bfloat16), (4, 8, 128, torch.bfloat16),
+    (8, 8, 128, torch.bfloat16), (4, 1, 128, torch.bfloat16), (2, 2, 16, torch.bfloat16),
+    (2, 8, 256, torch.bfloat16), (4, 8, 128, torch.float8_e4m3fn)])
 def test_the_warm_up_compiles_every_attention_variant_a_prefill_step_takes(
-        monkeypatch: pytest.MonkeyPatch, group: int, head_dim: int, kv_dtype: torch.dtype) -> None:
+        monkeypatch: pytest.MonkeyPatch, group: int, kv_heads: int, head_dim: int, kv_dtype: torch.dtype) -> None:
     """Any step that carries a chunk (eager past the prefill graphs, or for prompt logprobs) must find
     its attention variant compiled at start-up, by the warm-up or the prefill graphs' captures: chunks
     of any length at any depth, alone, beside other chunks or beside decode rows, on an H200's 132 SMs."""
@@ -302,7 +303,7 @@ def test_the_warm_up_compiles_every_attention_variant_a_prefill_step_takes(
 
     monkeypatch.setattr(JITFunction, "run", record)
     monkeypatch.setattr(triton_attention, "num_sms", lambda device: 132)
-    kv_heads, block_size, budget, max_len, max_seqs = 8, 16, 4096, 8192, 256
+    block_size = 16
     k_cache = torch.empty(2, block_size, kv_heads, head_dim, dtype=kv_dtype)
     scales = (torch.ones(2, block_size, kv_heads), torch.ones(2, block_size, kv_heads)) \
         if kv_dtype.itemsize == 1 else (None, None)
@@ -317,23 +318,26 @@ def test_the_warm_up_compiles_every_attention_variant_a_prefill_step_takes(
                                    tables, 0.1, max_query_len=int(lens.max()), max_seq_len=max(c for _, c in seqs),
                                    k_scale=scales[0], v_scale=scales[1])
 
-    for q, context, rows in warm_up_shapes(budget, max_len, max_seqs):
-        step([(q, context)] + [(1, 1)] * rows)
-    for seqs in (1, max_seqs):  # as captured: the first sequence holds the query, the others are empty
-        for size in capture_sizes(budget, seqs):
-            step([(size, size)] + [(0, 0)] * (seqs - 1), width=max_len // block_size)
-    warm, rng = set(seen), random.Random(group * head_dim)
-    for _ in range(400):
-        chunks = [rng.choice((rng.randint(2, 40), rng.randint(2, budget))) for _ in range(rng.choice((1, 1, 2, 3)))]
-        room = budget - sum(chunks)
-        if room < 0:
-            continue
-        decode = rng.choice((0, rng.randint(1, 8), rng.randint(1, min(room, max_seqs - len(chunks)))))
-        seqs = [(q, rng.randint(q, max_len)) for q in chunks] + [(1, rng.randint(1, max_len)) for _ in range(decode)]
-        step(seqs)
-        new = seen - warm
-        assert not new, (f"a step of {[q for q, _ in seqs[:3]]} … ({len(seqs)} sequences) compiles anew: "
-                         f"{[sorted(set(key) - set(near)) for key in new for near in [max(warm, key=lambda w: len(set(w) & set(key)))]]}")
+    rng = random.Random(group * kv_heads * head_dim)
+    for budget, max_len, max_seqs in ((4096, 8192, 256), (512, 2048, 8)):
+        seen.clear()
+        for q, context, rows in warm_up_shapes(budget, max_len, max_seqs):
+            step([(q, context)] + [(1, 1)] * rows)
+        for seqs in (1, max_seqs):  # as captured: the first sequence holds the query, the others are empty
+            for size in capture_sizes(budget, seqs):
+                step([(size, size)] + [(0, 0)] * (seqs - 1), width=max_len // block_size)
+        warm = set(seen)
+        for _ in range(300):
+            chunks = [rng.choice((rng.randint(2, 40), rng.randint(2, budget))) for _ in range(rng.choice((1, 1, 2, 3)))]
+            room = min(budget - sum(chunks), max_seqs - len(chunks))
+            if room < 0:
+                continue
+            decode = rng.choice((0, rng.randint(0, min(room, 8)), rng.randint(0, room)))
+            seqs = [(q, rng.randint(q, max_len)) for q in chunks] + [(1, rng.randint(1, max_len)) for _ in range(decode)]
+            step(seqs)
+            new = seen - warm
+            assert not new, (f"a step of {[q for q, _ in seqs[:3]]} … ({len(seqs)} sequences) compiles anew: "
+                             f"{[sorted(set(key) - set(near)) for key in new for near in [max(warm, key=lambda w: len(set(w) & set(key)))]]}")
 
 
 def test_the_batch_shape_makes_no_new_kernel_variant(monkeypatch: pytest.MonkeyPatch) -> None:
