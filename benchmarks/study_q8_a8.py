@@ -32,7 +32,7 @@ import triton
 import triton.language as tl
 
 from study_gemv import MODELS, time_graph
-from study_q8 import DT, packed_weights, rel_err
+from study_q8 import DT, packed_weights, rel_err, time_candidates
 from tokenmill.bench.hardware import measure_ceilings, write_rows
 from tokenmill.kernels import q8_0, reference, triton_ops
 from tokenmill.kernels.triton_gemv import _gemv
@@ -197,19 +197,6 @@ def check() -> None:
         assert err < 2e-2, err
 
 
-def timed(fn, candidates: list[tuple], weights: list, want: torch.Tensor, x: torch.Tensor) -> list[dict]:
-    """Each candidate's median µs a call (over ``weights``) and its error on the first, fastest first."""
-    out = []
-    for tiles in candidates:
-        try:
-            err = rel_err(fn(x, weights[0], tiles), want)
-        except triton.runtime.errors.OutOfResources:
-            continue
-        us = time_graph(lambda t=tiles: [fn(x, w, t) for w in weights]) * 1e3 / len(weights)
-        out.append({"tiles": list(tiles), "us": us, "rel_err": err})
-    return sorted(out, key=lambda t: t["us"])
-
-
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--check", action="store_true", help="check the kernels (under TRITON_INTERPRET=1)")
@@ -236,12 +223,12 @@ def main() -> None:
                    / len(dense)}
             if m == 1:
                 for fused in (False, True):
-                    row["fused" if fused else "prequant"] = timed(
+                    row["fused" if fused else "prequant"] = time_candidates(
                         lambda x, w, t, f=fused: dp4a_gemv(x, w, t, f), GEMV_SWEEP, packed, want, x)
                 best = min(row["fused"][0], row["prequant"][0], key=lambda t: t["us"])
             else:
-                row["int8_mma"] = timed(int8_matmul, next(v for b, v in sorted(MATMUL_SWEEP.items()) if m <= b),
-                                        packed, want, x)
+                row["int8_mma"] = time_candidates(int8_matmul, next(v for b, v in sorted(MATMUL_SWEEP.items())
+                                                                     if m <= b), packed, want, x)
                 best = row["int8_mma"][0]
             row["best"] = best
             row["fraction_of_floor"] = floor_us / best["us"]

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from study_gemv import L2_BYTES, MODELS, time_graph
-from study_q8 import DT, packed_weights, rel_err
+from study_q8 import DT, packed_weights, time_candidates
 from tokenmill.bench.hardware import measure_ceilings, write_rows
 from tokenmill.kernels import reference
 from tokenmill.kernels.q8_0 import quantize
@@ -72,15 +72,9 @@ def main() -> None:
             row = {"name": f"skinny/llama3-8b/{name}/m{m}", "m": m, "n": n, "k": k,
                    "cublas_bf16_us": time_graph(lambda x=x: [F.linear(x, w) for w in dense]) * 1e3 / len(dense)}
             for kind, weights in (("bf16", dense), ("q8", packed)):
-                timed = []
-                for tiles in next(v for bound, v in sorted(SWEEP.items()) if m <= bound):
-                    try:
-                        err = rel_err(skinny_matmul(x, weights[0], None, tiles), reference.linear(x, weights[0], None))
-                    except Exception:  # noqa: BLE001 - did not compile (reported above)
-                        continue
-                    us = time_graph(lambda x=x, t=tiles, ws=weights: [skinny_matmul(x, w, None, t) for w in ws]) * 1e3
-                    timed.append({"tiles": list(tiles), "us": us / len(weights), "rel_err": err})
-                timed.sort(key=lambda t: t["us"])
+                timed = time_candidates(lambda x, w, t: skinny_matmul(x, w, None, t),
+                                        next(v for bound, v in sorted(SWEEP.items()) if m <= bound), weights,
+                                        reference.linear(x, weights[0], None), x)
                 weight_bytes = n * k * (1 + 2 / 32) if kind == "q8" else n * k * 2
                 row[f"{kind}_floor_us"] = ceilings.floor(weight_bytes + 2 * m * (n + k), 2 * m * n * k) * 1e6
                 row[f"{kind}_best"] = timed[0]

@@ -472,8 +472,8 @@ def _interpret_attention(ops) -> None:
     # Long prompts at head dim 128, windowed.
     check_paged_attention(ops, [(64, 64), (40, 300), (1, 50)], num_q_heads=8, num_kv_heads=2, head_dim=128,
                           dtype=f16, sliding_window=40, **common)
-    # Sharp scores (scale 1 at head dim 64): a prompt tile's running max jumps past the rescale slack
-    # between some key tiles and creeps up within it between others.
+    # Sharp scores (scale 1 at head dim 64): a prompt tile's running max jumps by tens of log2 units
+    # between some key tiles and by a little between others.
     check_paged_attention(ops, [(64, 300), (40, 40)], num_q_heads=4, num_kv_heads=1, head_dim=64,
                           dtype=f16, scale=1.0, **common)
     # Decode batches: T == B with no hint, split and unsplit, windowed, MHA.

@@ -89,8 +89,8 @@ def test_paged_attention_mixed_batch(dtype, head_dim, window) -> None:
 @pytest.mark.parametrize("scale", [None, 1.0])
 def test_paged_attention_long_prompts(dtype, head_dim, window, scale) -> None:
     """Long prompts (a whole prompt, a chunk deep in its context) beside a decode row; at scale 1 the
-    scores are sharp (a row's max jumps by tens of log2 units between some key tiles, by less than
-    the prompt tiles' rescale slack between others)."""
+    scores are sharp (a row's running max jumps by tens of log2 units between some key tiles and by a
+    little between others, and each jump rescales what the tiles before it summed)."""
     cases.check_paged_attention(
         triton_ops, [(2048, 2048), (1000, 3000), (1, 500)], num_q_heads=32, num_kv_heads=8, head_dim=head_dim,
         block_size=16, dtype=dtype, device="cuda", sliding_window=window, scale=scale,

@@ -53,6 +53,7 @@ def capture_sizes(max_tokens: int, max_seqs: int) -> list[int]:
     limit = min(max_tokens, MAX_TOKENS if max_seqs == 1 else MIXED_MAX_TOKENS)
     return [n for n in TOKEN_COUNTS if n < limit] + ([limit] if limit >= 2 else [])
 
+
 class PrefillGraphs:
     def __init__(self, model: torch.nn.Module, kv_caches: list, num_kv_groups: int, max_tokens: int,
                  max_blocks_per_seq: int, vocab_size: int, dtype: torch.dtype, device: torch.device,

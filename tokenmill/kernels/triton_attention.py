@@ -96,8 +96,6 @@ def _flat_tile(query_start_loc_ptr, f, batch, BLOCK_Q: tl.constexpr):
     return seq, f - start
 
 
-# The block-table width and the split count change with every batch: specialising on their values
-# (1, multiples of 16) would compile new variants inside requests' steps.
 @triton.jit
 def _attend_tiles(acc, m_i, l_i, q, q_pos, lo, hi, split_hi, bt_row, kv_head, cache, scales, qk_scale, softcap_log2,
                   window, dims, dim_valid, block_size: tl.constexpr, MASKED: tl.constexpr, KV_SCALED: tl.constexpr,
@@ -185,6 +183,8 @@ def _attend_tiles(acc, m_i, l_i, q, q_pos, lo, hi, split_hi, bt_row, kv_head, ca
     return acc, m_i, l_i
 
 
+# The block-table width and the split count change with every batch: specialising on their values
+# (1, multiples of 16) would compile new variants inside requests' steps.
 @triton.jit(do_not_specialize=["bt_stride", "num_splits", "batch"])
 def _paged_attention_kernel(
     q_ptr,
