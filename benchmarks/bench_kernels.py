@@ -100,7 +100,8 @@ def main() -> None:
             err = (data.run().double() - ref.double()).norm().item() / ref.double().norm().item()
             eager = triton.testing.do_bench(lambda: data.run(), warmup=25, rep=100, return_mode="median")
             graph = triton.testing.do_bench_cudagraph(lambda: data.run(), rep=50, return_mode="median")
-            splits = _choose_num_splits(batch * NUM_KV_HEADS, context, data.query.device, HEAD_DIM)
+            splits = _choose_num_splits(batch * NUM_KV_HEADS, context, data.query.device, HEAD_DIM,
+                                        block_m=16)  # a decode tile
             row = {
                 "batch": batch, "context": context, "num_splits": splits, "kv_bytes": kv_bytes,
                 "cache_copies": copies, "rel_err_vs_reference": err,

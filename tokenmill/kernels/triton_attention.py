@@ -377,7 +377,8 @@ def _merge_splits_kernel(
     tl.store(out_ptr + t * o_stride_t + h * o_stride_h + dims, out.to(out_ptr.dtype.element_ty), mask=dim_valid)
 
 
-def _choose_num_splits(work_units: int, max_context: int, device: torch.device, block_d: int) -> int:
+def _choose_num_splits(work_units: int, max_context: int, device: torch.device, block_d: int,
+                       block_m: int) -> int:
     """Split until the grid fills one wave of ~4 programs per SM, never past it.
 
     Rounded down: on the H200 a partial second wave cost more than the split saved
@@ -388,8 +389,12 @@ def _choose_num_splits(work_units: int, max_context: int, device: torch.device, 
     context measured (Llama-3-8B's heads, 32-128 sequences over 192-8,192 tokens, e.g. 64 x 8k:
     551 us against 530-729 split; 32 x 192: 9.9 us against 15.5 at 2 splits, which also pay a
     merge kernel; benchmarks/results/h200-2026-12-01/attention-splits-315ca5f).
+    So do prompt tiles (64 rows and more) at every head dim: each program already streams a long
+    context, and the partials of thousands of tokens cost more to write and merge than the split
+    saves (Gemma-3-4B, a 4,000-token prompt in two chunks of 125 and 61 tiles x 4 KV heads at head
+    dim 256: 2 splits spent 8.0 ms in attention and 14.5 ms in the merge; h200-2026-12-01/prompt-splits).
     """
-    if block_d <= 128 and work_units >= num_sms(device):
+    if (block_d <= 128 or block_m >= 64) and work_units >= num_sms(device):
         return 1
     target = 4 * num_sms(device)
     by_length = max(1, max_context // _MIN_TOKENS_PER_SPLIT)
@@ -477,10 +482,11 @@ def launch_plan(block_d: int, group: int, num_kv_heads: int, batch: int, num_tok
                 ) -> tuple[tuple[int, int, int, int], int, tuple[int, int, bool]]:
     """The tile (``_tile_config``), the KV split count (``num_splits`` forces it) and the query tiles
     (``query_tiles``) a launch takes."""
-    grid = query_tiles(batch, num_tokens, max_query_len, _block_rows(block_d, group, max_query_len, elem_bytes) // group)
+    block_m = _block_rows(block_d, group, max_query_len, elem_bytes)
+    grid = query_tiles(batch, num_tokens, max_query_len, block_m // group)
     work_units = grid[0] * grid[1] * num_kv_heads
     if num_splits is None:
-        num_splits = _choose_num_splits(work_units, max_context, device, block_d)
+        num_splits = _choose_num_splits(work_units, max_context, device, block_d, block_m)
     tile = _tile_config(block_d, group, max_query_len, elem_bytes, num_splits, work_units / num_sms(device))
     return tile, num_splits, grid
 
