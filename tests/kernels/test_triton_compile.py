@@ -290,7 +290,7 @@ def _specialization(fn: JITFunction, args: tuple, kwargs: dict) -> tuple:
 @pytest.mark.parametrize("group,kv_heads,head_dim,kv_dtype", [
     (1, 32, 128, torch.bfloat16), (2, 8, 128, torch.bfloat16), (4, 8, 128, torch.bfloat16),
     (8, 8, 128, torch.bfloat16), (4, 1, 128, torch.bfloat16), (2, 2, 16, torch.bfloat16),
-    (2, 8, 256, torch.bfloat16), (4, 8, 128, torch.float8_e4m3fn)])
+    (2, 8, 256, torch.bfloat16), (2, 4, 256, torch.bfloat16), (4, 8, 128, torch.float8_e4m3fn)])
 def test_the_warm_up_compiles_every_attention_variant_a_prefill_step_takes(
         monkeypatch: pytest.MonkeyPatch, group: int, kv_heads: int, head_dim: int, kv_dtype: torch.dtype) -> None:
     """Any step that carries a chunk (eager past the prefill graphs, or for prompt logprobs) must find

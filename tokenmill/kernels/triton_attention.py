@@ -392,7 +392,7 @@ def _choose_num_splits(work_units: int, max_context: int, device: torch.device, 
     So do prompt tiles (64 rows and more) at every head dim: each program already streams a long
     context, and the partials of thousands of tokens cost more to write and merge than the split
     saves (Gemma-3-4B, a 4,000-token prompt in two chunks of 125 and 61 tiles x 4 KV heads at head
-    dim 256: 2 splits spent 8.0 ms in attention and 14.5 ms in the merge; h200-2026-12-01/prompt-splits).
+    dim 256: 2 splits spent 8.0 ms in attention and 14.5 ms in the merge; h200-2026-12-01/prompt-splits-eaf9d1d).
     """
     if (block_d <= 128 or block_m >= 64) and work_units >= num_sms(device):
         return 1
