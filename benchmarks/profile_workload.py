@@ -15,6 +15,9 @@ from tokenmill.bench.hardware import measure_ceilings
 from tokenmill.bench.offline import add_workload, make_engine, release, run_metered, standard_workload
 
 
+SLOWEST = 5  # steps of each kind listed by time
+
+
 def launch_costs() -> dict[str, float]:
     """Host microseconds to enqueue one call of each op (no synchronisation): what an
     eager step pays per kernel before the GPU sees it."""
@@ -73,16 +76,25 @@ def main() -> None:
     add_workload(engine, standard_workload(args.requests, vocab=vocab))
     records, wall, _ = run_metered(engine, ceilings)
     result = {"shape": args.shape, "requests": args.requests, "seconds": wall, "launch_us": launches}
-    for kind, rows in (("decode", [r for r in records if r.decode]), ("mixed", [r for r in records if not r.decode])):
+    numbered = list(enumerate(records))
+    for kind, steps in (("decode", [(i, r) for i, r in numbered if r.decode]),
+                        ("mixed", [(i, r) for i, r in numbered if not r.decode])):
+        rows = [r for _, r in steps]
+        slowest = sorted(steps, key=lambda step: -step[1].seconds)[:SLOWEST]
         result[kind] = {
             "steps": len(rows), "seconds": sum(r.seconds for r in rows), "floor_seconds": sum(r.floor for r in rows),
             "median_ms": statistics.median(r.seconds for r in rows) * 1e3 if rows else 0.0,
             "mean_batch": statistics.mean(r.batch_size for r in rows) if rows else 0.0,
             "mean_tokens": statistics.mean(r.tokens for r in rows) if rows else 0.0,
+            # A mean far above the median comes from a few steps: which ones, and what they carried.
+            "slowest": [{"step": i, "ms": r.seconds * 1e3, "floor_ms": r.floor * 1e3, "batch": r.batch_size,
+                         "tokens": r.tokens} for i, r in slowest],
         }
         k = result[kind]
         print(f"{kind:6s} steps {k['steps']:5d}  {k['seconds']:.2f} s (floor {k['floor_seconds']:.2f} s)  "
               f"median {k['median_ms']:.2f} ms  batch {k['mean_batch']:.0f}  tokens {k['mean_tokens']:.0f}")
+        print("       slowest: " + ", ".join(f"step {s['step']} {s['ms']:.1f} ms ({s['batch']} seqs, {s['tokens']} tokens)"
+                                          for s in k["slowest"]))
     add_workload(engine, standard_workload(64, vocab=vocab, seed=1), prefix="p")
     profile = cProfile.Profile()
     profile.enable()
