@@ -17,6 +17,8 @@
 #  `kernel-profile-b<N>` = the decode step's kernels at batch N (`kernel-profile`: batch 1);
 #  `ttft-profile` = a lone 100-token prompt's time to first token, its kernels and host functions;
 #  `study-attention-short` = decode attention tiles and split counts at the static-decode and workload batches;
+#  `study-attention-short-gemma` = the same at head dim 256 (Gemma-3-4B's 8 q / 4 KV heads, and groups of 2
+#   and 8), with batches of mixed lengths besides;
 #  `startup-profile` = cProfile over building a Llama-3-8B engine;
 #  `study-attention-prefill` = Llama-3-8B's prefill attention, every tile (`study-attention-prefill-quantized`:
 #   over int8 and fp8 caches);
@@ -120,6 +122,14 @@ for part in "$@"; do
       # (32-256 sequences, 192- and 1,024-token contexts): every decode tile at 1, 2 and 4 KV splits.
       timeout 500 python3 benchmarks/study_attention_tiles.py decode --points short --shapes 4,5 --jobs 8 \
         --out "$OUT/attention-tiles-short.jsonl" 2>&1 | tail -10 ;;
+    study-attention-short-gemma)
+      # Head dim 256's decode tiles that fit 1-3 programs an SM (K/V stages of 16-64 keys), at 1, 2 and 4
+      # KV splits: uniform short contexts for Gemma-3-4B's heads, then ragged batches for it and group 8.
+      tiles="16,16,4,2;16,16,4,4;16,32,4,2;16,32,4,3;16,64,4,1;16,64,4,2;16,32,8,2;16,64,8,2"
+      timeout 250 python3 benchmarks/study_attention_tiles.py decode --points short --shapes 6 --jobs 8 \
+        --tiles "$tiles" --out "$OUT/attention-tiles-short-gemma.jsonl" 2>&1 | tail -5
+      timeout 250 python3 benchmarks/study_attention_tiles.py decode --points ragged --shapes 6,1 --jobs 8 \
+        --tiles "$tiles" --out "$OUT/attention-tiles-short-gemma.jsonl" 2>&1 | tail -5 ;;
     study-attention-splits|study-attention-splits-gemma)
       # Decode attention from 1 to 128 sequences, 192-8,192 tokens, at 1-16 KV splits: Llama-3-8B's heads,
       # or Gemma's (head dim 256 in groups of 2 and 8).

@@ -1,7 +1,8 @@
 """Paged attention tile study on one GPU: Gemma's head dims (256, 512), and Llama-3-8B's
 (128, group 4) over a bf16 or a quantized (``--kv-dtype int8|fp8``) cache; with ``--points short``,
 the decode batches of the static-decode and workload benchmarks (Llama-3-8B and Qwen3-0.6B shapes,
-32-256 sequences over 192- and 1,024-token contexts), each tile at 1, 2 and 4 KV splits; with
+32-256 sequences over 192- and 1,024-token contexts), each tile at 1, 2 and 4 KV splits, and with
+``--points ragged`` batches of 136 and 256 sequences of mixed lengths likewise; with
 ``--points splits``, 1-128 sequences over 192-8,192 tokens at 1-16 splits in five tiles of each
 head dim.
 
@@ -27,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import subprocess
 import sys
 import time
@@ -43,11 +45,14 @@ from tokenmill.kernels import triton_attention  # noqa: E402
 
 BLOCK_SIZE = 16
 DTYPE = torch.bfloat16
-# (head_dim, q heads, KV heads): groups of 2 and 8, Llama-3-8B's, Qwen3-0.6B's.
-SHAPES = [(256, 16, 8), (256, 16, 2), (512, 16, 8), (512, 16, 2), (128, 32, 8), (128, 16, 8)]
+# (head_dim, q heads, KV heads): groups of 2 and 8, Llama-3-8B's, Qwen3-0.6B's, Gemma-3-4B's.
+SHAPES = [(256, 16, 8), (256, 16, 2), (512, 16, 8), (512, 16, 2), (128, 32, 8), (128, 16, 8), (256, 8, 4)]
 DECODE_POINTS = [(1, 8192), (16, 4096), (64, 2048), (64, 8192)]  # (batch, context)
 SHORT_POINTS = [(32, 192), (128, 192), (128, 1024), (256, 1024)]
 SHORT_SPLITS = (1, 2, 4)
+# Decode batches of mixed lengths, as a workload's steps hold them: (sequences, shortest and longest
+# context), each length drawn uniformly (seeded).
+RAGGED_POINTS = [(136, 128, 2048), (256, 128, 1024)]
 # The split count against batch and context at Llama-3-8B's head dim: from one sequence to 128, short
 # and long contexts, each at 1-16 splits in the current tile and its deeper-pipelined neighbours.
 SPLIT_POINTS = [(1, 256), (1, 4096), (8, 1024), (16, 1024), (16, 4096), (32, 192), (32, 1024), (32, 4096),
@@ -147,13 +152,22 @@ def measure(batch: Batch, tile: tuple | None, decode: bool, softcap: float | Non
 def _points(part: str, points: str) -> list[list[tuple[int, int]]]:
     if part == "prefill":
         return PREFILL_POINTS
+    if points == "ragged":
+        rng = random.Random(0)
+        return [[(1, rng.randint(lo, hi)) for _ in range(b)] for b, lo, hi in RAGGED_POINTS]
     chosen = {"short": SHORT_POINTS, "splits": SPLIT_POINTS, "quantized": QUANTIZED_POINTS}.get(points, DECODE_POINTS)
     return [[(1, ctx)] * b for b, ctx in chosen]
 
 
+def _contexts(specs: list[tuple[int, int]]) -> str:
+    """A point's context in its rows' names: the length, or the range of a ragged batch."""
+    lo, hi = min(c for _, c in specs), max(c for _, c in specs)
+    return str(hi) if lo == hi else f"{lo}-{hi}"
+
+
 def _splits(points: str) -> tuple[int | None, ...]:
     """The split counts each tile is timed at: the wrapper's choice, or each of a fixed list."""
-    return {"short": SHORT_SPLITS, "splits": SPLIT_COUNTS}.get(points, (None,))
+    return {"short": SHORT_SPLITS, "ragged": SHORT_SPLITS, "splits": SPLIT_COUNTS}.get(points, (None,))
 
 
 def _tiles(part: str, points: str, head_dim: int, forced: str | None = None) -> list[tuple[int, int, int, int]]:
@@ -194,9 +208,10 @@ def main() -> None:
     parser.add_argument("--chosen-only", action="store_true", help="time the wrapper's own tiles alone")
     parser.add_argument("--kv-dtype", choices=list(KV_DTYPES), default="bf16",
                         help="what the cache stores (int8/fp8: one byte and a bf16 scale per token and head)")
-    parser.add_argument("--points", choices=["long", "short", "splits", "quantized"], default="long",
+    parser.add_argument("--points", choices=["long", "short", "ragged", "splits", "quantized"], default="long",
                         help="decode points: long contexts (Gemma's study), the static-decode and workload batches, "
-                             "1-128 sequences at 1-16 KV splits in a few tiles, or two long-context batches")
+                             "batches of mixed lengths, 1-128 sequences at 1-16 KV splits in a few tiles, or two "
+                             "long-context batches")
     parser.add_argument("--tiles", default=None,
                         help="these tiles only: BLOCK_M,BLOCK_N,num_warps,num_stages separated by ';'")
     parser.add_argument("--worker", type=int, default=None, help=argparse.SUPPRESS)
@@ -226,7 +241,8 @@ def main() -> None:
             for specs in _points(args.part, args.points):
                 batch = Batch(specs, head_dim, hq, hkv, kv_dtype)
                 point = {"part": args.part, "head_dim": head_dim, "group": hq // hkv, "seqs": len(specs),
-                         "q": specs[0][0], "ctx": specs[0][1], "kv_dtype": args.kv_dtype}
+                         "q": specs[0][0], "ctx": batch.max_ctx, "ctx_min": min(c for _, c in specs),
+                         "kv_dtype": args.kv_dtype}
                 chosen, _, _ = triton_attention.launch_plan(triton.next_power_of_2(head_dim), hq // hkv, hkv,
                                                             len(specs), batch.query.shape[0], batch.max_q,
                                                             batch.max_ctx, batch.k.element_size(), batch.query.device)
@@ -241,7 +257,7 @@ def main() -> None:
                         label = ("chosen", *chosen) if tile is None else tile
                     floor_us = ceilings.floor(batch.kv_bytes, batch.flops) * 1e6
                     row = {"name": f"attention-tiles/{args.part}/d{head_dim}/g{hq // hkv}/{args.kv_dtype}/"
-                                   f"{len(specs)}x{specs[0][0]}x{specs[0][1]}/{'-'.join(map(str, label))}"
+                                   f"{len(specs)}x{specs[0][0]}x{_contexts(specs)}/{'-'.join(map(str, label))}"
                                    + (f"/s{splits}" if splits else ""),
                            **point, "tile": label, **row, "floor_us": floor_us,
                            "fraction_of_floor": floor_us / row["us"] if "us" in row else None}
@@ -252,7 +268,7 @@ def main() -> None:
                 mine = [r for r in results if r["tile"][0] == "chosen"]  # at each split count
                 capped = next(r for r in results if r["tile"][0] == "chosen+cap")
                 print(f"[{time.time() - t0:5.0f}s] D={head_dim} G={hq // hkv} seqs={len(specs)} q={specs[0][0]} "
-                      f"ctx={specs[0][1]}: best {best['tile']} splits {best['splits']} {best['us']:.1f}us "
+                      f"ctx={_contexts(specs)}: best {best['tile']} splits {best['splits']} {best['us']:.1f}us "
                       f"{best.get('TBps', 0):.2f} TB/s ({best.get('kernels')}); "
                       f"chosen {mine[0]['tile'][1:]} "
                       + ", ".join(f"splits {r['splits']} {r.get('us', float('nan')):.1f}us" for r in mine)
