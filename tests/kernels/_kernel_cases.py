@@ -482,6 +482,9 @@ def _interpret_attention(ops) -> None:
                           pass_max_query_len=False, **common)
     check_paged_attention(ops, decode, num_q_heads=8, num_kv_heads=2, head_dim=80, dtype=f32,
                           num_splits=4, **common)
+    # Past 8 splits the merge takes its wide tile (most of these splits are empty: they weigh nothing).
+    check_paged_attention(ops, decode, num_q_heads=8, num_kv_heads=2, head_dim=64, dtype=f16,
+                          num_splits=12, **common)
     check_paged_attention(ops, decode, num_q_heads=2, num_kv_heads=2, head_dim=64, dtype=f16,
                           num_splits=2, sliding_window=20, **common)
     # One program a whole context, the grid under two programs an SM (one here: the CPU counts as

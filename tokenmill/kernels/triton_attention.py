@@ -32,6 +32,10 @@ _MINUS_2_LOG2E = tl.constexpr(-2.0 * _LOG2E)
 # well-defined (never inf - inf) for rows whose first tiles are fully masked.
 _NEG_BIG = tl.constexpr(-1.0e30)
 _MAX_SPLITS = 64
+# The merge reads a program's splits as one [BLOCK_S, dims] tile: this many rows up to this many splits,
+# _MAX_SPLITS past it. Two variants, not one a split count; the small one holds an eighth of the
+# registers, so a prompt's thousands of merge programs (one a token and head) fill the SMs.
+_FEW_SPLITS = 8
 # Query starts a flat-tile program scans at a time.
 _SEQ_CHUNK = tl.constexpr(128)
 # Never fewer KV tokens per split than one K/V tile: a split then costs one tile's latency.
@@ -627,7 +631,7 @@ def paged_attention(
             num_q_heads,
             num_splits,
             head_dim,
-            BLOCK_S=_MAX_SPLITS,  # one variant for every split count (masked rows cost no reads)
+            BLOCK_S=_FEW_SPLITS if num_splits <= _FEW_SPLITS else _MAX_SPLITS,  # masked rows cost no reads
             BLOCK_D=merge_d,
             **pdl,
         )
