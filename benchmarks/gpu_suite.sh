@@ -22,6 +22,7 @@
 #  `startup-profile` = cProfile over building a Llama-3-8B engine;
 #  `study-attention-prefill` = Llama-3-8B's prefill attention, every tile (`study-attention-prefill-quantized`:
 #   over int8 and fp8 caches);
+#  `study-attention-prompt-splits` = lone prompts and chunks deep in long contexts at 1-16 KV splits;
 #  `study-attention-splits` = Llama-3-8B's decode attention at 1-16 KV splits from 1 to 128 sequences
 #   (`study-attention-splits-gemma`: head dim 256, groups of 2 and 8);
 #  `study-gemv-rows` = the one-row GEMV's tiles with several tiles of rows a program;
@@ -140,6 +141,11 @@ for part in "$@"; do
       # Llama-3-8B's prefill attention (a 2,048-token prompt; four 512-token chunks over 4k contexts), every tile.
       timeout 500 python3 benchmarks/study_attention_tiles.py prefill --shapes 4 --jobs 8 \
         --out "$OUT/attention-tiles-prefill.jsonl" 2>&1 | tail -10 ;;
+    study-attention-prompt-splits)
+      # Lone prompts and short chunks deep in long contexts at 1-16 KV splits in the engine's tile:
+      # Llama-3-8B's heads and Gemma-3-4B's.
+      timeout 300 python3 benchmarks/study_attention_tiles.py prefill --points splits --chosen-only --shapes 4,6 \
+        --out "$OUT/attention-prompt-splits.jsonl" 2>&1 | tail -12 ;;
     study-attention-prefill-quantized)
       for kv in int8 fp8; do
         timeout 250 python3 benchmarks/study_attention_tiles.py prefill --shapes 4 --kv-dtype $kv --jobs 12 \

@@ -4,7 +4,8 @@ the decode batches of the static-decode and workload benchmarks (Llama-3-8B and 
 32-256 sequences over 192- and 1,024-token contexts), each tile at 1, 2 and 4 KV splits, and with
 ``--points ragged`` batches of 136 and 256 sequences of mixed lengths likewise; with
 ``--points splits``, 1-128 sequences over 192-8,192 tokens at 1-16 splits in five tiles of each
-head dim.
+head dim (prefill: lone prompts and chunks deep in long contexts at 1-16 splits, with ``--chosen-only``
+the engine's tile alone).
 
 For decode batches and prefill chunks at head dims 256 and 512 with GQA groups of 2 and 8
 (block 16), and at head dim 128 (``--shapes 4``, with a batch of 64 over 8k tokens), times each candidate ``(BLOCK_M, BLOCK_N, num_warps, num_stages)`` by
@@ -64,6 +65,9 @@ SPLIT_TILES = {128: [(16, 64, 4, 2), (16, 64, 4, 3), (16, 64, 4, 4), (16, 128, 4
                512: [(16, 32, 4, 2), (16, 16, 4, 2), (16, 16, 4, 4), (16, 32, 8, 2), (16, 16, 8, 3)]}
 KV_DTYPES = {"bf16": torch.bfloat16, "int8": torch.int8, "fp8": torch.float8_e4m3fn}
 PREFILL_POINTS = [[(2048, 2048)], [(512, 4096)] * 4]  # (query length, context) per sequence
+# Lone prompts and chunks whose grid holds fewer programs than SMs, where the KV may still be split
+# (``--points splits``): whole prompts of 500-2,000 tokens, and short chunks deep in long contexts.
+PROMPT_SPLIT_POINTS = [[(500, 500)], [(1000, 1000)], [(2000, 2000)], [(64, 8192)], [(256, 16384)], [(512, 4096)]]
 DECODE_TILES = [(16, n, w, s) for n in (16, 32, 64, 128) for w in (4, 8) for s in (2, 3, 4)]
 PREFILL_TILES = [(m, n, w, s) for m in (32, 64, 128) for n in (16, 32, 64) for w in (4, 8) for s in (2, 3)]
 CHOSEN = (triton_attention._tile_config, triton_attention._block_rows)
@@ -151,7 +155,7 @@ def measure(batch: Batch, tile: tuple | None, decode: bool, softcap: float | Non
 
 def _points(part: str, points: str) -> list[list[tuple[int, int]]]:
     if part == "prefill":
-        return PREFILL_POINTS
+        return PROMPT_SPLIT_POINTS if points == "splits" else PREFILL_POINTS
     if points == "ragged":
         rng = random.Random(0)
         return [[(1, rng.randint(lo, hi)) for _ in range(b)] for b, lo, hi in RAGGED_POINTS]
