@@ -75,7 +75,9 @@ def main() -> None:
     vocab = engine.model_config.vocab_size
     add_workload(engine, standard_workload(args.requests, vocab=vocab))
     records, wall, _ = run_metered(engine, ceilings)
-    result = {"shape": args.shape, "requests": args.requests, "seconds": wall, "launch_us": launches}
+    result = {"shape": args.shape, "requests": args.requests, "seconds": wall, "launch_us": launches,
+              "compiles_after_startup": engine.core.stats.num_compiles_after_startup}
+    print(f"kernel variants compiled during the run: {result['compiles_after_startup']}")
     numbered = list(enumerate(records))
     for kind, steps in (("decode", [(i, r) for i, r in numbered if r.decode]),
                         ("mixed", [(i, r) for i, r in numbered if not r.decode])):

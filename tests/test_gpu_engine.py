@@ -1,5 +1,5 @@
 """The engine on CUDA (Triton kernels, CUDA graphs) against transformers on CUDA and
-against tokenmill's own CPU path. Run through the device tool: ``pytest -m gpu``."""
+against tokenmill's own CPU path. Run on a machine with a CUDA GPU: ``pytest -m gpu``."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import torch
 from helpers import SPEC, TINY_CONFIGS, assert_equal_up_to_a_near_tie, echo_prompts, make_model_dir
 from test_parity import MAX_TOKENS, assert_matches_reference, parity_prompts, preempting_pool, reference_generate
 from tokenmill import LLM, SamplingParams
+from tokenmill.layers import ops
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
@@ -131,6 +132,7 @@ def test_sampled_requests_compile_nothing_after_start_up(tmp_path) -> None:
                             presence_penalty=0.3, max_tokens=8, ignore_eos=True)
     llm.generate(parity_prompts()[:3], params, use_tqdm=False)
     assert _compiled_kernel_variants() == before
+    assert llm.engine.core.stats.num_compiles_after_startup == 0
 
 
 def test_prompts_past_the_prefill_graphs_compile_nothing_after_start_up(tmp_path) -> None:
@@ -146,6 +148,28 @@ def test_prompts_past_the_prefill_graphs_compile_nothing_after_start_up(tmp_path
     llm.generate([torch.randint(0, 256, (3000,), generator=g).tolist()], params, use_tqdm=False)
     llm.generate([torch.randint(0, 256, (n,), generator=g).tolist() for n in (700, 90, 5)], params, use_tqdm=False)
     assert _compiled_kernel_variants() == before
+    assert llm.engine.core.stats.num_compiles_after_startup == 0
+
+
+def test_a_variant_compiled_after_start_up_is_counted(tmp_path) -> None:
+    """The engine counts (and logs) each kernel variant compiled, or loaded from Triton's disk cache,
+    after its start-up: here the norm's, dropped from memory first."""
+    from tokenmill.kernels import triton_norm
+
+    make_model_dir("llama3", tmp_path)
+    llm = LLM(str(tmp_path), device="cuda", dtype="bfloat16", max_num_seqs=4)
+    stats = llm.engine.core.stats
+    assert stats.num_compiles_after_startup == 0
+    kernel = triton_norm._rms_norm_kernel
+    loaded = dict(kernel.device_caches)
+    kernel.device_caches.clear()
+    try:
+        x = torch.randn(3, 64, device="cuda", dtype=torch.bfloat16)
+        ops.rms_norm(x, torch.ones(64, device="cuda", dtype=torch.bfloat16), 1e-6)
+    finally:
+        kernel.device_caches.clear()
+        kernel.device_caches.update(loaded)
+    assert stats.num_compiles_after_startup == 1
 
 
 def test_graphs_match_eager_across_context_buckets_and_decode_shaped_prefill(tmp_path) -> None:

@@ -25,11 +25,12 @@ if importlib.util.find_spec("triton") is None:
 import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
-from triton.runtime.jit import JITFunction  # noqa: E402
+from triton.runtime.jit import JITFunction, JitFunctionInfo  # noqa: E402
 
 from tokenmill.engine.model_runner import warm_up_shapes  # noqa: E402
 from tokenmill.engine.prefill_graphs import capture_sizes  # noqa: E402
 from tokenmill.kernels import q8_0, triton_attention, triton_gemv, triton_ops, triton_skinny_matmul  # noqa: E402
+from tokenmill.kernels.compile_watch import watch_compiles  # noqa: E402
 
 HOPPER = GPUTarget("cuda", 90, 32)
 HOPPER_MAX_SHARED = 232448  # bytes of shared memory one block may take on sm_90 (227 KiB)
@@ -401,3 +402,19 @@ def test_the_few_row_matmul_keeps_every_counter_array_a_graph_may_hold() -> None
     assert longer.numel() > first.numel() and not longer.any()
     assert [id(c) for c in skinny._counters[device]] == [id(first), id(longer)]
     skinny._counters.pop(device)
+
+
+def test_the_compile_watcher_hears_each_compile_and_lets_it_go_ahead() -> None:
+    """Triton calls its cache hook, as here, before it compiles a variant (or loads one from disk), and
+    skips the compile when the hook answers true."""
+    heard: list[str] = []
+    watch_compiles(heard.append)
+    try:
+        hook = triton.knobs.runtime.jit_cache_hook
+        kernel = triton_attention._merge_splits_kernel
+        answer = hook(key="key", repr="repr", fn=JitFunctionInfo(kernel.fn.__module__, kernel.fn.__qualname__, kernel),
+                      compile={}, is_manual_warmup=False, already_compiled=False)
+        assert heard == ["_merge_splits_kernel"] and not answer
+    finally:
+        watch_compiles(None)
+    assert triton.knobs.runtime.jit_cache_hook is None

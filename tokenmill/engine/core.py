@@ -56,6 +56,7 @@ from tokenmill.engine.sequence import PENDING, Sequence, SequenceStatus
 from tokenmill.engine.spec_decode import MAX_FAILED_DRAFTS, TokenHistory, accepted_length, propose_ngram
 from tokenmill.engine.structured_outputs import GRAMMAR_TIMEOUT_S, GrammarCompiler
 from tokenmill.engine.tp_workers import COLLECTIVE_TIMEOUT, WorkerError, WorkerGroup
+from tokenmill.layers import ops
 from tokenmill.loader.hf_config import ModelConfig, load_model_config, resolve_dtype
 from tokenmill.loader.kv_layout import is_quantized, resolve_kv_cache_dtype
 from tokenmill.outputs import Logprobs
@@ -172,6 +173,8 @@ class EngineCore:
         self._compiling: list[tuple[CoreRequest, int, Any, float]] = []
         self._seq_ids = itertools.count()
         self.stats = CoreStats()
+        if self.device.type == "cuda":
+            ops.watch_compiles(self._compiled_after_startup)
         self._in_flight: InFlightStep | None = None
         self._deltas: dict[str, RequestDelta] = {}  # news since the last step's outputs
         groups = "; ".join(
@@ -188,6 +191,12 @@ class EngineCore:
         started = time.monotonic()
         freeze_startup_objects()
         self.startup_seconds["gc_freeze"] = time.monotonic() - started
+
+    def _compiled_after_startup(self, kernel: str) -> None:
+        """Triton compiles a kernel variant that start-up did not: the step that needs it waits."""
+        self.stats.num_compiles_after_startup += 1
+        logger.warning("Triton compiled a variant of %s after start-up, inside a step that waits for it: the "
+                       "warm-up missed this shape", kernel)
 
     def shutdown(self, abort: bool = False) -> None:
         """Stop the tensor-parallel workers and leave the process group (nothing to do with one rank).

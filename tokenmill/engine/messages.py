@@ -89,6 +89,7 @@ class CoreStats(msgspec.Struct, array_like=True, gc=False):
     num_preemptions: int = 0
     num_steps: int = 0
     num_failed_steps: int = 0
+    num_compiles_after_startup: int = 0
     spec_decode_num_drafts: int = 0
     spec_decode_num_draft_tokens: int = 0
     spec_decode_num_accepted_tokens: int = 0

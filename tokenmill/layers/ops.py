@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import os
 from types import ModuleType
+from typing import Callable
 
 import torch
 
@@ -26,6 +27,15 @@ def _triton_ops() -> ModuleType | None:
     except ImportError:
         return None
     return triton_ops
+
+
+def watch_compiles(on_compile: Callable[[str], None] | None) -> None:
+    """From now on, ``on_compile`` hears the kernel's name before each Triton variant this process compiles
+    (``kernels/compile_watch.py``; None stops it). Nothing to watch where Triton is not in use."""
+    if _triton_ops() is not None:
+        from tokenmill.kernels.compile_watch import watch_compiles as watch
+
+        watch(on_compile)
 
 
 def backend_for(tensor: torch.Tensor) -> ModuleType:

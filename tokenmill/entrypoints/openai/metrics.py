@@ -59,6 +59,8 @@ class _EngineCollector(Collector):
             ("num_preemptions", "Sequences preempted for lack of KV blocks.", s.num_preemptions),
             ("num_failed_steps", "Engine steps that failed (their requests ended with an error).",
              s.num_failed_steps),
+            ("num_compiles_after_startup", "Triton kernel variants compiled inside a step (each one a shape the "
+             "start-up warm-up missed; the step waited for it).", s.num_compiles_after_startup),
             ("spec_decode_num_drafts", "Speculative decoding: verifications of a sequence's drafts.",
              s.spec_decode_num_drafts),
             ("spec_decode_num_draft_tokens", "Speculative decoding: draft tokens proposed.",

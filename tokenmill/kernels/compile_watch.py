@@ -1,0 +1,30 @@
+"""Word of every Triton kernel variant this process compiles from now on.
+
+The engine compiles every variant a step can take at start-up (its warm-up and graph captures); a
+variant first met inside a step makes that step wait for Triton, a second or more for the attention
+kernel. Such a compile is a shape the warm-up missed: the engine counts and logs each one, so that a
+user sees it in the log and in ``/metrics`` rather than as one slow request.
+
+Triton's ``jit_cache_hook`` runs before each compile or load from its on-disk cache (not when a
+variant is already in memory): one hook for the whole process, so the last watcher set wins.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import triton
+
+
+def watch_compiles(on_compile: Callable[[str], None] | None) -> None:
+    """From now on call ``on_compile`` with the kernel's name before each variant is compiled (None:
+    stop watching). The compile goes ahead either way."""
+    if on_compile is None:
+        triton.knobs.runtime.jit_cache_hook = None
+        return
+
+    def hook(*, fn: Any, **_: Any) -> bool:
+        on_compile(fn.name)
+        return False  # a true answer would skip the compile
+
+    triton.knobs.runtime.jit_cache_hook = hook
