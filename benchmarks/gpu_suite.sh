@@ -29,6 +29,7 @@
 #  `study-argmax` = the greedy argmax's chunks a row against the row count, benchmarks/study_argmax.py;
 #  `study-skinny` = the few-row matmul's tiles and K splits at 4-64 rows, dense and Q8_0, benchmarks/study_skinny.py
 #   (`study-skinny-large`: at 128-2048 rows, where it takes Q8_0 weights only, against cuBLAS);
+#  `study-tunableop` = cuBLAS against PyTorch TunableOp's timed choice of GEMM, Llama-3-8B at 32-256 rows;
 #  `study-q8-a8` = Q8_0 projections on rows quantized to int8 (dp4a at one row, int8 tensor cores at more)
 #   against the kernels in use, benchmarks/study_q8_a8.py.)
 # Results and logs go to $OUT (the device tool brings them back).
@@ -151,6 +152,9 @@ for part in "$@"; do
         timeout 250 python3 benchmarks/study_attention_tiles.py prefill --shapes 4 --kv-dtype $kv --jobs 12 \
           --out "$OUT/attention-tiles-prefill-quantized.jsonl" 2>&1 | tail -3
       done ;;
+    study-tunableop)
+      # cuBLAS against the GEMM TunableOp picks by timing, Llama-3-8B's projections at 32-256 rows.
+      timeout 400 python3 benchmarks/study_tunableop.py --out "$OUT/study-tunableop.json" 2>&1 | tail -20 ;;
     study-q8)
       timeout 560 python3 benchmarks/study_q8.py --out "$OUT/study-q8.json" 2>&1 | tee "$OUT/study-q8.log" | tail -30 ;;
     kernel-profile-q8)
