@@ -404,17 +404,47 @@ def test_the_few_row_matmul_keeps_every_counter_array_a_graph_may_hold() -> None
     skinny._counters.pop(device)
 
 
+def _compile_merge_kernel() -> Any:
+    """Triton's cache hook called, as Triton calls it before it compiles a variant (or loads one from
+    disk), for the split merge; its answer (a true one would skip the compile)."""
+    kernel = triton_attention._merge_splits_kernel
+    return triton.knobs.runtime.jit_cache_hook(
+        key="key", repr="repr", fn=JitFunctionInfo(kernel.fn.__module__, kernel.fn.__qualname__, kernel), compile={},
+        is_manual_warmup=False, already_compiled=False)
+
+
 def test_the_compile_watcher_hears_each_compile_and_lets_it_go_ahead() -> None:
-    """Triton calls its cache hook, as here, before it compiles a variant (or loads one from disk), and
-    skips the compile when the hook answers true."""
     heard: list[str] = []
     watch_compiles(heard.append)
     try:
-        hook = triton.knobs.runtime.jit_cache_hook
-        kernel = triton_attention._merge_splits_kernel
-        answer = hook(key="key", repr="repr", fn=JitFunctionInfo(kernel.fn.__module__, kernel.fn.__qualname__, kernel),
-                      compile={}, is_manual_warmup=False, already_compiled=False)
-        assert heard == ["_merge_splits_kernel"] and not answer
+        assert not _compile_merge_kernel()
+        assert heard == ["_merge_splits_kernel"]
     finally:
         watch_compiles(None)
     assert triton.knobs.runtime.jit_cache_hook is None
+
+
+def test_the_compile_watcher_keeps_no_engine_alive() -> None:
+    """The process-wide hook holds a bound method weakly: an engine dropped by its user frees its KV
+    cache, and the hook then does nothing."""
+    import gc
+    import weakref
+
+    class Engine:
+        compiles = 0
+
+        def count(self, kernel: str) -> None:
+            self.compiles += 1
+
+    engine = Engine()
+    watch_compiles(engine.count)
+    try:
+        _compile_merge_kernel()
+        assert engine.compiles == 1
+        gone = weakref.ref(engine)
+        del engine
+        gc.collect()
+        assert gone() is None
+        assert not _compile_merge_kernel()
+    finally:
+        watch_compiles(None)

@@ -11,6 +11,8 @@ variant is already in memory): one hook for the whole process, so the last watch
 
 from __future__ import annotations
 
+import inspect
+import weakref
 from typing import Any, Callable
 
 import triton
@@ -18,13 +20,18 @@ import triton
 
 def watch_compiles(on_compile: Callable[[str], None] | None) -> None:
     """From now on call ``on_compile`` with the kernel's name before each variant is compiled (None:
-    stop watching). The compile goes ahead either way."""
+    stop watching). The compile goes ahead either way. A bound method is held weakly: the hook lives
+    as long as the process, and must not keep its object (an engine, with its KV cache) alive; once
+    that is gone the hook does nothing."""
     if on_compile is None:
         triton.knobs.runtime.jit_cache_hook = None
         return
+    target = weakref.WeakMethod(on_compile) if inspect.ismethod(on_compile) else lambda: on_compile
 
     def hook(*, fn: Any, **_: Any) -> bool:
-        on_compile(fn.name)
+        call = target()
+        if call is not None:
+            call(fn.name)
         return False  # a true answer would skip the compile
 
     triton.knobs.runtime.jit_cache_hook = hook
