@@ -103,6 +103,9 @@ class EngineCore:
 
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
+        # One engine a process watches Triton's compiles: the newest, once it has started, so that an
+        # engine built before this one does not count this one's start-up as its own steps' compiles.
+        ops.watch_compiles(None)
         model_dir = model_dir_of(config)
         self.model_config: ModelConfig = load_model_config(model_dir)
         cfg = self.model_config
