@@ -18,6 +18,14 @@ from tokenmill.bench.offline import add_workload, make_engine, release, run_mete
 SLOWEST = 5  # steps of each kind listed by time
 
 
+def allocator_events() -> dict[str, int]:
+    """The caching allocator's device allocations, frees and retries so far."""
+    import torch
+
+    stats = torch.cuda.memory_stats()
+    return {name: stats.get(name, 0) for name in ("num_device_alloc", "num_device_free", "num_alloc_retries")}
+
+
 def launch_costs() -> dict[str, float]:
     """Host microseconds to enqueue one call of each op (no synchronisation): what an
     eager step pays per kernel before the GPU sees it."""
@@ -74,10 +82,14 @@ def main() -> None:
     engine = make_engine(args.shape, max_num_seqs=256, max_num_batched_tokens=8192)
     vocab = engine.model_config.vocab_size
     add_workload(engine, standard_workload(args.requests, vocab=vocab))
+    before = allocator_events()
     records, wall, _ = run_metered(engine, ceilings)
     result = {"shape": args.shape, "requests": args.requests, "seconds": wall, "launch_us": launches,
               "compiles_after_startup": engine.core.stats.num_compiles_after_startup}
     print(f"kernel variants compiled during the run: {result['compiles_after_startup']}")
+    # A step that waits on the device allocator (a new segment, or a retry that frees the cache first).
+    result["allocator_during_run"] = {k: v - before[k] for k, v in allocator_events().items()}
+    print(f"allocator during the run: {result['allocator_during_run']}")
     numbered = list(enumerate(records))
     for kind, steps in (("decode", [(i, r) for i, r in numbered if r.decode]),
                         ("mixed", [(i, r) for i, r in numbered if not r.decode])):
