@@ -185,6 +185,7 @@ def add_workload(engine: LLMEngine, workload: list[tuple[list[int], int]], prefi
 def run_workload(engine: LLMEngine, ceilings: Ceilings, workload: list[tuple[list[int], int]],
                  sampling: dict[str, Any] | None = None, cost: StepCostModel | None = None) -> dict:
     add_workload(engine, workload, sampling=sampling)
+    compiled = engine.core.stats.num_compiles_after_startup
     records, wall, peak = run_metered(engine, ceilings, cost)
     out_tokens = sum(n for _, n in workload)
     total_tokens = out_tokens + sum(len(p) for p, _ in workload)
@@ -193,7 +194,9 @@ def run_workload(engine: LLMEngine, ceilings: Ceilings, workload: list[tuple[lis
     return {"requests": len(workload), "seconds": wall, "output_tok_per_s": out_tokens / wall,
             "total_tok_per_s": total_tokens / wall, "floor_seconds": floor, "fraction_of_floor": floor / wall,
             "steps": len(records), "mean_decode_batch": statistics.mean(running) if running else 0.0,
-            "peak_kv_blocks": peak}
+            "peak_kv_blocks": peak,
+            # Kernel variants compiled inside the run's steps (each a wait the warm-up should have taken).
+            "compiles_during_run": engine.core.stats.num_compiles_after_startup - compiled}
 
 
 def bench_throughput(ceilings: Ceilings, shapes: list[str], peer: bool, peer_requests: int,
