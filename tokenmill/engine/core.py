@@ -103,13 +103,14 @@ class EngineCore:
 
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
-        # One engine a process watches Triton's compiles: the newest, once it has started, so that an
-        # engine built before this one does not count this one's start-up as its own steps' compiles.
-        ops.watch_compiles(None)
         model_dir = model_dir_of(config)
         self.model_config: ModelConfig = load_model_config(model_dir)
         cfg = self.model_config
         self.device = resolve_device(config.device)
+        if self.device.type == "cuda":
+            # One engine a process watches Triton's compiles: the newest, once it has started, so that an
+            # engine built before this one does not count this one's start-up as its own steps' compiles.
+            ops.watch_compiles(None)
         check_tensor_parallel(config, cfg, self.device, model_dir)
         self.device = rank_device(self.device, 0) if config.tensor_parallel_size > 1 else self.device
         self.dtype = resolve_dtype(config.dtype, cfg, self.device)

@@ -416,11 +416,11 @@ def _block_rows(block_d: int, group: int, max_query_len: int, elem_bytes: int) -
     return max(16, triton.next_power_of_2(group), min(most, triton.next_power_of_2(max_query_len * group)))
 
 
-def _tile_config(block_d: int, group: int, max_query_len: int, elem_bytes: int, num_splits: int,
+def _tile_config(block_d: int, block_m: int, elem_bytes: int, num_splits: int,
                  programs_per_sm: float) -> tuple[int, int, int, int]:
-    """``(BLOCK_M, BLOCK_N, num_warps, num_stages)`` for a head-dim tile ``block_d``, K/V elements
-    of ``elem_bytes``, ``num_splits`` KV ranges a sequence and a grid of ``programs_per_sm`` before
-    the split.
+    """``(BLOCK_M, BLOCK_N, num_warps, num_stages)`` for a head-dim tile ``block_d``, ``block_m`` query
+    rows (``_block_rows``), K/V elements of ``elem_bytes``, ``num_splits`` KV ranges a sequence and a
+    grid of ``programs_per_sm`` before the split.
 
     Measured on the H200 (Triton 3.6, bf16; benchmarks/study_attention_tiles.py, results in
     benchmarks/results/h200-2026-11-30/attention-tiles): each decode and prefill choice below was the
@@ -450,7 +450,6 @@ def _tile_config(block_d: int, group: int, max_query_len: int, elem_bytes: int, 
     K/V tiles are pipelined through shared memory, ``num_stages`` deep; float32 (tests only)
     keeps 2 stages and halves the K/V tile until it fits ``_KV_SMEM_BUDGET``.
     """
-    block_m = _block_rows(block_d, group, max_query_len, elem_bytes)
     if block_d <= 128:
         block_n, num_warps, num_stages = 64, 4, 2
         if block_m < 64 and elem_bytes == 1:
@@ -491,7 +490,7 @@ def launch_plan(block_d: int, group: int, num_kv_heads: int, batch: int, num_tok
     work_units = grid[0] * grid[1] * num_kv_heads
     if num_splits is None:
         num_splits = _choose_num_splits(work_units, max_context, device, block_d, block_m)
-    tile = _tile_config(block_d, group, max_query_len, elem_bytes, num_splits, work_units / num_sms(device))
+    tile = _tile_config(block_d, block_m, elem_bytes, num_splits, work_units / num_sms(device))
     return tile, num_splits, grid
 
 
