@@ -117,6 +117,12 @@ def _attend_tiles(acc, m_i, l_i, q, q_pos, lo, hi, split_hi, bt_row, kv_head, ca
         ks_next, vs_next = _tile_scales(scales, _tile_blocks(bt_row, lo, split_hi, block_size, BLOCK_N), lo,
                                         split_hi, kv_head, block_size, BLOCK_N)
         blocks_next = _tile_blocks(bt_row, lo + BLOCK_N, split_hi, block_size, BLOCK_N)
+    # Decode tiles (under 64 rows) spread a tile's keys over the warps: a row's sum over them would
+    # cross warps every tile, so each key column keeps its own running sum, added up once at the end.
+    BLOCK_M: tl.constexpr = q.shape[0]
+    DEFER_SUM: tl.constexpr = BLOCK_M < 64
+    m_in = m_i
+    l_cols = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for start in range(lo, hi, BLOCK_N):
         n = start + tl.arange(0, BLOCK_N)
         n_valid = n < split_hi
@@ -160,7 +166,10 @@ def _attend_tiles(acc, m_i, l_i, q, q_pos, lo, hi, split_hi, bt_row, kv_head, ca
         m_new = tl.maximum(m_i, tl.max(qk, axis=1) * scale)
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(qk * scale - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
+        if DEFER_SUM:
+            l_cols = l_cols * alpha[:, None] + p
+        else:
+            l_i = l_i * alpha + tl.sum(p, axis=1)
         v_off = block * vc_stride_block + slot * vc_stride_slot + kv_head * vc_stride_head
         v = tl.load(
             v_cache_ptr + v_off[:, None] + dims[None, :],
@@ -183,7 +192,8 @@ def _attend_tiles(acc, m_i, l_i, q, q_pos, lo, hi, split_hi, bt_row, kv_head, ca
             pv = pv * v_unit
         acc = acc * alpha[:, None] + pv
         m_i = m_new
-
+    if DEFER_SUM:
+        l_i = l_i * tl.exp2(m_in - m_i) + tl.sum(l_cols, axis=1)
     return acc, m_i, l_i
 
 
