@@ -34,6 +34,7 @@ from study_attention_tiles import force_tile  # noqa: E402
 from test_triton_compile import HOPPER, LAUNCH_OPTIONS, Launch  # noqa: E402
 
 from tokenmill.kernels import q8_0, triton_attention, triton_gemv, triton_ops, triton_skinny_matmul  # noqa: E402
+from tokenmill.loader.kv_layout import kv_scale_dtype  # noqa: E402
 
 KV_DTYPES = {"bf16": torch.bfloat16, "int8": torch.int8, "fp8": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
 
@@ -106,8 +107,9 @@ def main() -> None:
     if args.kernel == "attention":  # Llama-3-8B's heads over 8k-token contexts, one decode token each
         heads, dim, dtype = 8, 128, KV_DTYPES[args.kv]
         cache = torch.zeros(40, 16, heads, dim, dtype=dtype)
-        scales = {} if dtype == torch.bfloat16 else {"k_scale": torch.zeros(40, 16, heads, dtype=torch.bfloat16),
-                                                     "v_scale": torch.zeros(40, 16, heads, dtype=torch.bfloat16)}
+        scales = {} if dtype == torch.bfloat16 else {
+            "k_scale": torch.zeros(40, 16, heads, dtype=kv_scale_dtype(dim)),
+            "v_scale": torch.zeros(40, 16, heads, dtype=kv_scale_dtype(dim))}
         batch = args.batch
         triton_attention.num_sms = lambda device: args.sms  # choose as on the GPU, not as on the CPU (one SM)
         if args.tile:

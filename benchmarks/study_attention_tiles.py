@@ -1,5 +1,6 @@
 """Paged attention tile study on one GPU: Gemma's head dims (256, 512), and Llama-3-8B's
-(128, group 4) over a bf16 or a quantized (``--kv-dtype int8|fp8``) cache; with ``--points short``,
+(128, group 4) over a bf16 or a quantized (``--kv-dtype int8|fp8``) cache (its scales stored as the
+engine stores them); with ``--points short``,
 the decode batches of the static-decode and workload benchmarks (Llama-3-8B and Qwen3-0.6B shapes,
 32-256 sequences over 192- and 1,024-token contexts), each tile at 1, 2 and 4 KV splits, and with
 ``--points ragged`` batches of 136 and 256 sequences of mixed lengths likewise; with
@@ -43,6 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from tokenmill.bench.hardware import measure_ceilings  # noqa: E402
 from tokenmill.kernels import triton_attention  # noqa: E402
+from tokenmill.loader.kv_layout import kv_scale_dtype  # noqa: E402
 
 BLOCK_SIZE = 16
 DTYPE = torch.bfloat16
@@ -92,7 +94,7 @@ class Batch:
         self.scales = None
         if kv_dtype != DTYPE:  # one-byte values (int8 in [-127, 127]) and a bf16 scale per token and head
             values = (values * 40).clamp(-127, 127).round() if kv_dtype == torch.int8 else (values * 100).clamp(-448, 448)
-            self.scales = torch.rand(2, sum(blocks), BLOCK_SIZE, hkv, device="cuda", dtype=DTYPE) * 0.02
+            self.scales = (torch.rand(2, sum(blocks), BLOCK_SIZE, hkv, device="cuda") * 0.02).to(kv_scale_dtype(head_dim))
         self.k, self.v = values.to(kv_dtype)
         perm = torch.randperm(sum(blocks), device="cuda").int()
         self.tables = torch.zeros(len(specs), width, dtype=torch.int32, device="cuda")
@@ -110,7 +112,8 @@ class Batch:
         self.max_ctx = max(c for _, c in specs)
         self.scale = head_dim**-0.5
         self.kv_bytes = 2 * sum(c for _, c in specs) * hkv * (head_dim * self.k.element_size()
-                                                              + (2 if self.scales is not None else 0))
+                                                              + (self.scales.element_size() if self.scales is not None
+                                                                 else 0))
         self.flops = 4 * hq * head_dim * sum(q * (c - q) + q * (q + 1) // 2 for q, c in specs)
 
     def run(self, softcap: float | None = None, splits: int | None = None) -> torch.Tensor:

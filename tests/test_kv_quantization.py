@@ -49,7 +49,8 @@ def test_dequantized_values_are_within_their_heads_step(magnitude: float, seed: 
 
 
 def test_quantized_bytes_per_token_are_about_half_of_bf16() -> None:
-    for head_dim in (64, 128, 256):
+    """With their scales (two bytes each under 128 dims, four from there)."""
+    for head_dim in (64, 80, 96, 128, 256, 512):
         spec = KVSpec(8, head_dim)
         full = spec.bytes_per_token(torch.bfloat16)
         for dtype in KV_DTYPES.values():

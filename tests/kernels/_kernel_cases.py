@@ -17,6 +17,7 @@ import torch
 
 from tokenmill.kernels import q8_0, reference
 from tokenmill.layers.sampler import inverse_temperature, largest_logits
+from tokenmill.loader.kv_layout import kv_scale_dtype
 
 try:
     import triton
@@ -258,11 +259,12 @@ def check_rope_write_kv(
 
 def _quantized_cache(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, cache_dtype: torch.dtype,
                      device: str) -> tuple[torch.Tensor, ...]:
-    """Zeroed quantized K and V caches and their (bfloat16) scales."""
+    """Zeroed quantized K and V caches and their scales, in the engine's dtype for the head dim."""
     shape = (num_blocks, block_size, num_kv_heads)
+    scale_dtype = kv_scale_dtype(head_dim)
     return (torch.zeros(*shape, head_dim, dtype=cache_dtype, device=device),
             torch.zeros(*shape, head_dim, dtype=cache_dtype, device=device),
-            torch.zeros(shape, dtype=torch.bfloat16, device=device), torch.zeros(shape, dtype=torch.bfloat16, device=device))
+            torch.zeros(shape, dtype=scale_dtype, device=device), torch.zeros(shape, dtype=scale_dtype, device=device))
 
 
 def check_quantized_kv_write(ops, *, num_tokens: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
@@ -366,6 +368,12 @@ def _interpret_quantized_kv(ops) -> None:
                               dtype=torch.float16, cache_dtype=torch.int8, device="cpu", num_splits=1)
     check_quantized_attention(ops, specs=[(1, 230)], num_q_heads=4, num_kv_heads=1, head_dim=64, dtype=torch.float32,
                               cache_dtype=torch.int8, device="cpu", sliding_window=101, num_splits=1)
+    # Head dim 128: float32 scales, read in their tile's own iteration (decode tiles of 128 keys, split
+    # and whole, a window, and a prompt's tiles).
+    check_quantized_attention(ops, specs=[(1, 300), (1, 45), (20, 160)], num_q_heads=4, num_kv_heads=1,
+                              head_dim=128, dtype=torch.float16, cache_dtype=torch.int8, device="cpu", num_splits=1)
+    check_quantized_attention(ops, specs=[(1, 200), (1, 17)], num_q_heads=8, num_kv_heads=2, head_dim=128,
+                              dtype=torch.float32, cache_dtype=torch.int8, device="cpu", sliding_window=70, num_splits=3)
 
 
 if triton is not None:

@@ -40,7 +40,7 @@ from tokenmill.engine.structured_outputs import HostBitmask, apply_grammars
 from tokenmill.layers.attention import AttentionMetadata, KVCache
 from tokenmill.layers.sampler import Sampler, SamplingBatch, gather_logprobs
 from tokenmill.loader.hf_config import ModelConfig
-from tokenmill.loader.kv_layout import KV_SCALE_DTYPE, KVLayout, is_quantized
+from tokenmill.loader.kv_layout import KVLayout, is_quantized, kv_scale_dtype
 from tokenmill.loader.weights import iter_checkpoint
 from tokenmill.models.registry import model_class
 from tokenmill.outputs import Logprobs
@@ -192,7 +192,7 @@ def allocate_kv_caches(layout: KVLayout, num_blocks: list[int], block_size: int,
         owners = layout.owners(g)
         shape = (len(owners), 2, count, block_size, spec.num_kv_heads)
         cache = torch.zeros(*shape, spec.head_dim, dtype=dtype, device=device)
-        scales = torch.zeros(shape, dtype=KV_SCALE_DTYPE, device=device) if is_quantized(dtype) else None
+        scales = torch.zeros(shape, dtype=kv_scale_dtype(spec.head_dim), device=device) if is_quantized(dtype) else None
         tensors += [cache] if scales is None else [cache, scales]
         for j, layer in enumerate(owners):
             own[layer] = KVCache(cache[j, 0], cache[j, 1], *((scales[j, 0], scales[j, 1]) if scales is not None else ()))

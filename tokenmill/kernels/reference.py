@@ -70,7 +70,7 @@ def write_kv_cache(
             continue
         q, scale = quantize_kv(x[valid], cache.dtype, None if kv_amax is None else kv_amax[i])
         flat.view(torch.uint8)[slots] = q.view(torch.uint8)  # CPU float8 tensors take no index_put
-        scales.view(num_blocks * block_size, -1)[slots] = scale
+        scales.view(num_blocks * block_size, -1)[slots] = scale.to(scales.dtype)  # bfloat16 values, held exactly
 
 
 def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, length: int,

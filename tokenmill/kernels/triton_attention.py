@@ -110,16 +110,21 @@ def _attend_tiles(acc, m_i, l_i, q, q_pos, lo, hi, split_hi, bt_row, kv_head, ca
     ``cache``: the K and V caches' pointers and strides (block, slot, head); ``scales``: theirs."""
     k_cache_ptr, kc_stride_block, kc_stride_slot, kc_stride_head, v_cache_ptr, vc_stride_block, vc_stride_slot, \
         vc_stride_head = cache
-    if KV_SCALED:
-        # A quantized cache's scales (two bytes a token, too narrow for the pipeline's asynchronous
-        # copies) are read a tile ahead, from block ids read a tile before that: no read a tile's dots
-        # wait for depends on another read issued in the same iteration.
+    BLOCK_M: tl.constexpr = q.shape[0]
+    # A quantized cache's scales. In a decode tile, four-byte ones are read in their tile's iteration:
+    # the pipeline copies them asynchronously with the K/V tiles, and they reach the scores' layout
+    # from shared memory. Otherwise (two-byte ones are too narrow for those copies; a prompt tile's
+    # registers are full) they are read a tile ahead, from block ids read a tile before that (no read
+    # a tile's dots wait for depends on another read of the same iteration), and cross into the
+    # scores' layout through registers every tile (fp8 decode at 128 keys: 13 barriers an iteration
+    # against 9; sm_90 code).
+    PIPELINED_SCALES: tl.constexpr = scales[0].dtype.element_ty.primitive_bitwidth == 32 and BLOCK_M < 64
+    if KV_SCALED and not PIPELINED_SCALES:
         ks_next, vs_next = _tile_scales(scales, _tile_blocks(bt_row, lo, split_hi, block_size, BLOCK_N), lo,
                                         split_hi, kv_head, block_size, BLOCK_N)
         blocks_next = _tile_blocks(bt_row, lo + BLOCK_N, split_hi, block_size, BLOCK_N)
     # Decode tiles (under 64 rows) spread a tile's keys over the warps: a row's sum over them would
     # cross warps every tile, so each key column keeps its own running sum, added up once at the end.
-    BLOCK_M: tl.constexpr = q.shape[0]
     DEFER_SUM: tl.constexpr = BLOCK_M < 64
     m_in = m_i
     l_cols = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
@@ -128,7 +133,9 @@ def _attend_tiles(acc, m_i, l_i, q, q_pos, lo, hi, split_hi, bt_row, kv_head, ca
         n_valid = n < split_hi
         block = _tile_blocks(bt_row, start, split_hi, block_size, BLOCK_N)
         slot = n % block_size
-        if KV_SCALED:
+        if KV_SCALED and PIPELINED_SCALES:
+            ks, vs = _tile_scales(scales, block, start, split_hi, kv_head, block_size, BLOCK_N)
+        elif KV_SCALED:
             ks, vs = ks_next, vs_next
             ks_next, vs_next = _tile_scales(scales, blocks_next, start + BLOCK_N, split_hi, kv_head, block_size,
                                             BLOCK_N)
