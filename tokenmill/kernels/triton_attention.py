@@ -127,7 +127,8 @@ def _attend_tiles(acc, m_i, l_i, q, q_pos, lo, hi, split_hi, bt_row, kv_head, ca
     # cross warps every tile, so each key column keeps its own running sum, added up once at the end.
     DEFER_SUM: tl.constexpr = BLOCK_M < 64
     m_in = m_i
-    l_cols = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    if DEFER_SUM:
+        l_cols = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for start in range(lo, hi, BLOCK_N):
         n = start + tl.arange(0, BLOCK_N)
         n_valid = n < split_hi
