@@ -414,11 +414,11 @@ def _compile_merge_kernel() -> Any:
 
 
 def test_the_compile_watcher_hears_each_compile_and_lets_it_go_ahead() -> None:
-    heard: list[str] = []
-    watch_compiles(heard.append)
+    heard: list[tuple[str, str]] = []
+    watch_compiles(lambda kernel, variant: heard.append((kernel, variant)))
     try:
         assert not _compile_merge_kernel()
-        assert heard == ["_merge_splits_kernel"]
+        assert heard == [("_merge_splits_kernel", "repr")]
     finally:
         watch_compiles(None)
     assert triton.knobs.runtime.jit_cache_hook is None
@@ -433,7 +433,7 @@ def test_the_compile_watcher_keeps_no_engine_alive() -> None:
     class Engine:
         compiles = 0
 
-        def count(self, kernel: str) -> None:
+        def count(self, kernel: str, variant: str) -> None:
             self.compiles += 1
 
     engine = Engine()

@@ -196,11 +196,11 @@ class EngineCore:
         freeze_startup_objects()
         self.startup_seconds["gc_freeze"] = time.monotonic() - started
 
-    def _compiled_after_startup(self, kernel: str) -> None:
+    def _compiled_after_startup(self, kernel: str, variant: str) -> None:
         """Triton compiles a kernel variant that start-up did not: the step that needs it waits."""
         self.stats.num_compiles_after_startup += 1
         logger.warning("Triton compiled a variant of %s after start-up, inside a step that waits for it: the "
-                       "warm-up missed this shape", kernel)
+                       "warm-up missed this shape: %s", kernel, variant)
 
     def shutdown(self, abort: bool = False) -> None:
         """Stop the tensor-parallel workers and leave the process group (nothing to do with one rank).

@@ -29,8 +29,8 @@ def _triton_ops() -> ModuleType | None:
     return triton_ops
 
 
-def watch_compiles(on_compile: Callable[[str], None] | None) -> None:
-    """From now on, ``on_compile`` hears the kernel's name before each Triton variant this process compiles
+def watch_compiles(on_compile: Callable[[str, str], None] | None) -> None:
+    """From now on, ``on_compile`` hears the kernel's name and variant before each Triton variant this process compiles
     (``kernels/compile_watch.py``; None stops it). Nothing to watch where Triton is not in use."""
     if _triton_ops() is not None:
         from tokenmill.kernels.compile_watch import watch_compiles as watch
