@@ -325,8 +325,9 @@ def test_structured_outputs_on_cuda() -> None:
 
 def test_host_staging_sends_every_array_whole() -> None:
     """One pinned copy carries arrays of several dtypes and shapes, empty ones included, each back
-    under its name and on a 16-byte boundary (as Triton's kernels are compiled for); the next send
-    reuses the buffer only after the copy before has left it."""
+    under its name and on a 16-byte boundary (as Triton's kernels are compiled for), and so is each
+    group's slice of a table whatever its size; the next send reuses the buffer only after the copy
+    before has left it."""
     import numpy as np
 
     from tokenmill.engine.host_staging import HostStaging
@@ -336,6 +337,7 @@ def test_host_staging_sends_every_array_whole() -> None:
     for step in range(3):
         arrays = {"ids": rng.integers(0, 1 << 40, 7 + step), "lens": rng.integers(0, 99, 3).astype(np.int32),
                   "tables": rng.integers(0, 99, (2, 3, 5 + step)).astype(np.int32),
+                  "slots": rng.integers(-1, 99, (2, 7 + step)), "no_groups": np.zeros((0, 3), dtype=np.int32),
                   "empty": np.zeros(0, dtype=np.int64), "no_rows": np.zeros((1, 0, 1), dtype=np.int32),
                   "temperature": rng.random(5).astype(np.float32), "top_k": rng.integers(0, 50, 5),
                   "flags": rng.random(4) > 0.5}
@@ -344,4 +346,6 @@ def test_host_staging_sends_every_array_whole() -> None:
         for name, a in arrays.items():
             assert sent[name].device.type == "cuda" and tuple(sent[name].shape) == a.shape
             assert sent[name].data_ptr() % 16 == 0
+            if a.ndim > 1:
+                assert all(part.data_ptr() % 16 == 0 and part.is_contiguous() for part in sent[name])
             np.testing.assert_array_equal(sent[name].cpu().numpy(), a)

@@ -31,18 +31,27 @@ class HostStaging:
 
     def send(self, arrays: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:
         """The arrays as device tensors of the same names, dtypes and shapes, each starting on a
-        16-byte boundary (Triton compiles a kernel again for a pointer that is not). Arrays of one
-        dtype lie side by side and are cut apart with one ``split``: a torch call costs the host
-        microseconds, and a step sends about twenty arrays."""
+        16-byte boundary (Triton compiles a kernel again for a pointer that is not), and so does each
+        slice along the first axis of an array of two or more dimensions: a model with several KV
+        groups gives each group's slots and block tables to its layers as a tensor of its own, and
+        slices packed end to end would start wherever the step's token or sequence count put them,
+        a variant the warm-up cannot foresee. Arrays of one dtype lie side by side and are cut apart
+        with one ``split``: a torch call costs the host microseconds, and a step sends about twenty
+        arrays."""
         if self._pinned is None:
             return {name: torch.from_numpy(np.ascontiguousarray(a)) for name, a in arrays.items()}
         by_dtype: dict[np.dtype, list[str]] = {}
         for name, a in arrays.items():
             by_dtype.setdefault(a.dtype, []).append(name)
         regions, total = [], 0  # (dtype, names, byte offset, each one's elements with its padding)
+        slices: dict[str, tuple[int, int, int]] = {}  # each array's slices, their elements, and with padding
         for dtype, names in by_dtype.items():
             per_align = _ALIGN // dtype.itemsize
-            spans = [-(-arrays[name].size // per_align) * per_align for name in names]
+            for name in names:
+                a = arrays[name]
+                count, each = (a.shape[0], int(np.prod(a.shape[1:]))) if a.ndim > 1 else (1, a.size)
+                slices[name] = (count, each, -(-each // per_align) * per_align)
+            spans = [count * padded for count, _, padded in map(slices.__getitem__, names)]
             regions.append((dtype, names, total, spans))
             total += sum(spans) * dtype.itemsize
         if self._copied is not None:
@@ -54,8 +63,8 @@ class HostStaging:
             view = host[offset:offset + sum(spans) * dtype.itemsize].view(dtype)
             at = 0
             for name, span in zip(names, spans):
-                a = arrays[name]
-                view[at:at + a.size] = a.reshape(-1)
+                count, each, padded = slices[name]
+                view[at:at + span].reshape(count, padded)[:, :each] = arrays[name].reshape(count, each)
                 at += span
         on_device = self._pinned[:total].to(self.device, non_blocking=True)
         self._copied = torch.cuda.Event()
@@ -63,9 +72,11 @@ class HostStaging:
         out = {}
         for dtype, names, offset, spans in regions:
             region = on_device[offset:offset + sum(spans) * dtype.itemsize].view(_torch_dtype(dtype))
-            for name, span, part in zip(names, spans, region.split(spans)):
-                a = arrays[name]
-                if span != a.size:
-                    part = part[:a.size]
-                out[name] = part if a.ndim == 1 else part.view(a.shape)
+            for name, part in zip(names, region.split(spans)):
+                count, each, padded = slices[name]
+                shape = arrays[name].shape
+                if len(shape) <= 1:
+                    out[name] = part[:each].view(shape)
+                else:  # each slice contiguous, one padded stride apart
+                    out[name] = part.view(count, padded)[:, :each].unflatten(1, shape[1:])
         return {name: out[name] for name in arrays}
