@@ -19,6 +19,7 @@
 #  `study-attention-short` = decode attention tiles and split counts at the static-decode and workload batches;
 #  `study-attention-short-gemma` = the same at head dim 256 (Gemma-3-4B's 8 q / 4 KV heads, and groups of 2
 #   and 8), with batches of mixed lengths besides;
+#  `study-attention-ragged` = decode batches of mixed lengths in arrival order and longest first, the engine's tile;
 #  `startup-profile` = cProfile over building a Llama-3-8B engine;
 #  `study-attention-prefill` = Llama-3-8B's prefill attention, every tile (`study-attention-prefill-quantized`:
 #   over int8 and fp8 caches);
@@ -132,6 +133,11 @@ for part in "$@"; do
         --tiles "$tiles" --out "$OUT/attention-tiles-short-gemma.jsonl" 2>&1 | tail -5
       timeout 250 python3 benchmarks/study_attention_tiles.py decode --points ragged --shapes 6,1 --jobs 8 \
         --tiles "$tiles" --out "$OUT/attention-tiles-short-gemma.jsonl" 2>&1 | tail -5 ;;
+    study-attention-ragged)
+      # Decode batches of mixed lengths (Llama-3-8B's, Qwen3-0.6B's and Gemma-3-4B's heads), the engine's
+      # tile at 1, 2 and 4 KV splits, each batch in arrival order and longest first.
+      timeout 250 python3 benchmarks/study_attention_tiles.py decode --points ragged --shapes 4,5,6 --chosen-only \
+        --out "$OUT/attention-tiles-ragged.jsonl" 2>&1 | tail -12 ;;
     study-attention-splits|study-attention-splits-gemma)
       # Decode attention from 1 to 128 sequences, 192-8,192 tokens, at 1-16 KV splits: Llama-3-8B's heads,
       # or Gemma's (head dim 256 in groups of 2 and 8).

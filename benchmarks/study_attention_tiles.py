@@ -3,7 +3,8 @@
 engine stores them); with ``--points short``,
 the decode batches of the static-decode and workload benchmarks (Llama-3-8B and Qwen3-0.6B shapes,
 32-256 sequences over 192- and 1,024-token contexts), each tile at 1, 2 and 4 KV splits, and with
-``--points ragged`` batches of 136 and 256 sequences of mixed lengths likewise; with
+``--points ragged`` batches of 136 and 256 sequences of mixed lengths likewise, in arrival order and
+longest first; with
 ``--points splits``, 1-128 sequences over 192-8,192 tokens at 1-16 splits in five tiles of each
 head dim (prefill: lone prompts and chunks deep in long contexts at 1-16 splits, with ``--chosen-only``
 the engine's tile alone).
@@ -160,16 +161,20 @@ def _points(part: str, points: str) -> list[list[tuple[int, int]]]:
     if part == "prefill":
         return PROMPT_SPLIT_POINTS if points == "splits" else PREFILL_POINTS
     if points == "ragged":
+        # Each batch in arrival order, then longest first as the engine orders a step's sequences.
         rng = random.Random(0)
-        return [[(1, rng.randint(lo, hi)) for _ in range(b)] for b, lo, hi in RAGGED_POINTS]
+        batches = [[(1, rng.randint(lo, hi)) for _ in range(b)] for b, lo, hi in RAGGED_POINTS]
+        return [order for specs in batches for order in (specs, sorted(specs, key=lambda s: -s[1]))]
     chosen = {"short": SHORT_POINTS, "splits": SPLIT_POINTS, "quantized": QUANTIZED_POINTS}.get(points, DECODE_POINTS)
     return [[(1, ctx)] * b for b, ctx in chosen]
 
 
 def _contexts(specs: list[tuple[int, int]]) -> str:
-    """A point's context in its rows' names: the length, or the range of a ragged batch."""
-    lo, hi = min(c for _, c in specs), max(c for _, c in specs)
-    return str(hi) if lo == hi else f"{lo}-{hi}"
+    """A point's context in its rows' names: the length, or the range of a ragged batch (``-sorted``:
+    longest first)."""
+    contexts = [c for _, c in specs]
+    lo, hi = min(contexts), max(contexts)
+    return str(hi) if lo == hi else f"{lo}-{hi}" + ("-sorted" if contexts == sorted(contexts, reverse=True) else "")
 
 
 def _splits(points: str) -> tuple[int | None, ...]:

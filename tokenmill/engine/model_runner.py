@@ -315,6 +315,12 @@ class ModelRunner:
         bs = self.block_size
         seqs, counts = batch.seqs, np.asarray(batch.num_tokens, dtype=np.int64)
         starts = np.fromiter(map(attrgetter("num_computed_tokens"), seqs), dtype=np.int64, count=len(seqs))
+        # Longest context first: attention's programs start in the batch's order, and a long one
+        # started last would run on alone while the GPU idles. (Each step's sequences then keep the
+        # previous step's order, and its sampled ids stay in place as the next step's inputs.)
+        order = np.argsort(-(starts + counts), kind="stable")
+        if (order[1:] < order[:-1]).any():
+            seqs, counts, starts = [seqs[i] for i in order.tolist()], counts[order], starts[order]
         query_start = np.zeros(len(seqs) + 1, dtype=np.int32)
         np.cumsum(counts, out=query_start[1:])
         total = int(query_start[-1])
@@ -328,7 +334,7 @@ class ModelRunner:
                               dtype=np.int64, count=total)
         else:
             ids = np.fromiter(itertools.chain.from_iterable(
-                s.scheduled_token_ids(st, n) for s, st, n in zip(seqs, starts.tolist(), batch.num_tokens)),
+                s.scheduled_token_ids(st, n) for s, st, n in zip(seqs, starts.tolist(), counts.tolist())),
                 dtype=np.int64, count=total)
         ends = starts + counts
         # A sequence samples when the step reaches its last known token (or its last draft).

@@ -265,11 +265,11 @@ def _paged_attention_kernel(
         seq, q_tile = _flat_tile(query_start_loc_ptr, tl.program_id(0), batch, BLOCK_Q)
         if seq >= batch:
             return
-    else:  # every sequence gets the longest query's tile count
-        q_tile = tl.program_id(0)
-        seq = tl.program_id(1)
-    kv_head = tl.program_id(2) // num_splits
-    split = tl.program_id(2) % num_splits
+    else:  # every sequence gets the longest query's tile count, the last (causal: the most keys) first
+        q_tile = tl.num_programs(0) - 1 - tl.program_id(0)
+        seq = tl.program_id(2)
+    kv_head = tl.program_id(1) // num_splits
+    split = tl.program_id(1) % num_splits
 
     q_start = tl.load(query_start_loc_ptr + seq)
     q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
@@ -586,7 +586,11 @@ def paged_attention(
         part_acc = part_ml = out  # unused by the kernel when WRITE_PARTIALS is off
 
     pdl = pdl_launch_args(query.device)
-    _paged_attention_kernel[(tiles, seqs, num_kv_heads * num_splits)](
+    # The GPU starts programs in the order of their grid index, the first dimension fastest: a
+    # sequence's heads (and splits) start together, and sequences in the batch's order, which the
+    # engine gives longest first (``ModelRunner._prepare``), so that no long context is left to
+    # start last and run alone while the rest of the GPU idles.
+    _paged_attention_kernel[(tiles, num_kv_heads * num_splits, seqs)](
         query,
         k_cache,
         v_cache,
