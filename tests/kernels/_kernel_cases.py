@@ -477,6 +477,10 @@ def _interpret_attention(ops) -> None:
                           head_dim=64, dtype=f16, **common)
     check_paged_attention(ops, [(1, 20)] * 129 + [(40, 50), (1, 3)], num_q_heads=4, num_kv_heads=1, head_dim=64,
                           dtype=f32, sliding_window=30, **common)
+    # A lone chunk of several query tiles (started last tile first), whole and with its KV split.
+    for splits in (None, 2):
+        check_paged_attention(ops, [(100, 130)], num_q_heads=4, num_kv_heads=2, head_dim=64, dtype=f16,
+                              num_splits=splits, **common)
     # Long prompts at head dim 128, windowed.
     check_paged_attention(ops, [(64, 64), (40, 300), (1, 50)], num_q_heads=8, num_kv_heads=2, head_dim=128,
                           dtype=f16, sliding_window=40, **common)

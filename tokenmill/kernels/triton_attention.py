@@ -261,15 +261,19 @@ def _paged_attention_kernel(
     PDL: tl.constexpr,
 ):
     wait_for_previous_kernel(PDL)
+    # The GPU starts a sequence's programs in the order of this index (the grid's first dimension
+    # fastest); it is read with the heads and splits fastest, so that a query tile's heads start together.
+    start_order = tl.program_id(0) + tl.program_id(1) * tl.num_programs(0)
+    heads_splits = tl.num_programs(1)
+    kv_head = (start_order % heads_splits) // num_splits
+    split = start_order % num_splits
     if FLAT:  # a ragged batch: only its real tiles are launched, numbered in one flat range
-        seq, q_tile = _flat_tile(query_start_loc_ptr, tl.program_id(0), batch, BLOCK_Q)
+        seq, q_tile = _flat_tile(query_start_loc_ptr, start_order // heads_splits, batch, BLOCK_Q)
         if seq >= batch:
             return
     else:  # every sequence gets the longest query's tile count, the last (causal: the most keys) first
-        q_tile = tl.num_programs(0) - 1 - tl.program_id(0)
+        q_tile = tl.num_programs(0) - 1 - start_order // heads_splits
         seq = tl.program_id(2)
-    kv_head = tl.program_id(1) // num_splits
-    split = tl.program_id(1) % num_splits
 
     q_start = tl.load(query_start_loc_ptr + seq)
     q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
@@ -586,10 +590,10 @@ def paged_attention(
         part_acc = part_ml = out  # unused by the kernel when WRITE_PARTIALS is off
 
     pdl = pdl_launch_args(query.device)
-    # The GPU starts programs in the order of their grid index, the first dimension fastest: a
-    # sequence's heads (and splits) start together, and sequences in the batch's order, which the
-    # engine gives longest first (``ModelRunner._prepare``), so that no long context is left to
-    # start last and run alone while the rest of the GPU idles.
+    # The GPU starts programs in the order of their grid index, the first dimension fastest: the
+    # kernel reads it as a query tile's heads (and splits) together, a prompt's last tile first, and
+    # sequences in the batch's order, which the engine gives longest first (``ModelRunner._prepare``),
+    # so that no long program is left to start last and run on alone while the rest of the GPU idles.
     _paged_attention_kernel[(tiles, num_kv_heads * num_splits, seqs)](
         query,
         k_cache,
