@@ -38,6 +38,7 @@ _MAX_SPLITS = 64
 _FEW_SPLITS = 8
 # Query starts a flat-tile program scans at a time.
 _SEQ_CHUNK = tl.constexpr(128)
+_NO_TILE = tl.constexpr(2**31 - 1)
 # Never fewer KV tokens per split than one K/V tile: a split then costs one tile's latency.
 _MIN_TOKENS_PER_SPLIT = 64
 # Shared memory for the pipelined K and V tiles (2 x stages x BLOCK_N x BLOCK_D elements): sm_90
@@ -81,11 +82,12 @@ def _tile_scales(scales, block, start, end, kv_head, block_size, BLOCK_N: tl.con
 
 @triton.jit
 def _flat_tile(query_start_loc_ptr, f, batch, BLOCK_Q: tl.constexpr):
-    """The sequence and query tile of flat tile ``f``, the tiles of a ragged batch numbered in order
-    (``cdiv(q, BLOCK_Q)`` for a sequence of ``q`` query tokens, none for an empty one); the sequence is
-    ``batch`` past the last tile. Every program scans the query starts, ``_SEQ_CHUNK`` at a time."""
+    """The sequence and query tile of flat tile ``f``: a ragged batch's sequences in order, each with
+    ``cdiv(q, BLOCK_Q)`` tiles for ``q`` query tokens (none for an empty one), its last tile (causal:
+    the most keys) first. The sequence is ``batch`` past the last tile. Every program scans the query
+    starts, ``_SEQ_CHUNK`` at a time."""
     seq = 0
-    start = 0  # the first flat tile of sequence ``seq``
+    stop = _NO_TILE  # the flat tile after sequence ``seq``'s last
     before = 0  # the tiles of the chunks already scanned
     for b0 in range(0, batch, _SEQ_CHUNK):
         bs = b0 + tl.arange(0, _SEQ_CHUNK)
@@ -95,9 +97,9 @@ def _flat_tile(query_start_loc_ptr, f, batch, BLOCK_Q: tl.constexpr):
         ends = before + tl.cumsum(tl.where(valid, (hi - lo + BLOCK_Q - 1) // BLOCK_Q, 0), axis=0)
         done = valid & (ends <= f)  # sequences whose tiles all come before f
         seq += tl.sum(done.to(tl.int32), axis=0)
-        start = tl.maximum(start, tl.max(tl.where(done, ends, 0), axis=0))
+        stop = tl.minimum(stop, tl.min(tl.where(valid & (ends > f), ends, _NO_TILE), axis=0))
         before = tl.max(ends, axis=0)
-    return seq, f - start
+    return seq, stop - 1 - f
 
 
 @triton.jit
