@@ -22,9 +22,9 @@ def watch_compiles(on_compile: Callable[[str, str], None] | None) -> None:
     """From now on call ``on_compile`` with the kernel's name and the variant (Triton's account of it:
     each argument's type and what it was specialized on, e.g. ``*bf16D`` for a pointer on a 16-byte
     boundary, ``i32D`` for a multiple of 16, a constant for an integer of 1) before each variant is
-    compiled (None: stop watching). The compile goes ahead either way. A bound method is held weakly: the hook lives
-    as long as the process, and must not keep its object (an engine, with its KV cache) alive; once
-    that is gone the hook does nothing."""
+    compiled (None: stop watching). The compile goes ahead either way. A bound method is held weakly:
+    the hook lives as long as the process, and must not keep its object (an engine, with its KV cache)
+    alive; once that is gone the hook does nothing."""
     if on_compile is None:
         triton.knobs.runtime.jit_cache_hook = None
         return
