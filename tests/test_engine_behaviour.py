@@ -356,3 +356,23 @@ def test_the_start_up_log_says_what_start_up_took(model_dir, caplog) -> None:
     ready = [r.getMessage() for r in caplog.records if r.getMessage().startswith("engine ready")]
     assert len(ready) == 1
     assert re.search(r"; start-up weights \d+\.\d s, KV cache and CUDA graphs \d+\.\d s$", ready[0]), ready[0]
+
+
+def test_a_steps_sequences_go_longest_context_first(llm, monkeypatch) -> None:
+    """Attention's programs start in the batch's order, so a step hands the forward its sequences
+    longest context first whatever order they were scheduled in; each request's tokens are those it
+    gets alone."""
+    contexts = []
+    forward = llm.engine.core.runner._forward
+
+    def watched(plan, tensors):
+        contexts.append(plan.arrays["seq_lens"].tolist())
+        return forward(plan, tensors)
+
+    prompts = [[3, 4] * 2, [5, 6, 7] * 5, [8] * 9, [9, 10] * 3]  # shortest first
+    monkeypatch.setattr(llm.engine.core.runner, "_forward", watched)
+    together = llm.generate(prompts, greedy(6, ignore_eos=True), use_tqdm=False)
+    assert any(len(step) == len(prompts) for step in contexts)
+    assert all(step == sorted(step, reverse=True) for step in contexts)
+    alone = [llm.generate([p], greedy(6, ignore_eos=True), use_tqdm=False)[0] for p in prompts]
+    assert [o.outputs[0].token_ids for o in together] == [o.outputs[0].token_ids for o in alone]
