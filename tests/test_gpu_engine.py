@@ -135,11 +135,14 @@ def test_sampled_requests_compile_nothing_after_start_up(tmp_path) -> None:
     assert llm.engine.core.stats.num_compiles_after_startup == 0
 
 
-def test_prompts_past_the_prefill_graphs_compile_nothing_after_start_up(tmp_path) -> None:
+@pytest.mark.parametrize("arch", ["llama3", "gemma3"])
+def test_prompts_past_the_prefill_graphs_compile_nothing_after_start_up(arch: str, tmp_path) -> None:
     """A lone prompt longer than the largest prefill graph runs eagerly in one chunk, and several
     prompts share a step: the warm-up compiled their attention variants (the longest chunk alone is
-    left to the 128-token one's variant)."""
-    make_model_dir("llama3", tmp_path)
+    left to the 128-token one's variant). Gemma 3's two KV groups each take their own slots and
+    block tables, from the same copy: an odd token count must not put the second group's slots off
+    the 16-byte boundary the warm-up's were on."""
+    make_model_dir(arch, tmp_path)
     llm = LLM(str(tmp_path), device="cuda", dtype="bfloat16", max_num_seqs=8, max_model_len=4096,
               max_num_batched_tokens=4096)
     before = _compiled_kernel_variants()
