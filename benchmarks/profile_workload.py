@@ -10,8 +10,9 @@ import io
 import json
 import pstats
 import statistics
+import sys
 
-from tokenmill.bench.hardware import measure_ceilings
+from tokenmill.bench.hardware import environment, measure_ceilings
 from tokenmill.bench.offline import add_workload, make_engine, release, run_metered, standard_workload
 
 
@@ -84,7 +85,8 @@ def main() -> None:
     add_workload(engine, standard_workload(args.requests, vocab=vocab))
     before = allocator_events()
     records, wall, _ = run_metered(engine, ceilings)
-    result = {"shape": args.shape, "requests": args.requests, "seconds": wall, "launch_us": launches,
+    result = {"environment": environment(ceilings, " ".join(sys.argv)), "shape": args.shape,
+              "requests": args.requests, "seconds": wall, "launch_us": launches,
               "compiles_after_startup": engine.core.stats.num_compiles_after_startup}
     print(f"kernel variants compiled during the run: {result['compiles_after_startup']}")
     # A step that waits on the device allocator (a new segment, or a retry that frees the cache first).

@@ -93,7 +93,7 @@ class Batch:
         width = max(blocks)
         values = torch.randn(2, sum(blocks), BLOCK_SIZE, hkv, head_dim, device="cuda", dtype=DTYPE)
         self.scales = None
-        if kv_dtype != DTYPE:  # one-byte values (int8 in [-127, 127]) and a bf16 scale per token and head
+        if kv_dtype != DTYPE:  # one-byte values (int8 in [-127, 127]) and a scale per token and head
             values = (values * 40).clamp(-127, 127).round() if kv_dtype == torch.int8 else (values * 100).clamp(-448, 448)
             self.scales = (torch.rand(2, sum(blocks), BLOCK_SIZE, hkv, device="cuda") * 0.02).to(kv_scale_dtype(head_dim))
         self.k, self.v = values.to(kv_dtype)

@@ -38,7 +38,7 @@ _MAX_SPLITS = 64
 _FEW_SPLITS = 8
 # Query starts a flat-tile program scans at a time.
 _SEQ_CHUNK = tl.constexpr(128)
-_NO_TILE = tl.constexpr(2**31 - 1)
+_NO_TILE = tl.constexpr(2**31 - 1)  # past every flat tile: where a scan has not found a sequence's end
 # Never fewer KV tokens per split than one K/V tile: a split then costs one tile's latency.
 _MIN_TOKENS_PER_SPLIT = 64
 # Shared memory for the pipelined K and V tiles (2 x stages x BLOCK_N x BLOCK_D elements): sm_90
