@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import statistics
 from pathlib import Path
 
 import torch
@@ -186,14 +187,25 @@ def echo_prompts(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
     return [p + o.outputs[0].token_ids + p[-4:] for p, o in zip(prompts, outs)]
 
 
-def assert_equal_up_to_a_near_tie(expected: list, got: list, logprob_tol: float, tie: float) -> None:
+def assert_equal_up_to_a_near_tie(expected: list, got: list, logprob_tol: float, tie: float,
+                                  flip_tol: float | None = None) -> None:
     """Greedy outputs the same, each token's logprob within ``logprob_tol``, up to a first difference
-    that only a near-tie explains (the two tokens within ``tie`` of each other where it happens)."""
+    that only a near-tie explains (the two tokens within ``tie`` of each other where it happens).
+
+    With ``flip_tol`` (quantized caches) the median difference is within ``logprob_tol`` and each one
+    within ``flip_tol``: float rounding that moves a value across a quantization boundary changes
+    it by a whole step, and the tokens after it by more than rounding (Gemma 4's tiny config on the
+    CPU, its queries perturbed by 1e-6: median 1e-5, up to a tenth of the tokens over 1e-2, the
+    largest 0.08), where a wrong block or scale moves most tokens."""
+    diffs = []
     for a, b in zip(expected, got):
         ours, theirs = a.outputs[0], b.outputs[0]
         n = next((i for i, (x, y) in enumerate(zip(ours.token_ids, theirs.token_ids)) if x != y), len(ours.token_ids))
-        for i in range(n):
-            assert abs(ours.logprobs[i][ours.token_ids[i]] - theirs.logprobs[i][theirs.token_ids[i]]) < logprob_tol
+        diffs += [abs(ours.logprobs[i][ours.token_ids[i]] - theirs.logprobs[i][theirs.token_ids[i]]) for i in range(n)]
         if n < len(ours.token_ids):
             lp = ours.logprobs[n]
             assert lp[ours.token_ids[n]] - lp.get(theirs.token_ids[n], float("-inf")) < tie
+    if flip_tol is None:
+        assert max(diffs, default=0.0) < logprob_tol
+    else:
+        assert diffs and statistics.median(diffs) < logprob_tol and max(diffs) < flip_tol

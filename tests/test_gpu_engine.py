@@ -264,14 +264,14 @@ def test_logit_bias_and_full_vocabulary_logprobs_on_cuda(tmp_path) -> None:
 def test_quantized_kv_cache_on_cuda_matches_the_cpu_path(arch: str, kv_cache_dtype: str, tmp_path) -> None:
     """The Triton write and attention over a quantized cache (CUDA graphs, chunked prefill, preemption)
     against the torch reference's on the CPU, same bytes and scales: tokens equal up to a near-tie,
-    logprobs within float32 noise of each other."""
+    logprobs within float32 noise of each other but where that noise crossed a quantization boundary."""
     make_model_dir(arch, tmp_path)
     prompts = parity_prompts()
     options = dict(dtype="float32", kv_cache_dtype=kv_cache_dtype, max_num_seqs=4, max_num_batched_tokens=48,
                    num_kv_blocks=preempting_pool(tmp_path))
     cpu = LLM(str(tmp_path), device="cpu", **options).generate(prompts, GREEDY, use_tqdm=False)
     gpu = LLM(str(tmp_path), device="cuda", **options).generate(prompts, GREEDY, use_tqdm=False)
-    assert_equal_up_to_a_near_tie(cpu, gpu, logprob_tol=1e-2, tie=0.1)  # a tie may quantize the other way
+    assert_equal_up_to_a_near_tie(cpu, gpu, logprob_tol=1e-3, tie=0.1, flip_tol=0.2)
 
 
 @pytest.mark.parametrize("arch", ["llama3", "gemma3"])
