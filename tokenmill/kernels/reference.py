@@ -23,6 +23,9 @@ import torch
 from tokenmill.kernels import q8_0
 from tokenmill.kernels.q8_0 import Q8Weight
 
+# The smallest row magnitude an int8 query is scaled from (an all-zero row stays zero, no 0/0).
+QUERY_INT8_FLOOR = 1e-30
+
 
 def kv_qmax(cache_dtype: torch.dtype) -> float:
     """The largest value a quantized cache's dtype (int8 or a float8) holds."""
@@ -86,6 +89,14 @@ def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, length: int,
     return tokens.float() * scales[ids].reshape(-1, cache.shape[2])[:length, :, None].float()
 
 
+def quantize_query_int8(q: torch.Tensor) -> torch.Tensor:
+    """``q`` float32 ``[..., D]`` on the int8 grid of each row (its largest magnitude over 127, rounded
+    half up): over an int8 cache the scores are integer dots of the query and key values, which
+    run on the tensor cores with no conversion of the keys, times the two scales."""
+    step = q.abs().amax(dim=-1, keepdim=True).clamp_min(QUERY_INT8_FLOOR) / 127.0
+    return torch.floor(q / step + 0.5) * step
+
+
 def paged_attention(
     query: torch.Tensor,
     k_cache: torch.Tensor,
@@ -122,6 +133,8 @@ def paged_attention(
         k = k.repeat_interleave(group, dim=1).transpose(0, 1)  # [Hq, S, D]
         v = v.repeat_interleave(group, dim=1).transpose(0, 1)
         q = query[q_lo:q_hi].float().transpose(0, 1)  # [Hq, Q, D]
+        if k_cache.dtype == torch.int8:
+            q = quantize_query_int8(q)
         scores = torch.matmul(q, k.transpose(1, 2)) * scale  # [Hq, Q, S]
         if softcap is not None:
             scores = softcap_(scores, softcap)

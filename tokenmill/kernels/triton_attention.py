@@ -23,6 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
+from tokenmill.kernels.reference import QUERY_INT8_FLOOR
 from tokenmill.kernels.triton_convert import ptx_conversions, to_f16
 from tokenmill.kernels.triton_launch import num_sms, pdl_launch_args, wait_for_previous_kernel
 
@@ -31,6 +32,7 @@ _MINUS_2_LOG2E = tl.constexpr(-2.0 * _LOG2E)
 # Finite stand-in for -inf as the initial running max: exp2(m_old - m_new) stays
 # well-defined (never inf - inf) for rows whose first tiles are fully masked.
 _NEG_BIG = tl.constexpr(-1.0e30)
+_QUERY_INT8_FLOOR = tl.constexpr(QUERY_INT8_FLOOR)
 _MAX_SPLITS = 64
 # The merge reads a program's splits as one [BLOCK_S, dims] tile: this many rows up to this many splits,
 # _MAX_SPLITS past it. Two variants, not one a split count; the small one holds an eighth of the
@@ -103,13 +105,15 @@ def _flat_tile(query_start_loc_ptr, f, batch, BLOCK_Q: tl.constexpr):
 
 
 @triton.jit
-def _attend_tiles(acc, m_i, l_i, q, q_pos, lo, hi, split_hi, bt_row, kv_head, cache, scales, qk_scale, softcap_log2,
+def _attend_tiles(acc, m_i, l_i, q, q_step, q_pos, lo, hi, split_hi, bt_row, kv_head, cache, scales, qk_scale,
+                  softcap_log2,
                   window, dims, dim_valid, block_size: tl.constexpr, MASKED: tl.constexpr, KV_SCALED: tl.constexpr,
                   DOT_F16: tl.constexpr, PTX: tl.constexpr, BLOCK_N: tl.constexpr, USE_WINDOW: tl.constexpr,
                   SOFTCAP: tl.constexpr, IEEE_DOT: tl.constexpr):
     """The online softmax over the key tiles ``lo`` … ``hi`` (of a split ending at ``split_hi``) folded
     into ``acc``, ``m_i``, ``l_i``; without ``MASKED`` every row may see every key of every tile.
-    ``cache``: the K and V caches' pointers and strides (block, slot, head); ``scales``: theirs."""
+    ``cache``: the K and V caches' pointers and strides (block, slot, head); ``scales``: theirs.
+    Over an int8 cache ``q`` is int8 and ``q_step`` each row's scale (float32; otherwise unused)."""
     k_cache_ptr, kc_stride_block, kc_stride_slot, kc_stride_head, v_cache_ptr, vc_stride_block, vc_stride_slot, \
         vc_stride_head = cache
     BLOCK_M: tl.constexpr = q.shape[0]
@@ -149,11 +153,14 @@ def _attend_tiles(acc, m_i, l_i, q, q_pos, lo, hi, split_hi, bt_row, kv_head, ca
             mask=n_valid[None, :] & dim_valid[:, None],
             other=0.0,
         )
-        k = to_f16(k, PTX, True) if DOT_F16 else k.to(q.dtype)  # read along d: converted in its operand layout
-        if IEEE_DOT:
-            qk = tl.dot(q, k, input_precision="ieee")
+        if q.dtype == tl.int8:  # integer dots of the int8 query and keys, exact, no conversion of K
+            qk = tl.dot(q, k, out_dtype=tl.int32).to(tl.float32) * q_step[:, None]
         else:
-            qk = tl.dot(q, k)
+            k = to_f16(k, PTX, True) if DOT_F16 else k.to(q.dtype)  # read along d: converted in its operand layout
+            if IEEE_DOT:
+                qk = tl.dot(q, k, input_precision="ieee")
+            else:
+                qk = tl.dot(q, k)
         # The scores in the log2 domain are qk * scale: a plain score's scale is folded into the
         # exponent's operand (one FMA an element), a scaled or capped one is scaled here.
         scale = qk_scale  # scale * log2(e)
@@ -186,7 +193,8 @@ def _attend_tiles(acc, m_i, l_i, q, q_pos, lo, hi, split_hi, bt_row, kv_head, ca
             mask=n_valid[:, None] & dim_valid[None, :],
             other=0.0,
         )
-        v = to_f16(v, PTX, False) if DOT_F16 else v.to(q.dtype)  # gathered across keys: converted first
+        # Gathered across keys: converted first (an int8 query without float16 dots is a float32 one's).
+        v = to_f16(v, PTX, False) if DOT_F16 else v.to(tl.float32 if q.dtype == tl.int8 else q.dtype)
         pw = p
         if KV_SCALED:
             # Each value's scale weighs its probability (the sum l_i keeps the unweighted p), relative
@@ -298,7 +306,14 @@ def _paged_attention_kernel(
         mask=row_valid[:, None] & dim_valid[None, :],
         other=0.0,
     )
-    if DOT_F16:
+    q_step = tl.zeros([BLOCK_M], dtype=tl.float32)  # (read over an int8 cache alone)
+    if k_cache_ptr.dtype.element_ty == tl.int8:
+        # An int8 cache: q on each row's int8 grid (``reference.quantize_query_int8``), so that its
+        # scores are integer tensor-core dots with the keys as they are stored.
+        q = q.to(tl.float32)
+        q_step = tl.maximum(tl.max(tl.abs(q), axis=1), _QUERY_INT8_FLOOR) / 127.0
+        q = tl.floor(q / q_step[:, None] + 0.5).to(tl.int8)
+    elif DOT_F16:
         # A one-byte cache under a 16-bit query: the dots run in float16, which every int8 and float8
         # value converts to exactly and cheaply (float8 two a packed instruction; to bfloat16 each goes
         # through the conversion unit, a sixteenth of the SM's rate). A bfloat16 query keeps its 8 bits
@@ -334,18 +349,18 @@ def _paged_attention_kernel(
         full_lo = split_lo + tl.cdiv(edge - split_lo, BLOCK_N) * BLOCK_N
         full_hi = tl.maximum(split_lo + (tl.minimum(context + tile_lo + 1, split_hi) - split_lo) // BLOCK_N * BLOCK_N,
                              full_lo)
-        acc, m_i, l_i = _attend_tiles(acc, m_i, l_i, q, q_pos, split_lo, tl.minimum(full_lo, split_hi), split_hi,
-                                      bt_row, kv_head, cache, scales, qk_scale, softcap_log2, window, dims,
+        acc, m_i, l_i = _attend_tiles(acc, m_i, l_i, q, q_step, q_pos, split_lo, tl.minimum(full_lo, split_hi),
+                                      split_hi, bt_row, kv_head, cache, scales, qk_scale, softcap_log2, window, dims,
                                       dim_valid, block_size, True, KV_SCALED, DOT_F16, PTX, BLOCK_N, USE_WINDOW,
                                       SOFTCAP, IEEE_DOT)
-        acc, m_i, l_i = _attend_tiles(acc, m_i, l_i, q, q_pos, full_lo, full_hi, split_hi,
+        acc, m_i, l_i = _attend_tiles(acc, m_i, l_i, q, q_step, q_pos, full_lo, full_hi, split_hi,
                                       bt_row, kv_head, cache, scales, qk_scale, softcap_log2, window, dims,
                                       dim_valid, block_size, False, KV_SCALED, DOT_F16, PTX, BLOCK_N, USE_WINDOW,
                                       SOFTCAP, IEEE_DOT)
         masked_lo = full_hi
     else:
         masked_lo = split_lo
-    acc, m_i, l_i = _attend_tiles(acc, m_i, l_i, q, q_pos, masked_lo, split_hi, split_hi,
+    acc, m_i, l_i = _attend_tiles(acc, m_i, l_i, q, q_step, q_pos, masked_lo, split_hi, split_hi,
                                   bt_row, kv_head, cache, scales, qk_scale, softcap_log2, window, dims, dim_valid,
                                   block_size, True, KV_SCALED, DOT_F16, PTX, BLOCK_N, USE_WINDOW, SOFTCAP, IEEE_DOT)
 
