@@ -374,6 +374,9 @@ def _interpret_quantized_kv(ops) -> None:
                               head_dim=128, dtype=torch.float16, cache_dtype=torch.int8, device="cpu", num_splits=1)
     check_quantized_attention(ops, specs=[(1, 200), (1, 17)], num_q_heads=8, num_kv_heads=2, head_dim=128,
                               dtype=torch.float32, cache_dtype=torch.int8, device="cpu", sliding_window=70, num_splits=3)
+    # Head dim 16: the int8 query's scores in float16 dots (integer dots take 32 dims and more).
+    check_quantized_attention(ops, specs=[(1, 70), (20, 40)], num_q_heads=4, num_kv_heads=2, head_dim=16,
+                              dtype=torch.float16, cache_dtype=torch.int8, device="cpu", num_splits=1)
 
 
 if triton is not None:

@@ -182,6 +182,12 @@ def _launches(monkeypatch: pytest.MonkeyPatch) -> list[Launch]:
                                            torch.tensor([40], dtype=torch.int32), torch.zeros(1, 4, dtype=torch.int32),
                                            0.1, max_query_len=query_len, num_splits=1,
                                            k_scale=ks[:, :, :kv_heads], v_scale=vs[:, :, :kv_heads])
+        # Head dim 16 (under an integer dot's 32), decode and a prompt's tile.
+        qk16, qv16 = (torch.zeros(4, 16, 1, 16, dtype=torch.int8) for _ in range(2))
+        for query_len in (1, 20):
+            triton_ops.paged_attention(rand(query_len, 4, 16), qk16, qv16, torch.tensor([0, query_len], dtype=torch.int32),
+                                       torch.tensor([40], dtype=torch.int32), torch.zeros(1, 4, dtype=torch.int32), 0.1,
+                                       max_query_len=query_len, num_splits=1, k_scale=ks[:, :, :1], v_scale=vs[:, :, :1])
         triton_ops.silu_and_mul(rand(3, 512))
         triton_ops.gelu_tanh_and_mul(rand(3, 512))
         if dtype == torch.float32:  # sampling reads float32 logits whatever the model's dtype

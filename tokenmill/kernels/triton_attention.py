@@ -153,8 +153,12 @@ def _attend_tiles(acc, m_i, l_i, q, q_step, q_pos, lo, hi, split_hi, bt_row, kv_
             mask=n_valid[None, :] & dim_valid[:, None],
             other=0.0,
         )
-        if q.dtype == tl.int8:  # integer dots of the int8 query and keys, exact, no conversion of K
+        if q.dtype == tl.int8 and q.shape[1] >= 32:  # integer dots of the int8 query and keys, no conversion of K
             qk = tl.dot(q, k, out_dtype=tl.int32).to(tl.float32) * q_step[:, None]
+        elif q.dtype == tl.int8:
+            # Integer dots take 32 dims and more: under that, the same products in float16 dots (every
+            # int8 is a float16; 16 products of at most 127^2 add up exactly in the float32 accumulator).
+            qk = tl.dot(q.to(tl.float16), k.to(tl.float16)) * q_step[:, None]
         else:
             k = to_f16(k, PTX, True) if DOT_F16 else k.to(q.dtype)  # read along d: converted in its operand layout
             if IEEE_DOT:
