@@ -8,7 +8,8 @@ version compiles other code), it is what the GPU runs; reading a loop's loads an
 comes before timing a change on the GPU:
 
     pip install --no-deps --target /tmp/triton-gpu triton==<the GPU's version>
-    PYTHONPATH=/tmp/triton-gpu python benchmarks/kernel_sass.py attention --kv int8 [--batch 64] [--query 1] [--sass FILE]
+    PYTHONPATH=/tmp/triton-gpu python benchmarks/kernel_sass.py attention --kv int8 [--batch 64] [--query 1] \
+        [--head-dim 128] [--sass FILE]
     PYTHONPATH=/tmp/triton-gpu python benchmarks/kernel_sass.py gemv --q8
     PYTHONPATH=/tmp/triton-gpu python benchmarks/kernel_sass.py skinny [--q8] [--rows 8]
 """
@@ -97,6 +98,7 @@ def main() -> None:
     parser.add_argument("--kv", choices=list(KV_DTYPES), default="bf16", help="attention: the cache's dtype")
     parser.add_argument("--batch", type=int, default=64, help="attention: decode sequences (the tile follows)")
     parser.add_argument("--query", type=int, default=1, help="attention: query tokens a sequence (a prefill chunk)")
+    parser.add_argument("--head-dim", type=int, default=128, help="attention: the heads' size (8 KV heads, group 4)")
     parser.add_argument("--tile", help="attention: force BLOCK_M,BLOCK_N,num_warps,num_stages (else the engine's)")
     parser.add_argument("--q8", action="store_true", help="gemv, skinny: a Q8_0 weight (Llama-3-8B's gate|up shape)")
     parser.add_argument("--rows", type=int, default=None,
@@ -105,7 +107,7 @@ def main() -> None:
     parser.add_argument("--sass", help="write the whole disassembly here")
     args = parser.parse_args()
     if args.kernel == "attention":  # Llama-3-8B's heads over 8k-token contexts, one decode token each
-        heads, dim, dtype = 8, 128, KV_DTYPES[args.kv]
+        heads, dim, dtype = 8, args.head_dim, KV_DTYPES[args.kv]
         cache = torch.zeros(40, 16, heads, dim, dtype=dtype)
         scales = {} if dtype == torch.bfloat16 else {
             "k_scale": torch.zeros(40, 16, heads, dtype=kv_scale_dtype(dim)),

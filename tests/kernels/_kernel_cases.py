@@ -319,11 +319,10 @@ def _unit_in_last_place(x: torch.Tensor, cache_dtype: torch.dtype) -> torch.Tens
 def check_quantized_attention(ops, *, specs: list[tuple[int, int]], num_q_heads: int, num_kv_heads: int,
                               head_dim: int, dtype: torch.dtype, cache_dtype: torch.dtype, device: str,
                               sliding_window: int | None = None, num_splits: int | None = None,
-                              value_magnitude: float = 1.0) -> None:
+                              value_magnitude: float = 1.0, block_size: int = 16) -> None:
     """Attention over a quantized cache against the reference reading the same bytes and scales; values
     of ``value_magnitude`` (small ones: scales far below one)."""
     gen, seed = fresh_generator(device)
-    block_size = 16
     blocks_per_seq = [-(-ctx // block_size) for _, ctx in specs]
     num_blocks = sum(blocks_per_seq) + 1
     k_cache, v_cache, k_scale, v_scale = _quantized_cache(num_blocks, block_size, num_kv_heads, head_dim, cache_dtype,
@@ -374,6 +373,12 @@ def _interpret_quantized_kv(ops) -> None:
                               head_dim=128, dtype=torch.float16, cache_dtype=torch.int8, device="cpu", num_splits=1)
     check_quantized_attention(ops, specs=[(1, 200), (1, 17)], num_q_heads=8, num_kv_heads=2, head_dim=128,
                               dtype=torch.float32, cache_dtype=torch.int8, device="cpu", sliding_window=70, num_splits=3)
+    # Blocks of 256 tokens, past the 128-key decode tile, and of 8 (a 64-row prompt tile's 32 keys span four).
+    check_quantized_attention(ops, specs=[(1, 300), (20, 160)], num_q_heads=4, num_kv_heads=1, head_dim=128,
+                              dtype=torch.float16, cache_dtype=torch.int8, device="cpu", num_splits=1, block_size=256)
+    check_quantized_attention(ops, specs=[(1, 100), (40, 90)], num_q_heads=4, num_kv_heads=2, head_dim=64,
+                              dtype=torch.float16, cache_dtype=torch.int8, device="cpu", sliding_window=37,
+                              block_size=8)
     # Head dim 16: the int8 query's scores in float16 dots (integer dots take 32 dims and more).
     check_quantized_attention(ops, specs=[(1, 70), (20, 40)], num_q_heads=4, num_kv_heads=2, head_dim=16,
                               dtype=torch.float16, cache_dtype=torch.int8, device="cpu", num_splits=1)
@@ -509,6 +514,12 @@ def _interpret_attention(ops) -> None:
     # Speculative verification: k+1 = 4 query tokens per sequence, block size 8.
     check_paged_attention(ops, [(4, 40), (4, 9)], num_q_heads=4, num_kv_heads=2, head_dim=64,
                           dtype=f16, device="cpu", block_size=8)
+    # Blocks that key tiles do not span whole (each tile then starts elsewhere in a block): 48 tokens
+    # a block (not a power of two), windowed, and 128 past a decode tile of 64 keys.
+    check_paged_attention(ops, mixed, num_q_heads=4, num_kv_heads=2, head_dim=64, dtype=f16, sliding_window=13,
+                          device="cpu", block_size=48)
+    check_paged_attention(ops, [(1, 300), (1, 70)], num_q_heads=4, num_kv_heads=1, head_dim=64, dtype=f32,
+                          num_splits=1, device="cpu", block_size=128)
 
 
 def _interpret_attention_gemma(ops) -> None:

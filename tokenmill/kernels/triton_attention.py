@@ -60,21 +60,33 @@ def _tanh(x):
 
 
 @triton.jit
-def _tile_blocks(bt_row, start, end, block_size, BLOCK_N: tl.constexpr):
-    """The cache block of each token ``start`` … ``start + BLOCK_N`` of a sequence (0 from ``end`` on)."""
-    n = start + tl.arange(0, BLOCK_N)
-    return tl.load(bt_row + n // block_size, mask=n < end, other=0).to(tl.int64)
+def _key_layout(start, block_size, BLOCK_N: tl.constexpr):
+    """Where a sequence's tokens ``start`` … ``start + BLOCK_N`` lie: each one's block-table entry past
+    ``start // block_size``, and its slot in that block. The same for every tile of a loop whose
+    tiles span whole blocks (each then starts as far into a block)."""
+    k = start % block_size + tl.arange(0, BLOCK_N)
+    return k // block_size, k % block_size
 
 
 @triton.jit
-def _tile_scales(scales, block, start, end, kv_head, block_size, BLOCK_N: tl.constexpr):
+def _tile_blocks(bt_row, start, end, block_size, BLOCK_N: tl.constexpr, layout, SAME: tl.constexpr):
+    """The cache block of each token ``start`` … ``start + BLOCK_N`` of a sequence (0 from ``end`` on);
+    where ``SAME``, ``layout`` (``_key_layout``) is the tile's."""
+    n = start + tl.arange(0, BLOCK_N)
+    entry = start // block_size + layout[0] if SAME else n // block_size
+    return tl.load(bt_row + entry, mask=n < end, other=0).to(tl.int64)
+
+
+@triton.jit
+def _tile_scales(scales, block, start, end, kv_head, block_size, BLOCK_N: tl.constexpr, layout, SAME: tl.constexpr):
     """The K and V scales (float32) of tokens ``start`` … ``start + BLOCK_N``, held in ``block``s (0 from
-    ``end`` on); ``scales``: each cache's scale pointer and strides (block, slot, head), K's then V's."""
+    ``end`` on); ``scales``: each cache's scale pointer and strides (block, slot, head), K's then V's;
+    ``layout`` and ``SAME`` as ``_tile_blocks`` takes them."""
     k_scale_ptr, ks_stride_block, ks_stride_slot, ks_stride_head, v_scale_ptr, vs_stride_block, vs_stride_slot, \
         vs_stride_head = scales
     n = start + tl.arange(0, BLOCK_N)
     valid = n < end
-    slot = n % block_size
+    slot = layout[1] if SAME else n % block_size
     ks = tl.load(k_scale_ptr + block * ks_stride_block + slot * ks_stride_slot + kv_head * ks_stride_head,
                  mask=valid, other=0.0).to(tl.float32)
     vs = tl.load(v_scale_ptr + block * vs_stride_block + slot * vs_stride_slot + kv_head * vs_stride_head,
@@ -125,10 +137,17 @@ def _attend_tiles(acc, m_i, l_i, q, q_step, q_pos, lo, hi, split_hi, bt_row, kv_
     # scores' layout through registers every tile (fp8 decode at 128 keys: 13 barriers an iteration
     # against 9; sm_90 code).
     PIPELINED_SCALES: tl.constexpr = scales[0].dtype.element_ty.primitive_bitwidth == 32 and BLOCK_M < 64
+    # Where tiles span whole blocks, every tile's keys lie at the first tile's block-table steps and
+    # slots (``_key_layout``), computed once: the loop keeps only the block ids and their products
+    # (sm_90 code: the fp8 decode loop at 128 keys 1,039 -> 900 instructions, bf16's at 64 keys 688 ->
+    # 500, a 16-bit prompt's 762 -> 674). Not in a quantized prompt's tile, whose registers are full:
+    # its spills grew from 72 to 296 bytes.
+    SAME: tl.constexpr = BLOCK_N % block_size == 0 and (BLOCK_M < 64 or not KV_SCALED)
+    layout = _key_layout(lo, block_size, BLOCK_N)
     if KV_SCALED and not PIPELINED_SCALES:
-        ks_next, vs_next = _tile_scales(scales, _tile_blocks(bt_row, lo, split_hi, block_size, BLOCK_N), lo,
-                                        split_hi, kv_head, block_size, BLOCK_N)
-        blocks_next = _tile_blocks(bt_row, lo + BLOCK_N, split_hi, block_size, BLOCK_N)
+        ks_next, vs_next = _tile_scales(scales, _tile_blocks(bt_row, lo, split_hi, block_size, BLOCK_N, layout, SAME),
+                                        lo, split_hi, kv_head, block_size, BLOCK_N, layout, SAME)
+        blocks_next = _tile_blocks(bt_row, lo + BLOCK_N, split_hi, block_size, BLOCK_N, layout, SAME)
     # Decode tiles (under 64 rows) spread a tile's keys over the warps: a row's sum over them would
     # cross warps every tile, so each key column keeps its own running sum, added up once at the end.
     DEFER_SUM: tl.constexpr = BLOCK_M < 64
@@ -138,15 +157,15 @@ def _attend_tiles(acc, m_i, l_i, q, q_step, q_pos, lo, hi, split_hi, bt_row, kv_
     for start in range(lo, hi, BLOCK_N):
         n = start + tl.arange(0, BLOCK_N)
         n_valid = n < split_hi
-        block = _tile_blocks(bt_row, start, split_hi, block_size, BLOCK_N)
-        slot = n % block_size
+        block = _tile_blocks(bt_row, start, split_hi, block_size, BLOCK_N, layout, SAME)
+        slot = layout[1] if SAME else n % block_size
         if KV_SCALED and PIPELINED_SCALES:
-            ks, vs = _tile_scales(scales, block, start, split_hi, kv_head, block_size, BLOCK_N)
+            ks, vs = _tile_scales(scales, block, start, split_hi, kv_head, block_size, BLOCK_N, layout, SAME)
         elif KV_SCALED:
             ks, vs = ks_next, vs_next
             ks_next, vs_next = _tile_scales(scales, blocks_next, start + BLOCK_N, split_hi, kv_head, block_size,
-                                            BLOCK_N)
-            blocks_next = _tile_blocks(bt_row, start + 2 * BLOCK_N, split_hi, block_size, BLOCK_N)
+                                            BLOCK_N, layout, SAME)
+            blocks_next = _tile_blocks(bt_row, start + 2 * BLOCK_N, split_hi, block_size, BLOCK_N, layout, SAME)
         k_off = block * kc_stride_block + slot * kc_stride_slot + kv_head * kc_stride_head
         k = tl.load(
             k_cache_ptr + k_off[None, :] + dims[:, None],
