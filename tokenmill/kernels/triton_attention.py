@@ -274,7 +274,7 @@ def _paged_attention_kernel(
     vs_stride_head,
     bt_stride,
     num_q_heads,
-    head_dim,
+    head_dim: tl.constexpr,  # one a model (a few for Gemma 4): a head dim of BLOCK_D needs no masks
     block_size: tl.constexpr,  # an engine's one block size: divisions by it become shifts
     num_splits,
     batch,
