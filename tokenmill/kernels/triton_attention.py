@@ -477,27 +477,22 @@ def _block_rows(block_d: int, group: int, max_query_len: int, elem_bytes: int) -
     return max(16, triton.next_power_of_2(group), min(most, triton.next_power_of_2(max_query_len * group)))
 
 
-def _tile_config(block_d: int, block_m: int, elem_bytes: int, num_splits: int,
-                 programs_per_sm: float) -> tuple[int, int, int, int]:
+def _tile_config(block_d: int, block_m: int, elem_bytes: int) -> tuple[int, int, int, int]:
     """``(BLOCK_M, BLOCK_N, num_warps, num_stages)`` for a head-dim tile ``block_d``, ``block_m`` query
-    rows (``_block_rows``), K/V elements of ``elem_bytes``, ``num_splits`` KV ranges a sequence and a
-    grid of ``programs_per_sm`` before the split.
+    rows (``_block_rows``) and K/V elements of ``elem_bytes``.
 
-    Measured on the H200 (Triton 3.6, bf16; benchmarks/study_attention_tiles.py, results in
-    benchmarks/results/h200-2026-11-30/attention-tiles): each decode and prefill choice below was the
-    fastest there, or within 3% of it.
+    Measured on the H200 (Triton 3.6; benchmarks/study_attention_tiles.py, results in
+    benchmarks/results/h200-2026-11-30/attention-tiles and later runs named below): each decode and
+    prefill choice below was the fastest there, or within 3% of it.
 
-    - head dim <= 128: 64 keys a tile, 4 warps, 2 stages where the KV is split. A decode program
-      that owns a whole context reads 128 keys a tile while the grid holds under two programs an
-      SM, and 64 keys in 4 stages from there (Llama-3-8B's heads, one split, 128-key tiles against
-      64 keys in 4 stages: 32 x 4k 136 against 191 us, 32 x 192 9.9 against 10.6; 128 x 192 42.5
-      against 34.4, 64 x 8k and 64 x 2k within 1% of each other; 64 keys in 2 stages, the tile
-      before, lost 6-30% to the better of the two at every point; attention-splits-315ca5f. In
-      the engine, Llama-3-8B at batch 64 over 8k tokens: 22.4 ms a step against 27.8). Over a
-      one-byte (int8, float8) cache every decode program reads 128 keys in 3 stages, split or not
-      (64 x 8k, one split: 560 us against 952 for 64 keys in 4 stages, the best of every tile;
-      h200-2026-12-01/kv-ptx-convert-313c5e4. 16 x 4k, split: 71.5 us against 102 for 64 keys in 2
-      stages; h200-2026-12-01/k-direct-00f1141). Prefill over a 16-bit cache (128 rows): 32 keys,
+    - head dim <= 128, decode (under 64 rows): 128 keys a tile, 4 warps, 3 stages, split or not,
+      over every cache dtype. 16-bit caches, Llama-3-8B's heads (h200-2026-12-02/decode-tiles-2a0e095),
+      against 64 keys in 4 stages (one split) or 2 (split): 64 x 8k 491 against 627 us, 64 x 2k 127
+      against 164, 16 x 4k 75 against 88, 1 x 8k 14.0 against 15.3, the workload's spread of 136
+      contexts of 130-2,038 tokens 156 against 159, 256 x 1,024 255 against 269; 128 x 192 lost, 36.8
+      against 33.5. One-byte caches (64 x 8k, one split: 560 us against 952 for 64 keys in 4 stages,
+      h200-2026-12-01/kv-ptx-convert-313c5e4; 16 x 4k, split: 71.5 us against 102 for 64 keys in 2
+      stages, h200-2026-12-01/k-direct-00f1141). Prefill over a 16-bit cache (128 rows): 32 keys,
       4 warps, 3 stages, the fastest or within 3% of it at Llama-3-8B's points (``_block_rows``).
     - 256, decode: 64 keys, 4 warps, 2 stages (batch 64 at 2k context, group 2: 290 us,
       3.7 TB/s; 32 keys took 366 us). Prefill (64 rows): 32 keys, 4 warps, 3 stages,
@@ -513,10 +508,8 @@ def _tile_config(block_d: int, block_m: int, elem_bytes: int, num_splits: int,
     """
     if block_d <= 128:
         block_n, num_warps, num_stages = 64, 4, 2
-        if block_m < 64 and elem_bytes == 1:
+        if block_m < 64:
             block_n, num_stages = 128, 3
-        elif num_splits == 1 and block_m < 64:
-            block_n, num_stages = (128, 2) if programs_per_sm < 2 else (64, 4)
         elif block_m == 128:
             block_n, num_stages = 32, 3
     elif block_d <= 256:
@@ -551,7 +544,7 @@ def launch_plan(block_d: int, group: int, num_kv_heads: int, batch: int, num_tok
     work_units = grid[0] * grid[1] * num_kv_heads
     if num_splits is None:
         num_splits = _choose_num_splits(work_units, max_context, device, block_d, block_m)
-    tile = _tile_config(block_d, block_m, elem_bytes, num_splits, work_units / num_sms(device))
+    tile = _tile_config(block_d, block_m, elem_bytes)
     return tile, num_splits, grid
 
 
