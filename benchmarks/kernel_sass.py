@@ -3,7 +3,8 @@
 Calls a kernel wrapper the way the engine does on the CPU, intercepts the launch, compiles it for
 Hopper with the divisibility hints the JIT derives on the GPU (16-byte-aligned pointers, integer
 arguments divisible by 16 outside ``do_not_specialize``), and prints the SASS instruction mix, the
-registers and the stack (spills). With the GPU image's Triton first on the path (a Triton of another
+registers and the stack (spills), and how many programs an SM holds at once (by registers, warps and
+shared memory). With the GPU image's Triton first on the path (a Triton of another
 version compiles other code), it is what the GPU runs; reading a loop's loads and conversions here
 comes before timing a change on the GPU:
 
@@ -73,6 +74,22 @@ def compile_for_hopper(fn: JITFunction, args: tuple, kwargs: dict) -> triton.com
     return triton.compile(src, target=HOPPER, options=launch.options)
 
 
+# An sm_90 SM's registers, shared memory (bytes; the driver keeps 1 KB of it a block) and resident warps.
+SM_REGISTERS, SM_SHARED, SM_WARPS = 65536, 233472, 64
+
+
+def occupancy(kernel: triton.compiler.CompiledKernel, regs: int) -> str:
+    """How many programs of this kernel an SM holds at once, and what bounds it: a latency-bound loop
+    hides its loads only behind the other warps resident beside it."""
+    warps, shared = kernel.metadata.num_warps, kernel.metadata.shared
+    regs = -(-regs // 8) * 8  # a thread's registers are allocated 8 at a time
+    bounds = {"registers": SM_REGISTERS // (regs * 32 * warps), "warps": SM_WARPS // warps,
+              "shared memory": SM_SHARED // (shared + 1024)}
+    limit = min(bounds, key=bounds.get)
+    return (f"shared memory {shared} bytes a program; {bounds[limit]} programs ({bounds[limit] * warps} warps) an SM, "
+            f"bound by {limit} (" + ", ".join(f"{k} {v}" for k, v in bounds.items()) + ")")
+
+
 def report(kernel: triton.compiler.CompiledKernel, sass_out: str | None) -> None:
     tools = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
     with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
@@ -86,6 +103,7 @@ def report(kernel: triton.compiler.CompiledKernel, sass_out: str | None) -> None
     ops = collections.Counter(m.group(1) for line in sass.splitlines()
                               if (m := re.match(r"\s+/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_.]+)", line)))
     print(f"Triton {triton.__version__}: {sum(ops.values())} instructions; {usage.strip()[:60]}")
+    print(occupancy(kernel, int(re.search(r"REG:(\d+)", usage).group(1))))
     for op, count in ops.most_common(30):
         print(f"  {count:5d} {op}")
     if sass_out:
