@@ -1,7 +1,9 @@
 """Where the standard throughput workload's time goes: decode steps against steps that
-carry prefill, each beside its floor, then a cProfile of the host over a smaller run.
+carry prefill, each beside its floor, then a cProfile of the host over a smaller run. With
+``--kv-bound DTYPE``, the same for ``tokenmill bench kvcache``'s KV-bound workload (256 requests of
+1024 + 512 tokens in 8 GiB of KV) with that ``kv_cache_dtype``.
 
-python benchmarks/profile_workload.py [--shape qwen3-0.6b] [--requests 256] [--out FILE]   (GPU)
+python benchmarks/profile_workload.py [--shape qwen3-0.6b] [--requests 256] [--kv-bound auto|fp8|int8] [--out FILE]   (GPU)
 """
 
 import argparse
@@ -13,7 +15,8 @@ import statistics
 import sys
 
 from tokenmill.bench.hardware import environment, measure_ceilings
-from tokenmill.bench.offline import add_workload, make_engine, release, run_metered, standard_workload
+from tokenmill.bench.offline import (add_workload, kv_bound_workload, make_engine, release, run_metered,
+                                    standard_workload)
 
 
 SLOWEST = 5  # steps of each kind listed by time
@@ -76,17 +79,23 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--shape", default="qwen3-0.6b")
     parser.add_argument("--requests", type=int, default=256)
+    parser.add_argument("--kv-bound", choices=["auto", "fp8", "fp8_e5m2", "int8"],
+                        help="profile the KV-bound workload with this KV cache dtype instead (--requests unused)")
     parser.add_argument("--out")
     args = parser.parse_args()
     ceilings = measure_ceilings()
     launches = launch_costs()
-    engine = make_engine(args.shape, max_num_seqs=256, max_num_batched_tokens=8192)
+    if args.kv_bound:
+        engine, workload = kv_bound_workload(args.shape, args.kv_bound)
+    else:
+        engine = make_engine(args.shape, max_num_seqs=256, max_num_batched_tokens=8192)
+        workload = standard_workload(args.requests, vocab=engine.model_config.vocab_size)
     vocab = engine.model_config.vocab_size
-    add_workload(engine, standard_workload(args.requests, vocab=vocab))
+    add_workload(engine, workload)
     before = allocator_events()
     records, wall, _ = run_metered(engine, ceilings)
     result = {"environment": environment(ceilings, " ".join(sys.argv)), "shape": args.shape,
-              "requests": args.requests, "seconds": wall, "launch_us": launches,
+              "requests": len(workload), "kv_bound": args.kv_bound, "seconds": wall, "launch_us": launches,
               "compiles_after_startup": engine.core.stats.num_compiles_after_startup}
     print(f"kernel variants compiled during the run: {result['compiles_after_startup']}")
     # A step that waits on the device allocator (a new segment, or a retry that frees the cache first).

@@ -375,19 +375,26 @@ def bench_kv_cache_dtypes(ceilings: Ceilings, shape: str = "llama3-8b", dtypes: 
         del engine
         release()
     for name in dtypes:
-        kv_dtype = QUANTIZED_KV_DTYPES.get(EngineConfig(kv_cache_dtype=name).kv_cache_dtype, torch.bfloat16)
-        per_block = load_model_config(shape_dir(shape)).kv_layout().bytes_per_token(kv_dtype) * 16
-        blocks = int(kv_budget_gib * (1 << 30) // per_block)
-        engine = make_engine(shape, max_num_seqs=256, max_model_len=2048, max_num_batched_tokens=8192,
-                             kv_cache_dtype=name, num_kv_blocks=blocks, block_size=16)
-        rng = random.Random(5)
-        workload = [(random_prompt(rng, 1024, engine.model_config.vocab_size), 512) for _ in range(256)]
+        engine, workload = kv_bound_workload(shape, name, kv_budget_gib)
         result = run_workload(engine, ceilings, workload)
         rows.append({"name": f"kv_cache/{shape}/{name}/kv_bound_workload", "kv_cache_dtype": name,
-                     "kv_budget_gib": kv_budget_gib, "kv_blocks": blocks, **result})
+                     "kv_budget_gib": kv_budget_gib, "kv_blocks": engine.config.num_kv_blocks, **result})
         del engine
         release()
     return rows
+
+
+def kv_bound_workload(shape: str, kv_cache_dtype: str, kv_budget_gib: float = 8.0
+                      ) -> tuple[LLMEngine, list[tuple[list[int], int]]]:
+    """An engine whose KV cache holds ``kv_budget_gib`` of ``kv_cache_dtype`` blocks, and 256 requests
+    of 1024 prompt + 512 output tokens: more than that cache holds at once in the model's dtype."""
+    kv_dtype = QUANTIZED_KV_DTYPES.get(EngineConfig(kv_cache_dtype=kv_cache_dtype).kv_cache_dtype, torch.bfloat16)
+    per_block = load_model_config(shape_dir(shape)).kv_layout().bytes_per_token(kv_dtype) * 16
+    engine = make_engine(shape, max_num_seqs=256, max_model_len=2048, max_num_batched_tokens=8192,
+                         kv_cache_dtype=kv_cache_dtype, num_kv_blocks=int(kv_budget_gib * (1 << 30) // per_block),
+                         block_size=16)
+    rng = random.Random(5)
+    return engine, [(random_prompt(rng, 1024, engine.model_config.vocab_size), 512) for _ in range(256)]
 
 
 def time_to_first_token(engine: LLMEngine, prompt: list[int], sampling: dict[str, Any] | None = None) -> float:
