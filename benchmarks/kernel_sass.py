@@ -117,7 +117,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=64, help="attention: decode sequences (the tile follows)")
     parser.add_argument("--query", type=int, default=1, help="attention: query tokens a sequence (a prefill chunk)")
     parser.add_argument("--head-dim", type=int, default=128, help="attention: the heads' size (8 KV heads, group 4)")
-    parser.add_argument("--tile", help="attention: force BLOCK_M,BLOCK_N,num_warps,num_stages (else the engine's)")
+    parser.add_argument("--tile", help="attention: force BLOCK_M,BLOCK_N,num_warps,num_stages[,max registers a thread] (else the engine's)")
     parser.add_argument("--q8", action="store_true", help="gemv, skinny: a Q8_0 weight (Llama-3-8B's gate|up shape)")
     parser.add_argument("--rows", type=int, default=None,
                         help="skinny: activation rows (the tile follows; default 8)")

@@ -17,7 +17,7 @@ prefill with ``triton.testing.do_bench`` (L2 flushed). The split count is the wr
 own choice. The chosen tiles, then the same with a softcap, are timed last as a check.
 
     python benchmarks/study_attention_tiles.py decode|prefill [--shapes 0,1] [--kv-dtype bf16|int8|fp8]
-        [--points long|short|splits|quantized] [--tiles M,N,W,S;...] [--out FILE] [--jobs N]
+        [--points long|short|splits|quantized] [--tiles M,N,W,S[,R];...] [--out FILE] [--jobs N]
 
 ``--jobs N`` compiles every variant first in N processes (Triton's disk cache keeps them),
 so the timed pass, one process, finds them built.
@@ -76,14 +76,20 @@ PREFILL_TILES = [(m, n, w, s) for m in (32, 64, 128) for n in (16, 32, 64) for w
 CHOSEN = (triton_attention._tile_config, triton_attention._block_rows)
 
 
+def _label(tile: tuple) -> tuple:
+    """A tile as rows name it: without a register cap of 0 (none), as before caps existed."""
+    return tuple(tile[:4]) if len(tile) == 4 or not tile[4] else tuple(tile)
+
+
 def force_tile(tile: tuple | None) -> None:
-    """Every launch from now takes ``tile`` ``(BLOCK_M, BLOCK_N, num_warps, num_stages)``, its grid
-    sized by its rows; None: the wrapper's own choice again."""
+    """Every launch from now takes ``tile`` ``(BLOCK_M, BLOCK_N, num_warps, num_stages[, max_registers])``
+    (no register cap where it has four), its grid sized by its rows; None: the wrapper's own choice again."""
     if tile is None:
         triton_attention._tile_config, triton_attention._block_rows = CHOSEN
     else:
-        triton_attention._tile_config = lambda *_: tile
-        triton_attention._block_rows = lambda *_: tile[0]
+        full = (*tile, 0) if len(tile) == 4 else tuple(tile)
+        triton_attention._tile_config = lambda *_: full
+        triton_attention._block_rows = lambda *_: full[0]
 
 
 class Batch:
@@ -225,7 +231,8 @@ def main() -> None:
                              "batches of mixed lengths, 1-128 sequences at 1-16 KV splits in a few tiles, or two "
                              "long-context batches")
     parser.add_argument("--tiles", default=None,
-                        help="these tiles only: BLOCK_M,BLOCK_N,num_warps,num_stages separated by ';'")
+                        help="these tiles only: BLOCK_M,BLOCK_N,num_warps,num_stages[,max registers a thread] "
+                             "separated by ';'")
     parser.add_argument("--worker", type=int, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     shapes = SHAPES[:4] if args.shapes is None else [SHAPES[int(i)] for i in args.shapes.split(",")]
@@ -255,9 +262,10 @@ def main() -> None:
                 point = {"part": args.part, "head_dim": head_dim, "group": hq // hkv, "seqs": len(specs),
                          "q": specs[0][0], "ctx": batch.max_ctx, "ctx_min": min(c for _, c in specs),
                          "kv_dtype": args.kv_dtype}
-                chosen, _, _ = triton_attention.launch_plan(triton.next_power_of_2(head_dim), hq // hkv, hkv,
-                                                            len(specs), batch.query.shape[0], batch.max_q,
-                                                            batch.max_ctx, batch.k.element_size(), batch.query.device)
+                plan, _, _ = triton_attention.launch_plan(triton.next_power_of_2(head_dim), hq // hkv, hkv,
+                                                          len(specs), batch.query.shape[0], batch.max_q,
+                                                          batch.max_ctx, batch.k.element_size(), batch.query.device)
+                chosen = _label(plan)
                 results = []
                 candidates = [(tile, splits) for tile in [*tiles, None] for splits in _splits(args.points)]
                 for tile, splits in [*candidates, ("cap", None)]:
@@ -266,7 +274,7 @@ def main() -> None:
                         label = ("chosen+cap", *chosen)
                     else:
                         row = measure(batch, tile, decode, splits=splits)
-                        label = ("chosen", *chosen) if tile is None else tile
+                        label = ("chosen", *chosen) if tile is None else _label(tile)
                     floor_us = ceilings.floor(batch.kv_bytes, batch.flops) * 1e6
                     row = {"name": f"attention-tiles/{args.part}/d{head_dim}/g{hq // hkv}/{args.kv_dtype}/"
                                    f"{len(specs)}x{specs[0][0]}x{_contexts(specs)}/{'-'.join(map(str, label))}"

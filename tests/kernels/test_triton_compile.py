@@ -34,7 +34,7 @@ from tokenmill.kernels.compile_watch import watch_compiles  # noqa: E402
 
 HOPPER = GPUTarget("cuda", 90, 32)
 HOPPER_MAX_SHARED = 232448  # bytes of shared memory one block may take on sm_90 (227 KiB)
-LAUNCH_OPTIONS = {"num_warps", "num_stages", "num_ctas", "launch_pdl", "enable_fp_fusion"}
+LAUNCH_OPTIONS = {"num_warps", "num_stages", "num_ctas", "launch_pdl", "enable_fp_fusion", "maxnreg"}
 DTYPE_NAMES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32", torch.int32: "i32",
                torch.int64: "i64", torch.int8: "i8", torch.bool: "i1", torch.float8_e4m3fn: "fp8e4nv", torch.float8_e5m2: "fp8e5"}
 
@@ -84,7 +84,7 @@ class Launch:
             return None
         return replace(self, constexprs={**self.constexprs, "PDL": True}, options={**self.options, "launch_pdl": True})
 
-    def compile(self) -> None:
+    def compile(self) -> Any:
         names = list(self.signature)
         src = ASTSource(fn=self.fn, signature=self.signature,
                         constexprs={(names.index(k),): v for k, v in self.constexprs.items()})
@@ -92,6 +92,7 @@ class Launch:
         # What the driver would refuse at launch (OutOfResources), caught here instead.
         if kernel.metadata.shared > HOPPER_MAX_SHARED:
             raise RuntimeError(f"needs {kernel.metadata.shared} bytes of shared memory; sm_90 has {HOPPER_MAX_SHARED}")
+        return kernel
 
 
 def _launches(monkeypatch: pytest.MonkeyPatch) -> list[Launch]:
@@ -276,6 +277,26 @@ def test_every_kernel_compiles_for_hopper(monkeypatch: pytest.MonkeyPatch) -> No
         except Exception as exc:  # every failing variant is reported, not just the first
             failures.append(f"{launch.fn.__name__} {launch.constexprs} {launch.options}: {str(exc)[-600:]}")
     assert not failures, "\n\n".join(failures)
+
+
+def test_an_attention_tiles_register_cap_reaches_the_compiler(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A tile's fifth field caps a thread's registers (how many programs an SM holds): the launch
+    carries it as ``maxnreg`` and the sm_90 code is built under it; a cap of 0 leaves it out."""
+    launches: list[Launch] = []
+    monkeypatch.setattr(JITFunction, "run", lambda self, *args, grid, warmup, **kwargs:
+                        launches.append(Launch.intercepted(self, args, kwargs)))
+    cache = torch.zeros(4, 16, 2, 128).to(torch.float8_e4m3fn)
+    scales = torch.ones(4, 16, 2, dtype=torch.float32)
+    for cap in (0, 128):
+        monkeypatch.setattr(triton_attention, "_tile_config", lambda *_, cap=cap: (16, 128, 8, 2, cap))
+        triton_ops.paged_attention(torch.zeros(1, 8, 128, dtype=torch.bfloat16), cache, cache,
+                                   torch.tensor([0, 1], dtype=torch.int32), torch.tensor([40], dtype=torch.int32),
+                                   torch.arange(4, dtype=torch.int32).view(1, 4), 0.1, k_scale=scales,
+                                   v_scale=scales)
+    monkeypatch.undo()
+    uncapped, capped = [launch for launch in launches if launch.fn.__name__ == "_paged_attention_kernel"]
+    assert "maxnreg" not in uncapped.options and capped.options["maxnreg"] == 128
+    assert ".maxnreg 128" in capped.compile().asm["ptx"]
 
 
 def _specialization(fn: JITFunction, args: tuple, kwargs: dict) -> tuple:

@@ -480,9 +480,10 @@ def _block_rows(block_d: int, group: int, max_query_len: int, elem_bytes: int) -
     return max(16, triton.next_power_of_2(group), min(most, triton.next_power_of_2(max_query_len * group)))
 
 
-def _tile_config(block_d: int, block_m: int, elem_bytes: int) -> tuple[int, int, int, int]:
-    """``(BLOCK_M, BLOCK_N, num_warps, num_stages)`` for a head-dim tile ``block_d``, ``block_m`` query
-    rows (``_block_rows``) and K/V elements of ``elem_bytes``.
+def _tile_config(block_d: int, block_m: int, elem_bytes: int) -> tuple[int, int, int, int, int]:
+    """``(BLOCK_M, BLOCK_N, num_warps, num_stages, max_registers)`` for a head-dim tile ``block_d``,
+    ``block_m`` query rows (``_block_rows``) and K/V elements of ``elem_bytes``; ``max_registers`` caps
+    a thread's registers (0: the compiler's choice), which decides how many programs an SM holds.
 
     Measured on the H200 (Triton 3.6; benchmarks/study_attention_tiles.py, results in
     benchmarks/results/h200-2026-11-30/attention-tiles and later runs named below): each decode and
@@ -523,7 +524,7 @@ def _tile_config(block_d: int, block_m: int, elem_bytes: int) -> tuple[int, int,
         num_stages = min(num_stages, 2)
     while 2 * num_stages * block_n * block_d * elem_bytes > _KV_SMEM_BUDGET and block_n > 16:
         block_n //= 2
-    return block_m, block_n, num_warps, num_stages
+    return block_m, block_n, num_warps, num_stages, 0
 
 
 def query_tiles(batch: int, num_tokens: int, max_query_len: int, block_q: int) -> tuple[int, int, bool]:
@@ -539,7 +540,7 @@ def query_tiles(batch: int, num_tokens: int, max_query_len: int, block_q: int) -
 
 def launch_plan(block_d: int, group: int, num_kv_heads: int, batch: int, num_tokens: int, max_query_len: int,
                 max_context: int, elem_bytes: int, device: torch.device, num_splits: int | None = None
-                ) -> tuple[tuple[int, int, int, int], int, tuple[int, int, bool]]:
+                ) -> tuple[tuple[int, int, int, int, int], int, tuple[int, int, bool]]:
     """The tile (``_tile_config``), the KV split count (``num_splits`` forces it) and the query tiles
     (``query_tiles``) a launch takes."""
     block_m = _block_rows(block_d, group, max_query_len, elem_bytes)
@@ -610,7 +611,7 @@ def paged_attention(
         raise ValueError(f"num_splits must be in [1, {_MAX_SPLITS}], got {num_splits}")
     block_d = triton.next_power_of_2(head_dim)
     max_context = block_tables.shape[1] * block_size if max_seq_len is None else max_seq_len
-    (block_m, block_n, num_warps, num_stages), num_splits, (tiles, seqs, flat) = launch_plan(
+    (block_m, block_n, num_warps, num_stages, max_registers), num_splits, (tiles, seqs, flat) = launch_plan(
         block_d, group, num_kv_heads, batch, num_tokens, max_query_len, max_context, k_cache.element_size(),
         query.device, num_splits,
     )
@@ -677,6 +678,7 @@ def paged_attention(
         IEEE_DOT=query.dtype == torch.float32,
         num_warps=num_warps,
         num_stages=num_stages,
+        **({"maxnreg": max_registers} if max_registers else {}),
         **pdl,
     )
     if write_partials:
