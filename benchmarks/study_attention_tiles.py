@@ -5,8 +5,8 @@ the decode batches of the static-decode and workload benchmarks (Llama-3-8B and 
 32-256 sequences over 192- and 1,024-token contexts), each tile at 1, 2 and 4 KV splits, and with
 ``--points ragged`` batches of 136 and 256 sequences of mixed lengths likewise, in arrival order and
 longest first; with
-``--points splits``, 1-128 sequences over 192-8,192 tokens at 1-16 splits in five tiles of each
-head dim (prefill: lone prompts and chunks deep in long contexts at 1-16 splits, with ``--chosen-only``
+``--points splits``, 1-128 sequences over 192-8,192 tokens at the engine's split count and at 1-64
+splits in five tiles of each head dim (prefill: lone prompts and chunks deep in long contexts at 1-64 splits, with ``--chosen-only``
 the engine's tile alone).
 
 For decode batches and prefill chunks at head dims 256 and 512 with GQA groups of 2 and 8
@@ -61,7 +61,7 @@ RAGGED_POINTS = [(136, 128, 2048), (256, 128, 1024)]
 # and long contexts, each at 1-16 splits in the current tile and its deeper-pipelined neighbours.
 SPLIT_POINTS = [(1, 256), (1, 4096), (8, 1024), (16, 1024), (16, 4096), (32, 192), (32, 1024), (32, 4096),
                 (64, 2048), (64, 8192), (128, 192)]
-SPLIT_COUNTS = (1, 2, 4, 8, 16)
+SPLIT_COUNTS = (1, 2, 4, 8, 16, 32, 64)
 QUANTIZED_POINTS = [(16, 4096), (64, 8192)]  # the quantized-KV benchmark's batch-64 point, and a split one
 SPLIT_TILES = {128: [(16, 64, 4, 2), (16, 64, 4, 3), (16, 64, 4, 4), (16, 128, 4, 2), (16, 64, 8, 2)],
                256: [(16, 64, 4, 2), (16, 32, 4, 2), (16, 32, 4, 4), (16, 64, 8, 2), (16, 32, 8, 3)],
@@ -184,8 +184,9 @@ def _contexts(specs: list[tuple[int, int]]) -> str:
 
 
 def _splits(points: str) -> tuple[int | None, ...]:
-    """The split counts each tile is timed at: the wrapper's choice, or each of a fixed list."""
-    return {"short": SHORT_SPLITS, "ragged": SHORT_SPLITS, "splits": SPLIT_COUNTS}.get(points, (None,))
+    """The split counts each tile is timed at: the wrapper's choice (None), or each of a fixed list (with
+    the wrapper's choice first for ``splits``)."""
+    return {"short": SHORT_SPLITS, "ragged": SHORT_SPLITS, "splits": (None, *SPLIT_COUNTS)}.get(points, (None,))
 
 
 def _tiles(part: str, points: str, head_dim: int, forced: str | None = None) -> list[tuple[int, int, int, int]]:
@@ -208,7 +209,7 @@ def compile_only(part: str, shapes: list, worker: int, jobs: int, kv_dtype: torc
         batch = Batch(specs, head_dim, hq, hkv, kv_dtype)
         for softcap in (None, 50.0) if tile is None else (None,):
             force_tile(tile)
-            for splits in _splits(points)[:2]:
+            for splits in _splits(points)[:3]:  # the choice, one split and two: every kernel variant
                 try:
                     batch.run(softcap, splits)
                     torch.cuda.synchronize()
