@@ -299,6 +299,28 @@ def test_an_attention_tiles_register_cap_reaches_the_compiler(monkeypatch: pytes
     assert ".maxnreg 128" in capped.compile().asm["ptx"]
 
 
+@pytest.mark.parametrize("block_d,block_m", [(128, 16), (256, 16), (512, 16), (256, 64)])
+def test_a_split_decode_grid_stops_at_two_programs_an_sm(monkeypatch: pytest.MonkeyPatch, block_d: int,
+                                                         block_m: int) -> None:
+    """The KV split count: one split once the grid fills the SMs (one program each at head dims up to
+    128 and for prompt tiles, two otherwise); below that as many splits as bring the grid to two
+    programs an SM (a prompt's to four), never past it, never under 64 keys a split, never past the cap."""
+    sms = 132
+    most = sms * (4 if block_m >= 64 else 2)
+    monkeypatch.setattr(triton_attention, "num_sms", lambda device: sms)
+    one_a_sm_enough = block_d <= 128 or block_m >= 64
+    for units in (1, 4, 8, 32, 64, 100, 131, 132, 200, 263, 264, 512):
+        for context in (64, 192, 1024, 4096, 131072):
+            splits = triton_attention._choose_num_splits(units, context, torch.device("cpu"), block_d, block_m)
+            if one_a_sm_enough and units >= sms:
+                assert splits == 1
+                continue
+            assert 1 <= splits <= triton_attention._MAX_SPLITS
+            assert splits == 1 or (units * splits <= most and splits * 64 <= context)
+            more = splits + 1
+            assert units * more > most or more * 64 > context or more > triton_attention._MAX_SPLITS
+
+
 def _specialization(fn: JITFunction, args: tuple, kwargs: dict) -> tuple:
     """What Triton compiles a variant for: the constexprs, the options, each tensor's dtype, and each
     integer's class (1, a multiple of 16, or other) unless the kernel says not to specialise on it."""

@@ -43,8 +43,10 @@ _SEQ_CHUNK = tl.constexpr(128)
 _NO_TILE = tl.constexpr(2**31 - 1)  # past every flat tile: where a scan has not found a sequence's end
 # Never fewer KV tokens per split than one K/V tile: a split then costs one tile's latency.
 _MIN_TOKENS_PER_SPLIT = 64
-# A split grid's programs an SM (``_choose_num_splits``).
+# The programs an SM a split grid aims for (``_choose_num_splits``): a decode tile takes an SM's shared
+# memory alone; prompt tiles (64 rows and more) keep the target they were first measured under.
 _SPLIT_PROGRAMS_PER_SM = 2
+_PROMPT_SPLIT_PROGRAMS_PER_SM = 4
 # Shared memory for the pipelined K and V tiles (2 x stages x BLOCK_N x BLOCK_D elements): sm_90
 # gives a block 227 KiB, and the kernel needs some besides.
 _KV_SMEM_BUDGET = 192 * 1024
@@ -449,14 +451,17 @@ def _merge_splits_kernel(
 
 def _choose_num_splits(work_units: int, max_context: int, device: torch.device, block_d: int,
                        block_m: int) -> int:
-    """Split until the grid holds ~2 programs an SM, never past it.
+    """Split until a decode grid holds ~2 programs an SM (a prompt's ~4), never past it.
 
     Every decode tile takes most of an SM's shared memory (one program at a time), and two of them
-    an SM was the fastest split count at every point measured where the batch leaves SMs idle
-    (Gemma-3-4B's heads at head dim 256, h200-2026-12-02/split-target: 8 x 1,024 tokens 13.4 us at 8
-    splits against 16.7 at 16; 16 x 1,024 26.2 at 4 against 31.7 at 8; 32 x 1,024 44.6 at 2 against
-    48.1 at 4; Llama-3-8B's heads: 8 x 1,024 12.5 us at 4 against 16.5 at 8; 16 x 4,096 73.4 at 2
-    against 74.9 at 4), where ~4 programs an SM had been the target.
+    an SM was the fastest split count, or within 3% of it, at every point measured where the batch
+    leaves SMs idle and the context is long enough to split, where ~4 programs an SM had been the
+    target (h200-2026-12-02/split-target-80fe5f8): Llama-3-8B's heads, 1 x 4,096 tokens 8.3 us at
+    33 splits against 12.1 at 64, 8 x 1,024 12.6 at 4 against 16.7 at 8; Gemma-3-4B's (head dim 256),
+    16 x 1,024 26.5 at 4 against 32.1 at 8, 32 x 1,024 45.4 at 2 against 48.8 at 4; head dim 512 in
+    groups of 8, 16 x 4,096 80.3 at 8 against 86.4 at 16. Short contexts still split where one
+    program a KV range would do (32 x 192 at head dim 256: 16.0 us at 2 splits against 10.1 at one):
+    a graph fixes the split count for the longest context it serves.
     Rounded down: on the H200 a partial further wave cost more than the split saved
     (B=32, ctx 4096: 2 splits 135 us, 3 splits 160 us; see benchmarks/results).
     Never under ``_MIN_TOKENS_PER_SPLIT`` tokens a split at full block-table width.
@@ -472,7 +477,7 @@ def _choose_num_splits(work_units: int, max_context: int, device: torch.device, 
     """
     if (block_d <= 128 or block_m >= 64) and work_units >= num_sms(device):
         return 1
-    target = _SPLIT_PROGRAMS_PER_SM * num_sms(device)
+    target = (_PROMPT_SPLIT_PROGRAMS_PER_SM if block_m >= 64 else _SPLIT_PROGRAMS_PER_SM) * num_sms(device)
     by_length = max(1, max_context // _MIN_TOKENS_PER_SPLIT)
     return max(1, min(target // work_units, by_length, _MAX_SPLITS))
 
