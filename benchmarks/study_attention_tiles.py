@@ -57,10 +57,10 @@ SHORT_SPLITS = (1, 2, 4)
 # Decode batches of mixed lengths, as a workload's steps hold them: (sequences, shortest and longest
 # context), each length drawn uniformly (seeded).
 RAGGED_POINTS = [(136, 128, 2048), (256, 128, 1024)]
-# The split count against batch and context at Llama-3-8B's head dim: from one sequence to 128, short
-# and long contexts, each at 1-16 splits in the current tile and its deeper-pipelined neighbours.
-SPLIT_POINTS = [(1, 256), (1, 4096), (8, 1024), (16, 1024), (16, 4096), (32, 192), (32, 1024), (32, 4096),
-                (64, 2048), (64, 8192), (128, 192)]
+# The split count against batch and context: from one sequence to 128, short and long contexts, each
+# at the engine's count and at 1-64 splits in the current tile and its deeper-pipelined neighbours.
+SPLIT_POINTS = [(1, 256), (1, 4096), (8, 192), (8, 1024), (16, 192), (16, 1024), (16, 4096), (32, 192), (32, 1024),
+                (32, 4096), (64, 2048), (64, 8192), (128, 192)]
 SPLIT_COUNTS = (1, 2, 4, 8, 16, 32, 64)
 QUANTIZED_POINTS = [(16, 4096), (64, 8192)]  # the quantized-KV benchmark's batch-64 point, and a split one
 SPLIT_TILES = {128: [(16, 64, 4, 2), (16, 64, 4, 3), (16, 64, 4, 4), (16, 128, 4, 2), (16, 64, 8, 2)],
