@@ -425,26 +425,32 @@ def check_act_and_mul(ops, *, act: str, num_tokens: int, d: int, dtype: torch.dt
     assert err < ELEMWISE_TOL[dtype], f"rel err {err:.2e}: {where}"
 
 
-# "offset"/"fp32": Gemma 3's / Gemma 4's norm in front; "geglu": the gate through tanh-GELU, not SiLU.
-GEMV_KINDS = ("residual", "norm", "norm_gated", "offset_norm", "offset_norm_geglu", "fp32_norm_geglu")
+# "offset"/"fp32": Gemma 3's / Gemma 4's norm in front; "geglu": the gate through tanh-GELU, not SiLU;
+# "gelu_mul": the projection through tanh-GELU times an input row (Gemma 4's per-layer input gate).
+GEMV_KINDS = ("residual", "norm", "norm_gated", "offset_norm", "offset_norm_geglu", "fp32_norm_geglu", "gelu_mul")
 
 
 def check_gemv(ops, *, kind: str, n: int, k: int, dtype: torch.dtype, device: str, bias: bool,
                q8: bool = False, tiles: tuple[int, ...] | None = None) -> None:
-    """One-row fused GEMV: ``linear_residual`` (kind "residual") or ``norm_linear`` (plain or gated);
-    with ``q8`` the weight in Q8_0 (the reference dequantizes it); with ``tiles`` the Triton GEMV
+    """One-row fused GEMV: ``linear_residual`` (kind "residual"), ``linear_gelu_mul`` (kind "gelu_mul",
+    which takes no bias) or ``norm_linear`` (plain or gated); with ``q8`` the weight in Q8_0 (the reference dequantizes it); with ``tiles`` the Triton GEMV
     launched with those tiles (``triton_gemv._gemv``'s)."""
     if tiles is not None:
         from tokenmill.kernels import triton_gemv
     gen, seed = fresh_generator(device)
-    gated = kind.endswith(("gated", "geglu"))
+    gated = kind.endswith(("gated", "geglu"))  # the weight holds gate and up rows
     rows = 2 * n if gated else n
     x = _randn((1, k), dtype, device, gen) * 2
     weight = _randn((rows, k), dtype, device, gen) * k**-0.5
     if q8:
         weight = q8_0.quantize(weight)
-    b = _randn((rows,), dtype, device, gen) if bias else None
-    if kind == "residual":
+    b = _randn((rows,), dtype, device, gen) if bias and kind != "gelu_mul" else None
+    if kind == "gelu_mul":
+        up = _randn((1, n), dtype, device, gen)
+        ref = reference.linear_gelu_mul(x, weight, up)
+        got = (ops.linear_gelu_mul(x, weight, up) if tiles is None
+               else triton_gemv._gemv(x, weight, None, up=up, activation="gelu_tanh", tiles=tiles))
+    elif kind == "residual":
         residual = _randn((1, n), dtype, device, gen)
         ref = reference.linear_residual(x, weight, b, residual)
         got = (ops.linear_residual(x, weight, b, residual) if tiles is None
@@ -463,7 +469,7 @@ def check_gemv(ops, *, kind: str, n: int, k: int, dtype: torch.dtype, device: st
     # block in float32 unrounded: in float16 that is up to a few parts in 1e3 after the gate.
     tol = ELEMWISE_TOL[dtype]
     if dtype == torch.float16:
-        tol = max(tol, Q8_FP16_TOL if q8 else GATED_FP16_TOL if gated else tol)
+        tol = max(tol, Q8_FP16_TOL if q8 else GATED_FP16_TOL if gated or kind == "gelu_mul" else tol)
     assert err < tol, f"rel err {err:.2e}: {where}"
 
 
@@ -666,11 +672,12 @@ def _interpret_gemv(ops) -> None:
             # K spans several tiles and ends inside one; N ends inside a program's rows.
             check_gemv(ops, kind=kind, n=13, k=2500, dtype=dtype, device="cpu", bias=dtype == torch.float16)
         check_gemv(ops, kind=kind, n=64, k=64, dtype=torch.float32, device="cpu", bias=True)
-    for kind in ("residual", "norm_gated", "offset_norm_geglu"):  # Q8_0: K spans tiles and ends inside one
+    for kind in ("residual", "norm_gated", "offset_norm_geglu", "gelu_mul"):  # Q8_0: K spans tiles, ends inside one
         check_gemv(ops, kind=kind, n=13, k=2528, dtype=torch.float16, device="cpu", bias=False, q8=True)
         check_gemv(ops, kind=kind, n=40, k=96, dtype=torch.float32, device="cpu", bias=True, q8=True)
     # Several tiles of rows a program, the last program's partly or wholly past N, K ending inside a tile.
-    for kind, row_tiles in (("residual", 3), ("norm_gated", 2), ("offset_norm_geglu", 4), ("fp32_norm", 3)):
+    for kind, row_tiles in (("residual", 3), ("norm_gated", 2), ("offset_norm_geglu", 4), ("fp32_norm", 3),
+                            ("gelu_mul", 2)):
         check_gemv(ops, kind=kind, n=37, k=600, dtype=torch.float16, device="cpu", bias=True,
                    tiles=(4, 256, 4, row_tiles))
     check_gemv(ops, kind="norm_gated", n=21, k=160, dtype=torch.float32, device="cpu", bias=False, q8=True,

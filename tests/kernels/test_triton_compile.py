@@ -199,6 +199,7 @@ def _launches(monkeypatch: pytest.MonkeyPatch) -> list[Launch]:
         triton_ops.linear_residual(rand(1, 14336), rand(64, 14336), rand(64), rand(1, 64))
         triton_ops.norm_linear(row, rand(4096), 1e-6, proj, rand(64))
         triton_ops.norm_linear(row, rand(4096), 1e-6, proj, None, gated=True)
+        triton_ops.linear_gelu_mul(row, proj, rand(1, 64))  # Gemma 4's per-layer input gate
         packed = q8_0.quantize(rand(128, 4096))  # Q8_0 weights: plain, gated, with the residual
         triton_ops.norm_linear(row, rand(4096), 1e-6, packed, None)
         triton_ops.norm_linear(row, rand(4096), 1e-6, packed, None, gated=True)
@@ -262,11 +263,11 @@ def test_every_kernel_compiles_for_hopper(monkeypatch: pytest.MonkeyPatch) -> No
     assert {("_paged_attention_kernel", "KV_SCALED", True), ("_paged_attention_kernel", "DOT_F16", True),
             ("_rope_write_kv_kernel", "QUANTIZED", True),
             ("_rope_write_kv_kernel", "STATIC_AMAX", True), ("_rms_norm_kernel", "SCALE_AFTER", True),
-            ("_gemv_kernel", "Q8", True), ("_gemv_kernel", "PTX", True),
+            ("_gemv_kernel", "Q8", True), ("_gemv_kernel", "PTX", True), ("_gemv_kernel", "ACT_MUL", True),
             ("_skinny_matmul_kernel", "QUANTIZED", True), ("_skinny_matmul_kernel", "QUANTIZED", False),
             ("_paged_attention_kernel", "PTX", True)} <= {
         (launch.fn.__name__, key, launch.constexprs.get(key)) for launch in launches
-        for key in ("KV_SCALED", "DOT_F16", "QUANTIZED", "STATIC_AMAX", "SCALE_AFTER", "Q8", "PTX")}
+        for key in ("KV_SCALED", "DOT_F16", "QUANTIZED", "STATIC_AMAX", "SCALE_AFTER", "Q8", "PTX", "ACT_MUL")}
     for kernel, weightings in (("_rms_norm_kernel", {0, 1, 2, 3}), ("_rope_write_kv_kernel", {0, 1, 2}),
                                ("_gemv_kernel", {0, 1, 2})):
         assert {(kernel, "WEIGHTING", w) for w in weightings} <= variants, kernel

@@ -275,6 +275,12 @@ def linear_residual(x: torch.Tensor, weight: torch.Tensor | Q8Weight, bias: torc
     return torch.nn.functional.linear(x, q8_0.dense(weight, x.dtype), bias) + residual
 
 
+def linear_gelu_mul(x: torch.Tensor, weight: torch.Tensor | Q8Weight, up: torch.Tensor) -> torch.Tensor:
+    """``gelu_tanh(x @ weight.T) * up``: Gemma 4's per-layer input gate (a Q8_0 weight dequantized to
+    x's dtype first)."""
+    return torch.nn.functional.gelu(linear(x, weight, None), approximate="tanh") * up
+
+
 def norm_linear(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight: torch.Tensor | Q8Weight,
                 bias: torch.Tensor | None, gated: bool = False, weighting: str = "llama",
                 activation: str = "silu") -> torch.Tensor:

@@ -10,7 +10,8 @@ owns ``BLOCK_N`` output features and walks K with the next weight tile already
 in flight, and does the neighbours' work on the way: in front, the RMSNorm of
 the input row (every program recomputes its statistics from L2, a tile at a
 time); behind, the residual add, or SiLU (GeGLU: tanh-GELU) of gate row ``n``
-times up row ``N + n``.
+times up row ``N + n``, or tanh-GELU of row ``n`` times element ``n`` of an input row (Gemma 4's
+per-layer input gate).
 Launched with PDL, a program loads its first weight tile before it waits for the
 previous kernel, so the weight stream starts under that kernel's tail.
 
@@ -85,11 +86,13 @@ def _row_dots(w, xf, s_rows, k0, n_ok, K, Q8: tl.constexpr, PTX: tl.constexpr, B
 def _gemv_kernel(x_ptr, norm_w_ptr, w_ptr, w_scale_ptr, bias_ptr, res_ptr, out_ptr,
                  N, K, stride_w, stride_s, eps,
                  NORM: tl.constexpr, WEIGHTING: tl.constexpr, GATED: tl.constexpr, GELU: tl.constexpr,
-                 ADD_RES: tl.constexpr, HAS_BIAS: tl.constexpr, Q8: tl.constexpr, PTX: tl.constexpr,
-                 PDL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ROW_TILES: tl.constexpr):
+                 ADD_RES: tl.constexpr, ACT_MUL: tl.constexpr, HAS_BIAS: tl.constexpr, Q8: tl.constexpr,
+                 PTX: tl.constexpr, PDL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                 ROW_TILES: tl.constexpr):
     """A program owns ``ROW_TILES`` consecutive tiles of ``BLOCK_N`` rows: with more than one, the row's
     statistics are computed once for them all, and the last weight load of a tile fetches the next
-    tile's first, so the stream runs on across tiles."""
+    tile's first, so the stream runs on across tiles. ``res_ptr``: the row added to the projection
+    (``ADD_RES``), or the row its activation multiplies (``ACT_MUL``)."""
     tile0 = tl.program_id(0) * ROW_TILES
     ks0 = tl.arange(0, BLOCK_K)
     # The weight's elements: a Q8_0 weight is read as int32 words of four values.
@@ -163,10 +166,13 @@ def _gemv_kernel(x_ptr, norm_w_ptr, w_ptr, w_scale_ptr, bias_ptr, res_ptr, out_p
             acc += tl.load(bias_ptr + ns, mask=n_ok, other=0.0).to(tl.float32)
             if GATED:
                 acc_u += tl.load(bias_ptr + N + ns, mask=n_ok, other=0.0).to(tl.float32)
-        if GATED:
+        if GATED or ACT_MUL:
             g = acc.to(out_ty).to(tl.float32)
             act = gate_activation(g, GELU).to(out_ty).to(tl.float32)
-            acc = act * acc_u.to(out_ty).to(tl.float32)
+            if GATED:
+                acc = act * acc_u.to(out_ty).to(tl.float32)
+            else:
+                acc = act * tl.load(res_ptr + ns, mask=n_ok, other=0.0).to(tl.float32)
         if ADD_RES:
             r = tl.load(res_ptr + ns, mask=n_ok, other=0.0)
             acc = acc.to(out_ty).to(tl.float32) + r.to(tl.float32)
@@ -175,9 +181,10 @@ def _gemv_kernel(x_ptr, norm_w_ptr, w_ptr, w_scale_ptr, bias_ptr, res_ptr, out_p
 
 def _gemv(x: torch.Tensor, weight: torch.Tensor | Q8Weight, bias: torch.Tensor | None, *,
           norm_weight: torch.Tensor | None = None, eps: float = 0.0, gated: bool = False,
-          residual: torch.Tensor | None = None, weighting: str = "llama", activation: str = "silu",
-          tiles: tuple[int, ...] | None = None) -> torch.Tensor:
-    """``tiles``: force ``(BLOCK_N, BLOCK_K, num_warps[, ROW_TILES])`` (the tile study); default by the
+          residual: torch.Tensor | None = None, up: torch.Tensor | None = None, weighting: str = "llama",
+          activation: str = "silu", tiles: tuple[int, ...] | None = None) -> torch.Tensor:
+    """``up``: the projection's ``activation`` times this row (a gate whose other half is an input).
+    ``tiles``: force ``(BLOCK_N, BLOCK_K, num_warps[, ROW_TILES])`` (the tile study); default by the
     kind and shape."""
     scales = weight.scales if isinstance(weight, Q8Weight) else None
     weight = weight.qweight if isinstance(weight, Q8Weight) else weight
@@ -185,10 +192,13 @@ def _gemv(x: torch.Tensor, weight: torch.Tensor | Q8Weight, bias: torch.Tensor |
     n = weight.shape[0] // 2 if gated else weight.shape[0]
     if m > MAX_ROWS:
         raise ValueError(f"the fused GEMV takes at most {MAX_ROWS} row, got {m}")
-    if weight.shape[1] != k or (residual is not None and residual.shape != (m, n)):
+    row = residual if residual is not None else up
+    if residual is not None and up is not None:
+        raise ValueError("the fused GEMV adds a residual or multiplies by a row, not both")
+    if weight.shape[1] != k or (row is not None and row.shape != (m, n)):
         raise ValueError(f"shapes x {tuple(x.shape)}, weight {tuple(weight.shape)}"
-                         + ("" if residual is None else f", residual {tuple(residual.shape)}") + " do not match")
-    for t in (x, weight, scales, bias, norm_weight, residual):
+                         + ("" if row is None else f", row {tuple(row.shape)}") + " do not match")
+    for t in (x, weight, scales, bias, norm_weight, row):
         if t is not None and t.stride(-1) != 1:
             raise ValueError("the fused GEMV needs contiguous rows")
     if norm_weight is not None and norm_weight.dtype != x.dtype:
@@ -204,10 +214,11 @@ def _gemv(x: torch.Tensor, weight: torch.Tensor | Q8Weight, bias: torch.Tensor |
     words = weight if scales is None else weight.view(torch.int32)  # Q8_0: int8 values read four a word
     _gemv_kernel[(triton.cdiv(triton.cdiv(n, block_n), row_tiles),)](
         x, norm_weight if norm_weight is not None else x, words, scales if scales is not None else weight,
-        bias if bias is not None else weight, residual if residual is not None else out, out,
+        bias if bias is not None else weight, row if row is not None else out, out,
         n, k, words.stride(0), scales.stride(0) if scales is not None else 0, float(eps),
         NORM=norm_weight is not None, WEIGHTING=WEIGHTINGS[weighting], GATED=gated, GELU=activation == "gelu_tanh",
-        ADD_RES=residual is not None, HAS_BIAS=bias is not None, Q8=scales is not None, PTX=ptx_conversions(),
+        ADD_RES=residual is not None, ACT_MUL=up is not None, HAS_BIAS=bias is not None, Q8=scales is not None,
+        PTX=ptx_conversions(),
         BLOCK_N=block_n, BLOCK_K=block_k, ROW_TILES=row_tiles, num_warps=num_warps,
         **pdl_launch_args(x.device),
     )
@@ -223,6 +234,11 @@ def linear_residual(x: torch.Tensor, weight: torch.Tensor | Q8Weight, bias: torc
                     residual: torch.Tensor) -> torch.Tensor:
     """``residual + x @ weight.T (+ bias)`` for one row ``x`` ``[1, K]``."""
     return _gemv(x, weight, bias, residual=residual)
+
+
+def linear_gelu_mul(x: torch.Tensor, weight: torch.Tensor | Q8Weight, up: torch.Tensor) -> torch.Tensor:
+    """``gelu_tanh(x @ weight.T) * up`` for one row ``x`` ``[1, K]`` and ``up`` ``[1, N]``."""
+    return _gemv(x, weight, None, up=up, activation="gelu_tanh")
 
 
 def norm_linear(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight: torch.Tensor | Q8Weight,

@@ -12,6 +12,7 @@ from tokenmill.kernels.triton_activation import gelu_tanh_and_mul, silu_and_mul
 from tokenmill.kernels.triton_attention import paged_attention
 from tokenmill.kernels.triton_gemv import MAX_ROWS as GEMV_MAX_ROWS
 from tokenmill.kernels.triton_gemv import linear as gemv_linear
+from tokenmill.kernels.triton_gemv import linear_gelu_mul as gemv_linear_gelu_mul
 from tokenmill.kernels.triton_gemv import linear_residual, norm_linear
 from tokenmill.kernels.triton_norm import add_rms_norm, fp32_weight_rms_norm, offset_rms_norm, rms_norm
 from tokenmill.kernels.triton_penalties import apply_penalties
@@ -33,6 +34,14 @@ def linear(x: torch.Tensor, weight: torch.Tensor | Q8Weight, bias: torch.Tensor 
         raise ValueError("a Q8_0 projection needs its rows contiguous")
     return torch.nn.functional.linear(x, weight, bias)
 
-__all__ = ["GEMV_MAX_ROWS", "add_rms_norm", "apply_penalties", "fp32_weight_rms_norm", "gelu_tanh_and_mul", "linear", "linear_residual",
-           "norm_linear", "offset_rms_norm", "paged_attention", "rms_norm", "rotary_embedding_and_write_kv",
-           "rotary_embedding_query", "sample", "silu_and_mul"]
+def linear_gelu_mul(x: torch.Tensor, weight: torch.Tensor | Q8Weight, up: torch.Tensor) -> torch.Tensor:
+    """``reference.linear_gelu_mul`` on the GPU: one row in one GEMV, the activation and product in its
+    epilogue; more rows through ``linear``, then the activation and product in torch."""
+    if x.shape[0] <= GEMV_MAX_ROWS:
+        return gemv_linear_gelu_mul(x, weight, up)
+    return torch.nn.functional.gelu(linear(x, weight, None), approximate="tanh") * up
+
+
+__all__ = ["GEMV_MAX_ROWS", "add_rms_norm", "apply_penalties", "fp32_weight_rms_norm", "gelu_tanh_and_mul", "linear",
+           "linear_gelu_mul", "linear_residual", "norm_linear", "offset_rms_norm", "paged_attention", "rms_norm",
+           "rotary_embedding_and_write_kv", "rotary_embedding_query", "sample", "silu_and_mul"]

@@ -171,6 +171,12 @@ def linear(x: torch.Tensor, weight: torch.Tensor | Q8Weight, bias: torch.Tensor 
     return backend_for(x).linear(x, weight, bias)
 
 
+def linear_gelu_mul(x: torch.Tensor, weight: torch.Tensor | Q8Weight, up: torch.Tensor) -> torch.Tensor:
+    """``gelu_tanh(x @ weight.T) * up`` (Gemma 4's per-layer input gate): one kernel for one-token
+    decode on the GPU."""
+    return backend_for(x).linear_gelu_mul(x, weight, up)
+
+
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     return backend_for(x).silu_and_mul(x)
 

@@ -291,8 +291,8 @@ class Gemma4DecoderLayer(nn.Module):
         if per_layer_input is None:
             return self.post_feedforward_layernorm.add_to(mlp, x, self.layer_scalar)
         x = self.post_feedforward_layernorm.add_to(mlp, x)
-        gate = torch.nn.functional.gelu(self.per_layer_input_gate(x), approximate="tanh")
-        return self.post_per_layer_input_norm.add_to(self.per_layer_projection(gate * per_layer_input), x,
+        gate = ops.linear_gelu_mul(x, self.per_layer_input_gate.weight, per_layer_input)
+        return self.post_per_layer_input_norm.add_to(ops.linear(gate, self.per_layer_projection.weight, None), x,
                                                       self.layer_scalar)
 
 
@@ -340,7 +340,7 @@ class Gemma4Model(nn.Module):
         divided by sqrt(2)."""
         shape = (input_ids.shape[0], self.config.num_layers, self.config.per_layer_input_size)
         identity = (self.embed_tokens_per_layer(input_ids) * self.per_layer_embed_scale).reshape(shape)
-        context = self.per_layer_model_projection(embeds) * (self.config.hidden_size ** -0.5)
+        context = ops.linear(embeds, self.per_layer_model_projection.weight, None) * (self.config.hidden_size ** -0.5)
         context = self.per_layer_projection_norm(context.reshape(shape))
         return (context + identity) * _PER_LAYER_INPUT_SCALE
 
