@@ -209,11 +209,13 @@ def check_rope_write_kv(
     cache_dtype: torch.dtype | None = None,
     max_positions: int = 4096,
     qk_norm: bool | str = False,
+    v_norm: bool = False,
 ) -> None:
     """q/k/v are strided views into one fused qkv buffer; q is rotated in place; unique random
     slots, a quarter of them padding (-1), take the rotated k and v; nothing else changes.
     ``qk_norm``: per-head RMSNorm of q and k first (Qwen3), with random weights; a weighting name
-    (``"offset"``, ``"fp32"``): Gemma 3's or Gemma 4's."""
+    (``"offset"``, ``"fp32"``): Gemma 3's or Gemma 4's. ``v_norm``: v heads normed too, weightless
+    (Gemma 4)."""
     gen, seed = fresh_generator(device)
     cache_dtype = cache_dtype or dtype
     inv_freq = 1.0 / (500000.0 ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device=device) / head_dim))
@@ -236,13 +238,14 @@ def check_rope_write_kv(
         norms = {name: norm_weight((head_dim,), weighting, dtype, device, gen)
                  for name in ("q_norm_weight", "k_norm_weight")}
         norms["norm_weighting"] = weighting
+    norms["v_norm"] = v_norm
     ref_q = reference.rotary_embedding_and_write_kv(positions, q.clone(), k.clone(), v.clone(), cos_sin, k_ref,
                                                     v_ref, slot_mapping, eps=1e-6, **norms)
     kv_before = qkv[:, q_size:].clone()
     got_q = ops.rotary_embedding_and_write_kv(positions, q, k, v, cos_sin, k_cache, v_cache, slot_mapping, eps=1e-6,
                                               **norms)
     where = (f"seed={seed} T={num_tokens} Hq={num_q_heads} Hkv={num_kv_heads} D={head_dim} bs={block_size} "
-             f"{dtype}->{cache_dtype} qk_norm={qk_norm}")
+             f"{dtype}->{cache_dtype} qk_norm={qk_norm} v_norm={v_norm}")
     assert got_q.data_ptr() == q.data_ptr(), f"q not rotated in place: {where}"
     assert torch.equal(qkv[:, q_size:], kv_before), f"k/v inputs modified: {where}"
     err = rel_err(got_q, ref_q)
@@ -251,10 +254,14 @@ def check_rope_write_kv(
     written[slot_mapping[slot_mapping >= 0]] = True
     written = written.view(num_blocks, block_size)
     assert torch.equal(k_cache[~written], k_ref[~written]), f"k cache changed outside the slots: {where}"
-    assert torch.equal(v_cache, v_ref), f"v cache: {where}"
+    if v_norm:  # normed by the kernel's statistic, as close as the k norm is
+        assert torch.equal(v_cache[~written], v_ref[~written]), f"v cache changed outside the slots: {where}"
+    else:
+        assert torch.equal(v_cache, v_ref), f"v cache: {where}"
     if written.any():
-        err = rel_err(k_cache[written], k_ref[written])
-        assert err < ELEMWISE_TOL[cache_dtype], f"cached k rel err {err:.2e}: {where}"
+        for name, got, ref in (("k", k_cache, k_ref), ("v", v_cache, v_ref)):
+            err = rel_err(got[written], ref[written])
+            assert err < ELEMWISE_TOL[cache_dtype], f"cached {name} rel err {err:.2e}: {where}"
 
 
 def _quantized_cache(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, cache_dtype: torch.dtype,
@@ -595,15 +602,14 @@ def check_add_rms_norm(ops, *, num_tokens: int, hidden: int, dtype: torch.dtype,
     assert err < ELEMWISE_TOL[dtype], f"rel err {err:.2e}: {where}"
 
 
-def check_fp32_weight_rms_norm(ops, *, shape: tuple[int, ...], dtype: torch.dtype, device: str,
-                               weighted: bool) -> None:
-    """Gemma 4's norm, with its weight or none (its v norm), over the last dim of ``shape``."""
+def check_fp32_weight_rms_norm(ops, *, shape: tuple[int, ...], dtype: torch.dtype, device: str) -> None:
+    """Gemma 4's norm over the last dim of ``shape``."""
     gen, seed = fresh_generator(device)
     x = _randn(shape, dtype, device, gen) * 3
-    weight = norm_weight(shape[-1:], "fp32", dtype, device, gen) if weighted else None
+    weight = norm_weight(shape[-1:], "fp32", dtype, device, gen)
     ref = reference.fp32_weight_rms_norm(x, weight, 1e-6)
     got = ops.fp32_weight_rms_norm(x, weight, 1e-6)
-    where = f"seed={seed} fp32_weight_rms_norm {shape} {dtype} weighted={weighted}"
+    where = f"seed={seed} fp32_weight_rms_norm {shape} {dtype}"
     assert got.dtype == ref.dtype and got.shape == ref.shape, where
     err = rel_err(got, ref)
     assert err < ELEMWISE_TOL[dtype], f"rel err {err:.2e}: {where}"
@@ -630,8 +636,7 @@ def _interpret_gemma4_norms(ops) -> None:
         for weighting in ("offset", "fp32"):
             check_add_rms_norm(ops, num_tokens=7, hidden=96, dtype=dtype, device="cpu", weighting=weighting,
                                scaled=weighting == "fp32")
-        for weighted in (True, False):
-            check_fp32_weight_rms_norm(ops, shape=(5, 3, 64), dtype=dtype, device="cpu", weighted=weighted)
+        check_fp32_weight_rms_norm(ops, shape=(5, 3, 64), dtype=dtype, device="cpu")
         check_rotary_query(ops, num_tokens=4, num_heads=3, head_dim=64, dtype=dtype, device="cpu")
 
 
@@ -656,6 +661,11 @@ def _interpret_rope_write_kv(ops) -> None:
         for weighting in ("offset", "fp32"):
             check_rope_write_kv(ops, num_tokens=5, num_q_heads=4, num_kv_heads=2, head_dim=256, dtype=dtype,
                                 device="cpu", qk_norm=weighting)
+        # Gemma 4's v norm, at its two head dims (512: several passes over the KV heads).
+        check_rope_write_kv(ops, num_tokens=5, num_q_heads=4, num_kv_heads=2, head_dim=256, dtype=dtype,
+                            device="cpu", qk_norm="fp32", v_norm=True)
+    check_rope_write_kv(ops, num_tokens=6, num_q_heads=40, num_kv_heads=20, head_dim=512, dtype=torch.float16,
+                        device="cpu", qk_norm="fp32", v_norm=True)
 
 
 def _interpret_act_and_mul(act: str):

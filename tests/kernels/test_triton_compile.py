@@ -151,8 +151,7 @@ def _launches(monkeypatch: pytest.MonkeyPatch) -> list[Launch]:
         for weighting in ("offset", "fp32"):
             triton_ops.add_rms_norm(x, weight, 1e-6, rand(3, 256), weighting)
         triton_ops.add_rms_norm(x, weight, 1e-6, rand(3, 256), "fp32", rand(1))  # and a layer scalar
-        for w in (weight, None):
-            triton_ops.fp32_weight_rms_norm(rand(3, 2, 256), w, 1e-6)
+        triton_ops.fp32_weight_rms_norm(rand(3, 2, 256), weight, 1e-6)
         positions = torch.arange(3)
         cos_sin = torch.randn(64, 128, generator=gen)
         for qk_norm in (False, True):
@@ -166,7 +165,8 @@ def _launches(monkeypatch: pytest.MonkeyPatch) -> list[Launch]:
             triton_ops.rotary_embedding_and_write_kv(positions, rand(3, num_q_heads, head_dim),
                                                      rand(3, num_kv_heads, head_dim), rand(3, num_kv_heads, head_dim),
                                                      cs, gk, gk.clone(), torch.arange(3), rand(head_dim),
-                                                     rand(head_dim), norm_weighting="offset" if head_dim == 256 else "fp32")
+                                                     rand(head_dim), v_norm=head_dim == 512,  # Gemma 4's
+                                                     norm_weighting="offset" if head_dim == 256 else "fp32")
             triton_ops.rotary_embedding_query(positions, rand(3, num_q_heads, head_dim), cs, rand(head_dim), 1e-6,
                                               "fp32")
         quantized = (torch.int8, torch.float8_e4m3fn, torch.float8_e5m2) if dtype == torch.bfloat16 else ()
@@ -265,10 +265,11 @@ def test_every_kernel_compiles_for_hopper(monkeypatch: pytest.MonkeyPatch) -> No
             ("_rope_write_kv_kernel", "STATIC_AMAX", True), ("_rms_norm_kernel", "SCALE_AFTER", True),
             ("_gemv_kernel", "Q8", True), ("_gemv_kernel", "PTX", True), ("_gemv_kernel", "ACT_MUL", True),
             ("_skinny_matmul_kernel", "QUANTIZED", True), ("_skinny_matmul_kernel", "QUANTIZED", False),
-            ("_paged_attention_kernel", "PTX", True)} <= {
+            ("_paged_attention_kernel", "PTX", True), ("_rope_write_kv_kernel", "V_NORM", True)} <= {
         (launch.fn.__name__, key, launch.constexprs.get(key)) for launch in launches
-        for key in ("KV_SCALED", "DOT_F16", "QUANTIZED", "STATIC_AMAX", "SCALE_AFTER", "Q8", "PTX", "ACT_MUL")}
-    for kernel, weightings in (("_rms_norm_kernel", {0, 1, 2, 3}), ("_rope_write_kv_kernel", {0, 1, 2}),
+        for key in ("KV_SCALED", "DOT_F16", "QUANTIZED", "STATIC_AMAX", "SCALE_AFTER", "Q8", "PTX", "ACT_MUL",
+                    "V_NORM")}
+    for kernel, weightings in (("_rms_norm_kernel", {0, 1, 2}), ("_rope_write_kv_kernel", {0, 1, 2}),
                                ("_gemv_kernel", {0, 1, 2})):
         assert {(kernel, "WEIGHTING", w) for w in weightings} <= variants, kernel
     failures = []

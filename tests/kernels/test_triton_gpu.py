@@ -223,9 +223,8 @@ def test_add_rms_norm(dtype, num_tokens, hidden, weighting, scaled) -> None:
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("shape", [(1, 2560), (7, 8, 256), (300, 2, 512)])
-@pytest.mark.parametrize("weighted", [True, False])
-def test_fp32_weight_rms_norm(dtype, shape, weighted) -> None:
-    cases.check_fp32_weight_rms_norm(triton_ops, shape=shape, dtype=dtype, device="cuda", weighted=weighted)
+def test_fp32_weight_rms_norm(dtype, shape) -> None:
+    cases.check_fp32_weight_rms_norm(triton_ops, shape=shape, dtype=dtype, device="cuda")
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -258,11 +257,12 @@ def test_rotary_embedding_and_write_kv_with_qk_norm(dtype, num_tokens, num_q_hea
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("num_tokens,num_q_heads,num_kv_heads,head_dim", [(1, 16, 8, 256), (300, 8, 1, 256),
                                                                           (1, 16, 2, 512), (77, 40, 4, 512)])
-@pytest.mark.parametrize("qk_norm", [False, True, "offset", "fp32"])
+@pytest.mark.parametrize("qk_norm,v_norm", [(False, False), (True, False), ("offset", False), ("fp32", False),
+                                            ("fp32", True)])
 def test_rotary_embedding_and_write_kv_gemma_head_dims(dtype, num_tokens, num_q_heads, num_kv_heads, head_dim,
-                                                        qk_norm) -> None:
+                                                        qk_norm, v_norm) -> None:
     cases.check_rope_write_kv(triton_ops, num_tokens=num_tokens, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads,
-                              head_dim=head_dim, dtype=dtype, device="cuda", qk_norm=qk_norm)
+                              head_dim=head_dim, dtype=dtype, device="cuda", qk_norm=qk_norm, v_norm=v_norm)
 
 
 QUANTIZED_KV = [torch.int8, torch.float8_e4m3fn, torch.float8_e5m2]

@@ -247,11 +247,13 @@ def rotary_embedding_and_write_kv(
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
     kv_amax: torch.Tensor | None = None,
+    v_norm: bool = False,
 ) -> torch.Tensor:
     """RoPE on query and key (each head RMS-normed first when norm weights are given, as Qwen3
     and Gemma do, the weights applied as ``norm_weighting`` says: see ``NORMS``), then the rotated
-    key and ``value`` into the paged caches (quantized, with ``k_scale``/``v_scale`` and maybe a
-    checkpoint's ``kv_amax``, as ``write_kv_cache`` does); returns the rotated query."""
+    key and ``value`` (each head normed first, weightless, with ``v_norm``: Gemma 4's) into the
+    paged caches (quantized, with ``k_scale``/``v_scale`` and maybe a checkpoint's ``kv_amax``, as
+    ``write_kv_cache`` does); returns the rotated query."""
     if (q_norm_weight is None) != (k_norm_weight is None):
         raise ValueError("give both q and k norm weights, or neither")
     if q_norm_weight is not None:
@@ -259,6 +261,8 @@ def rotary_embedding_and_write_kv(
         query = norm(query, q_norm_weight, eps)
         key = norm(key, k_norm_weight, eps)
     query, key = rotary_embedding(positions, query, key, cos_sin_cache)
+    if v_norm:
+        value = fp32_weight_rms_norm(value, None, eps)
     write_kv_cache(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale, kv_amax)
     return query
 

@@ -151,7 +151,7 @@ def _gemv_kernel(x_ptr, norm_w_ptr, w_ptr, w_scale_ptr, bias_ptr, res_ptr, out_p
                     normed = (x.to(tl.float32) * rstd).to(x.dtype)
                     x = (nw * normed.to(tl.float32)).to(x.dtype)
                 else:  # Gemma: the weight meets the float32 normed row, one rounding
-                    nw = tl.load(norm_w_ptr + ks, mask=(ks < K) & (WEIGHTING != 3), other=0.0).to(tl.float32)
+                    nw = tl.load(norm_w_ptr + ks, mask=ks < K, other=0.0).to(tl.float32)
                     x = weigh(x.to(tl.float32) * rstd, nw, WEIGHTING).to(x.dtype)
             xf = x.to(tl.float32)[None, :]
             acc += _row_dots(w, xf, s_rows, k0, n_ok, K, Q8, PTX, BLOCK_N, BLOCK_K)

@@ -11,25 +11,19 @@ import triton.language as tl
 from tokenmill.kernels.triton_launch import pdl_launch_args, wait_for_previous_kernel
 
 # The kernels' WEIGHTING constexpr: how a norm's weight meets the float32 normed value.
-LLAMA, OFFSET, FP32, UNWEIGHTED = 0, 1, 2, 3
-# ``reference.NORMS`` names (the norm modules' ``weighting``) → the constexpr; no weight is UNWEIGHTED.
+LLAMA, OFFSET, FP32 = 0, 1, 2
+# ``reference.NORMS`` names (the norm modules' ``weighting``) → the constexpr.
 WEIGHTINGS = {"llama": LLAMA, "offset": OFFSET, "fp32": FP32}
-
-
-def weighting_of(name: str, weight: torch.Tensor | None) -> int:
-    return UNWEIGHTED if weight is None else WEIGHTINGS[name]
 
 
 @triton.jit
 def weigh(normed, w, WEIGHTING: tl.constexpr):
-    """The float32 value a Gemma norm rounds once: ``normed`` times ``1 + w`` (Gemma 3), times ``w``
-    (Gemma 4), or alone (Gemma 4's v norm). Llama's weighting rounds twice; its callers do it."""
+    """The float32 value a Gemma norm rounds once: ``normed`` times ``1 + w`` (Gemma 3) or times ``w``
+    (Gemma 4). Llama's weighting rounds twice; its callers do it."""
     if WEIGHTING == 1:
         return normed * (1.0 + w)
-    elif WEIGHTING == 2:
-        return normed * w
     else:
-        return normed
+        return normed * w
 
 
 @triton.jit
@@ -72,8 +66,6 @@ def _rms_norm_kernel(
         # Cast back to the input dtype *before* the weight, as transformers' Llama does.
         w = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
         out = w * normed.to(x.dtype).to(tl.float32)
-    elif WEIGHTING == 3:
-        out = normed
     else:
         out = weigh(normed, tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32), WEIGHTING)
     if ADD_AFTER:
@@ -113,9 +105,9 @@ def offset_rms_norm(
     return _rms_norm(x, weight, eps, residual, OFFSET)
 
 
-def fp32_weight_rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
-    """Gemma 4's RMSNorm, ``norm(x) * w`` in float32 (``weight`` None: ``norm(x)``), in x's dtype."""
-    return _rms_norm(x, weight, eps, None, weighting_of("fp32", weight))
+def fp32_weight_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Gemma 4's RMSNorm, ``norm(x) * w`` in float32, in x's dtype."""
+    return _rms_norm(x, weight, eps, None, FP32)
 
 
 def add_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor,
@@ -136,19 +128,19 @@ def add_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: to
     return out
 
 
-def _launch(x2: torch.Tensor, r2: torch.Tensor, weight: torch.Tensor | None, out2: torch.Tensor, nr2: torch.Tensor,
+def _launch(x2: torch.Tensor, r2: torch.Tensor, weight: torch.Tensor, out2: torch.Tensor, nr2: torch.Tensor,
             eps: float, *, has_residual: bool, add_after: bool, weighting: int,
             scale: torch.Tensor | None = None) -> None:
     block = triton.next_power_of_2(x2.shape[-1])
     _rms_norm_kernel[(x2.shape[0],)](
-        x2, r2, weight if weight is not None else x2, out2, nr2, scale if scale is not None else x2, x2.stride(0),
+        x2, r2, weight, out2, nr2, scale if scale is not None else x2, x2.stride(0),
         r2.stride(0), out2.stride(0), nr2.stride(0), x2.shape[-1], float(eps), HAS_RESIDUAL=has_residual,
         ADD_AFTER=add_after, SCALE_AFTER=scale is not None, WEIGHTING=weighting, BLOCK=block,
         num_warps=max(1, min(16, block // 256)), **pdl_launch_args(x2.device),
     )
 
 
-def _rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float, residual: torch.Tensor | None,
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None,
               weighting: int) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     hidden = x.shape[-1]
     x2 = x.reshape(-1, hidden)
@@ -162,7 +154,7 @@ def _rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float, residual
         nr2 = new_residual.view(-1, hidden)
     else:
         r2 = nr2 = x2  # unused by the kernel when HAS_RESIDUAL is off
-    if x2.stride(-1) != 1 or r2.stride(-1) != 1 or (weight is not None and weight.stride(-1) != 1):
+    if x2.stride(-1) != 1 or r2.stride(-1) != 1 or weight.stride(-1) != 1:
         raise ValueError("rms_norm needs a contiguous last dimension")
     if x2.shape[0]:
         _launch(x2, r2, weight, out2, nr2, eps, has_residual=residual is not None, add_after=False,

@@ -4,8 +4,9 @@ At decode every layer would otherwise run two tiny kernels back to back: rotate
 q and k, then scatter k and v into the paged cache. One program per token does
 both: it rotates its q heads in place, and writes its rotated k heads and its v
 heads straight to the token's cache slot, so k is never stored twice. Qwen3's
-per-head RMSNorm of q and k runs in the same pass: the program holds whole heads
-already, so the norms cost no launch and no copy of the strided q/k views.
+per-head RMSNorm of q and k (and Gemma 4's weightless one of v) runs in the same
+pass: the program holds whole heads already, so the norms cost no launch and no copy
+of the strided q/k/v views.
 """
 
 from __future__ import annotations
@@ -100,8 +101,8 @@ def _rope_write_kv_kernel(
     k_scale_ptr, v_scale_ptr, ks_stride_block, ks_stride_slot, ks_stride_head,
     vs_stride_block, vs_stride_slot, vs_stride_head, kv_amax_ptr,
     block_size, num_q_heads, num_kv_heads, half, head_dim,
-    HAS_NORM: tl.constexpr, WEIGHTING: tl.constexpr, QUANTIZED: tl.constexpr, QMAX: tl.constexpr,
-    STATIC_AMAX: tl.constexpr,
+    HAS_NORM: tl.constexpr, WEIGHTING: tl.constexpr, V_NORM: tl.constexpr, QUANTIZED: tl.constexpr,
+    QMAX: tl.constexpr, STATIC_AMAX: tl.constexpr,
     PDL: tl.constexpr,
     BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
@@ -147,7 +148,10 @@ def _rope_write_kv_kernel(
             kmask = (kh < live_heads - h0) & (idx[None, :] < half)
             k_dst = k_slot + (h0 + kh) * kc_stride_head + idx[None, :]
             vmask = (kh < live_heads - h0) & (dims < head_dim)
-            v = tl.load(v_row + (h0 + kh) * v_stride_h + dims, mask=vmask)
+            v = tl.load(v_row + (h0 + kh) * v_stride_h + dims, mask=vmask, other=0.0)
+            if V_NORM:  # Gemma 4's v norm, weightless: float32 statistics, one rounding
+                vf = v.to(tl.float32)
+                v = (vf * tl.rsqrt(tl.sum(vf * vf, axis=1) / head_dim + eps)[:, None]).to(v.dtype)
             v_dst = v_slot + (h0 + kh) * vc_stride_head + dims
             if QUANTIZED:
                 # One scale per token and head, for K and for V, stored beside the one-byte values.
@@ -191,14 +195,15 @@ def rotary_embedding_and_write_kv(
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
     kv_amax: torch.Tensor | None = None,
+    v_norm: bool = False,
 ) -> torch.Tensor:
     """Neox RoPE on ``query`` ``[T, Hq, D]`` (IN PLACE, returned) and ``key`` ``[T, Hkv, D]``; the rotated
     key and ``value`` go to the paged caches at ``slot_mapping`` (< 0: padding). ``key`` itself is left
     as it was. With norm weights (``[D]`` each, both or neither) q and k heads are RMS-normed first
-    (their weights applied as ``norm_weighting`` says: see ``reference.NORMS``). A quantized cache
-    (int8, float8) takes the values over their per-token, per-head scales, written to ``k_scale``/
-    ``v_scale`` ``[num_blocks, block_size, Hkv]`` (``reference.quantize_kv``; with a checkpoint's
-    static ``kv_amax`` ``[2]`` float32 for K and V).
+    (their weights applied as ``norm_weighting`` says: see ``reference.NORMS``); with ``v_norm`` v
+    heads too, weightless (Gemma 4's). A quantized cache (int8, float8) takes the values over their
+    per-token, per-head scales, written to ``k_scale``/``v_scale`` ``[num_blocks, block_size, Hkv]``
+    (``reference.quantize_kv``; with a checkpoint's static ``kv_amax`` ``[2]`` float32 for K and V).
     Inputs may be strided views of a fused qkv buffer (last dim contiguous); no host reads, so
     CUDA-graph safe."""
     if (q_norm_weight is None) != (k_norm_weight is None):
@@ -235,6 +240,7 @@ def rotary_embedding_and_write_kv(
             k_cache.shape[1], num_q_heads, num_kv_heads, half, head_dim,
             HAS_NORM=q_norm_weight is not None,
             WEIGHTING=WEIGHTINGS[norm_weighting],
+            V_NORM=v_norm,
             QUANTIZED=quantized,
             QMAX=kv_qmax(k_cache.dtype) if quantized else 0.0,
             STATIC_AMAX=quantized and kv_amax is not None,

@@ -65,13 +65,15 @@ class PagedAttention(nn.Module):
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 kv_cache: KVCache, meta: AttentionMetadata,
-                q_norm: nn.Module | None = None, k_norm: nn.Module | None = None) -> torch.Tensor:
+                q_norm: nn.Module | None = None, k_norm: nn.Module | None = None,
+                v_norm: bool = False) -> torch.Tensor:
+        """``v_norm``: each v head RMS-normed, weightless, on its way to the cache (Gemma 4)."""
         q = ops.rotary_embedding_and_write_kv(
             positions, q, k, v, self.rotary.cos_sin_cache, kv_cache.k, kv_cache.v, meta.slot_mapping[self.kv_group],
             q_norm.weight if q_norm is not None else None, k_norm.weight if k_norm is not None else None,
             q_norm.eps if q_norm is not None else 1e-6,
             norm_weighting=q_norm.weighting if q_norm is not None else "llama",
-            k_scale=kv_cache.k_scale, v_scale=kv_cache.v_scale, kv_amax=self.kv_amax)
+            k_scale=kv_cache.k_scale, v_scale=kv_cache.v_scale, kv_amax=self.kv_amax, v_norm=v_norm)
         return self.attend(q, kv_cache, meta)
 
     def load_checkpoint_scale(self, which: str, scale: torch.Tensor) -> None:

@@ -75,8 +75,8 @@ def offset_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     return backend_for(x).offset_rms_norm(x, weight, eps, residual)
 
 
-def fp32_weight_rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
-    """Gemma 4's RMSNorm (weight applied in float32; None: unscaled)."""
+def fp32_weight_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Gemma 4's RMSNorm (weight applied in float32)."""
     return backend_for(x).fp32_weight_rms_norm(x, weight, eps)
 
 
@@ -86,14 +86,14 @@ def rotary_embedding_and_write_kv(positions: torch.Tensor, query: torch.Tensor, 
                                   q_norm_weight: torch.Tensor | None = None, k_norm_weight: torch.Tensor | None = None,
                                   eps: float = 1e-6, norm_weighting: str = "llama",
                                   k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
-                                  kv_amax: torch.Tensor | None = None) -> torch.Tensor:
-    """(q/k RMSNorm, weighted as ``norm_weighting`` says, then) RoPE on q and k, with k and v written to
-    the cache in the same pass (quantized, into a cache with ``k_scale``/``v_scale``, from a checkpoint's
-    ``kv_amax`` where it has one); returns the rotated q."""
+                                  kv_amax: torch.Tensor | None = None, v_norm: bool = False) -> torch.Tensor:
+    """(q/k RMSNorm, weighted as ``norm_weighting`` says, then) RoPE on q and k, with k and v (normed,
+    weightless, with ``v_norm``) written to the cache in the same pass (quantized, into a cache with
+    ``k_scale``/``v_scale``, from a checkpoint's ``kv_amax`` where it has one); returns the rotated q."""
     return backend_for(query).rotary_embedding_and_write_kv(positions, query, key, value, cos_sin_cache, k_cache,
                                                             v_cache, slot_mapping, q_norm_weight, k_norm_weight, eps,
                                                             norm_weighting=norm_weighting, k_scale=k_scale,
-                                                            v_scale=v_scale, kv_amax=kv_amax)
+                                                            v_scale=v_scale, kv_amax=kv_amax, v_norm=v_norm)
 
 
 def rotary_embedding_query(positions: torch.Tensor, query: torch.Tensor, cos_sin_cache: torch.Tensor,

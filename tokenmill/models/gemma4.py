@@ -184,13 +184,13 @@ def _kv_sources(types: list[str], num_shared: int) -> tuple[int, ...]:
 
 
 class Gemma4RMSNorm(nn.Module):
-    """``w * norm(x)`` in float32, ``w`` starting at one; ``scale=False``: no weight (the v norm)."""
+    """``w * norm(x)`` in float32, ``w`` starting at one."""
 
     weighting = "fp32"
 
-    def __init__(self, dim: int, eps: float, scale: bool = True) -> None:
+    def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim)) if scale else None
+        self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -237,7 +237,6 @@ class Gemma4Attention(nn.Module):
             return
         self.qkv_proj = projection
         self.k_norm = Gemma4RMSNorm(self.head_dim, cfg.rms_norm_eps)
-        self.v_norm = Gemma4RMSNorm(self.head_dim, cfg.rms_norm_eps, scale=False)
 
     @property
     def in_proj(self) -> nn.Linear:
@@ -247,15 +246,15 @@ class Gemma4Attention(nn.Module):
     def forward(self, positions: torch.Tensor, projected: torch.Tensor, kv_cache: KVCache,
                 meta: AttentionMetadata) -> torch.Tensor:
         """``projected``: ``in_proj`` of the normed input (fused with the norm by the layer). The q/k
-        norms run in the RoPE pass; v (the raw k where k = v) is normed here."""
+        norms and the weightless v norm (of the raw k where k = v) run in the RoPE pass."""
         tokens = projected.shape[0]
         if self.shared:
             out = self.attn(positions, projected.reshape(tokens, -1, self.head_dim), kv_cache, meta, self.q_norm)
         else:
             sizes = [self.q_size, self.kv_size] + ([] if self.k_eq_v else [self.kv_size])
             q, k, *v = (t.reshape(tokens, -1, self.head_dim) for t in projected.split(sizes, dim=-1))
-            v = self.v_norm(k if self.k_eq_v else v[0])
-            out = self.attn(positions, q, k, v, kv_cache, meta, self.q_norm, self.k_norm)
+            out = self.attn(positions, q, k, k if self.k_eq_v else v[0], kv_cache, meta, self.q_norm, self.k_norm,
+                            v_norm=True)
         return self.o_proj(out.reshape(tokens, self.q_size))
 
 
