@@ -432,6 +432,23 @@ def check_act_and_mul(ops, *, act: str, num_tokens: int, d: int, dtype: torch.dt
     assert err < ELEMWISE_TOL[dtype], f"rel err {err:.2e}: {where}"
 
 
+def check_linear_gelu_mul(ops, *, rows: int, n: int, k: int, dtype: torch.dtype, device: str) -> None:
+    """Gemma 4's per-layer input gate, ``gelu_tanh(x @ w.T) * up``, with ``up`` one layer's slice of a
+    ``[rows, layers, n]`` tensor (rows a stride apart), as the model passes it: one row through the
+    GEMV, more through the projection and then one activation kernel."""
+    gen, seed = fresh_generator(device)
+    x = _randn((rows, k), dtype, device, gen) * 2
+    weight = _randn((n, k), dtype, device, gen) * k**-0.5 * 3
+    up = _randn((rows, 3, n), dtype, device, gen)[:, 1]
+    ref = reference.linear_gelu_mul(x, weight, up)
+    got = ops.linear_gelu_mul(x, weight, up)
+    where = f"seed={seed} linear_gelu_mul rows={rows} n={n} k={k} {dtype}"
+    assert got.shape == ref.shape and got.dtype == ref.dtype, where
+    err = rel_err(got, ref)
+    tol = max(ELEMWISE_TOL[dtype], GATED_FP16_TOL) if dtype == torch.float16 else ELEMWISE_TOL[dtype]
+    assert err < tol, f"rel err {err:.2e}: {where}"
+
+
 # "offset"/"fp32": Gemma 3's / Gemma 4's norm in front; "geglu": the gate through tanh-GELU, not SiLU;
 # "gelu_mul": the projection through tanh-GELU times an input row (Gemma 4's per-layer input gate).
 GEMV_KINDS = ("residual", "norm", "norm_gated", "offset_norm", "offset_norm_geglu", "fp32_norm_geglu", "gelu_mul")
@@ -440,8 +457,9 @@ GEMV_KINDS = ("residual", "norm", "norm_gated", "offset_norm", "offset_norm_gegl
 def check_gemv(ops, *, kind: str, n: int, k: int, dtype: torch.dtype, device: str, bias: bool,
                q8: bool = False, tiles: tuple[int, ...] | None = None) -> None:
     """One-row fused GEMV: ``linear_residual`` (kind "residual"), ``linear_gelu_mul`` (kind "gelu_mul",
-    which takes no bias) or ``norm_linear`` (plain or gated); with ``q8`` the weight in Q8_0 (the reference dequantizes it); with ``tiles`` the Triton GEMV
-    launched with those tiles (``triton_gemv._gemv``'s)."""
+    which takes no bias) or ``norm_linear`` (plain or gated); with ``q8`` the weight in Q8_0 (the
+    reference dequantizes it); with ``tiles`` the Triton GEMV launched with those tiles
+    (``triton_gemv._gemv``'s)."""
     if tiles is not None:
         from tokenmill.kernels import triton_gemv
     gen, seed = fresh_generator(device)
@@ -673,6 +691,9 @@ def _interpret_act_and_mul(act: str):
         for dtype in (torch.float16, torch.float32):
             check_act_and_mul(ops, act=act, num_tokens=5, d=300, dtype=dtype, device="cpu")
         check_act_and_mul(ops, act=act, num_tokens=2, d=1500, dtype=torch.float16, device="cpu")
+        if act == "gelu_tanh_and_mul":  # gate and up apart: the GEMV at one row, the activation kernel past it
+            for rows in (1, 5):
+                check_linear_gelu_mul(ops, rows=rows, n=96, k=160, dtype=torch.float16, device="cpu")
     return cases
 
 

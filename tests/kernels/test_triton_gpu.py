@@ -318,6 +318,12 @@ def test_gelu_tanh_and_mul(dtype, num_tokens, d) -> None:
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("rows", [1, 7, 40, 300])
+def test_linear_gelu_mul(dtype, rows) -> None:
+    cases.check_linear_gelu_mul(triton_ops, rows=rows, n=256, k=2560, dtype=dtype, device="cuda")
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("kind", cases.GEMV_KINDS)
 @pytest.mark.parametrize("n,k,bias", [(4096, 4096, False), (2560, 10240, False), (1000, 300, True)])
 def test_fused_gemv(dtype, kind, n, k, bias) -> None:

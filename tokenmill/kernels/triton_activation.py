@@ -1,5 +1,6 @@
 """Triton fused gated activations of a gate|up projection: SiLU-and-multiply (see
-``reference.silu_and_mul``) and GeGLU with the tanh GELU (``reference.gelu_tanh_and_mul``)."""
+``reference.silu_and_mul``) and GeGLU with the tanh GELU (``reference.gelu_tanh_and_mul``); the
+latter also with its gate and up in tensors of their own (Gemma 4's per-layer input gate)."""
 
 from __future__ import annotations
 
@@ -32,44 +33,58 @@ def gate_activation(g, GELU_TANH: tl.constexpr):
 
 
 @triton.jit
-def _act_and_mul_kernel(x_ptr, out_ptr, x_stride, out_stride, d, GELU_TANH: tl.constexpr, PDL: tl.constexpr,
-                        BLOCK: tl.constexpr):
+def _act_and_mul_kernel(gate_ptr, up_ptr, out_ptr, gate_stride, up_stride, out_stride, d, GELU_TANH: tl.constexpr,
+                        PDL: tl.constexpr, BLOCK: tl.constexpr):
     wait_for_previous_kernel(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < d
-    gate = tl.load(x_ptr + row * x_stride + cols, mask=mask, other=0.0)
-    up = tl.load(x_ptr + row * x_stride + d + cols, mask=mask, other=0.0)
+    gate = tl.load(gate_ptr + row * gate_stride + cols, mask=mask, other=0.0)
+    up = tl.load(up_ptr + row * up_stride + cols, mask=mask, other=0.0)
     # Rounded to the input dtype between the activation and the product, as the two torch ops do.
     act = gate_activation(gate.to(tl.float32), GELU_TANH).to(gate.dtype)
     out = act.to(tl.float32) * up.to(tl.float32)
     tl.store(out_ptr + row * out_stride + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def _act_and_mul(x: torch.Tensor, out: torch.Tensor | None, gelu_tanh: bool) -> torch.Tensor:
-    d = x.shape[-1] // 2
-    x2 = x.reshape(-1, 2 * d)
+def _act_and_mul(gate: torch.Tensor, up: torch.Tensor, out: torch.Tensor | None, gelu_tanh: bool) -> torch.Tensor:
+    """``act(gate) * up`` for ``gate`` and ``up`` of one shape (views of one tensor or not), each row's
+    last dimension contiguous."""
+    d = gate.shape[-1]
+    if up.shape != gate.shape:
+        raise ValueError(f"gate {tuple(gate.shape)} and up {tuple(up.shape)} differ")
+    gate2, up2 = gate.reshape(-1, d), up.reshape(-1, d)
     if out is None:
-        out = torch.empty((*x.shape[:-1], d), dtype=x.dtype, device=x.device)
+        out = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
     out2 = out.view(-1, d)
-    if x2.stride(-1) != 1:
+    if gate2.stride(-1) != 1 or up2.stride(-1) != 1:
         raise ValueError("gated activations need a contiguous last dimension")
-    rows = x2.shape[0]
+    rows = gate2.shape[0]
     if rows and d:
         block = min(_BLOCK, triton.next_power_of_2(d))
         _act_and_mul_kernel[(rows, triton.cdiv(d, block))](
-            x2, out2, x2.stride(0), out2.stride(0), d, GELU_TANH=gelu_tanh, BLOCK=block,
-            num_warps=4 if block >= 512 else 1, **pdl_launch_args(x.device),
+            gate2, up2, out2, gate2.stride(0), up2.stride(0), out2.stride(0), d, GELU_TANH=gelu_tanh, BLOCK=block,
+            num_warps=4 if block >= 512 else 1, **pdl_launch_args(gate.device),
         )
     return out
 
 
+def _halves(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``[gate | up]`` along the last dim, as two views."""
+    return x.chunk(2, dim=-1)
+
+
 def silu_and_mul(x: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
     """``silu(gate) * up`` for ``x = [gate | up]`` along the last dim; ``out`` may be preallocated."""
-    return _act_and_mul(x, out, gelu_tanh=False)
+    return _act_and_mul(*_halves(x), out, gelu_tanh=False)
 
 
 def gelu_tanh_and_mul(x: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
     """``gelu_tanh(gate) * up`` (GeGLU, transformers' ``gelu_pytorch_tanh``) for ``x = [gate | up]``;
     ``out`` may be preallocated."""
-    return _act_and_mul(x, out, gelu_tanh=True)
+    return _act_and_mul(*_halves(x), out, gelu_tanh=True)
+
+
+def gelu_tanh_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """``gelu_tanh(gate) * up`` for two tensors of one shape."""
+    return _act_and_mul(gate, up, None, gelu_tanh=True)

@@ -8,7 +8,7 @@ keyword-only and optional).
 import torch
 
 from tokenmill.kernels.q8_0 import Q8Weight
-from tokenmill.kernels.triton_activation import gelu_tanh_and_mul, silu_and_mul
+from tokenmill.kernels.triton_activation import gelu_tanh_and_mul, gelu_tanh_mul, silu_and_mul
 from tokenmill.kernels.triton_attention import paged_attention
 from tokenmill.kernels.triton_gemv import MAX_ROWS as GEMV_MAX_ROWS
 from tokenmill.kernels.triton_gemv import linear as gemv_linear
@@ -36,10 +36,10 @@ def linear(x: torch.Tensor, weight: torch.Tensor | Q8Weight, bias: torch.Tensor 
 
 def linear_gelu_mul(x: torch.Tensor, weight: torch.Tensor | Q8Weight, up: torch.Tensor) -> torch.Tensor:
     """``reference.linear_gelu_mul`` on the GPU: one row in one GEMV, the activation and product in its
-    epilogue; more rows through ``linear``, then the activation and product in torch."""
+    epilogue; more rows through ``linear``, then the activation and product in one kernel."""
     if x.shape[0] <= GEMV_MAX_ROWS:
         return gemv_linear_gelu_mul(x, weight, up)
-    return torch.nn.functional.gelu(linear(x, weight, None), approximate="tanh") * up
+    return gelu_tanh_mul(linear(x, weight, None), up)
 
 
 __all__ = ["GEMV_MAX_ROWS", "add_rms_norm", "apply_penalties", "fp32_weight_rms_norm", "gelu_tanh_and_mul", "linear",
