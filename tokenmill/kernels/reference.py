@@ -282,7 +282,7 @@ def linear_residual(x: torch.Tensor, weight: torch.Tensor | Q8Weight, bias: torc
 def linear_gelu_mul(x: torch.Tensor, weight: torch.Tensor | Q8Weight, up: torch.Tensor) -> torch.Tensor:
     """``gelu_tanh(x @ weight.T) * up``: Gemma 4's per-layer input gate (a Q8_0 weight dequantized to
     x's dtype first)."""
-    return torch.nn.functional.gelu(linear(x, weight, None), approximate="tanh") * up
+    return gelu_tanh_mul(linear(x, weight, None), up)
 
 
 def norm_linear(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight: torch.Tensor | Q8Weight,
@@ -311,7 +311,11 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 
 def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
     """``gelu_tanh(gate) * up`` for ``x = [gate | up]`` (GeGLU with transformers' ``gelu_pytorch_tanh``)."""
-    gate, up = x.chunk(2, dim=-1)
+    return gelu_tanh_mul(*x.chunk(2, dim=-1))
+
+
+def gelu_tanh_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """``gelu_tanh(gate) * up``, the activation rounded to the inputs' dtype before the product."""
     return torch.nn.functional.gelu(gate, approximate="tanh") * up
 
 

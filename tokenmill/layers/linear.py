@@ -136,6 +136,14 @@ class RowParallelLinear(nn.Linear, Sharded):
                          (slice(None), self.split.local_slice(self.tp)), self.out_features)
 
 
+class ReplicatedLinear(nn.Linear):
+    """A projection every rank holds whole (Gemma 4's small per-layer-input projections), run through
+    ``ops.linear`` as the split ones are (``nn.Linear``'s forward would take cuBLAS at every row count)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return ops.linear(x, self.weight, self.bias)
+
+
 class VocabParallelEmbedding(nn.Embedding, Sharded):
     """Vocabulary rows split: each rank holds ``ceil(vocab / size)`` rows from ``vocab_start`` (the
     last rank's tail is padding). As an embedding, each token's row comes from the rank holding it

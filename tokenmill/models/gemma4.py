@@ -30,7 +30,8 @@ from torch import nn
 
 from tokenmill.layers import ops
 from tokenmill.layers.attention import AttentionMetadata, KVCache, PagedAttention
-from tokenmill.layers.linear import ColumnParallelLinear, RowParallelLinear, Split, VocabParallelEmbedding
+from tokenmill.layers.linear import (ColumnParallelLinear, ReplicatedLinear, RowParallelLinear, Split,
+                                     VocabParallelEmbedding)
 from tokenmill.layers.rotary import RotaryEmbedding
 from tokenmill.loader.hf_config import ModelConfig, ModelLoadError, rope_parameters
 from tokenmill.loader.kv_layout import KVLayout, KVSpec
@@ -273,8 +274,8 @@ class Gemma4DecoderLayer(nn.Module):
         self.post_feedforward_layernorm = Gemma4RMSNorm(hidden, eps)
         self.layer_scalar = nn.Parameter(torch.ones(1))
         if cfg.per_layer_input_size:
-            self.per_layer_input_gate = nn.Linear(hidden, cfg.per_layer_input_size, bias=False)
-            self.per_layer_projection = nn.Linear(cfg.per_layer_input_size, hidden, bias=False)
+            self.per_layer_input_gate = ReplicatedLinear(hidden, cfg.per_layer_input_size, bias=False)
+            self.per_layer_projection = ReplicatedLinear(cfg.per_layer_input_size, hidden, bias=False)
             self.post_per_layer_input_norm = Gemma4RMSNorm(hidden, eps)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, per_layer_input: torch.Tensor | None,
@@ -291,8 +292,7 @@ class Gemma4DecoderLayer(nn.Module):
             return self.post_feedforward_layernorm.add_to(mlp, x, self.layer_scalar)
         x = self.post_feedforward_layernorm.add_to(mlp, x)
         gate = ops.linear_gelu_mul(x, self.per_layer_input_gate.weight, per_layer_input)
-        return self.post_per_layer_input_norm.add_to(ops.linear(gate, self.per_layer_projection.weight, None), x,
-                                                      self.layer_scalar)
+        return self.post_per_layer_input_norm.add_to(self.per_layer_projection(gate), x, self.layer_scalar)
 
 
 class Gemma4Model(nn.Module):
@@ -311,7 +311,7 @@ class Gemma4Model(nn.Module):
             self.embed_tokens_per_layer = VocabParallelEmbedding(cfg.per_layer_vocab_size, packed)
             self.register_buffer("per_layer_embed_scale", torch.tensor(cfg.per_layer_input_size ** 0.5),
                                  persistent=False)
-            self.per_layer_model_projection = nn.Linear(cfg.hidden_size, packed, bias=False)
+            self.per_layer_model_projection = ReplicatedLinear(cfg.hidden_size, packed, bias=False)
             self.per_layer_projection_norm = Gemma4RMSNorm(cfg.per_layer_input_size, cfg.rms_norm_eps)
 
     @staticmethod
@@ -339,7 +339,7 @@ class Gemma4Model(nn.Module):
         divided by sqrt(2)."""
         shape = (input_ids.shape[0], self.config.num_layers, self.config.per_layer_input_size)
         identity = (self.embed_tokens_per_layer(input_ids) * self.per_layer_embed_scale).reshape(shape)
-        context = ops.linear(embeds, self.per_layer_model_projection.weight, None) * (self.config.hidden_size ** -0.5)
+        context = self.per_layer_model_projection(embeds) * (self.config.hidden_size ** -0.5)
         context = self.per_layer_projection_norm(context.reshape(shape))
         return (context + identity) * _PER_LAYER_INPUT_SCALE
 
