@@ -6,8 +6,8 @@ the decode batches of the static-decode and workload benchmarks (Llama-3-8B and 
 ``--points ragged`` batches of 136 and 256 sequences of mixed lengths likewise, in arrival order and
 longest first; with
 ``--points splits``, 1-128 sequences over 192-8,192 tokens at the engine's split count and at 1-64
-splits in five tiles of each head dim (prefill: lone prompts and chunks deep in long contexts at 1-64 splits, with ``--chosen-only``
-the engine's tile alone).
+splits in five tiles of each head dim (prefill: lone prompts and chunks deep in long contexts at 1-64
+splits, with ``--chosen-only`` the engine's tile alone).
 
 For decode batches and prefill chunks at head dims 256 and 512 with GQA groups of 2 and 8
 (block 16), and at head dim 128 (``--shapes 4``, with a batch of 64 over 8k tokens), times each candidate ``(BLOCK_M, BLOCK_N, num_warps, num_stages)`` by
@@ -229,7 +229,7 @@ def main() -> None:
                         help="what the cache stores (int8/fp8: one byte and a bf16 scale per token and head)")
     parser.add_argument("--points", choices=["long", "short", "ragged", "splits", "quantized"], default="long",
                         help="decode points: long contexts (Gemma's study), the static-decode and workload batches, "
-                             "batches of mixed lengths, 1-128 sequences at 1-16 KV splits in a few tiles, or two "
+                             "batches of mixed lengths, 1-128 sequences at 1-64 KV splits in a few tiles, or two "
                              "long-context batches")
     parser.add_argument("--tiles", default=None,
                         help="these tiles only: BLOCK_M,BLOCK_N,num_warps,num_stages[,max registers a thread] "
