@@ -553,6 +553,29 @@ def _interpret_attention(ops) -> None:
                           num_splits=1, device="cpu", block_size=128)
 
 
+def _interpret_attention_edge_masks(ops) -> None:
+    """Decode tiles through the loop that masks only the edge tiles (the engine takes it over float8
+    caches, which the interpreter cannot convert as the GPU does): the same loop over 16-bit and int8
+    caches, contexts whole and split, windowed, shorter than a tile, and blocks that tiles do not span
+    whole. A middle tile the loop left masked or an edge it left unmasked fails these."""
+    from tokenmill.kernels import triton_attention
+
+    triton_attention._mask_edges_only = lambda block_m, kv_dtype, num_splits: True
+    f16, f32 = torch.float16, torch.float32
+    decode = [(1, 300), (1, 5), (1, 128), (1, 257)]
+    for splits in (1, 3):
+        check_paged_attention(ops, decode, num_q_heads=8, num_kv_heads=2, head_dim=64, dtype=f16,
+                              num_splits=splits, device="cpu", block_size=16)
+        check_paged_attention(ops, decode, num_q_heads=4, num_kv_heads=1, head_dim=128, dtype=f32,
+                              sliding_window=100, num_splits=splits, device="cpu", block_size=16)
+    check_paged_attention(ops, [(1, 300), (1, 70)], num_q_heads=4, num_kv_heads=1, head_dim=64, dtype=f32,
+                          num_splits=1, device="cpu", block_size=48)
+    check_quantized_attention(ops, specs=decode, num_q_heads=4, num_kv_heads=1, head_dim=128, dtype=f16,
+                              cache_dtype=torch.int8, device="cpu", num_splits=1)
+    check_quantized_attention(ops, specs=decode, num_q_heads=4, num_kv_heads=2, head_dim=64, dtype=f32,
+                              cache_dtype=torch.int8, device="cpu", sliding_window=70, num_splits=2)
+
+
 def _interpret_attention_gemma(ops) -> None:
     """Gemma's head dims (3: 256 everywhere; 4: 256 sliding, 512 global), GQA groups of 2 and 8,
     score softcapping. A cap of 2 at scale 1 saturates most scores (|s| ~ sqrt(D) >> 2); a cap of
@@ -853,6 +876,7 @@ INTERPRET_CASES = {
     "skinny_matmul": _interpret_skinny_matmul,
     "paged_attention": _interpret_attention,
     "paged_attention_gemma": _interpret_attention_gemma,
+    "paged_attention_edge_masks": _interpret_attention_edge_masks,
     "rms_norm": _interpret_rms_norm,
     "offset_rms_norm": _interpret_offset_rms_norm,
     "gemma_norms": _interpret_gemma4_norms,

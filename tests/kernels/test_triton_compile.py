@@ -177,11 +177,12 @@ def _launches(monkeypatch: pytest.MonkeyPatch) -> list[Launch]:
                 triton_ops.rotary_embedding_and_write_kv(positions, rand(3, 8, 128), rand(3, 2, 128), rand(3, 2, 128),
                                                          cos_sin, qk, qv, torch.arange(3), k_scale=ks, v_scale=vs,
                                                          kv_amax=kv_amax)
-            for query_len, kv_heads in ((1, 2), (1, 1), (20, 2)):
+            # Decode whole (float8: edge tiles alone masked) and split (every tile masked), and a prompt.
+            for query_len, kv_heads, splits in ((1, 2, 1), (1, 2, 4), (1, 1, 1), (20, 2, 1)):
                 triton_ops.paged_attention(rand(query_len, 4 * kv_heads, 128), qk[:, :, :kv_heads], qv[:, :, :kv_heads],
                                            torch.tensor([0, query_len], dtype=torch.int32),
                                            torch.tensor([40], dtype=torch.int32), torch.zeros(1, 4, dtype=torch.int32),
-                                           0.1, max_query_len=query_len, num_splits=1,
+                                           0.1, max_query_len=query_len, num_splits=splits,
                                            k_scale=ks[:, :, :kv_heads], v_scale=vs[:, :, :kv_heads])
         # Head dim 16 (under an integer dot's 32), decode and a prompt's tile.
         qk16, qv16 = (torch.zeros(4, 16, 1, 16, dtype=torch.int8) for _ in range(2))
@@ -269,6 +270,9 @@ def test_every_kernel_compiles_for_hopper(monkeypatch: pytest.MonkeyPatch) -> No
         (launch.fn.__name__, key, launch.constexprs.get(key)) for launch in launches
         for key in ("KV_SCALED", "DOT_F16", "QUANTIZED", "STATIC_AMAX", "SCALE_AFTER", "Q8", "PTX", "ACT_MUL",
                     "V_NORM")}
+    decode_masks = {(launch.constexprs["DOT_F16"], launch.constexprs["MASK_EDGES_ONLY"]) for launch in launches
+                    if launch.fn.__name__ == "_paged_attention_kernel" and launch.constexprs["BLOCK_M"] < 64}
+    assert {(True, True), (True, False), (False, False)} <= decode_masks, decode_masks
     for kernel, weightings in (("_rms_norm_kernel", {0, 1, 2}), ("_rope_write_kv_kernel", {0, 1, 2}),
                                ("_gemv_kernel", {0, 1, 2})):
         assert {(kernel, "WEIGHTING", w) for w in weightings} <= variants, kernel
@@ -321,6 +325,19 @@ def test_a_split_decode_grid_stops_at_two_programs_an_sm(monkeypatch: pytest.Mon
             assert splits == 1 or (units * splits <= most and splits * 64 <= context)
             more = splits + 1
             assert units * more > most or more * 64 > context or more > triton_attention._MAX_SPLITS
+
+
+def test_decode_masks_only_the_edge_tiles_of_a_whole_float8_range() -> None:
+    """Prompt tiles always take the loop that masks only their edge tiles; decode tiles only over a
+    float8 cache with no KV split (the one place it measured faster)."""
+    rule = triton_attention._mask_edges_only
+    for kv_dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+        assert rule(16, kv_dtype, 1) and rule(32, kv_dtype, 1)
+        assert not rule(16, kv_dtype, 4)
+    for kv_dtype in (torch.bfloat16, torch.float16, torch.float32, torch.int8):
+        assert not rule(16, kv_dtype, 1) and not rule(32, kv_dtype, 2)
+    for kv_dtype in (torch.bfloat16, torch.int8, torch.float8_e4m3fn):
+        assert rule(64, kv_dtype, 1) and rule(128, kv_dtype, 3)
 
 
 def _specialization(fn: JITFunction, args: tuple, kwargs: dict) -> tuple:

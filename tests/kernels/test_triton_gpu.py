@@ -284,7 +284,10 @@ def test_quantized_kv_write(cache_dtype, dtype, shape, static) -> None:
 @pytest.mark.parametrize("cache_dtype", QUANTIZED_KV, ids=str)
 @pytest.mark.parametrize("dtype,specs,window,splits", [
     (torch.bfloat16, [(1, 4000)] * 4, None, None), (torch.bfloat16, [(1, 900), (37, 600)], 256, None),
-    (torch.bfloat16, [(1, 3000)], None, 7), (torch.float32, [(1, 900), (37, 600)], None, None)])
+    (torch.bfloat16, [(1, 3000)], None, 7), (torch.float32, [(1, 900), (37, 600)], None, None),
+    # Decode with a whole KV range a program: float8 masks only the edge tiles there.
+    (torch.bfloat16, [(1, 1000), (1, 257), (1, 128), (1, 5)], None, 1),
+    (torch.bfloat16, [(1, 700), (1, 300)], 256, 1)])
 def test_quantized_attention(cache_dtype, dtype, specs, window, splits) -> None:
     cases.check_quantized_attention(triton_ops, specs=specs, num_q_heads=32, num_kv_heads=8, head_dim=128,
                                     dtype=dtype, cache_dtype=cache_dtype, device="cuda", sliding_window=window,
