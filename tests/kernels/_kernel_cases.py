@@ -326,9 +326,11 @@ def _unit_in_last_place(x: torch.Tensor, cache_dtype: torch.dtype) -> torch.Tens
 def check_quantized_attention(ops, *, specs: list[tuple[int, int]], num_q_heads: int, num_kv_heads: int,
                               head_dim: int, dtype: torch.dtype, cache_dtype: torch.dtype, device: str,
                               sliding_window: int | None = None, num_splits: int | None = None,
-                              value_magnitude: float = 1.0, block_size: int = 16) -> None:
+                              value_magnitude: float = 1.0, value_decades: float = 0.0, zero_values: int = 0,
+                              block_size: int = 16) -> None:
     """Attention over a quantized cache against the reference reading the same bytes and scales; values
-    of ``value_magnitude`` (small ones: scales far below one)."""
+    of ``value_magnitude`` (small ones: scales far below one), each token's scaled by up to
+    ``value_decades`` powers of ten either way, the first ``zero_values`` of each sequence zero."""
     gen, seed = fresh_generator(device)
     blocks_per_seq = [-(-ctx // block_size) for _, ctx in specs]
     num_blocks = sum(blocks_per_seq) + 1
@@ -341,8 +343,10 @@ def check_quantized_attention(ops, *, specs: list[tuple[int, int]], num_q_heads:
         first += blocks_per_seq[b]
         pos = torch.arange(ctx, device=device)
         slots = tables[b, pos // block_size].long() * block_size + pos % block_size
-        reference.write_kv_cache(_randn((ctx, num_kv_heads, head_dim), dtype, device, gen) * 2,
-                                 _randn((ctx, num_kv_heads, head_dim), dtype, device, gen) * value_magnitude,
+        decades = (torch.rand(ctx, 1, 1, generator=gen, device=device) * 2 - 1) * value_decades
+        values = _randn((ctx, num_kv_heads, head_dim), dtype, device, gen) * value_magnitude * 10.0**decades
+        values[:zero_values] = 0
+        reference.write_kv_cache(_randn((ctx, num_kv_heads, head_dim), dtype, device, gen) * 2, values.to(dtype),
                                  k_cache, v_cache, slots, k_scale, v_scale)
     q_lens = [q for q, _ in specs]
     query_start_loc = torch.tensor([0] + list(itertools.accumulate(q_lens)), dtype=torch.int32, device=device)
@@ -386,6 +390,11 @@ def _interpret_quantized_kv(ops) -> None:
     check_quantized_attention(ops, specs=[(1, 100), (40, 90)], num_q_heads=4, num_kv_heads=2, head_dim=64,
                               dtype=torch.float16, cache_dtype=torch.int8, device="cpu", sliding_window=37,
                               block_size=8)
+    # Value scales over six decades, and a first tile of zero values (no unit to weigh the others by).
+    for splits in (1, 3):
+        check_quantized_attention(ops, specs=[(1, 300), (4, 200)], num_q_heads=4, num_kv_heads=1, head_dim=128,
+                                  dtype=torch.float16, cache_dtype=torch.int8, device="cpu", num_splits=splits,
+                                  value_decades=3.0, zero_values=130)
     # Head dim 16: the int8 query's scores in float16 dots (integer dots take 32 dims and more).
     check_quantized_attention(ops, specs=[(1, 70), (20, 40)], num_q_heads=4, num_kv_heads=2, head_dim=16,
                               dtype=torch.float16, cache_dtype=torch.int8, device="cpu", num_splits=1)

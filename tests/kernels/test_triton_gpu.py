@@ -302,6 +302,16 @@ def test_quantized_attention_over_small_values(cache_dtype) -> None:
                                     value_magnitude=1e-4)
 
 
+@pytest.mark.parametrize("cache_dtype", QUANTIZED_KV, ids=str)
+@pytest.mark.parametrize("splits", [None, 1])
+def test_quantized_attention_over_spread_values(cache_dtype, splits) -> None:
+    """Value scales over six decades, and a first tile of zero values: every tile's values weighed
+    in the one unit of a split."""
+    cases.check_quantized_attention(triton_ops, specs=[(1, 900), (5, 300), (1, 200)], num_q_heads=32,
+                                    num_kv_heads=8, head_dim=128, dtype=torch.bfloat16, cache_dtype=cache_dtype,
+                                    device="cuda", num_splits=splits, value_decades=3.0, zero_values=130)
+
+
 def test_rotary_embedding_and_write_kv_casts_to_the_cache_dtype() -> None:
     cases.check_rope_write_kv(triton_ops, num_tokens=50, num_q_heads=8, num_kv_heads=2, head_dim=128,
                               dtype=torch.float32, cache_dtype=torch.bfloat16, device="cuda")
