@@ -337,9 +337,11 @@ def _paged_attention_kernel(
     if k_cache_ptr.dtype.element_ty == tl.int8:
         # An int8 cache: q on each row's int8 grid (``reference.quantize_query_int8``), so that its
         # scores are integer tensor-core dots with the keys as they are stored.
+        # Divided as the reference divides (rounded to nearest): the GPU's faster division is off by
+        # up to two ulps, which moves an element that close to half a step onto the other step.
         q = q.to(tl.float32)
-        q_step = tl.maximum(tl.max(tl.abs(q), axis=1), _QUERY_INT8_FLOOR) / 127.0
-        q = tl.floor(q / q_step[:, None] + 0.5).to(tl.int8)
+        q_step = tl.math.div_rn(tl.maximum(tl.max(tl.abs(q), axis=1), _QUERY_INT8_FLOOR), 127.0)
+        q = tl.floor(tl.math.div_rn(q, q_step[:, None]) + 0.5).to(tl.int8)
     elif DOT_F16:
         # A one-byte cache under a 16-bit query: the dots run in float16, which every int8 and float8
         # value converts to exactly and cheaply (float8 two a packed instruction; to bfloat16 each goes
