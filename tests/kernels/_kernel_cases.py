@@ -23,7 +23,7 @@ try:
     import triton
     import triton.language as tl
 
-    from tokenmill.kernels.triton_attention import _tanh
+    from tokenmill.kernels.triton_activation import tanh
 except ImportError:  # the checks need triton; importing this module does not
     triton = None
 
@@ -405,7 +405,7 @@ if triton is not None:
     def _tanh_probe_kernel(x_ptr, y_ptr, n, BLOCK: tl.constexpr):
         offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
         mask = offs < n
-        tl.store(y_ptr + offs, _tanh(tl.load(x_ptr + offs, mask=mask, other=0.0)), mask=mask)
+        tl.store(y_ptr + offs, tanh(tl.load(x_ptr + offs, mask=mask, other=0.0)), mask=mask)
 
 
 def check_softcap_tanh(device: str) -> None:
@@ -424,6 +424,27 @@ def check_softcap_tanh(device: str) -> None:
     rel = (err[big] / ref[big].abs()).max().item()
     assert rel < TANH_REL_TOL, f"tanh rel err {rel:.2e} for |x| >= 0.5"
     assert (y * x >= 0).all(), "tanh has the wrong sign"
+
+
+def check_softcap(ops, *, rows: int, d: int, dtype: torch.dtype, device: str, cap: float = 30.0) -> None:
+    """The final-logit softcap in place against the reference's three in-place ops on a copy: logits
+    N(0, 10) with every eleventh N(0, 300) (deep in tanh's flat tails), ±inf and 0 in the first row.
+    Both round to the dtype after each step: 16-bit results equal but where tanh's last float32 ulps
+    cross a rounding of the dtype; float32 ones differ by those ulps."""
+    gen, seed = fresh_generator(device)
+    x = _randn((rows, d), dtype, device, gen) * 10
+    x[:, ::11] *= 30
+    x[0, :3] = torch.tensor([float("inf"), -float("inf"), 0.0], dtype=dtype)
+    ref = reference.softcap_(x.clone(), cap)
+    got = ops.softcap_(x, cap)
+    where = f"seed={seed} softcap rows={rows} d={d} {dtype}"
+    assert got is x and torch.isfinite(x).all(), where
+    assert (x.abs() <= cap).all(), where
+    assert rel_err(x, ref) < ELEMWISE_TOL[dtype], where
+    if dtype != torch.float32:  # equal in all but a few elements, each at most one step of the dtype away
+        differ = x != ref
+        assert differ.float().mean().item() < 1e-3, f"{differ.sum().item()} elements differ: {where}"
+        assert ((x.float() - ref.float()).abs() <= torch.finfo(dtype).eps * cap).all(), where
 
 
 def check_act_and_mul(ops, *, act: str, num_tokens: int, d: int, dtype: torch.dtype, device: str) -> None:
@@ -718,6 +739,12 @@ def _interpret_rope_write_kv(ops) -> None:
                         device="cpu", qk_norm="fp32", v_norm=True)
 
 
+def _interpret_softcap(ops) -> None:
+    for dtype in (torch.float16, torch.float32):
+        check_softcap(ops, rows=3, d=3000, dtype=dtype, device="cpu")  # rows spanning blocks, the last partial
+    check_softcap(ops, rows=2, d=50, dtype=torch.float16, device="cpu", cap=15.0)
+
+
 def _interpret_act_and_mul(act: str):
     def cases(ops) -> None:
         for dtype in (torch.float16, torch.float32):
@@ -891,6 +918,7 @@ INTERPRET_CASES = {
     "gemma_norms": _interpret_gemma4_norms,
     "quantized_kv": _interpret_quantized_kv,
     "rotary_embedding_and_write_kv": _interpret_rope_write_kv,
+    "softcap": _interpret_softcap,
     "silu_and_mul": _interpret_act_and_mul("silu_and_mul"),
     "gelu_tanh_and_mul": _interpret_act_and_mul("gelu_tanh_and_mul"),
 }

@@ -193,6 +193,12 @@ def test_softcap_tanh() -> None:
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("rows,d", [(1, 262144), (128, 262144), (5, 3001)])
+def test_softcap(dtype, rows, d) -> None:
+    cases.check_softcap(triton_ops, rows=rows, d=d, dtype=dtype, device="cuda")
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("num_tokens,hidden", [(1, 4096), (129, 4096), (64, 1024), (5, 5120)])
 @pytest.mark.parametrize("with_residual", [False, True])
 def test_rms_norm(dtype, num_tokens, hidden, with_residual) -> None:

@@ -24,11 +24,11 @@ import triton
 import triton.language as tl
 
 from tokenmill.kernels.reference import QUERY_INT8_FLOOR
+from tokenmill.kernels.triton_activation import tanh
 from tokenmill.kernels.triton_convert import ptx_conversions, to_f16
 from tokenmill.kernels.triton_launch import num_sms, pdl_launch_args, wait_for_previous_kernel
 
 _LOG2E = 1.4426950408889634
-_MINUS_2_LOG2E = tl.constexpr(-2.0 * _LOG2E)
 # Finite stand-in for -inf as the initial running max: exp2(m_old - m_new) stays
 # well-defined (never inf - inf) for rows whose first tiles are fully masked.
 _NEG_BIG = tl.constexpr(-1.0e30)
@@ -50,17 +50,6 @@ _PROMPT_SPLIT_PROGRAMS_PER_SM = 4
 # Shared memory for the pipelined K and V tiles (2 x stages x BLOCK_N x BLOCK_D elements): sm_90
 # gives a block 227 KiB, and the kernel needs some besides.
 _KV_SMEM_BUDGET = 192 * 1024
-
-
-@triton.jit
-def _tanh(x):
-    """tanh in float32 from exp2 alone (not every Triton has ``tl.tanh``): ``e = exp(-2|x|)`` lies in
-    (0, 1] for every x, so nothing overflows, and the sign is put back after. The absolute error is
-    a few float32 ulps of 1 near x = 0, where ``1 - e`` cancels: harmless in a score that is
-    multiplied by the cap next."""
-    e = tl.exp2(tl.abs(x) * _MINUS_2_LOG2E)
-    t = (1.0 - e) / (1.0 + e)
-    return tl.where(x < 0.0, -t, t)
 
 
 @triton.jit
@@ -202,7 +191,7 @@ def _attend_tiles(acc, m_i, l_i, v_inv, q, q_step, q_pos, lo, hi, split_hi, bt_r
         if SOFTCAP:
             # qk_scale is scale / cap: the cap applies to the natural-scale score, and only
             # its result moves to the log2 domain (softcap_log2 = cap * log2(e)).
-            qk = _tanh(qk * (1.0 if KV_SCALED else qk_scale)) * softcap_log2
+            qk = tanh(qk * (1.0 if KV_SCALED else qk_scale)) * softcap_log2
             scale = 1.0
         if MASKED:
             allowed = n_valid[None, :] & (n[None, :] <= q_pos[:, None])

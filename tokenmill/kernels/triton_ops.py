@@ -8,7 +8,7 @@ keyword-only and optional).
 import torch
 
 from tokenmill.kernels.q8_0 import Q8Weight
-from tokenmill.kernels.triton_activation import gelu_tanh_and_mul, gelu_tanh_mul, silu_and_mul
+from tokenmill.kernels.triton_activation import gelu_tanh_and_mul, gelu_tanh_mul, silu_and_mul, softcap_
 from tokenmill.kernels.triton_attention import paged_attention
 from tokenmill.kernels.triton_gemv import MAX_ROWS as GEMV_MAX_ROWS
 from tokenmill.kernels.triton_gemv import linear as gemv_linear

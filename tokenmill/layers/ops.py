@@ -186,6 +186,11 @@ def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
     return backend_for(x).gelu_tanh_and_mul(x)
 
 
+def softcap_(x: torch.Tensor, cap: float) -> torch.Tensor:
+    """``tanh(x / cap) * cap`` in place (Gemma's final logits, ``[rows, vocab]``); returns ``x``."""
+    return backend_for(x).softcap_(x, cap)
+
+
 def apply_penalties(logits: torch.Tensor, counts: torch.Tensor, prompt: torch.Tensor, rows: torch.Tensor,
                     repetition: torch.Tensor, presence: torch.Tensor, frequency: torch.Tensor) -> torch.Tensor:
     """Repetition, presence and frequency penalties from each row's token tables (``reference.apply_penalties``)."""

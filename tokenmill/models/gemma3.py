@@ -20,7 +20,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from tokenmill.kernels.reference import softcap_
 from tokenmill.layers import ops
 from tokenmill.layers.attention import AttentionMetadata, KVCache
 from tokenmill.layers.linear import ColumnParallelLinear, RowParallelLinear, Split, VocabParallelEmbedding
@@ -204,7 +203,7 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
     def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         logits = super().compute_logits(hidden, out)
         cap = self.config.final_softcap
-        return logits if cap is None else softcap_(logits, cap)
+        return logits if cap is None else ops.softcap_(logits, cap)
 
     def load_weights(self, weights: Iterable[tuple[str, Any]]) -> None:
         super().load_weights(language_model_weights(weights, *self.towers))
