@@ -100,15 +100,17 @@ def gelu_tanh_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit
-def _softcap_kernel(x_ptr, stride, d, cap, PDL: tl.constexpr, BLOCK: tl.constexpr):
+def _softcap_kernel(x_ptr, stride, d, cap, inv_cap, PDL: tl.constexpr, BLOCK: tl.constexpr):
     wait_for_previous_kernel(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < d
     x = tl.load(x_ptr + row * stride + cols, mask=mask, other=0.0)
-    # Rounded to x's dtype after each step, as the reference's three in-place ops round (its division
-    # correctly rounded, where the GPU's own is off by up to two ulps).
-    t = tl.math.div_rn(x.to(tl.float32), cap).to(x.dtype)
+    # Rounded to x's dtype after each step, as the reference's three in-place ops round; divided as
+    # torch divides by a scalar on the GPU, times its float32 reciprocal (a correctly rounded division
+    # took about 10 instructions an element, as many as the rest: the kernel would not keep up with
+    # its bytes).
+    t = (x.to(tl.float32) * inv_cap).to(x.dtype)
     t = tanh(t.to(tl.float32)).to(x.dtype)
     tl.store(x_ptr + row * stride + cols, (t.to(tl.float32) * cap).to(x.dtype), mask=mask)
 
@@ -123,7 +125,8 @@ def softcap_(x: torch.Tensor, cap: float) -> torch.Tensor:
     rows, d = x.shape
     if rows and d:
         block = min(_BLOCK, triton.next_power_of_2(d))
-        _softcap_kernel[(rows, triton.cdiv(d, block))](x, x.stride(0), d, float(cap), BLOCK=block,
+        inv_cap = (torch.ones((), dtype=torch.float32) / cap).item()  # float32's 1 / cap, as torch's
+        _softcap_kernel[(rows, triton.cdiv(d, block))](x, x.stride(0), d, float(cap), inv_cap, BLOCK=block,
                                                        num_warps=4 if block >= 512 else 1,
                                                        **pdl_launch_args(x.device))
     return x
