@@ -28,6 +28,7 @@
 #   (`study-attention-splits-gemma`: head dim 256, groups of 2 and 8);
 #  `study-gemv-rows` = the one-row GEMV's tiles with several tiles of rows a program;
 #  `study-argmax` = the greedy argmax's chunks a row against the row count, benchmarks/study_argmax.py;
+#  `study-softcap` = Gemma's final-logit softcap, the kernel against three torch ops, benchmarks/study_softcap.py;
 #  `study-skinny` = the few-row matmul's tiles and K splits at 4-64 rows, dense and Q8_0, benchmarks/study_skinny.py
 #   (`study-skinny-large`: at 128-2048 rows, where it takes Q8_0 weights only, against cuBLAS);
 #  `study-tunableop` = cuBLAS against PyTorch TunableOp's timed choice of GEMM, Llama-3-8B at 32-256 rows;
@@ -87,6 +88,8 @@ for part in "$@"; do
         | grep -v "it/s]" | tail -40 ;;
     study-argmax)
       python3 benchmarks/study_argmax.py --out "$OUT/study-argmax.json" 2>&1 | tail -20 ;;
+    study-softcap)
+      python3 benchmarks/study_softcap.py --out "$OUT/study-softcap.json" 2>&1 | tail -8 ;;
     study-skinny|study-skinny-large)
       rows=4,8,16,32,64; [ "$part" = study-skinny-large ] && rows=128,256,512,2048
       (cd benchmarks && timeout 500 python3 study_skinny.py --rows $rows --out "$OUT/$part.json" 2>&1 \
