@@ -194,7 +194,8 @@ def run_workload(engine: LLMEngine, ceilings: Ceilings, workload: list[tuple[lis
     return {"requests": len(workload), "seconds": wall, "output_tok_per_s": out_tokens / wall,
             "total_tok_per_s": total_tokens / wall, "floor_seconds": floor, "fraction_of_floor": floor / wall,
             "steps": len(records), "mean_decode_batch": statistics.mean(running) if running else 0.0,
-            "peak_kv_blocks": peak,
+            # Requests running at once at the busiest step (a cache that holds more runs more together).
+            "peak_batch": max((r.batch_size for r in records), default=0), "peak_kv_blocks": peak,
             # Kernel variants compiled inside the run's steps (each a wait the warm-up should have taken).
             "compiles_during_run": engine.core.stats.num_compiles_after_startup - compiled}
 
