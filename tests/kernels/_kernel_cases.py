@@ -327,7 +327,7 @@ def check_quantized_attention(ops, *, specs: list[tuple[int, int]], num_q_heads:
                               head_dim: int, dtype: torch.dtype, cache_dtype: torch.dtype, device: str,
                               sliding_window: int | None = None, num_splits: int | None = None,
                               value_magnitude: float = 1.0, value_decades: float = 0.0, zero_values: int = 0,
-                              block_size: int = 16) -> None:
+                              block_size: int = 16, softcap: float | None = None) -> None:
     """Attention over a quantized cache against the reference reading the same bytes and scales; values
     of ``value_magnitude`` (small ones: scales far below one), each token's scaled by up to
     ``value_decades`` powers of ten either way, the first ``zero_values`` of each sequence zero."""
@@ -353,10 +353,11 @@ def check_quantized_attention(ops, *, specs: list[tuple[int, int]], num_q_heads:
     seq_lens = torch.tensor([ctx for _, ctx in specs], dtype=torch.int32, device=device)
     query = _randn((sum(q_lens), num_q_heads, head_dim), dtype, device, gen)
     args = (query, k_cache, v_cache, query_start_loc, seq_lens, tables, head_dim**-0.5, sliding_window)
-    ref = reference.paged_attention(*args, k_scale=k_scale, v_scale=v_scale)
+    ref = reference.paged_attention(*args, k_scale=k_scale, v_scale=v_scale, softcap=softcap)
     got = ops.paged_attention(*args, max_query_len=max(q_lens), k_scale=k_scale, v_scale=v_scale,
-                              num_splits=num_splits)
-    where = f"seed={seed} specs={specs} Hq={num_q_heads} Hkv={num_kv_heads} D={head_dim} {dtype} {cache_dtype}"
+                              num_splits=num_splits, softcap=softcap)
+    where = (f"seed={seed} specs={specs} Hq={num_q_heads} Hkv={num_kv_heads} D={head_dim} {dtype} {cache_dtype} "
+             f"softcap={softcap}")
     err = rel_err(got, ref)
     assert err < ATTN_TOL[dtype], f"rel err {err:.2e}: {where}"
 
@@ -395,6 +396,9 @@ def _interpret_quantized_kv(ops) -> None:
         check_quantized_attention(ops, specs=[(1, 300), (4, 200)], num_q_heads=4, num_kv_heads=1, head_dim=128,
                                   dtype=torch.float16, cache_dtype=torch.int8, device="cpu", num_splits=splits,
                                   value_decades=3.0, zero_values=130)
+    # Capped scores (Gemma 2's attention softcap): an int8 query's row steps applied before the cap.
+    check_quantized_attention(ops, specs=[(1, 200), (5, 90)], num_q_heads=4, num_kv_heads=2, head_dim=64,
+                              dtype=torch.float32, cache_dtype=torch.int8, device="cpu", num_splits=1, softcap=5.0)
     # Head dim 16: the int8 query's scores in float16 dots (integer dots take 32 dims and more).
     check_quantized_attention(ops, specs=[(1, 70), (20, 40)], num_q_heads=4, num_kv_heads=2, head_dim=16,
                               dtype=torch.float16, cache_dtype=torch.int8, device="cpu", num_splits=1)

@@ -309,6 +309,15 @@ def test_quantized_attention_over_small_values(cache_dtype) -> None:
 
 
 @pytest.mark.parametrize("cache_dtype", QUANTIZED_KV, ids=str)
+@pytest.mark.parametrize("head_dim,splits", [(128, None), (128, 1), (256, None)])
+def test_quantized_attention_with_softcap(cache_dtype, head_dim, splits) -> None:
+    """Capped scores over a quantized cache (Gemma's attention softcap): decode and a prompt's tiles."""
+    cases.check_quantized_attention(triton_ops, specs=[(1, 900), (37, 600), (1, 130)], num_q_heads=16,
+                                    num_kv_heads=8, head_dim=head_dim, dtype=torch.bfloat16, cache_dtype=cache_dtype,
+                                    device="cuda", num_splits=splits, softcap=5.0)
+
+
+@pytest.mark.parametrize("cache_dtype", QUANTIZED_KV, ids=str)
 @pytest.mark.parametrize("splits", [None, 1])
 def test_quantized_attention_over_spread_values(cache_dtype, splits) -> None:
     """Value scales over six decades, and a first tile of zero values: every tile's values weighed

@@ -169,11 +169,11 @@ def _attend_tiles(acc, m_i, l_i, v_inv, q, q_step, q_pos, lo, hi, split_hi, bt_r
             other=0.0,
         )
         if q.dtype == tl.int8 and q.shape[1] >= 32:  # integer dots of the int8 query and keys, no conversion of K
-            qk = tl.dot(q, k, out_dtype=tl.int32).to(tl.float32) * q_step[:, None]
+            qk = tl.dot(q, k, out_dtype=tl.int32).to(tl.float32)
         elif q.dtype == tl.int8:
             # Integer dots take 32 dims and more: under that, the same products in float16 dots (every
             # int8 is a float16; 16 products of at most 127^2 add up exactly in the float32 accumulator).
-            qk = tl.dot(q.to(tl.float16), k.to(tl.float16)) * q_step[:, None]
+            qk = tl.dot(q.to(tl.float16), k.to(tl.float16))
         else:
             k = to_f16(k, PTX, True) if DOT_F16 else k.to(q.dtype)  # read along d: converted in its operand layout
             if IEEE_DOT:
@@ -183,10 +183,17 @@ def _attend_tiles(acc, m_i, l_i, v_inv, q, q_step, q_pos, lo, hi, split_hi, bt_r
         # The scores in the log2 domain are qk * scale: a plain score's scale is folded into the
         # exponent's operand (one FMA an element), a scaled or capped one is scaled here.
         scale = qk_scale  # scale * log2(e)
+        # An int8 query's scores are in units of each row's step: a capped score needs them in its
+        # natural scale; otherwise the step joins the exponent's FMA as a row factor (the row's largest
+        # score times it is the largest of the scores times it), one multiply an element fewer.
+        ROW_STEP: tl.constexpr = q.dtype == tl.int8 and not SOFTCAP
+        if q.dtype == tl.int8 and SOFTCAP:
+            qk = qk * q_step[:, None]
         if KV_SCALED:
             # A quantized cache: each key's scale multiplies its scores (q . (s k) = s (q . k)); the
-            # one-byte values convert exactly to q's dtype.
-            qk = qk * (ks if SOFTCAP else ks * qk_scale)[None, :]
+            # one-byte values convert exactly to q's dtype. With the score's scale (under a cap,
+            # scale / cap: tanh's argument).
+            qk = qk * (ks * qk_scale)[None, :]
             scale = 1.0
         if SOFTCAP:
             # qk_scale is scale / cap: the cap applies to the natural-scale score, and only
@@ -199,9 +206,14 @@ def _attend_tiles(acc, m_i, l_i, v_inv, q, q_step, q_pos, lo, hi, split_hi, bt_r
                 allowed = allowed & ((q_pos[:, None] - n[None, :]) < window)
             qk = tl.where(allowed, qk, float("-inf"))
 
-        m_new = tl.maximum(m_i, tl.max(qk, axis=1) * scale)
+        if ROW_STEP:
+            row_scale = q_step * scale
+            m_new = tl.maximum(m_i, tl.max(qk, axis=1) * row_scale)
+            p = tl.exp2(qk * row_scale[:, None] - m_new[:, None])
+        else:
+            m_new = tl.maximum(m_i, tl.max(qk, axis=1) * scale)
+            p = tl.exp2(qk * scale - m_new[:, None])
         alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(qk * scale - m_new[:, None])
         if DEFER_SUM:
             l_cols = l_cols * alpha[:, None] + p
         else:
