@@ -396,6 +396,11 @@ def _interpret_quantized_kv(ops) -> None:
         check_quantized_attention(ops, specs=[(1, 300), (4, 200)], num_q_heads=4, num_kv_heads=1, head_dim=128,
                                   dtype=torch.float16, cache_dtype=torch.int8, device="cpu", num_splits=splits,
                                   value_decades=3.0, zero_values=130)
+    # Gemma's head dims (two-byte scales, read a tile ahead): 256 with a window, 512 with GQA 8.
+    check_quantized_attention(ops, specs=[(1, 150), (6, 70)], num_q_heads=4, num_kv_heads=2, head_dim=256,
+                              dtype=torch.float16, cache_dtype=torch.int8, device="cpu", sliding_window=64)
+    check_quantized_attention(ops, specs=[(1, 90), (3, 40)], num_q_heads=8, num_kv_heads=1, head_dim=512,
+                              dtype=torch.float32, cache_dtype=torch.int8, device="cpu", num_splits=1)
     # Capped scores (Gemma 2's attention softcap): an int8 query's row steps applied before the cap.
     check_quantized_attention(ops, specs=[(1, 200), (5, 90)], num_q_heads=4, num_kv_heads=2, head_dim=64,
                               dtype=torch.float32, cache_dtype=torch.int8, device="cpu", num_splits=1, softcap=5.0)
