@@ -262,7 +262,7 @@ def test_logit_bias_and_full_vocabulary_logprobs_on_cuda(tmp_path) -> None:
 
 
 @pytest.mark.parametrize("kv_cache_dtype", ["int8", "fp8", "fp8_e5m2"])
-@pytest.mark.parametrize("arch", ["llama3", "gemma3", "gemma3-attn-softcap", "gemma4-kv-shared"])
+@pytest.mark.parametrize("arch", ["llama3", "gemma3", "gemma3-attn-softcap", "gemma4", "gemma4-kv-shared"])
 def test_quantized_kv_cache_on_cuda_matches_the_cpu_path(arch: str, kv_cache_dtype: str, tmp_path) -> None:
     """The Triton write and attention over a quantized cache (CUDA graphs, chunked prefill, preemption)
     against the torch reference's on the CPU, same bytes and scales: tokens equal up to a near-tie,
