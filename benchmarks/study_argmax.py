@@ -7,11 +7,9 @@ may cost more than they bring.
 
 from __future__ import annotations
 
-import argparse
-
 import torch
 
-from tokenmill.bench.hardware import measure_ceilings, time_cuda, write_rows
+from tokenmill.bench.hardware import study_setup, time_graph, write_rows
 from tokenmill.layers.sampler import greedy_argmax
 
 VOCABS = (128256, 151936, 262208)
@@ -20,10 +18,7 @@ CHUNKS = (1, 4, 16, 64, 256)
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", default=None)
-    args = parser.parse_args()
-    ceilings = measure_ceilings()
+    args, ceilings = study_setup(__doc__)
     rows = []
     for vocab in VOCABS:
         for batch in BATCHES:
@@ -34,10 +29,7 @@ def main() -> None:
             for chunks in CHUNKS:
                 if not torch.equal(greedy_argmax(logits, chunks), expected):
                     raise AssertionError(f"argmax differs at vocab {vocab}, batch {batch}, {chunks} chunks")
-                graph = torch.cuda.CUDAGraph()  # (as in the engine: the GPU's time, not the launches')
-                with torch.cuda.graph(graph):
-                    greedy_argmax(logits, chunks)
-                times[chunks] = time_cuda(graph.replay, repeat=50) * 1e6
+                times[chunks] = time_graph(lambda: greedy_argmax(logits, chunks)) * 1e6
             best = min(times, key=times.get)
             rows.append({"name": f"argmax/v{vocab}/b{batch}", "vocab": vocab, "batch": batch, "floor_us": floor * 1e6,
                          "us_by_max_chunks": times, "best_max_chunks": best,

@@ -6,11 +6,9 @@ program streams each row, so at small batches a program's own bandwidth bounds t
 
 from __future__ import annotations
 
-import argparse
-
 import torch
 
-from tokenmill.bench.hardware import measure_ceilings, time_cuda, write_rows
+from tokenmill.bench.hardware import study_setup, time_cuda, write_rows
 from tokenmill.kernels import triton_sampling
 
 VOCAB = 151936
@@ -18,10 +16,7 @@ TILES = ((2048, 4), (4096, 8), (8192, 16), (16384, 32), (8192, 8))
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", default=None)
-    args = parser.parse_args()
-    ceilings = measure_ceilings()
+    args, ceilings = study_setup(__doc__)
     rows = []
     for batch in (1, 8, 64, 256):
         logits = torch.randn(batch, VOCAB, device="cuda")

@@ -7,30 +7,17 @@ graph, as the engine runs them, beside the floor of one pass (the logits read an
 
 from __future__ import annotations
 
-import argparse
-
 import torch
 
-from tokenmill.bench.hardware import measure_ceilings, time_cuda, write_rows
+from tokenmill.bench.hardware import study_setup, time_graph, write_rows
 from tokenmill.kernels import reference, triton_ops
 
 VOCAB, CAP = 262208, 30.0  # Gemma 3's vocabulary and final cap
 BATCHES = (1, 8, 32, 128, 256)
 
 
-def graph_us(fn, logits: torch.Tensor) -> float:
-    fn(logits)  # compile outside the capture
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn(logits)
-    return time_cuda(graph.replay, repeat=50) * 1e6
-
-
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", default=None)
-    args = parser.parse_args()
-    ceilings = measure_ceilings()
+    args, ceilings = study_setup(__doc__)
     rows = []
     for batch in BATCHES:
         logits = (torch.randn(batch, VOCAB, device="cuda") * 10).to(torch.bfloat16)
@@ -38,8 +25,8 @@ def main() -> None:
         got = triton_ops.softcap_(logits.clone(), CAP)
         differ = (got != expected).float().mean().item()
         floor = ceilings.floor(2 * logits.numel() * logits.element_size(), 0.0) * 1e6
-        kernel = graph_us(lambda x: triton_ops.softcap_(x, CAP), logits)
-        torch_ops = graph_us(lambda x: reference.softcap_(x, CAP), logits)
+        kernel = time_graph(lambda: triton_ops.softcap_(logits, CAP)) * 1e6
+        torch_ops = time_graph(lambda: reference.softcap_(logits, CAP)) * 1e6
         rows.append({"name": f"softcap/v{VOCAB}/b{batch}", "batch": batch, "floor_us": floor, "us": kernel,
                      "fraction_of_floor": floor / kernel, "torch_ops_us": torch_ops,
                      "torch_ops_fraction_of_floor": floor / torch_ops, "share_differing": differ})

@@ -3,6 +3,7 @@ same run: device-memory bandwidth and the bf16 matrix rate."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import platform
@@ -85,6 +86,24 @@ def environment(ceilings: Ceilings | None, command: str) -> dict:
         "command": command,
         "ceilings": asdict(ceilings) if ceilings else None,
     }
+
+
+def study_setup(doc: str) -> tuple[argparse.Namespace, Ceilings]:
+    """A study script's arguments (``--out FILE``; the first paragraph of its docstring ``doc`` as the
+    description) and the ceilings measured for its run."""
+    parser = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    parser.add_argument("--out", default=None)
+    return parser.parse_args(), measure_ceilings()
+
+
+def time_graph(fn, repeat: int = 50) -> float:
+    """Seconds a call of ``fn`` takes replayed from a CUDA graph, as the engine runs its steps (the
+    GPU's time, not the launches'); one call first, outside the capture, compiles what it needs."""
+    fn()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return time_cuda(graph.replay, repeat=repeat)
 
 
 def write_rows(path: str, ceilings: Ceilings | None, rows: list[dict]) -> None:
