@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import random
 import sys
 
 import torch
@@ -592,6 +593,35 @@ def _interpret_attention(ops) -> None:
                           num_splits=1, device="cpu", block_size=128)
 
 
+def _interpret_attention_combinations(ops) -> None:
+    """Random combinations of the attention kernel's features, each against the reference: head dim,
+    GQA group, a 16-bit or int8 cache, softcap, window, split count, block size, and a batch of decode
+    rows and prompt chunks. (Capped scores over a quantized cache once went wrong while each feature
+    alone passed.) The seed is in every failure's message."""
+    seed = int.from_bytes(os.urandom(4), "little")
+    rng = random.Random(seed)
+    for case in range(12):
+        head_dim, group = rng.choice([16, 64, 80, 128, 256, 512]), rng.choice([1, 2, 4, 8])
+        num_kv_heads = rng.choice([1, 2])
+        specs = []
+        for _ in range(rng.randint(1, 3)):
+            q_len = rng.choice([1, 1, rng.randint(2, 20)])
+            specs.append((q_len, rng.randint(q_len, 300)))
+        options = dict(num_q_heads=group * num_kv_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
+                       dtype=rng.choice([torch.float16, torch.float32]), device="cpu",
+                       sliding_window=rng.choice([None, rng.randint(8, 200)]),
+                       num_splits=rng.choice([None, 1, rng.randint(2, 5)]), block_size=rng.choice([8, 16]),
+                       softcap=rng.choice([None, 5.0]))
+        note = f"combination seed={seed} case={case}: {specs} {options}"
+        try:
+            if rng.random() < 0.5:
+                check_quantized_attention(ops, specs=specs, cache_dtype=torch.int8, **options)
+            else:
+                check_paged_attention(ops, specs, **options)
+        except AssertionError as e:
+            raise AssertionError(f"{note}: {e}") from e
+
+
 def _interpret_attention_edge_masks(ops) -> None:
     """Decode tiles through the loop that masks only the edge tiles (the engine takes it over float8
     caches, which the interpreter cannot convert as the GPU does): the same loop over 16-bit and int8
@@ -922,6 +952,7 @@ INTERPRET_CASES = {
     "paged_attention": _interpret_attention,
     "paged_attention_gemma": _interpret_attention_gemma,
     "paged_attention_edge_masks": _interpret_attention_edge_masks,
+    "paged_attention_combinations": _interpret_attention_combinations,
     "rms_norm": _interpret_rms_norm,
     "offset_rms_norm": _interpret_offset_rms_norm,
     "gemma_norms": _interpret_gemma4_norms,
