@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import torch
 import triton
 import triton.language as tl
@@ -61,6 +62,13 @@ def _act_and_mul_kernel(gate_ptr, up_ptr, out_ptr, gate_stride, up_stride, out_s
     tl.store(out_ptr + row * out_stride + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
+def _row_launch(rows: int, d: int) -> tuple[tuple[int, int], int, int]:
+    """The grid, block and warps of an elementwise kernel over ``rows`` rows of ``d``: a program a
+    block of a row."""
+    block = min(_BLOCK, triton.next_power_of_2(d))
+    return (rows, triton.cdiv(d, block)), block, 4 if block >= 512 else 1
+
+
 def _act_and_mul(gate: torch.Tensor, up: torch.Tensor, out: torch.Tensor | None, gelu_tanh: bool) -> torch.Tensor:
     """``act(gate) * up`` for ``gate`` and ``up`` of one shape (views of one tensor or not), each row's
     last dimension contiguous."""
@@ -75,10 +83,10 @@ def _act_and_mul(gate: torch.Tensor, up: torch.Tensor, out: torch.Tensor | None,
         raise ValueError("gated activations need a contiguous last dimension")
     rows = gate2.shape[0]
     if rows and d:
-        block = min(_BLOCK, triton.next_power_of_2(d))
-        _act_and_mul_kernel[(rows, triton.cdiv(d, block))](
+        grid, block, num_warps = _row_launch(rows, d)
+        _act_and_mul_kernel[grid](
             gate2, up2, out2, gate2.stride(0), up2.stride(0), out2.stride(0), d, GELU_TANH=gelu_tanh, BLOCK=block,
-            num_warps=4 if block >= 512 else 1, **pdl_launch_args(gate.device),
+            num_warps=num_warps, **pdl_launch_args(gate.device),
         )
     return out
 
@@ -124,9 +132,8 @@ def softcap_(x: torch.Tensor, cap: float) -> torch.Tensor:
                          f"strides {x.stride()}")
     rows, d = x.shape
     if rows and d:
-        block = min(_BLOCK, triton.next_power_of_2(d))
-        inv_cap = (torch.ones((), dtype=torch.float32) / cap).item()  # float32's 1 / cap, as torch's
-        _softcap_kernel[(rows, triton.cdiv(d, block))](x, x.stride(0), d, float(cap), inv_cap, BLOCK=block,
-                                                       num_warps=4 if block >= 512 else 1,
-                                                       **pdl_launch_args(x.device))
+        grid, block, num_warps = _row_launch(rows, d)
+        inv_cap = float(np.float32(1) / np.float32(cap))  # float32's 1 / cap, as torch's
+        _softcap_kernel[grid](x, x.stride(0), d, float(cap), inv_cap, BLOCK=block, num_warps=num_warps,
+                              **pdl_launch_args(x.device))
     return x
