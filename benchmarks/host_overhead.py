@@ -36,7 +36,7 @@ def stubbed_engine(batch: int, async_scheduling: bool) -> LLMEngine:
                                     num_kv_blocks=64 * batch, async_scheduling=async_scheduling))
     model, cfg = engine.core.runner.model, engine.model_config
     model.forward = lambda ids, positions, kv, meta: torch.zeros(ids.shape[0], cfg.hidden_size)
-    model.compute_logits = lambda hidden, out=None: torch.zeros(hidden.shape[0], cfg.vocab_size)
+    model.head_logits = lambda hidden, out=None: torch.zeros(hidden.shape[0], cfg.vocab_size)
     return engine
 
 

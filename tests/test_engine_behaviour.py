@@ -119,8 +119,8 @@ def test_logprobs_and_prompt_logprobs(llm) -> None:
 def test_prompt_only_chunks_run_no_lm_head(model_dir, monkeypatch) -> None:
     llm = LLM(str(model_dir), device="cpu", dtype="float32", max_num_batched_tokens=16)
     rows = []
-    original = llm.engine.core.runner.model.compute_logits
-    monkeypatch.setattr(llm.engine.core.runner.model, "compute_logits", lambda h: rows.append(h.shape[0]) or original(h))
+    original = llm.engine.core.runner.model.head_logits
+    monkeypatch.setattr(llm.engine.core.runner.model, "head_logits", lambda h: rows.append(h.shape[0]) or original(h))
     llm.generate([list(range(1, 60))], greedy(3, ignore_eos=True), use_tqdm=False)
     # 59 prompt tokens in chunks of 16: 3 chunks with no LM head, then one row per step.
     assert rows == [1, 1, 1]

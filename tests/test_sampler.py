@@ -130,6 +130,28 @@ def test_greedy_takes_the_argmax_and_reports_logprobs() -> None:
     assert torch.allclose(out.logprobs[0], torch.tensor([0.4, 0.4, 0.3]).log())
 
 
+def test_finish_applies_only_where_logit_values_are_read() -> None:
+    """A model's final map of the head's logits (Gemma's softcap) is increasing: greedy rows answered by
+    a graph's argmax skip it; logprobs and sampled rows see the finished logits."""
+    head = torch.tensor([[0.0, 60.0, 45.0, -30.0]])
+    calls = []
+
+    def softcap_(logits: torch.Tensor) -> torch.Tensor:
+        calls.append(logits.shape[0])
+        return logits.div_(30.0).tanh_().mul_(30.0)
+
+    ids = greedy_argmax(head)
+    out = Sampler()(head.clone(), batch_of(1, temperature=0.0), ids, softcap_)
+    assert out.token_ids.tolist() == [1] and calls == []
+    out = Sampler()(head.clone(), batch_of(1, temperature=0.0, num_logprobs=1), ids, softcap_)
+    capped = torch.tanh(head / 30.0) * 30.0
+    assert calls == [1] and out.token_ids.tolist() == [1]
+    assert torch.allclose(out.logprobs[0], capped.log_softmax(-1)[0, [1, 1]])
+    out = Sampler()(head.clone(), batch_of(1, temperature=1.0, generators=[torch.Generator().manual_seed(0)]),
+                    ids, softcap_)
+    assert calls == [1, 1]
+
+
 def test_seeded_rows_reproduce_whatever_shares_the_batch() -> None:
     def draw(rows: int, row: int) -> list[int]:
         gens = [None] * rows

@@ -138,7 +138,7 @@ class DecodeGraphs:
             max_seq_len=context,
         )
         hidden = self.model(self.input_ids[:rows], self.positions[:rows], self.kv_caches, meta)
-        logits = self.model.compute_logits(hidden, out=self.logits[:rows])
+        logits = self.model.head_logits(hidden, out=self.logits[:rows])
         self.greedy_ids[:rows] = greedy_argmax(logits)
 
     @torch.inference_mode()

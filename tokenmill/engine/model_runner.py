@@ -415,8 +415,9 @@ class ModelRunner:
         return t
 
     def _forward(self, plan: StepPlan, t: dict[str, torch.Tensor]) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """The step's forward on the path ``plan`` names (the same on every rank): the logits of its
-        logits rows (None if it has none), and their greedy ids where a graph computed them."""
+        """The step's forward on the path ``plan`` names (the same on every rank): the head logits of its
+        logits rows (None if it has none; ``finish_logits_`` is the reader's), and their greedy ids where a
+        graph computed them."""
         meta = AttentionMetadata(slot_mapping=tuple(t["slot_mapping"]), query_start_loc=t["query_start_loc"],
                                  seq_lens=t["seq_lens"], block_tables=tuple(t["block_tables"]),
                                  max_query_len=plan.max_query_len, max_seq_len=plan.max_seq_len)
@@ -432,7 +433,7 @@ class ModelRunner:
         hidden = self.model(t["input_ids"], t["positions"], self.kv_caches, meta)
         if not len(plan.arrays["logits_rows"]):
             return None, None  # pure prefill chunks: no LM-head work at all
-        return self.model.compute_logits(hidden[t["logits_rows"]]), None
+        return self.model.head_logits(hidden[t["logits_rows"]]), None
 
     def _sampling_batch(self, seqs: list[Sequence], inputs: StepInputs) -> SamplingBatch:
         """Per-row parameters: the numeric ones arrive as ``inputs.sampling_columns``, already on the
@@ -485,7 +486,8 @@ class ModelRunner:
             return step
         num_prompt_rows = len(logits_rows) - sum(inputs.rows_per_seq)
         if prompt_rows:
-            self._prompt_logprobs(logits[:num_prompt_rows], prompt_rows, step.prompt_logprobs)
+            self._prompt_logprobs(self.model.finish_logits_(logits[:num_prompt_rows]), prompt_rows,
+                                  step.prompt_logprobs)
         if sampled:
             batch = self._sampling_batch(sampled, inputs)
             step.pending_sample = PendingSample(logits[num_prompt_rows:], batch, greedy_ids)
@@ -507,8 +509,9 @@ class ModelRunner:
         if step.sampling_flags & GRAMMAR:
             constrained = [(row, seq.matcher, seq.draft_token_ids) for row, seq in zip(firsts, step.sampled_seqs)
                            if seq.matcher is not None and not seq.matcher.is_terminated()]
+        finish = self.model.finish_logits_
         if constrained:  # structured outputs: only the tokens each grammar allows next
-            logits = logits.float()  # (a copy of a graph's bf16 output)
+            logits, finish = finish(logits).float(), None  # (a copy of a graph's bf16 output)
             apply_grammars(logits, constrained, self.host_bitmask)
             greedy_ids = None
         penalty_rows = None
@@ -516,7 +519,7 @@ class ModelRunner:
             read, penalty_rows = self.penalties.rows(
                 [s for s, n in zip(step.sampled_seqs, step.rows_per_seq) for _ in range(n)])
             batch.penalties = (self.penalties.counts, self.penalties.prompt, read)
-        out = self.sampler(logits, batch, greedy_ids)
+        out = self.sampler(logits, batch, greedy_ids, finish)
         if penalty_rows is not None:
             self.penalties.add(penalty_rows, out.token_ids)
         # The device ids feed the next step's inputs (every rank's); the host copies are read by

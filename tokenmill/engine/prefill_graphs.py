@@ -90,7 +90,7 @@ class PrefillGraphs:
         )
         hidden = self.model(self.input_ids[:size], self.positions[:size], self.kv_caches, meta)
         rows = min(size, self.max_seqs)  # no step of ``size`` tokens samples more rows
-        logits = self.model.compute_logits(hidden[self.logits_rows[:rows]], out=self.logits[:rows])
+        logits = self.model.head_logits(hidden[self.logits_rows[:rows]], out=self.logits[:rows])
         self.greedy_ids[:rows] = greedy_argmax(logits)
 
     @torch.inference_mode()

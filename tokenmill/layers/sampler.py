@@ -10,6 +10,7 @@ logprobs leave the device.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -118,14 +119,18 @@ def gather_logprobs(logprobs: torch.Tensor, token_ids: torch.Tensor,
 
 
 class Sampler:
-    def __call__(self, logits: torch.Tensor, batch: SamplingBatch,
-                 greedy_ids: torch.Tensor | None = None) -> SamplerOutput:
+    def __call__(self, logits: torch.Tensor, batch: SamplingBatch, greedy_ids: torch.Tensor | None = None,
+                 finish: Callable[[torch.Tensor], torch.Tensor] | None = None) -> SamplerOutput:
         """``greedy_ids``: the argmax of ``logits`` if already taken (inside a CUDA graph);
-        used unless a logit bias, penalties or banned tokens change the logits first."""
+        used unless a logit bias, penalties or banned tokens change the logits first. ``finish``: an
+        increasing map of ``logits`` to the model's logits, in place (the model's ``finish_logits_``),
+        skipped where ``greedy_ids`` alone answer."""
         if batch.penalties is not None or batch.banned is not None or batch.logit_bias is not None:
             greedy_ids = None
         if batch.all_greedy and batch.num_logprobs < 0 and greedy_ids is not None:
             return SamplerOutput(greedy_ids, None, None)
+        if finish is not None:
+            logits = finish(logits)
         logits = logits.float()
         raw_logprobs = logits.log_softmax(dim=-1) if batch.num_logprobs >= 0 else None
         if batch.logit_bias is not None:

@@ -200,8 +200,10 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
         self.model = Gemma3Model(cfg, max_positions)
         self.lm_head = None if cfg.tie_word_embeddings else VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
 
-    def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-        logits = super().compute_logits(hidden, out)
+    def finish_logits_(self, logits: torch.Tensor) -> torch.Tensor:
+        """The final-logit softcap (``tanh(x / cap) * cap``, increasing): skipped for greedy rows, whose
+        head logits at 262k a row were read and written three times for it (Gemma-3-4B, 128 rows: 47 us a
+        step in one kernel)."""
         cap = self.config.final_softcap
         return logits if cap is None else ops.softcap_(logits, cap)
 

@@ -183,9 +183,20 @@ class LlamaForCausalLM(nn.Module):
         return self.model(input_ids, positions, kv_caches, meta)
 
     def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-        """``out``: a preallocated ``[rows, vocab]`` buffer (a CUDA graph's static output)."""
+        """The model's logits: ``finish_logits_`` of ``head_logits``."""
+        return self.finish_logits_(self.head_logits(hidden, out))
+
+    def head_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """The LM head's output, before ``finish_logits_``; ``out``: a preallocated ``[rows, vocab]``
+        buffer (a CUDA graph's static output)."""
         head = self.model.embed_tokens if self.lm_head is None else self.lm_head
         return head.logits(hidden, out)
+
+    def finish_logits_(self, logits: torch.Tensor) -> torch.Tensor:
+        """``head_logits`` to the model's logits, in place. Increasing in every logit, so that a greedy
+        token is the head's argmax: the engine applies it only where the values are read (sampling,
+        logprobs), not for greedy rows. None here."""
+        return logits
 
     def fused_projections(self, layer: int) -> dict[str, tuple[str, int]]:
         """Which fused parameter, and which of its parts, each of decoder layer ``layer``'s checkpoint
