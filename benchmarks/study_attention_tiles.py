@@ -17,7 +17,7 @@ prefill with ``triton.testing.do_bench`` (L2 flushed). The split count is the wr
 own choice. The chosen tiles, then the same with a softcap, are timed last as a check.
 
     python benchmarks/study_attention_tiles.py decode|prefill [--shapes 0,1] [--kv-dtype bf16|int8|fp8]
-        [--points long|short|splits|quantized] [--tiles M,N,W,S[,R];...] [--e4m3-bits 0-3] [--out FILE] [--jobs N]
+        [--points long|short|splits|quantized] [--tiles M,N,W,S[,R];...] [--out FILE] [--jobs N]
 
 ``--jobs N`` compiles every variant first in N processes (Triton's disk cache keeps them),
 so the timed pass, one process, finds them built.
@@ -234,11 +234,8 @@ def main() -> None:
     parser.add_argument("--tiles", default=None,
                         help="these tiles only: BLOCK_M,BLOCK_N,num_warps,num_stages[,max registers a thread] "
                              "separated by ';'")
-    parser.add_argument("--e4m3-bits", type=int, choices=range(4), default=0,
-                        help="float8 e4m3 operands converted by integer instructions: 1 V, 2 K, 3 both")
     parser.add_argument("--worker", type=int, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
-    triton_attention._E4M3_BY_BITS = args.e4m3_bits
     shapes = SHAPES[:4] if args.shapes is None else [SHAPES[int(i)] for i in args.shapes.split(",")]
     kv_dtype = KV_DTYPES[args.kv_dtype]
     if args.worker is not None:
@@ -246,7 +243,7 @@ def main() -> None:
         return
     t0 = time.time()
     if args.jobs > 1 and not args.chosen_only:
-        extra = (["--kv-dtype", args.kv_dtype, "--points", args.points, "--e4m3-bits", str(args.e4m3_bits)] + ([] if args.shapes is None else
+        extra = (["--kv-dtype", args.kv_dtype, "--points", args.points] + ([] if args.shapes is None else
                                                                            ["--shapes", args.shapes])
                  + ([] if args.tiles is None else ["--tiles", args.tiles]))
         procs = [subprocess.Popen([sys.executable, __file__, args.part, "--jobs", str(args.jobs), "--worker", str(w),
@@ -265,7 +262,7 @@ def main() -> None:
                 batch = Batch(specs, head_dim, hq, hkv, kv_dtype)
                 point = {"part": args.part, "head_dim": head_dim, "group": hq // hkv, "seqs": len(specs),
                          "q": specs[0][0], "ctx": batch.max_ctx, "ctx_min": min(c for _, c in specs),
-                         "kv_dtype": args.kv_dtype, "e4m3_bits": args.e4m3_bits}
+                         "kv_dtype": args.kv_dtype}
                 plan, _, _ = triton_attention.launch_plan(triton.next_power_of_2(head_dim), hq // hkv, hkv,
                                                           len(specs), batch.query.shape[0], batch.max_q,
                                                           batch.max_ctx, batch.k.element_size(), batch.query.device)

@@ -306,29 +306,6 @@ def test_an_attention_tiles_register_cap_reaches_the_compiler(monkeypatch: pytes
     assert ".maxnreg 128" in capped.compile().asm["ptx"]
 
 
-def test_float8_attention_by_integer_conversion_compiles_for_hopper(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The float8 e4m3 attention variant whose K and V reach float16 by integer instructions
-    (``_E4M3_BY_BITS``, under study) builds for sm_90 without the conversion unit's ``cvt`` in its loop:
-    a decode over a whole KV range and a prompt's tiles."""
-    launches: list[Launch] = []
-    monkeypatch.setattr(JITFunction, "run", lambda self, *args, grid, warmup, **kwargs:
-                        launches.append(Launch.intercepted(self, args, kwargs)))
-    monkeypatch.setattr(triton_attention, "_E4M3_BY_BITS", 3)
-    cache = torch.zeros(8, 16, 2, 128).to(torch.float8_e4m3fn)
-    scales = torch.ones(8, 16, 2, dtype=torch.float32)
-    for q_len in (1, 40):
-        triton_ops.paged_attention(torch.zeros(q_len, 8, 128, dtype=torch.bfloat16), cache, cache,
-                                   torch.tensor([0, q_len], dtype=torch.int32), torch.tensor([100], dtype=torch.int32),
-                                   torch.arange(8, dtype=torch.int32).view(1, 8), 0.1, k_scale=scales,
-                                   v_scale=scales, num_splits=1)
-    monkeypatch.undo()
-    kernels = [launch for launch in launches if launch.fn.__name__ == "_paged_attention_kernel"]
-    assert [launch.constexprs["E4M3_BITS"] for launch in kernels] == [3, 3]
-    for launch in kernels:
-        ptx = launch.compile().asm["ptx"]
-        assert "cvt.rn.f16x2.e4m3x2" not in ptx and "prmt.b32" in ptx
-
-
 @pytest.mark.parametrize("block_d,block_m", [(128, 16), (256, 16), (512, 16), (256, 64)])
 def test_a_split_decode_grid_stops_at_two_programs_an_sm(monkeypatch: pytest.MonkeyPatch, block_d: int,
                                                          block_m: int) -> None:

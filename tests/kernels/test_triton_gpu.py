@@ -327,20 +327,6 @@ def test_quantized_attention_over_spread_values(cache_dtype, splits) -> None:
                                     device="cuda", num_splits=splits, value_decades=3.0, zero_values=130)
 
 
-@pytest.mark.parametrize("operands", [1, 2, 3])
-@pytest.mark.parametrize("splits,softcap,window", [(1, None, None), (None, None, None), (None, 5.0, None),
-                                                   (1, None, 256)])
-def test_float8_attention_by_integer_conversion(monkeypatch, operands, splits, softcap, window) -> None:
-    """float8 e4m3 V (1), K (2) or both (3) to float16 by integer instructions, 2^-8 of each value
-    (``triton_attention._E4M3_BY_BITS``): decode whole and split, capped, windowed, and a prompt's tiles."""
-    from tokenmill.kernels import triton_attention
-    monkeypatch.setattr(triton_attention, "_E4M3_BY_BITS", operands)
-    cases.check_quantized_attention(triton_ops, specs=[(1, 900), (37, 600), (1, 130)], num_q_heads=32,
-                                    num_kv_heads=8, head_dim=128, dtype=torch.bfloat16,
-                                    cache_dtype=torch.float8_e4m3fn, device="cuda", num_splits=splits,
-                                    softcap=softcap, sliding_window=window, value_decades=1.0)
-
-
 def test_rotary_embedding_and_write_kv_casts_to_the_cache_dtype() -> None:
     cases.check_rope_write_kv(triton_ops, num_tokens=50, num_q_heads=8, num_kv_heads=2, head_dim=128,
                               dtype=torch.float32, cache_dtype=torch.bfloat16, device="cuda")

@@ -25,7 +25,7 @@ import triton.language as tl
 
 from tokenmill.kernels.reference import QUERY_INT8_FLOOR
 from tokenmill.kernels.triton_activation import tanh
-from tokenmill.kernels.triton_convert import E4M3_BITS_UNIT, e4m3_to_f16_over_256, ptx_conversions, to_f16
+from tokenmill.kernels.triton_convert import ptx_conversions, to_f16
 from tokenmill.kernels.triton_launch import num_sms, pdl_launch_args, wait_for_previous_kernel
 
 _LOG2E = 1.4426950408889634
@@ -50,9 +50,6 @@ _PROMPT_SPLIT_PROGRAMS_PER_SM = 4
 # Shared memory for the pipelined K and V tiles (2 x stages x BLOCK_N x BLOCK_D elements): sm_90
 # gives a block 227 KiB, and the kernel needs some besides.
 _KV_SMEM_BUDGET = 192 * 1024
-# Which float8 e4m3 operands reach float16 by integer instructions (``e4m3_to_f16_over_256``) rather than
-# the conversion unit: 1 V, 2 K, 3 both (0: neither). Under study (``study_attention_tiles.py --e4m3-bits``).
-_E4M3_BY_BITS = 0
 
 
 @triton.jit
@@ -116,7 +113,7 @@ def _flat_tile(query_start_loc_ptr, f, batch, BLOCK_Q: tl.constexpr):
 def _attend_tiles(acc, m_i, l_i, v_inv, q, q_step, q_pos, lo, hi, split_hi, bt_row, kv_head, cache, scales, qk_scale,
                   softcap_log2, window, dims, dim_valid, block_size: tl.constexpr, MASKED: tl.constexpr,
                   KV_SCALED: tl.constexpr, DOT_F16: tl.constexpr, PTX: tl.constexpr, BLOCK_N: tl.constexpr,
-                  USE_WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, IEEE_DOT: tl.constexpr, E4M3_BITS: tl.constexpr):
+                  USE_WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, IEEE_DOT: tl.constexpr):
     """The online softmax over the key tiles ``lo`` … ``hi`` (of a split ending at ``split_hi``) folded
     into ``acc``, ``m_i``, ``l_i``; without ``MASKED`` every row may see every key of every tile. Over a
     quantized cache ``acc`` is in units of ``1 / v_inv``, the program's (``_paged_attention_kernel``).
@@ -178,10 +175,7 @@ def _attend_tiles(acc, m_i, l_i, v_inv, q, q_step, q_pos, lo, hi, split_hi, bt_r
             # int8 is a float16; 16 products of at most 127^2 add up exactly in the float32 accumulator).
             qk = tl.dot(q.to(tl.float16), k.to(tl.float16))
         else:
-            if E4M3_BITS & 2:  # 2^-8 of each key: qk_scale holds the 2^8 back
-                k = e4m3_to_f16_over_256(k, PTX, True)
-            else:
-                k = to_f16(k, PTX, True) if DOT_F16 else k.to(q.dtype)  # read along d: converted in its operand layout
+            k = to_f16(k, PTX, True) if DOT_F16 else k.to(q.dtype)  # read along d: converted in its operand layout
             if IEEE_DOT:
                 qk = tl.dot(q, k, input_precision="ieee")
             else:
@@ -231,10 +225,7 @@ def _attend_tiles(acc, m_i, l_i, v_inv, q, q_step, q_pos, lo, hi, split_hi, bt_r
             other=0.0,
         )
         # Gathered across keys: converted first (an int8 query without float16 dots is a float32 one's).
-        if E4M3_BITS & 1:  # 2^-8 of each value: the program's unit holds the 2^8 back
-            v = e4m3_to_f16_over_256(v, PTX, False)
-        else:
-            v = to_f16(v, PTX, False) if DOT_F16 else v.to(tl.float32 if q.dtype == tl.int8 else q.dtype)
+        v = to_f16(v, PTX, False) if DOT_F16 else v.to(tl.float32 if q.dtype == tl.int8 else q.dtype)
         pw = p
         if KV_SCALED:
             # Each value's scale weighs its probability (the sum l_i keeps the unweighted p), relative
@@ -305,7 +296,6 @@ def _paged_attention_kernel(
     WRITE_PARTIALS: tl.constexpr,
     IEEE_DOT: tl.constexpr,
     MASK_EDGES_ONLY: tl.constexpr,
-    E4M3_BITS: tl.constexpr,
     PDL: tl.constexpr,
 ):
     wait_for_previous_kernel(PDL)
@@ -392,8 +382,6 @@ def _paged_attention_kernel(
         v_unit = tl.max(first, axis=0)
         v_unit = tl.where(v_unit > 0.0, v_unit, 1.0)
     v_inv = 1.0 / v_unit
-    if E4M3_BITS & 2:
-        qk_scale = qk_scale * E4M3_BITS_UNIT
     if MASK_EDGES_ONLY:
         # The keys every row may see (past the window's edge for the tile's last token, up to its first
         # token's position) go through a loop without the masks; the tiles on either edge keep them (a
@@ -407,21 +395,20 @@ def _paged_attention_kernel(
         acc, m_i, l_i = _attend_tiles(acc, m_i, l_i, v_inv, q, q_step, q_pos, split_lo, tl.minimum(full_lo, split_hi),
                                       split_hi, bt_row, kv_head, cache, scales, qk_scale, softcap_log2, window, dims,
                                       dim_valid, block_size, True, KV_SCALED, DOT_F16, PTX, BLOCK_N, USE_WINDOW,
-                                      SOFTCAP, IEEE_DOT, E4M3_BITS)
+                                      SOFTCAP, IEEE_DOT)
         acc, m_i, l_i = _attend_tiles(acc, m_i, l_i, v_inv, q, q_step, q_pos, full_lo, full_hi, split_hi,
                                       bt_row, kv_head, cache, scales, qk_scale, softcap_log2, window, dims,
                                       dim_valid, block_size, False, KV_SCALED, DOT_F16, PTX, BLOCK_N, USE_WINDOW,
-                                      SOFTCAP, IEEE_DOT, E4M3_BITS)
+                                      SOFTCAP, IEEE_DOT)
         masked_lo = full_hi
     else:
         masked_lo = split_lo
     acc, m_i, l_i = _attend_tiles(acc, m_i, l_i, v_inv, q, q_step, q_pos, masked_lo, split_hi, split_hi,
                                   bt_row, kv_head, cache, scales, qk_scale, softcap_log2, window, dims, dim_valid,
-                                  block_size, True, KV_SCALED, DOT_F16, PTX, BLOCK_N, USE_WINDOW, SOFTCAP, IEEE_DOT,
-                                  E4M3_BITS)
+                                  block_size, True, KV_SCALED, DOT_F16, PTX, BLOCK_N, USE_WINDOW, SOFTCAP, IEEE_DOT)
 
     if KV_SCALED:
-        acc = acc * (v_unit * E4M3_BITS_UNIT if E4M3_BITS & 1 else v_unit)
+        acc = acc * v_unit
     if WRITE_PARTIALS:
         # Partials [T, Hq, S, D] and (max, sum) pairs [T, Hq, S, 2]; empty splits
         # write max=_NEG_BIG, sum=0 and so weigh nothing in the merge.
@@ -683,7 +670,6 @@ def paged_attention(
         part_acc = part_ml = out  # unused by the kernel when WRITE_PARTIALS is off
 
     pdl = pdl_launch_args(query.device)
-    dot_f16 = k_cache.element_size() == 1 and query.dtype != torch.float32
     # The GPU starts programs in the order of their grid index, the first dimension fastest: the
     # kernel reads it as a query tile's heads (and splits) together, a prompt's last tile first, and
     # sequences in the batch's order, which the engine gives longest first (``ModelRunner._prepare``),
@@ -722,7 +708,7 @@ def paged_attention(
         num_splits,
         batch,
         KV_SCALED=k_scale is not None,
-        DOT_F16=dot_f16,
+        DOT_F16=k_cache.element_size() == 1 and query.dtype != torch.float32,
         PTX=ptx_conversions(),
         FLAT=flat,
         GROUP=group,
@@ -735,7 +721,6 @@ def paged_attention(
         WRITE_PARTIALS=write_partials,
         IEEE_DOT=query.dtype == torch.float32,
         MASK_EDGES_ONLY=_mask_edges_only(block_m, k_cache.dtype, num_splits),
-        E4M3_BITS=_E4M3_BY_BITS if dot_f16 and k_cache.dtype == torch.float8_e4m3fn and k_scale is not None else 0,
         num_warps=num_warps,
         num_stages=num_stages,
         **({"maxnreg": max_registers} if max_registers else {}),

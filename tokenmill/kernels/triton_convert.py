@@ -34,17 +34,6 @@ _E5M2_TO_F16 = tl.constexpr("prmt.b32 $0, $2, 0, 0x1404; prmt.b32 $1, $2, 0, 0x3
 _INT8_PAIRS = ("xor.b32 t, {src}, 0x80808080; prmt.b32 lo, t, 0x64646464, 0x4140; prmt.b32 hi, t, 0x64646464, 0x4342; "
                "mov.b32 bias, 0x64806480; sub.f16x2 {lo}, lo, bias; sub.f16x2 {hi}, hi, bias;")
 _INT8_TO_F16 = tl.constexpr("{ .reg .b32 t, lo, hi, bias; " + _INT8_PAIRS.format(src="$2", lo="$0", hi="$1") + " }")
-# float8 e4m3 by integer instructions, 2^-8 of each value: a byte's exponent and mantissa (bits 0-6) shifted
-# to bits 7-13 of a float16 are that float16's exponent's low four bits and its mantissa's top three, so
-# its value is the e4m3 value over 2^(15 - 7) (subnormals too); the sign moves to bit 15. Two byte permutes
-# and eight logic ops (ptxas joins them in pairs) for four values, on the SM's integer units instead of its conversion unit.
-_E4M3_BITS = "and.b32 {d}, {w}, 0x7F007F00; shr.b32 {d}, {d}, 1; and.b32 {w}, {w}, 0x80008000; or.b32 {d}, {d}, {w};"
-# (Both permutes read $2 before $0 or $1, which may share its register, is written.)
-_E4M3_TO_F16_OVER_256 = tl.constexpr("{ .reg .b32 a, b; prmt.b32 a, $2, 0, 0x1404; prmt.b32 b, $2, 0, 0x3424; "
-                                     + _E4M3_BITS.format(w="a", d="$0") + " " + _E4M3_BITS.format(w="b", d="$1")
-                                     + " }")
-# What ``e4m3_to_f16_over_256`` divides by.
-E4M3_BITS_UNIT = tl.constexpr(256.0)
 
 
 def ptx_conversions() -> bool:
@@ -63,17 +52,6 @@ def to_f16(x, PTX: tl.constexpr, MOVABLE: tl.constexpr):
         y = _ptx_to_f16(x, _E5M2_TO_F16, MOVABLE)
     else:
         y = _ptx_to_f16(x, _INT8_TO_F16, MOVABLE)
-    return y
-
-
-@triton.jit
-def e4m3_to_f16_over_256(x, PTX: tl.constexpr, MOVABLE: tl.constexpr):
-    """``x`` (float8 e4m3) over ``E4M3_BITS_UNIT`` in float16, exactly, without the conversion unit
-    (``to_f16``'s ``cvt`` takes it, 16 values a clock an SM: the float8 attention loop's bound)."""
-    if PTX:
-        y = _ptx_to_f16(x, _E4M3_TO_F16_OVER_256, MOVABLE)
-    else:
-        y = x.to(tl.float16) * (1.0 / E4M3_BITS_UNIT)
     return y
 
 
