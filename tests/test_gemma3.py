@@ -22,6 +22,7 @@ from transformers.models.gemma3.modeling_gemma3 import eager_attention_forward
 
 from helpers import GEMMA3_TEXT, TINY_CONFIGS, make_model_dir
 from test_parity import assert_engine_matches
+from tokenmill import LLM, SamplingParams
 from tokenmill.engine.model_runner import build_model
 from tokenmill.loader.hf_config import ModelLoadError, load_model_config
 
@@ -44,6 +45,24 @@ def test_attention_softcapping_parity(final_softcap: float | None, tmp_path) -> 
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation=SOFTCAPPED).eval()
     model.save_pretrained(tmp_path)
     assert_engine_matches(model, tmp_path)
+
+
+def test_prompt_logprobs_take_the_final_softcap(tmp_path) -> None:
+    """Greedy steps skip the final softcap (an increasing map: the head's argmax is the token), but a
+    prompt's logprobs are read from the capped logits, as transformers' are. A cap of 2 moves every
+    logprob far from the uncapped one."""
+    torch.manual_seed(0)
+    config = Gemma3TextConfig(**GEMMA3_TEXT, sliding_window_pattern=2, final_logit_softcapping=2.0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    model.save_pretrained(tmp_path)
+    prompt = [(7 * i + 3) % config.vocab_size for i in range(40)]
+    out = LLM(str(tmp_path), device="cpu", dtype="float32").generate(
+        [prompt], SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=0), use_tqdm=False)[0]
+    with torch.no_grad():
+        expected = model(torch.tensor([prompt])).logits[0, :-1].log_softmax(-1)
+    expected = expected[torch.arange(len(prompt) - 1), prompt[1:]]
+    got = torch.tensor([lp[token] for token, lp in zip(prompt[1:], out.prompt_logprobs[1:])])
+    assert torch.allclose(got, expected, atol=1e-4), (got - expected).abs().max()
 
 
 def _write_config(path: Path, raw: dict) -> Path:

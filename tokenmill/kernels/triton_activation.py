@@ -1,8 +1,8 @@
 """Triton fused gated activations of a gate|up projection: SiLU-and-multiply (see
 ``reference.silu_and_mul``) and GeGLU with the tanh GELU (``reference.gelu_tanh_and_mul``); the
 latter also with its gate and up in tensors of their own (Gemma 4's per-layer input gate). And the
-logit softcap ``tanh(x / cap) * cap`` (``reference.softcap_``), with the tanh attention's softcap
-takes too."""
+logit softcap ``tanh(x / cap) * cap`` (``reference.softcap_``), whose float32 ``tanh`` attention's
+softcap uses too."""
 
 from __future__ import annotations
 
