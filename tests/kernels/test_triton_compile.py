@@ -177,12 +177,14 @@ def _launches(monkeypatch: pytest.MonkeyPatch) -> list[Launch]:
                 triton_ops.rotary_embedding_and_write_kv(positions, rand(3, 8, 128), rand(3, 2, 128), rand(3, 2, 128),
                                                          cos_sin, qk, qv, torch.arange(3), k_scale=ks, v_scale=vs,
                                                          kv_amax=kv_amax)
-            # Decode whole (float8: edge tiles alone masked) and split (every tile masked), and a prompt.
-            for query_len, kv_heads, splits in ((1, 2, 1), (1, 2, 4), (1, 1, 1), (20, 2, 1)):
+            # Decode whole (float8: edge tiles alone masked) and split (every tile masked), over a short
+            # range and a long one (a deeper pipeline), and a prompt.
+            for query_len, kv_heads, splits, bound in ((1, 2, 1, 64), (1, 2, 4, 64), (1, 1, 1, 64), (1, 2, 1, 4096),
+                                                       (1, 2, 4, 4096), (20, 2, 1, 64)):
                 triton_ops.paged_attention(rand(query_len, 4 * kv_heads, 128), qk[:, :, :kv_heads], qv[:, :, :kv_heads],
                                            torch.tensor([0, query_len], dtype=torch.int32),
                                            torch.tensor([40], dtype=torch.int32), torch.zeros(1, 4, dtype=torch.int32),
-                                           0.1, max_query_len=query_len, num_splits=splits,
+                                           0.1, max_query_len=query_len, max_seq_len=bound, num_splits=splits,
                                            k_scale=ks[:, :, :kv_heads], v_scale=vs[:, :, :kv_heads])
         # Head dim 16 (under an integer dot's 32), decode and a prompt's tile.
         qk16, qv16 = (torch.zeros(4, 16, 1, 16, dtype=torch.int8) for _ in range(2))
@@ -274,6 +276,10 @@ def test_every_kernel_compiles_for_hopper(monkeypatch: pytest.MonkeyPatch) -> No
     decode_masks = {(launch.constexprs["DOT_F16"], launch.constexprs["MASK_EDGES_ONLY"]) for launch in launches
                     if launch.fn.__name__ == "_paged_attention_kernel" and launch.constexprs["BLOCK_M"] < 64}
     assert {(True, True), (True, False), (False, False)} <= decode_masks, decode_masks
+    one_byte_depths = {launch.options["num_stages"] for launch in launches
+                       if launch.fn.__name__ == "_paged_attention_kernel" and launch.constexprs["DOT_F16"]
+                       and launch.constexprs["BLOCK_M"] < 64}
+    assert {3, 5} <= one_byte_depths, one_byte_depths
     for kernel, weightings in (("_rms_norm_kernel", {0, 1, 2}), ("_rope_write_kv_kernel", {0, 1, 2}),
                                ("_gemv_kernel", {0, 1, 2})):
         assert {(kernel, "WEIGHTING", w) for w in weightings} <= variants, kernel

@@ -205,17 +205,18 @@ def warm_up_shapes(max_num_batched_tokens: int, max_model_len: int, max_num_seqs
     Attention's variants follow its query-tile rows (the next power of two of query tokens times the
     GQA group, up to 128 or 64), whether the tiles of a ragged batch are numbered flat (a chunk longer
     than one tile beside other sequences) and whether the KV range is split (a grid under one program
-    an SM). A chunk of 256 tokens fills two tiles of the largest class at every group, 64 at groups
-    of 4 and more; the shorter ones take each smaller class."""
+    an SM), and over a one-byte cache on how many keys each program streams (``_tile_config``'s
+    pipeline depth). A chunk of 256 tokens fills two tiles of the largest class at every group, 64 at
+    groups of 4 and more; the shorter ones take each smaller class."""
     longest = max(2, min(max_num_batched_tokens - 1, max_model_len - 1))
     shapes = {(q, q, 1) for q in (2, 4, 8, 16, 64, 128) if q < longest} | {(longest, longest, 1)}
     # Chunks of every class beside one decode row deep into the longest context, whose KV ranges
-    # split, and beside the widest batch, whose grid does not.
+    # split, and beside the widest batch, whose grid does not, over short and long ranges.
     few = [q for q in (2, 4, 8, 16, 32, 64, 256) if q < longest]
     if longest > 16:
         shapes |= {(q, max_model_len - 1, 1) for q in few}
     if max_num_seqs > 2:
-        shapes |= {(q, q, max_num_seqs - 1) for q in few}
+        shapes |= {(q, context, max_num_seqs - 1) for q in few for context in (q, max_model_len - 1)}
     # Each chunk alone too (a lone sequence's tiles are not flat), but for the longest past 128 tokens:
     # it takes the 128-token one's attention variant and would cost a forward of the whole budget.
     shapes |= {(q, context, 0) for q, context, rows in list(shapes) if rows == 1 and (q < longest or q <= 128)}

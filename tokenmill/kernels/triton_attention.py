@@ -524,10 +524,11 @@ def _block_rows(block_d: int, group: int, max_query_len: int, elem_bytes: int) -
     return max(16, triton.next_power_of_2(group), min(most, triton.next_power_of_2(max_query_len * group)))
 
 
-def _tile_config(block_d: int, block_m: int, elem_bytes: int) -> tuple[int, int, int, int, int]:
+def _tile_config(block_d: int, block_m: int, elem_bytes: int, program_keys: int) -> tuple[int, int, int, int, int]:
     """``(BLOCK_M, BLOCK_N, num_warps, num_stages, max_registers)`` for a head-dim tile ``block_d``,
-    ``block_m`` query rows (``_block_rows``) and K/V elements of ``elem_bytes``; ``max_registers`` caps
-    a thread's registers (0: the compiler's choice), which decides how many programs an SM holds.
+    ``block_m`` query rows (``_block_rows``), K/V elements of ``elem_bytes`` and at most
+    ``program_keys`` keys a program streams (its KV range); ``max_registers`` caps a thread's registers
+    (0: the compiler's choice), which decides how many programs an SM holds.
 
     Measured on the H200 (Triton 3.6; benchmarks/study_attention_tiles.py, results in
     benchmarks/results/h200-2026-11-30/attention-tiles and later runs named below): each decode and
@@ -551,13 +552,27 @@ def _tile_config(block_d: int, block_m: int, elem_bytes: int) -> tuple[int, int,
     - 32 rows (a few query tokens times the group, e.g. speculative verification) take the
       decode tiles: the fastest at 256, about 10% behind 64 keys and 8 warps at 512.
 
-    K/V tiles are pipelined through shared memory, ``num_stages`` deep; float32 (tests only)
-    keeps 2 stages and halves the K/V tile until it fits ``_KV_SMEM_BUDGET``.
+    K/V tiles are pipelined through shared memory; float32 (tests only) keeps 2 stages and halves the
+    K/V tile until it fits ``_KV_SMEM_BUDGET``. How far ahead a tile's copies start is not
+    ``num_stages - 1`` iterations: Triton 3.6 gives every pipelined load ``(num_stages - 1) // 2``
+    iterations of lead where, as here, a load's address comes from another pipelined load (the
+    block-table read). At 3 or 4 stages the K/V copies of the next tile are issued at the end of an
+    iteration and waited for at the top of the next (sm_90 code: one K/V buffer, ``DEPBAR.LE SB0,
+    0x0``), so a program never overlaps its copies with its own compute; 5 stages give them a whole
+    iteration (three buffers, ``DEPBAR.LE SB0, 0x1``). Nsight Compute on the fp8 tile at 3 stages
+    (64 x 8k): a quarter of the warps' stall samples at that wait, DRAM 62% busy, issue slots 26%.
+    Over a one-byte cache at head dims up to 128, 5 stages where a program streams at least four
+    tiles (h200-2026-12-02/pipeline-depth): 64 x 8k fp8 367 -> 332 us, int8 342 -> 318 (floor
+    261); 16 x 4k (two splits) fp8 58.6 -> 49.2, int8 57.8 -> 52.9; 256 x 1,024 fp8 213 -> 199,
+    int8 209 -> 197. Where a program has two tiles to stream the deeper pipeline only costs its
+    prologue: 128 x 192 fp8 41.7 -> 46.4 us, int8 1 x 8k at 33 splits 12.9 -> 15.1.
     """
     if block_d <= 128:
         block_n, num_warps, num_stages = 64, 4, 2
         if block_m < 64:
             block_n, num_stages = 128, 3
+            if elem_bytes == 1 and program_keys >= 4 * block_n:
+                num_stages = 5
         elif block_m == 128:
             block_n, num_stages = 32, 3
     elif block_d <= 256:
@@ -592,7 +607,7 @@ def launch_plan(block_d: int, group: int, num_kv_heads: int, batch: int, num_tok
     work_units = grid[0] * grid[1] * num_kv_heads
     if num_splits is None:
         num_splits = _choose_num_splits(work_units, max_context, device, block_d, block_m)
-    tile = _tile_config(block_d, block_m, elem_bytes)
+    tile = _tile_config(block_d, block_m, elem_bytes, triton.cdiv(max_context, num_splits))
     return tile, num_splits, grid
 
 
