@@ -558,9 +558,10 @@ def _tile_config(block_d: int, block_m: int, elem_bytes: int, program_keys: int)
     iterations of lead where, as here, a load's address comes from another pipelined load (the
     block-table read). At 3 or 4 stages the K/V copies of the next tile are issued at the end of an
     iteration and waited for at the top of the next (sm_90 code: one K/V buffer, ``DEPBAR.LE SB0,
-    0x0``), so a program never overlaps its copies with its own compute; 5 stages give them a whole
-    iteration (three buffers, ``DEPBAR.LE SB0, 0x1``). Nsight Compute on the fp8 tile at 3 stages
-    (64 x 8k): a quarter of the warps' stall samples at that wait, DRAM 62% busy, issue slots 26%.
+    0x0``), so a program never overlaps its copies with its own compute; 5 stages add a second K/V
+    buffer, and tile i + 1's copies are in flight while tile i computes (``DEPBAR.LE SB0, 0x1``).
+    Nsight Compute on the fp8 tile at 3 stages (64 x 8k): a quarter of the warps' stall samples at
+    that wait, DRAM 62% busy, issue slots 26%.
     Over a one-byte cache at head dims up to 128, 5 stages where a program streams at least four
     tiles (h200-2026-12-02/pipeline-depth): 64 x 8k fp8 367 -> 332 us, int8 342 -> 318 (floor
     261); 16 x 4k (two splits) fp8 58.6 -> 49.2, int8 57.8 -> 52.9; 256 x 1,024 fp8 213 -> 199,
