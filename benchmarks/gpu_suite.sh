@@ -32,6 +32,10 @@
 #  `study-skinny` = the few-row matmul's tiles and K splits at 4-64 rows, dense and Q8_0, benchmarks/study_skinny.py
 #   (`study-skinny-large`: at 128-2048 rows, where it takes Q8_0 weights only, against cuBLAS);
 #  `study-tunableop` = cuBLAS against PyTorch TunableOp's timed choice of GEMM, Llama-3-8B at 32-256 rows;
+#  `study-l2-prefetch` = a decode step's projections in a row with the next weight's head prefetched into
+#   the L2 from a second stream, against without, benchmarks/study_l2_prefetch.py;
+#  `study-attention-ncu` = Nsight Compute on the decode attention kernel at 64 x 8k over fp8, int8 and bf16
+#   caches: the details page and the stall samples by instruction, benchmarks/profile_attention_ncu.py;
 #  `study-q8-a8` = Q8_0 projections on rows quantized to int8 (dp4a at one row, int8 tensor cores at more)
 #   against the kernels in use, benchmarks/study_q8_a8.py.)
 # Results and logs go to $OUT (the device tool brings them back).
@@ -160,6 +164,19 @@ for part in "$@"; do
       for kv in int8 fp8; do
         timeout 250 python3 benchmarks/study_attention_tiles.py prefill --shapes 4 --kv-dtype $kv --jobs 12 \
           --out "$OUT/attention-tiles-prefill-quantized.jsonl" 2>&1 | tail -3
+      done ;;
+    study-l2-prefetch)
+      timeout 300 python3 benchmarks/study_l2_prefetch.py --out "$OUT/study-l2-prefetch.json" 2>&1 | tail -15 ;;
+    study-attention-ncu)
+      ncu=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu | head -1)
+      for kv in fp8 int8 bf16; do
+        timeout 170 "$ncu" --clock-control none --set full --import-source yes -k regex:_paged_attention -s 1 -c 1 \
+          -o "$OUT/attn-$kv" python3 benchmarks/profile_attention_ncu.py --kv-dtype $kv 2>&1 | tail -2
+        "$ncu" -i "$OUT/attn-$kv.ncu-rep" --page details --csv > "$OUT/attn-$kv-details.csv"
+        "$ncu" -i "$OUT/attn-$kv.ncu-rep" --page source --csv --print-source sass > "$OUT/attn-$kv-sass.csv"
+        python3 benchmarks/profile_attention_ncu.py --stalls "$OUT/attn-$kv-sass.csv" > "$OUT/attn-$kv-stalls.txt"
+        rm "$OUT/attn-$kv.ncu-rep" "$OUT/attn-$kv-sass.csv"  # what comes back: the details and the summary
+        head -12 "$OUT/attn-$kv-stalls.txt"
       done ;;
     study-tunableop)
       # cuBLAS against the GEMM TunableOp picks by timing, Llama-3-8B's projections at 32-256 rows.

@@ -11,6 +11,7 @@ launch to profile:
     ncu -i attn-fp8.ncu-rep --page source --csv --print-source sass > attn-fp8-sass.csv
     python benchmarks/profile_attention_ncu.py --stalls attn-fp8-sass.csv
 
+``bash benchmarks/gpu_suite.sh study-attention-ncu`` runs these over fp8, int8 and bf16 caches.
 ``--tile`` forces ``BLOCK_M,BLOCK_N,num_warps,num_stages[,max registers]`` as the study's ``--tiles``;
 ``--stalls`` needs no GPU: it prints the warps' stall samples by reason and the instructions that
 hold the most of them.

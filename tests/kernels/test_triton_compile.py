@@ -14,6 +14,7 @@ import importlib.util
 import inspect
 import random
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -523,3 +524,18 @@ def test_the_compile_watcher_keeps_no_engine_alive() -> None:
         assert not _compile_merge_kernel()
     finally:
         watch_compiles(None)
+
+
+def test_the_l2_prefetch_studys_kernel_asks_for_whole_chunks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``benchmarks/study_l2_prefetch.py``'s prefetch is inline PTX (no interpreter runs it): it must
+    assemble for sm_90 and ask the L2 for the bytes with bulk prefetches, not load them."""
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "study_l2_prefetch.py"
+    spec = importlib.util.spec_from_file_location("study_l2_prefetch", path)
+    study = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(study)
+    launches: list[Launch] = []
+    monkeypatch.setattr(JITFunction, "run", lambda self, *args, grid, warmup, **kwargs:
+                        launches.append(Launch.intercepted(self, args, kwargs)))
+    study.prefetch_l2(torch.zeros(4096, 4096, dtype=torch.bfloat16), 16 << 20)
+    ptx = launches[0].compile().asm["ptx"]
+    assert "cp.async.bulk.prefetch.L2.global" in ptx and "ld.global" not in ptx
