@@ -563,7 +563,7 @@ def _tile_config(block_d: int, block_m: int, elem_bytes: int, program_keys: int)
     Nsight Compute on the fp8 tile at 3 stages (64 x 8k): a quarter of the warps' stall samples at
     that wait, DRAM 62% busy, issue slots 26%.
     Over a one-byte cache at head dims up to 128, 5 stages where a program streams at least four
-    tiles (h200-2026-12-02/pipeline-depth): 64 x 8k fp8 367 -> 332 us, int8 342 -> 318 (floor
+    tiles (h200-2026-12-02/pipeline-depth): 64 x 8k fp8 367 -> 332 us, int8 342 -> 318-323 (floor
     261); 16 x 4k (two splits) fp8 58.6 -> 49.2, int8 57.8 -> 52.9; 256 x 1,024 fp8 213 -> 199,
     int8 209 -> 197. Where a program has two tiles to stream the deeper pipeline only costs its
     prologue: 128 x 192 fp8 41.7 -> 46.4 us, int8 1 x 8k at 33 splits 12.9 -> 15.1.
