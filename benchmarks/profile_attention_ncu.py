@@ -23,6 +23,10 @@ import argparse
 import collections
 import csv
 
+import torch
+
+from study_attention_tiles import KV_DTYPES, SHAPES, Batch, force_tile
+
 
 def stall_summary(path: str, top: int = 30) -> str:
     """The stall reasons of an ``ncu --page source --csv --print-source sass`` export, and its ``top``
@@ -46,7 +50,7 @@ def stall_summary(path: str, top: int = 30) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--kv-dtype", choices=["bf16", "int8", "fp8"], default="fp8")
+    parser.add_argument("--kv-dtype", choices=list(KV_DTYPES), default="fp8")
     parser.add_argument("--shape", type=int, default=4, help="index into the study's SHAPES (4: Llama-3-8B's heads)")
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--context", type=int, default=8192)
@@ -56,10 +60,6 @@ def main() -> None:
     if args.stalls:
         print(stall_summary(args.stalls))
         return
-    import torch
-
-    from study_attention_tiles import KV_DTYPES, SHAPES, Batch, force_tile
-
     head_dim, hq, hkv = SHAPES[args.shape]
     batch = Batch([(1, args.context)] * args.batch, head_dim, hq, hkv, KV_DTYPES[args.kv_dtype])
     force_tile(None if args.tile is None else tuple(int(v) for v in args.tile.split(",")))

@@ -90,7 +90,7 @@ def main() -> None:
             same = all(torch.equal(a, b) for a, b in zip(plain, chain(mb)))
             seconds = time_graph(lambda mb=mb: chain(mb))
             us = seconds / LAYERS * 1e6
-            floor = ceilings.floor(layer_bytes, 2 * m * layer_bytes / 2) * 1e6
+            floor = ceilings.floor(layer_bytes, 2 * m * layer_bytes / weights[0][0].element_size()) * 1e6
             rows.append({"name": f"l2-prefetch/llama3-8b/m{m}/{mb}mb", "rows": m, "prefetch_mb": mb,
                          "us_per_layer": us, "floor_us": floor, "fraction_of_floor": floor / us,
                          "outputs_equal": same})
