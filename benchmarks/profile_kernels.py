@@ -1,7 +1,11 @@
 """Where a decode step's GPU time goes, kernel by kernel (kernels inside CUDA graphs
 included), next to the step's wall time.
 
-python benchmarks/profile_kernels.py [--shape llama3-8b] [--batch 1] [--quantization q8_0] [--out FILE]   (GPU)
+python benchmarks/profile_kernels.py [--shape llama3-8b] [--batch 1] [--context 128] [--kv-cache-dtype int8]
+                                    [--quantization q8_0] [--out FILE]   (GPU)
+
+A step whose wall time is over its kernels' sum left the GPU idle for the difference (inside a CUDA
+graph, between kernels; or waiting on the host).
 """
 
 import argparse
@@ -17,14 +21,20 @@ from tokenmill.bench.offline import add_workload, make_engine, random_prompt, st
 from tokenmill.sampling_params import SamplingParams
 
 
-def decoding_engine(shape: str, batch: int, max_tokens: int, warm_steps: int, **options):
-    """An engine of ``shape`` (random weights) decoding ``batch`` copies of a 128-token prompt, greedily,
-    ``warm_steps`` steps in (its prefill done, its graphs replaying)."""
-    engine = make_engine(shape, max_num_seqs=max(8, batch), **options)
-    prompt = random_prompt(random.Random(0), 128, engine.model_config.vocab_size)
+def decoding_engine(shape: str, batch: int, max_tokens: int, warm_steps: int, context: int = 128, **options):
+    """An engine of ``shape`` (random weights) decoding ``batch`` random prompts of ``context`` tokens
+    (a long prompt each, so that no prefix is shared), greedily, ``warm_steps`` steps after the last
+    prompt's prefill (its graphs replaying)."""
+    engine = make_engine(shape, **{"max_num_seqs": max(8, batch), "max_model_len": max(8192, context + max_tokens),
+                                   "max_num_batched_tokens": max(8192, context), **options})
+    rng, vocab = random.Random(0), engine.model_config.vocab_size
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     for i in range(batch):
-        engine.add_request(str(i), prompt, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True),
-                           stream=False)
+        engine.add_request(str(i), random_prompt(rng, context, vocab), params, stream=False)
+    running = engine.core.scheduler.running
+    while engine.has_unfinished_requests() and (len(running) < batch or any(seq.num_computed_tokens < context
+                                                                           for seq in running)):
+        engine.step()
     for _ in range(warm_steps):
         engine.step()
     torch.cuda.synchronize()
@@ -65,6 +75,8 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--prefill", action="store_true",
                         help="profile the first two steps of the standard workload (8192-token prefill chunks)")
+    parser.add_argument("--context", type=int, default=128, help="tokens in each request's prompt")
+    parser.add_argument("--kv-cache-dtype", default="auto", help="auto, fp8, fp8_e5m2 or int8")
     parser.add_argument("--quantization", default=None, help="weights: e.g. q8_0 (default: the model's dtype)")
     parser.add_argument("--out")
     args = parser.parse_args()
@@ -85,14 +97,19 @@ def main() -> None:
                 json.dump({"shape": args.shape, "prefill_steps": rows}, f, indent=1)
         return
     ceilings = measure_ceilings()
-    engine = decoding_engine(args.shape, args.batch, 300, 10, quantization=args.quantization)
+    # A long prompt is prefilled while the first requests decode: enough tokens for every request to
+    # decode through the last prefill, the warm steps and the timed and profiled ones.
+    max_tokens = 300 + args.batch * args.context // 8192
+    engine = decoding_engine(args.shape, args.batch, max_tokens, 10, args.context, quantization=args.quantization,
+                             kv_cache_dtype=args.kv_cache_dtype)
     print(f"bandwidth {ceilings.bandwidth / 1e12:.2f} TB/s")
-    result = {"bandwidth": ceilings.bandwidth}
+    result = {"bandwidth": ceilings.bandwidth, "batch": args.batch, "context": args.context,
+              "kv_cache_dtype": args.kv_cache_dtype}
     started = time.perf_counter()
     for _ in range(50):
         engine.step()
     result["step_ms"] = (time.perf_counter() - started) / 50 * 1e3
-    print(f"engine step {result['step_ms']:.3f} ms (batch {args.batch}, context ~140-190)")
+    print(f"engine step {result['step_ms']:.3f} ms (batch {args.batch}, context ~{args.context + 20}-{args.context + 70})")
     result["graphed"] = kernel_profile(engine, 20)
     graphs, engine.core.runner.graphs = engine.core.runner.graphs, None
     result["eager"] = kernel_profile(engine, 10)

@@ -311,10 +311,15 @@ def test_penalised_steps_overlap_and_count_every_token(llm, model_dir) -> None:
         assert [[c.token_ids for c in out.outputs] for out in run] == expected
 
 
-def test_warm_up_leaves_the_cache_and_results_alone(model_dir) -> None:
-    """The start-up warm-up (run on CUDA to compile kernels) runs prefill-shaped forwards
-    that write only to the padding slot: the KV cache and later results are unchanged."""
-    llm = LLM(str(model_dir), device="cpu", dtype="float32", max_num_seqs=4, max_num_batched_tokens=100)
+@pytest.mark.parametrize("arch", ["default", "gemma3", "gemma4-kv-shared", "gemma4-multimodal"])
+def test_warm_up_leaves_the_cache_and_results_alone(arch: str, model_dir, tmp_path) -> None:
+    """The start-up warm-up (run on CUDA to compile kernels) runs prefill-shaped forwards, then each
+    distinct attention layer alone (Gemma's sliding and global ones, KV-shared layers reading
+    another's cache), writing only to the padding slot: the KV cache and later results are unchanged."""
+    if arch != "default":
+        make_model_dir(arch, tmp_path)
+        model_dir = tmp_path
+    llm = LLM(str(model_dir), device="cpu", dtype="float32", max_num_seqs=6, max_num_batched_tokens=100)
     prompt = [[3, 1, 4, 1, 5, 9, 2, 6] * 4]
     before = llm.generate(prompt, greedy(8), use_tqdm=False)[0].outputs[0].token_ids
     caches = [t.clone() for t in llm.engine.core.runner.kv_tensors]

@@ -125,24 +125,27 @@ def _launches(monkeypatch: pytest.MonkeyPatch) -> list[Launch]:
                                        torch.tensor([0, query_len], dtype=torch.int32),
                                        torch.tensor([50], dtype=torch.int32), tables, 0.1, max_query_len=query_len)
         # Gemma: head dims 256 and 512, GQA groups of 2 and 8; decode (split and not, softcapped,
-        # sliding) and prefill-sized queries, which take other tiles. In float32 (tests only, and
-        # slow to compile: IEEE dots) just the prefill at 512, whose K/V tiles are cut to fit.
+        # sliding) and prefill-sized queries, which take other tiles; over 8 blocks, so that a program
+        # of one split streams enough keys for the deeper decode tile and one of four does not. In
+        # float32 (tests only, and slow to compile: IEEE dots) just the prefill at 512, whose K/V tiles
+        # are cut to fit.
         gemma = ((256, 4), (256, 16), (512, 16), (512, 4)) if dtype == torch.bfloat16 else ()
         if dtype == torch.float32:
             gk, gv = rand(4, 16, 2, 512), rand(4, 16, 2, 512)
             triton_ops.paged_attention(rand(20, 4, 512), gk, gv, torch.tensor([0, 20], dtype=torch.int32),
                                        torch.tensor([50], dtype=torch.int32), tables, 0.1, 32, max_query_len=20,
                                        softcap=50.0)
+        gemma_tables = torch.arange(8, dtype=torch.int32).view(1, 8)
         for head_dim, num_q_heads in gemma:
-            gk, gv = rand(4, 16, 2, head_dim), rand(4, 16, 2, head_dim)
+            gk, gv = rand(8, 16, 2, head_dim), rand(8, 16, 2, head_dim)
             decode_variants = ((1, None, 50.0), (4, 32, 50.0)) if num_q_heads == 4 else ((2, None, None),)
             for splits, window, cap in decode_variants:
                 triton_ops.paged_attention(rand(1, num_q_heads, head_dim), gk, gv,
                                            torch.tensor([0, 1], dtype=torch.int32),
-                                           torch.tensor([40], dtype=torch.int32), tables, 0.1, window,
+                                           torch.tensor([100], dtype=torch.int32), gemma_tables, 0.1, window,
                                            softcap=cap, num_splits=splits)
             triton_ops.paged_attention(rand(20, num_q_heads, head_dim), gk, gv, torch.tensor([0, 20], dtype=torch.int32),
-                                       torch.tensor([50], dtype=torch.int32), tables, 0.1,
+                                       torch.tensor([50], dtype=torch.int32), gemma_tables, 0.1,
                                        32 if num_q_heads == 4 else None, max_query_len=20,
                                        softcap=50.0 if num_q_heads == 16 else None)
         x, weight = rand(3, 256), rand(256)
@@ -281,6 +284,10 @@ def test_every_kernel_compiles_for_hopper(monkeypatch: pytest.MonkeyPatch) -> No
                        if launch.fn.__name__ == "_paged_attention_kernel" and launch.constexprs["DOT_F16"]
                        and launch.constexprs["BLOCK_M"] < 64}
     assert {3, 5} <= one_byte_depths, one_byte_depths
+    wide_depths = {(launch.constexprs["BLOCK_D"], launch.options["num_stages"]) for launch in launches
+                   if launch.fn.__name__ == "_paged_attention_kernel" and launch.constexprs["BLOCK_M"] < 64
+                   and not launch.constexprs["DOT_F16"]}
+    assert {(256, 2), (256, 5), (512, 2), (512, 5)} <= wide_depths, wide_depths
     for kernel, weightings in (("_rms_norm_kernel", {0, 1, 2}), ("_rope_write_kv_kernel", {0, 1, 2}),
                                ("_gemv_kernel", {0, 1, 2})):
         assert {(kernel, "WEIGHTING", w) for w in weightings} <= variants, kernel
@@ -367,7 +374,8 @@ def _specialization(fn: JITFunction, args: tuple, kwargs: dict) -> tuple:
 @pytest.mark.parametrize("group,kv_heads,head_dim,kv_dtype", [
     (1, 32, 128, torch.bfloat16), (2, 8, 128, torch.bfloat16), (4, 8, 128, torch.bfloat16),
     (8, 8, 128, torch.bfloat16), (4, 1, 128, torch.bfloat16), (2, 2, 16, torch.bfloat16),
-    (2, 8, 256, torch.bfloat16), (2, 4, 256, torch.bfloat16), (4, 8, 128, torch.float8_e4m3fn)])
+    (2, 8, 256, torch.bfloat16), (2, 4, 256, torch.bfloat16), (2, 8, 512, torch.bfloat16), (8, 2, 512, torch.bfloat16),
+    (4, 8, 128, torch.float8_e4m3fn)])
 def test_the_warm_up_compiles_every_attention_variant_a_prefill_step_takes(
         monkeypatch: pytest.MonkeyPatch, group: int, kv_heads: int, head_dim: int, kv_dtype: torch.dtype) -> None:
     """Any step that carries a chunk (eager past the prefill graphs, or for prompt logprobs) must find
@@ -398,7 +406,8 @@ def test_the_warm_up_compiles_every_attention_variant_a_prefill_step_takes(
     rng = random.Random(group * kv_heads * head_dim)
     for budget, max_len, max_seqs in ((4096, 8192, 256), (512, 2048, 8)):
         seen.clear()
-        for q, context, rows in warm_up_shapes(budget, max_len, max_seqs):
+        shapes = warm_up_shapes(budget, max_len, max_seqs)
+        for q, context, rows in shapes.forwards + shapes.attention:
             step([(q, context)] + [(1, 1)] * rows)
         for seqs in (1, max_seqs):  # as captured: the first sequence holds the query, the others are empty
             for size in capture_sizes(budget, seqs):
@@ -414,7 +423,7 @@ def test_the_warm_up_compiles_every_attention_variant_a_prefill_step_takes(
             step(seqs)
             new = seen - warm
             assert not new, (f"a step of {[q for q, _ in seqs[:3]]} … ({len(seqs)} sequences) compiles anew: "
-                             f"{[sorted(set(key) - set(near)) for key in new for near in [max(warm, key=lambda w: len(set(w) & set(key)))]]}")
+                             f"{[sorted(map(str, set(key) - set(near))) for key in new for near in [max(warm, key=lambda w: len(set(w) & set(key)))]]}")
 
 
 def test_the_batch_shape_makes_no_new_kernel_variant(monkeypatch: pytest.MonkeyPatch) -> None:
