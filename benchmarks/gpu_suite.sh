@@ -15,6 +15,7 @@
 #  `tp` = on two GPUs, the tensor-parallel GPU tests and benchmarks/tp_bench.py (all-reduces, 8B decode);
 #  `tp70b` = on two GPUs, Llama-3-70B split over both: batch sweep and standard workload;
 #  `kernel-profile-b<N>` = the decode step's kernels at batch N (`kernel-profile`: batch 1);
+#  `kvcache-profile` = the decode step's kernels and idle gaps at B = 64 over 8k tokens, per KV cache dtype;
 #  `ttft-profile` = a lone 100-token prompt's time to first token, its kernels and host functions;
 #  `study-attention-short` = decode attention tiles and split counts at the static-decode and workload batches;
 #  `study-attention-short-gemma` = the same at head dim 256 (Gemma-3-4B's 8 q / 4 KV heads, and groups of 2
@@ -219,6 +220,11 @@ for part in "$@"; do
     kernel-profile|kernel-profile-b*)
       batch=${part#kernel-profile}; batch=${batch#-b}
       python3 benchmarks/profile_kernels.py --batch "${batch:-1}" --out "$OUT/$part.json" 2>&1 | grep -v "it/s]" | tail -80 ;;
+    kvcache-profile)
+      for kv in auto fp8 int8; do
+        timeout 150 python3 benchmarks/profile_kernels.py --batch 64 --context 8192 --kv-cache-dtype $kv \
+          --out "$OUT/kvcache-profile-$kv.json" 2>&1 | grep -v -e "it/s]" -e "^Loading" | tail -40
+      done ;;
     startup-profile)
       python3 benchmarks/profile_startup.py --out "$OUT/startup-profile.json" 2>&1 | grep -v -e "it/s]" -e "^Loading" | tail -90 ;;
     ttft-profile)

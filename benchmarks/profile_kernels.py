@@ -48,25 +48,47 @@ def kernel_profile(engine, steps: int) -> list[dict]:
 
 
 def kernel_profile_of(work, steps: int) -> list[dict]:
-    """Per-kernel GPU time of ``work()``, divided by ``steps``, the biggest printed."""
+    """Per-kernel GPU time of ``work()``, divided by ``steps``, the biggest printed; then where the GPU
+    ran no kernel between two (``idle_gaps``)."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         work()
         torch.cuda.synchronize()
     totals: dict[str, list[float]] = collections.defaultdict(lambda: [0.0, 0])
+    spans = []
     for event in prof.events():
         if event.device_type.name == "CUDA":
             entry = totals[event.name[:90]]
             entry[0] += event.device_time
             entry[1] += 1
+            spans.append((event.name[:60], event.time_range.start, event.time_range.end))
     rows = sorted(({"kernel": k, "us_per_step": v[0] / steps, "calls_per_step": v[1] / steps}
                    for k, v in totals.items()), key=lambda r: -r["us_per_step"])
     total = sum(r["us_per_step"] for r in rows)
     print(f"kernel time per step {total:.1f} us, {sum(r['calls_per_step'] for r in rows):.0f} kernels")
     for r in rows[:28]:
         print(f"  {r['us_per_step']:8.1f} us  {r['calls_per_step']:6.1f}x  {r['kernel']}")
+    gaps = idle_gaps(spans)
+    print(f"idle between kernels {sum(gaps.values()) / steps:.1f} us a step; the longest, after -> before:")
+    for (after, before), us in sorted(gaps.items(), key=lambda item: -item[1])[:8]:
+        print(f"  {us / steps:8.1f} us  {after} -> {before}")
     return rows
+
+
+def idle_gaps(spans: list[tuple[str, float, float]]) -> dict[tuple[str, str], float]:
+    """The time (the spans' unit) in which no kernel ran, from each kernel's end to the next start
+    after it, summed per pair of kernel names; ``spans``: (name, start, end) of every kernel, of one
+    or more streams in any order (overlapping kernels leave no gap)."""
+    gaps: dict[tuple[str, str], float] = collections.defaultdict(float)
+    ordered = sorted(spans, key=lambda span: span[1])
+    busy_until, last = None, None
+    for name, start, end in ordered:
+        if busy_until is not None and start > busy_until:
+            gaps[(last, name)] += start - busy_until
+        if busy_until is None or end >= busy_until:
+            busy_until, last = end, name
+    return dict(gaps)
 
 
 def main() -> None:

@@ -19,3 +19,14 @@ def test_a_benchmark_script_loads(script: Path, monkeypatch: pytest.MonkeyPatch)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     assert module.__doc__, f"{script.name} says what it measures and how to run it"
+
+
+def test_idle_gaps_count_only_time_no_kernel_covers(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The kernel profile's idle time: from the latest end so far to the next start, charged to the
+    kernel that ended last; a kernel that overlaps another (PDL, a second stream) leaves no gap."""
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    from profile_kernels import idle_gaps
+
+    spans = [("b", 12.0, 20.0), ("a", 0.0, 10.0), ("c", 15.0, 18.0), ("d", 25.0, 30.0), ("b", 31.0, 32.0)]
+    assert idle_gaps(spans) == {("a", "b"): 2.0, ("b", "d"): 5.0, ("d", "b"): 1.0}
+    assert idle_gaps([("x", 0.0, 5.0), ("y", 1.0, 3.0), ("z", 4.0, 6.0)]) == {}
