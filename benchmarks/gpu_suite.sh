@@ -24,6 +24,8 @@
 #  `startup-profile` = cProfile over building a Llama-3-8B engine;
 #  `study-attention-prefill` = Llama-3-8B's prefill attention, every tile (`study-attention-prefill-quantized`:
 #   over int8 and fp8 caches);
+#  `study-attention-prefill-pipelined-scales` = prompt tiles over int8 and fp8 caches with the scales copied
+#   with the K/V tiles, against read a tile ahead;
 #  `study-attention-prompt-splits` = lone prompts and chunks deep in long contexts at 1-16 KV splits;
 #  `study-attention-splits` = Llama-3-8B's decode attention at 1-16 KV splits from 1 to 128 sequences
 #   (`study-attention-splits-gemma`: head dim 256, groups of 2 and 8);
@@ -165,6 +167,16 @@ for part in "$@"; do
       for kv in int8 fp8; do
         timeout 250 python3 benchmarks/study_attention_tiles.py prefill --shapes 4 --kv-dtype $kv --jobs 12 \
           --out "$OUT/attention-tiles-prefill-quantized.jsonl" 2>&1 | tail -3
+      done ;;
+    study-attention-prefill-pipelined-scales)
+      # Prompt tiles over one-byte caches with the scales read in their tile's iteration (as decode
+      # tiles read them) against a tile ahead, Llama-3-8B's heads.
+      for kv in int8 fp8; do
+        for flag in "" --pipelined-scales; do
+          timeout 130 python3 benchmarks/study_attention_tiles.py prefill --shapes 4 --kv-dtype $kv --jobs 8 $flag \
+            --tiles "64,64,4,2;64,64,4,3;64,32,4,3;128,32,4,3" \
+            --out "$OUT/attention-tiles-prefill-pipelined-scales.jsonl" 2>&1 | tail -2
+        done
       done ;;
     study-l2-prefetch)
       timeout 300 python3 benchmarks/study_l2_prefetch.py --out "$OUT/study-l2-prefetch.json" 2>&1 | tail -15 ;;

@@ -131,7 +131,8 @@ def main() -> None:
     for _ in range(50):
         engine.step()
     result["step_ms"] = (time.perf_counter() - started) / 50 * 1e3
-    print(f"engine step {result['step_ms']:.3f} ms (batch {args.batch}, context ~{args.context + 20}-{args.context + 70})")
+    print(f"engine step {result['step_ms']:.3f} ms (batch {args.batch}, "
+          f"context ~{args.context + 20}-{args.context + 70})")
     result["graphed"] = kernel_profile(engine, 20)
     graphs, engine.core.runner.graphs = engine.core.runner.graphs, None
     result["eager"] = kernel_profile(engine, 10)

@@ -20,7 +20,9 @@ own choice. The chosen tiles, then the same with a softcap, are timed last as a 
         [--points long|short|splits|quantized] [--tiles M,N,W,S[,R];...] [--out FILE] [--jobs N]
 
 ``--jobs N`` compiles every variant first in N processes (Triton's disk cache keeps them),
-so the timed pass, one process, finds them built.
+so the timed pass, one process, finds them built. ``--pipelined-scales``: a quantized cache's scales
+ride the K/V tiles' copies in prompt tiles too. Each row gives its output's largest difference from
+the torch reference's (``max_err``).
 
 One JSON object per line goes to ``--out`` as each point finishes (default
 ``$OUT/attention-tiles-<part>.jsonl``), so a run cut short keeps what it measured.
@@ -44,7 +46,7 @@ import triton.testing
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from tokenmill.bench.hardware import measure_ceilings  # noqa: E402
-from tokenmill.kernels import triton_attention  # noqa: E402
+from tokenmill.kernels import reference, triton_attention  # noqa: E402
 from tokenmill.loader.kv_layout import kv_scale_dtype  # noqa: E402
 
 BLOCK_SIZE = 16
@@ -122,13 +124,24 @@ class Batch:
                                                               + (self.scales.element_size() if self.scales is not None
                                                                  else 0))
         self.flops = 4 * hq * head_dim * sum(q * (c - q) + q * (q + 1) // 2 for q, c in specs)
+        self._expected: dict[float | None, torch.Tensor] = {}
 
-    def run(self, softcap: float | None = None, splits: int | None = None) -> torch.Tensor:
-        """``splits``: the KV split count (None: the wrapper's choice)."""
+    def run(self, softcap: float | None = None, splits: int | None = None, op=None) -> torch.Tensor:
+        """``splits``: the KV split count (None: the wrapper's choice); ``op``: the torch reference
+        instead of the kernel."""
         scales = {} if self.scales is None else {"k_scale": self.scales[0], "v_scale": self.scales[1]}
+        if op is not None:
+            return op(self.query, self.k, self.v, self.qsl, self.seq_lens, self.tables, self.scale, None,
+                      softcap=softcap, **scales)
         return triton_attention.paged_attention(self.query, self.k, self.v, self.qsl, self.seq_lens, self.tables,
                                                 self.scale, None, max_query_len=self.max_q, max_seq_len=self.max_ctx,
                                                 softcap=softcap, num_splits=splits, out=self.out, **scales)
+
+    def error(self, softcap: float | None) -> float:
+        """The largest difference of the last run's output from the torch reference's."""
+        if softcap not in self._expected:
+            self._expected[softcap] = self.run(softcap, op=reference.paged_attention).float()
+        return float((self.out.float() - self._expected[softcap]).abs().max())
 
 
 def _compiled() -> set:
@@ -149,6 +162,7 @@ def measure(batch: Batch, tile: tuple | None, decode: bool, softcap: float | Non
         torch.cuda.synchronize()
         new = _compiled() - before
         row["kernels"] = [{"regs": k.n_regs, "spills": k.n_spills} for k in new]
+        row["max_err"] = batch.error(softcap)
         if decode:
             ms = triton.testing.do_bench_cudagraph(lambda: batch.run(softcap, splits), rep=40, return_mode="median")
         else:
@@ -234,8 +248,13 @@ def main() -> None:
     parser.add_argument("--tiles", default=None,
                         help="these tiles only: BLOCK_M,BLOCK_N,num_warps,num_stages[,max registers a thread] "
                              "separated by ';'")
+    parser.add_argument("--pipelined-scales", action="store_true",
+                        help="a quantized cache's four-byte scales ride the K/V copies in every tile, prompt "
+                             "tiles too (the engine: decode tiles only)")
     parser.add_argument("--worker", type=int, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.pipelined_scales:
+        triton_attention._pipelined_scales = lambda block_m, scale_dtype: scale_dtype == torch.float32
     shapes = SHAPES[:4] if args.shapes is None else [SHAPES[int(i)] for i in args.shapes.split(",")]
     kv_dtype = KV_DTYPES[args.kv_dtype]
     if args.worker is not None:
@@ -245,7 +264,8 @@ def main() -> None:
     if args.jobs > 1 and not args.chosen_only:
         extra = (["--kv-dtype", args.kv_dtype, "--points", args.points] + ([] if args.shapes is None else
                                                                            ["--shapes", args.shapes])
-                 + ([] if args.tiles is None else ["--tiles", args.tiles]))
+                 + ([] if args.tiles is None else ["--tiles", args.tiles])
+                 + (["--pipelined-scales"] if args.pipelined_scales else []))
         procs = [subprocess.Popen([sys.executable, __file__, args.part, "--jobs", str(args.jobs), "--worker", str(w),
                                    *extra]) for w in range(args.jobs)]
         for proc in procs:
@@ -262,7 +282,7 @@ def main() -> None:
                 batch = Batch(specs, head_dim, hq, hkv, kv_dtype)
                 point = {"part": args.part, "head_dim": head_dim, "group": hq // hkv, "seqs": len(specs),
                          "q": specs[0][0], "ctx": batch.max_ctx, "ctx_min": min(c for _, c in specs),
-                         "kv_dtype": args.kv_dtype}
+                         "kv_dtype": args.kv_dtype, "pipelined_scales": args.pipelined_scales}
                 plan, _, _ = triton_attention.launch_plan(triton.next_power_of_2(head_dim), hq // hkv, hkv,
                                                           len(specs), batch.query.shape[0], batch.max_q,
                                                           batch.max_ctx, batch.k.element_size(), batch.query.device)
@@ -279,7 +299,8 @@ def main() -> None:
                     floor_us = ceilings.floor(batch.kv_bytes, batch.flops) * 1e6
                     row = {"name": f"attention-tiles/{args.part}/d{head_dim}/g{hq // hkv}/{args.kv_dtype}/"
                                    f"{len(specs)}x{specs[0][0]}x{_contexts(specs)}/{'-'.join(map(str, label))}"
-                                   + (f"/s{splits}" if splits else ""),
+                                   + (f"/s{splits}" if splits else "")
+                                   + ("/pipelined-scales" if args.pipelined_scales else ""),
                            **point, "tile": label, **row, "floor_us": floor_us,
                            "fraction_of_floor": floor_us / row["us"] if "us" in row else None}
                     f.write(json.dumps(row) + "\n")

@@ -386,6 +386,18 @@ def _interpret_quantized_kv(ops) -> None:
                               head_dim=128, dtype=torch.float16, cache_dtype=torch.int8, device="cpu", num_splits=1)
     check_quantized_attention(ops, specs=[(1, 200), (1, 17)], num_q_heads=8, num_kv_heads=2, head_dim=128,
                               dtype=torch.float32, cache_dtype=torch.int8, device="cpu", sliding_window=70, num_splits=3)
+    # A prompt's tiles with the scales read in their own tile's iteration, as decode tiles read them
+    # (``_pipelined_scales``; only benchmarks/study_attention_tiles.py --pipelined-scales takes it there).
+    from tokenmill.kernels import triton_attention
+
+    rule = triton_attention._pipelined_scales
+    triton_attention._pipelined_scales = lambda block_m, scale_dtype: scale_dtype == torch.float32
+    try:
+        check_quantized_attention(ops, specs=[(20, 160), (40, 90), (1, 70)], num_q_heads=4, num_kv_heads=1,
+                                  head_dim=128, dtype=torch.float16, cache_dtype=torch.int8, device="cpu",
+                                  num_splits=1)
+    finally:
+        triton_attention._pipelined_scales = rule
     # Blocks of 256 tokens, past the 128-key decode tile, and of 8 (a 64-row prompt tile's 32 keys span four).
     check_quantized_attention(ops, specs=[(1, 300), (20, 160)], num_q_heads=4, num_kv_heads=1, head_dim=128,
                               dtype=torch.float16, cache_dtype=torch.int8, device="cpu", num_splits=1, block_size=256)

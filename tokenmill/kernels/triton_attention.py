@@ -112,7 +112,8 @@ def _flat_tile(query_start_loc_ptr, f, batch, BLOCK_Q: tl.constexpr):
 @triton.jit
 def _attend_tiles(acc, m_i, l_i, v_inv, q, q_step, q_pos, lo, hi, split_hi, bt_row, kv_head, cache, scales, qk_scale,
                   softcap_log2, window, dims, dim_valid, block_size: tl.constexpr, MASKED: tl.constexpr,
-                  KV_SCALED: tl.constexpr, DOT_F16: tl.constexpr, PTX: tl.constexpr, BLOCK_N: tl.constexpr,
+                  KV_SCALED: tl.constexpr, PIPELINED_SCALES: tl.constexpr, DOT_F16: tl.constexpr, PTX: tl.constexpr,
+                  BLOCK_N: tl.constexpr,
                   USE_WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, IEEE_DOT: tl.constexpr):
     """The online softmax over the key tiles ``lo`` … ``hi`` (of a split ending at ``split_hi``) folded
     into ``acc``, ``m_i``, ``l_i``; without ``MASKED`` every row may see every key of every tile. Over a
@@ -122,14 +123,12 @@ def _attend_tiles(acc, m_i, l_i, v_inv, q, q_step, q_pos, lo, hi, split_hi, bt_r
     k_cache_ptr, kc_stride_block, kc_stride_slot, kc_stride_head, v_cache_ptr, vc_stride_block, vc_stride_slot, \
         vc_stride_head = cache
     BLOCK_M: tl.constexpr = q.shape[0]
-    # A quantized cache's scales. In a decode tile, four-byte ones are read in their tile's iteration:
-    # the pipeline copies them asynchronously with the K/V tiles, and they reach the scores' layout
-    # from shared memory. Otherwise (two-byte ones are too narrow for those copies; a prompt tile's
-    # registers are full) they are read a tile ahead, from block ids read a tile before that (no read
-    # a tile's dots wait for depends on another read of the same iteration), and cross into the
-    # scores' layout through registers every tile (fp8 decode at 128 keys: 13 barriers an iteration
-    # against 9; sm_90 code).
-    PIPELINED_SCALES: tl.constexpr = scales[0].dtype.element_ty.primitive_bitwidth == 32 and BLOCK_M < 64
+    # A quantized cache's scales. With ``PIPELINED_SCALES`` (``_pipelined_scales``) they are read in
+    # their tile's iteration: the pipeline copies them asynchronously with the K/V tiles, and they reach
+    # the scores' layout from shared memory. Otherwise they are read a tile ahead, from block ids read a
+    # tile before that (no read a tile's dots wait for depends on another read of the same iteration),
+    # and cross into the scores' layout through registers every tile (fp8 decode at 128 keys: 13
+    # barriers an iteration against 9; sm_90 code).
     # Where tiles span whole blocks, every tile's keys lie at the first tile's block-table steps and
     # slots (``_key_layout``), computed once: the loop keeps only the block ids and their products
     # (sm_90 code: the fp8 decode loop at 128 keys 1,039 -> 900 instructions, bf16's at 64 keys 688 ->
@@ -283,6 +282,7 @@ def _paged_attention_kernel(
     num_splits,
     batch,
     KV_SCALED: tl.constexpr,
+    PIPELINED_SCALES: tl.constexpr,
     DOT_F16: tl.constexpr,
     PTX: tl.constexpr,
     FLAT: tl.constexpr,
@@ -394,18 +394,19 @@ def _paged_attention_kernel(
                              full_lo)
         acc, m_i, l_i = _attend_tiles(acc, m_i, l_i, v_inv, q, q_step, q_pos, split_lo, tl.minimum(full_lo, split_hi),
                                       split_hi, bt_row, kv_head, cache, scales, qk_scale, softcap_log2, window, dims,
-                                      dim_valid, block_size, True, KV_SCALED, DOT_F16, PTX, BLOCK_N, USE_WINDOW,
-                                      SOFTCAP, IEEE_DOT)
+                                      dim_valid, block_size, True, KV_SCALED, PIPELINED_SCALES, DOT_F16, PTX, BLOCK_N,
+                                      USE_WINDOW, SOFTCAP, IEEE_DOT)
         acc, m_i, l_i = _attend_tiles(acc, m_i, l_i, v_inv, q, q_step, q_pos, full_lo, full_hi, split_hi,
                                       bt_row, kv_head, cache, scales, qk_scale, softcap_log2, window, dims,
-                                      dim_valid, block_size, False, KV_SCALED, DOT_F16, PTX, BLOCK_N, USE_WINDOW,
-                                      SOFTCAP, IEEE_DOT)
+                                      dim_valid, block_size, False, KV_SCALED, PIPELINED_SCALES, DOT_F16, PTX, BLOCK_N,
+                                      USE_WINDOW, SOFTCAP, IEEE_DOT)
         masked_lo = full_hi
     else:
         masked_lo = split_lo
     acc, m_i, l_i = _attend_tiles(acc, m_i, l_i, v_inv, q, q_step, q_pos, masked_lo, split_hi, split_hi,
                                   bt_row, kv_head, cache, scales, qk_scale, softcap_log2, window, dims, dim_valid,
-                                  block_size, True, KV_SCALED, DOT_F16, PTX, BLOCK_N, USE_WINDOW, SOFTCAP, IEEE_DOT)
+                                  block_size, True, KV_SCALED, PIPELINED_SCALES, DOT_F16, PTX, BLOCK_N, USE_WINDOW,
+                                  SOFTCAP, IEEE_DOT)
 
     if KV_SCALED:
         acc = acc * v_unit
@@ -498,6 +499,15 @@ def _choose_num_splits(work_units: int, max_context: int, device: torch.device, 
     return max(1, min(target // work_units, by_length, _MAX_SPLITS))
 
 
+def _pipelined_scales(block_m: int, scale_dtype: torch.dtype | None) -> bool:
+    """Whether a quantized cache's scales ride the K/V tiles' asynchronous copies (read in their
+    tile's iteration) instead of being read a tile ahead into registers: four-byte scales only (two-byte
+    ones are too narrow for those copies), in decode tiles (under 64 rows), where it took the loop from
+    13 barriers an iteration to 9 (fp8 at 128 keys, sm_90 code). A prompt tile's registers were full
+    with the scales of the next tile on top (spills); not yet measured there with them pipelined."""
+    return scale_dtype == torch.float32 and block_m < 64
+
+
 def _mask_edges_only(block_m: int, kv_dtype: torch.dtype, num_splits: int) -> bool:
     """Whether a tile's keys that every row sees go through a loop without masks (three loops: the
     edge tiles masked, the middle not) instead of one masked loop over all of them.
@@ -560,8 +570,8 @@ def _tile_config(block_d: int, block_m: int, elem_bytes: int, program_keys: int)
       47.5 us; group 8, 16 x 4k at 8 splits 76.4 against 80.4, 64 x 2k at 2 splits 147.2 against
       146.2. Where programs stream more the grid is full and the 2-stage tile already near the copy
       rate, and the deeper one loses: group 2, 16 x 4k at 2 splits 273.0 against 261.5, 64 x 2k
-      559.5 against 507.4, 64 x 8k 2,194 against 2,033. Prefill: 32 keys, 8 warps (the [64, 512] float32 accumulator is 128
-      registers a thread at 4 warps), 3 stages: 104-132 TFLOP/s.
+      559.5 against 507.4, 64 x 8k 2,194 against 2,033. Prefill: 32 keys, 8 warps (the [64, 512]
+      float32 accumulator is 128 registers a thread at 4 warps), 3 stages: 104-132 TFLOP/s.
     - 32 rows (a few query tokens times the group, e.g. speculative verification) take the
       decode tiles: the fastest at 256, about 10% behind 64 keys and 8 warps at 512.
 
@@ -741,6 +751,7 @@ def paged_attention(
         num_splits,
         batch,
         KV_SCALED=k_scale is not None,
+        PIPELINED_SCALES=_pipelined_scales(block_m, None if k_scale is None else k_scale.dtype),
         DOT_F16=k_cache.element_size() == 1 and query.dtype != torch.float32,
         PTX=ptx_conversions(),
         FLAT=flat,
