@@ -313,9 +313,9 @@ def test_penalised_steps_overlap_and_count_every_token(llm, model_dir) -> None:
 
 @pytest.mark.parametrize("arch", ["default", "gemma3", "gemma4-kv-shared", "gemma4-multimodal"])
 def test_warm_up_leaves_the_cache_and_results_alone(arch: str, model_dir, tmp_path) -> None:
-    """The start-up warm-up (run on CUDA to compile kernels) runs prefill-shaped forwards, then each
-    distinct attention layer alone (Gemma's sliding and global ones, KV-shared layers reading
-    another's cache), writing only to the padding slot: the KV cache and later results are unchanged."""
+    """The start-up warm-up (run on CUDA to compile kernels) runs prefill-shaped forwards that write
+    only to the padding slot, for every architecture (Gemma's sliding and global layers, KV-shared
+    layers reading another's cache): the KV cache and later results are unchanged."""
     if arch != "default":
         make_model_dir(arch, tmp_path)
         model_dir = tmp_path

@@ -287,7 +287,7 @@ def test_every_kernel_compiles_for_hopper(monkeypatch: pytest.MonkeyPatch) -> No
     wide_depths = {(launch.constexprs["BLOCK_D"], launch.options["num_stages"]) for launch in launches
                    if launch.fn.__name__ == "_paged_attention_kernel" and launch.constexprs["BLOCK_M"] < 64
                    and not launch.constexprs["DOT_F16"]}
-    assert {(256, 2), (256, 5), (512, 2), (512, 5)} <= wide_depths, wide_depths
+    assert {(256, 2), (256, 5), (512, 2)} <= wide_depths, wide_depths
     for kernel, weightings in (("_rms_norm_kernel", {0, 1, 2}), ("_rope_write_kv_kernel", {0, 1, 2}),
                                ("_gemv_kernel", {0, 1, 2})):
         assert {(kernel, "WEIGHTING", w) for w in weightings} <= variants, kernel
@@ -406,8 +406,7 @@ def test_the_warm_up_compiles_every_attention_variant_a_prefill_step_takes(
     rng = random.Random(group * kv_heads * head_dim)
     for budget, max_len, max_seqs in ((4096, 8192, 256), (512, 2048, 8)):
         seen.clear()
-        shapes = warm_up_shapes(budget, max_len, max_seqs)
-        for q, context, rows in shapes.forwards + shapes.attention:
+        for q, context, rows in warm_up_shapes(budget, max_len, max_seqs):
             step([(q, context)] + [(1, 1)] * rows)
         for seqs in (1, max_seqs):  # as captured: the first sequence holds the query, the others are empty
             for size in capture_sizes(budget, seqs):

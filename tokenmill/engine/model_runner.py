@@ -37,7 +37,7 @@ from tokenmill.engine.sequence_rows import (
     GRAMMAR, LOGIT_BIAS, LOGPROBS, MIN_TOKENS, PENALTIES, PROMPT_LOGPROBS, SEEDED, SequenceRows)
 from tokenmill.engine.penalty_counts import PenaltyCounts
 from tokenmill.engine.structured_outputs import HostBitmask, apply_grammars
-from tokenmill.layers.attention import AttentionMetadata, KVCache, PagedAttention
+from tokenmill.layers.attention import AttentionMetadata, KVCache
 from tokenmill.layers.sampler import Sampler, SamplingBatch, gather_logprobs
 from tokenmill.loader.hf_config import ModelConfig
 from tokenmill.loader.kv_layout import KVLayout, is_quantized, kv_scale_dtype
@@ -199,45 +199,28 @@ def allocate_kv_caches(layout: KVLayout, num_blocks: list[int], block_size: int,
     return tensors, [own[src] for src in layout.source]
 
 
-@dataclass(frozen=True)
-class WarmUpShapes:
-    """The warm-up's steps as (query tokens of one sequence, its context, decode rows beside it):
-    ``forwards`` run the whole model, ``attention`` only each distinct attention layer (the shapes
-    that differ from a forward's in nothing but attention's variant, which depends on the context)."""
+def warm_up_shapes(max_num_batched_tokens: int, max_model_len: int, max_num_seqs: int) -> list[tuple[int, int, int]]:
+    """The warm-up's forwards as (query tokens of one sequence, its context, decode rows beside it).
 
-    forwards: list[tuple[int, int, int]]
-    attention: list[tuple[int, int, int]]
-
-
-def warm_up_shapes(max_num_batched_tokens: int, max_model_len: int, max_num_seqs: int) -> WarmUpShapes:
-    """Attention's variants follow its query-tile rows (the next power of two of query tokens times the
+    Attention's variants follow its query-tile rows (the next power of two of query tokens times the
     GQA group, up to 128 or 64), whether the tiles of a ragged batch are numbered flat (a chunk longer
     than one tile beside other sequences) and whether the KV range is split (a grid under one program
-    an SM), and on how many keys each program streams (``_tile_config``'s pipeline depth, which
-    changes within a split range's length). A chunk of 256 tokens fills two tiles of the largest class
-    at every group, 64 at groups of 4 and more; the shorter ones take each smaller class."""
+    an SM), and on how many keys each program streams (``_tile_config``'s pipeline depth, over a
+    one-byte cache or at head dim 256). A chunk of 256 tokens fills two tiles of the largest class at every group, 64 at
+    groups of 4 and more; the shorter ones take each smaller class."""
     longest = max(2, min(max_num_batched_tokens - 1, max_model_len - 1))
-    forwards = {(q, q, 1) for q in (2, 4, 8, 16, 64, 128) if q < longest} | {(longest, longest, 1)}
+    shapes = {(q, q, 1) for q in (2, 4, 8, 16, 64, 128) if q < longest} | {(longest, longest, 1)}
     # Chunks of every class beside one decode row deep into the longest context, whose KV ranges
     # split, and beside the widest batch, whose grid does not, over short and long ranges.
     few = [q for q in (2, 4, 8, 16, 32, 64, 256) if q < longest]
     if longest > 16:
-        forwards |= {(q, max_model_len - 1, 1) for q in few}
+        shapes |= {(q, max_model_len - 1, 1) for q in few}
     if max_num_seqs > 2:
-        forwards |= {(q, context, max_num_seqs - 1) for q in few for context in (q, max_model_len - 1)}
-    # Attention alone: the same chunks beside one decode row at depths 96 (too short to split, several
-    # tiles long), 256, 1,024, …, and at the longest context beside 3, 7, 15, … decode rows, whose KV
-    # ranges split into fewer and longer ranges: every length class of a program's keys.
-    deep = {c for c in (96, *(256 * 4**i for i in range(8))) if c < max_model_len - 1}
-    widths = {2**i - 1 for i in range(2, 16) if 2**i - 1 < max_num_seqs - 1}
-    attention = {(q, context, rows) for q in few for context in deep for rows in (1, max_num_seqs - 1)
-                 if context >= q and (rows == 1 or max_num_seqs > 2) and longest > 16}
-    attention |= {(q, max_model_len - 1, rows) for q in few for rows in widths if longest > 16}
+        shapes |= {(q, context, max_num_seqs - 1) for q in few for context in (q, max_model_len - 1)}
     # Each chunk alone too (a lone sequence's tiles are not flat), but for the longest past 128 tokens:
     # it takes the 128-token one's attention variant and would cost a forward of the whole budget.
-    for shapes in (forwards, attention):
-        shapes |= {(q, context, 0) for q, context, rows in list(shapes) if rows == 1 and (q < longest or q <= 128)}
-    return WarmUpShapes(sorted(forwards), sorted(attention - forwards))
+    shapes |= {(q, context, 0) for q, context, rows in list(shapes) if rows == 1 and (q < longest or q <= 128)}
+    return sorted(shapes)
 
 
 class ModelRunner:
@@ -291,42 +274,25 @@ class ModelRunner:
         token budget, alone and beside a decode row, whose attention tiles are numbered differently;
         chunks deep into a long context, and beside the most decode rows a step can hold, whose
         attention grid may take other tiles), so that Triton compiles their kernel variants at start-up
-        rather than inside the first requests' steps; then attention alone, once per distinct layer,
-        at the depths and batch widths that change only its variant.
+        rather than inside the first requests' steps.
         Every token writes to slot -1 (padding) and reads block 0: the cache is left as it was."""
         dev = self.device
-        shapes = warm_up_shapes(max_num_batched_tokens, max_model_len, self.max_num_seqs)
-        for query_len, context, rows in shapes.forwards:
+        for query_len, context, rows in warm_up_shapes(max_num_batched_tokens, max_model_len, self.max_num_seqs):
             total = query_len + rows
-            meta = self._warm_up_metadata(query_len, context, rows)
+            groups = self.num_kv_groups
+            meta = AttentionMetadata(
+                slot_mapping=(torch.full((total,), -1, dtype=torch.int64, device=dev),) * groups,
+                query_start_loc=torch.tensor([0, *range(query_len, total + 1)], dtype=torch.int32, device=dev),
+                seq_lens=torch.tensor([context] + [1] * rows, dtype=torch.int32, device=dev),
+                block_tables=(torch.zeros((1 + rows, -(-context // self.block_size)), dtype=torch.int32,
+                                          device=dev),) * groups,
+                max_query_len=query_len, max_seq_len=context)
             positions = torch.cat([torch.arange(context - query_len, context), torch.zeros(rows, dtype=torch.int64)]).to(dev)
             hidden = self.model(torch.zeros(total, dtype=torch.int64, device=dev), positions, self.kv_caches, meta)
             logits = self.model.compute_logits(hidden[[query_len - 1, total - 1]])
-        layers = [m for m in self.model.modules() if isinstance(m, PagedAttention)]
-        if len(layers) != len(self.kv_caches):
-            raise RuntimeError(f"{len(layers)} attention layers against {len(self.kv_caches)} KV caches")
-        distinct = {(a.num_heads, a.num_kv_heads, a.head_dim, a.sliding_window, a.softcap, a.kv_group): (a, cache)
-                    for a, cache in zip(layers, self.kv_caches)}
-        for query_len, context, rows in shapes.attention:
-            meta = self._warm_up_metadata(query_len, context, rows)
-            for attention, cache in distinct.values():
-                q = torch.zeros(query_len + rows, attention.num_heads, attention.head_dim, dtype=self.dtype, device=dev)
-                attention.attend(q, cache, meta)
         self._warm_up_sampling(logits)
         if dev.type == "cuda":
             torch.cuda.synchronize(dev)
-
-    def _warm_up_metadata(self, query_len: int, context: int, rows: int) -> AttentionMetadata:
-        """A chunk of ``query_len`` tokens at the end of a ``context`` beside ``rows`` decode rows of one
-        token each, every token in padding's slot and every block table on block 0."""
-        dev, total, groups = self.device, query_len + rows, self.num_kv_groups
-        return AttentionMetadata(
-            slot_mapping=(torch.full((total,), -1, dtype=torch.int64, device=dev),) * groups,
-            query_start_loc=torch.tensor([0, *range(query_len, total + 1)], dtype=torch.int32, device=dev),
-            seq_lens=torch.tensor([context] + [1] * rows, dtype=torch.int32, device=dev),
-            block_tables=(torch.zeros((1 + rows, -(-context // self.block_size)), dtype=torch.int32,
-                                      device=dev),) * groups,
-            max_query_len=query_len, max_seq_len=context)
 
     def _warm_up_sampling(self, logits: torch.Tensor) -> None:
         """A sampled step with every filter and penalty, so that their kernels compile at start-up too."""

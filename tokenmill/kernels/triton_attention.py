@@ -534,11 +534,12 @@ def _block_rows(block_d: int, group: int, max_query_len: int, elem_bytes: int) -
     return max(16, triton.next_power_of_2(group), min(most, triton.next_power_of_2(max_query_len * group)))
 
 
-def _tile_config(block_d: int, block_m: int, elem_bytes: int, program_keys: int) -> tuple[int, int, int, int, int]:
+def _tile_config(block_d: int, block_m: int, elem_bytes: int, program_keys: int,
+                 num_splits: int) -> tuple[int, int, int, int, int]:
     """``(BLOCK_M, BLOCK_N, num_warps, num_stages, max_registers)`` for a head-dim tile ``block_d``,
-    ``block_m`` query rows (``_block_rows``), K/V elements of ``elem_bytes`` and at most
-    ``program_keys`` keys a program streams (its KV range); ``max_registers`` caps a thread's registers
-    (0: the compiler's choice), which decides how many programs an SM holds.
+    ``block_m`` query rows (``_block_rows``), K/V elements of ``elem_bytes``, at most ``program_keys``
+    keys a program streams (its KV range) over ``num_splits`` ranges a sequence; ``max_registers``
+    caps a thread's registers (0: the compiler's choice), which decides how many programs an SM holds.
 
     Measured on the H200 (Triton 3.6; benchmarks/study_attention_tiles.py, results in
     benchmarks/results/h200-2026-11-30/attention-tiles and later runs named below): each decode and
@@ -555,22 +556,24 @@ def _tile_config(block_d: int, block_m: int, elem_bytes: int, program_keys: int)
       4 warps, 3 stages, the fastest or within 3% of it at Llama-3-8B's points (``_block_rows``).
     - 256, decode: 64 keys, 4 warps, 2 stages (batch 64 at 2k context, group 2: 290 us,
       3.7 TB/s; 32 keys in 2 stages took 366 us); over a 16-bit cache 32 keys in 5 stages (two
-      K/V buffers, see below) where a program streams at least four of them, the faster at every
-      such point of h200-2026-12-02/pipeline-depth (group 2: 1 x 8k 12.6 against 12.9 us, 16 x 4k
-      70.1 against 71.7, 64 x 8k 494.5 against 500.7, 128 x 1,024 one split 128.9 against 131.9,
-      256 x 1,024 248.8 against 254.3, 32 x 192 one split 9.2 against 10.0); with two or three
-      tiles a split the 2-stage tile stays (32 x 192 at four splits 17.8 against 19.3). Slower only
-      at split counts the wrapper does not give those points (128 x 1,024 at two and four splits,
-      142.9 and 150.3 against 140.3 and 146.3). Prefill (64 rows): 32 keys, 4 warps, 3 stages,
-      128-204 TFLOP/s against 89-106 for 8 warps and 2 stages; 64 keys at 4 warps spill.
+      K/V buffers, see below) where each program streams a whole sequence of at least four such
+      tiles (no split), the faster at every such point of h200-2026-12-02/pipeline-depth (group 2:
+      64 x 8k 494.5 against 500.7 us, 128 x 1,024 128.9 against 131.9, 256 x 1,024 248.8 against
+      254.3, 32 x 192 9.2 against 10.0). Split, it won 2% where each range held four tiles or more
+      (1 x 8k 12.6 against 12.9, 16 x 4k 70.1 against 71.7) and lost 2-8% where it held fewer or
+      the grid was full (32 x 192 at four splits 19.3 against 17.8; 128 x 1,024 at two and four
+      142.9 and 150.3 against 140.3 and 146.3): a decode graph fixes its split count and tile for
+      the longest context it serves, so a lone sequence of 1,024 tokens under a graph for 8k would
+      stream one tile a range, where only the deeper pipeline's prologue shows. Prefill (64 rows): 32
+      keys, 4 warps, 3 stages, 128-204 TFLOP/s against 89-106 for 8 warps and 2 stages; 64 keys at 4 warps spill.
     - 512, decode: 32 keys, 4 warps, 2 stages, 3.3-4.0 TB/s at batch 64; 64 keys spill and
-      run at half that. Over a 16-bit cache 16 keys in 5 stages (206 registers and no spills,
-      against 255 and a spill) where a program streams 64-1,024 keys, i.e. where the grid is thin
-      and the range split (h200-2026-12-02/tiles-d512): group 2, 1 x 8k at 33 splits 40.4 against
-      47.5 us; group 8, 16 x 4k at 8 splits 76.4 against 80.4, 64 x 2k at 2 splits 147.2 against
-      146.2. Where programs stream more the grid is full and the 2-stage tile already near the copy
-      rate, and the deeper one loses: group 2, 16 x 4k at 2 splits 273.0 against 261.5, 64 x 2k
-      559.5 against 507.4, 64 x 8k 2,194 against 2,033. Prefill: 32 keys, 8 warps (the [64, 512]
+      run at half that. 16 keys in 5 stages (206 registers and no spills, against 255 and a
+      spill; h200-2026-12-02/tiles-d512) won only where the grid was thin and its ranges split
+      (group 2, 1 x 8k at 33 splits 40.4 against 47.5 us; group 8, 16 x 4k at 8 splits 76.4 against
+      80.4) and lost where it was full (group 2, 16 x 4k at 2 splits 273.0 against 261.5, 64 x 2k
+      559.5 against 507.4, 64 x 8k 2,194 against 2,033): not taken, since a decode graph's split
+      ranges are cut for the longest context it serves and shorter contexts would stream one or
+      two tiles a range through the deeper pipeline. Prefill: 32 keys, 8 warps (the [64, 512]
       float32 accumulator is 128 registers a thread at 4 warps), 3 stages: 104-132 TFLOP/s.
     - 32 rows (a few query tokens times the group, e.g. speculative verification) take the
       decode tiles: the fastest at 256, about 10% behind 64 keys and 8 warps at 512.
@@ -601,12 +604,10 @@ def _tile_config(block_d: int, block_m: int, elem_bytes: int, program_keys: int)
             block_n, num_stages = 32, 3
     elif block_d <= 256:
         block_n, num_warps, num_stages = (64, 4, 2) if block_m < 64 else (32, 4, 3)
-        if block_m < 64 and elem_bytes == 2 and program_keys >= 4 * 32:
+        if block_m < 64 and elem_bytes == 2 and num_splits == 1 and program_keys >= 4 * 32:
             block_n, num_stages = 32, 5
     else:
         block_n, num_warps, num_stages = (32, 4, 2) if block_m < 64 else (32, 8, 3)
-        if block_m < 64 and elem_bytes == 2 and 4 * 16 <= program_keys <= 1024:
-            block_n, num_stages = 16, 5
     if elem_bytes > 2:
         num_stages = min(num_stages, 2)
     while 2 * num_stages * block_n * block_d * elem_bytes > _KV_SMEM_BUDGET and block_n > 16:
@@ -635,7 +636,7 @@ def launch_plan(block_d: int, group: int, num_kv_heads: int, batch: int, num_tok
     work_units = grid[0] * grid[1] * num_kv_heads
     if num_splits is None:
         num_splits = _choose_num_splits(work_units, max_context, device, block_d, block_m)
-    tile = _tile_config(block_d, block_m, elem_bytes, triton.cdiv(max_context, num_splits))
+    tile = _tile_config(block_d, block_m, elem_bytes, triton.cdiv(max_context, num_splits), num_splits)
     return tile, num_splits, grid
 
 
