@@ -125,8 +125,8 @@ def _launches(monkeypatch: pytest.MonkeyPatch) -> list[Launch]:
                                        torch.tensor([0, query_len], dtype=torch.int32),
                                        torch.tensor([50], dtype=torch.int32), tables, 0.1, max_query_len=query_len)
         # Gemma: head dims 256 and 512, GQA groups of 2 and 8; decode (split and not, softcapped,
-        # sliding) and prefill-sized queries, which take other tiles; over 8 blocks, so that a program
-        # of one split streams enough keys for the deeper decode tile and one of four does not. In
+        # sliding) and prefill-sized queries, which take other tiles; over 8 blocks, so that an unsplit
+        # program streams enough keys for head dim 256's deeper decode tile. In
         # float32 (tests only, and slow to compile: IEEE dots) just the prefill at 512, whose K/V tiles
         # are cut to fit.
         gemma = ((256, 4), (256, 16), (512, 16), (512, 4)) if dtype == torch.bfloat16 else ()
@@ -280,14 +280,12 @@ def test_every_kernel_compiles_for_hopper(monkeypatch: pytest.MonkeyPatch) -> No
     decode_masks = {(launch.constexprs["DOT_F16"], launch.constexprs["MASK_EDGES_ONLY"]) for launch in launches
                     if launch.fn.__name__ == "_paged_attention_kernel" and launch.constexprs["BLOCK_M"] < 64}
     assert {(True, True), (True, False), (False, False)} <= decode_masks, decode_masks
-    one_byte_depths = {launch.options["num_stages"] for launch in launches
-                       if launch.fn.__name__ == "_paged_attention_kernel" and launch.constexprs["DOT_F16"]
-                       and launch.constexprs["BLOCK_M"] < 64}
-    assert {3, 5} <= one_byte_depths, one_byte_depths
-    wide_depths = {(launch.constexprs["BLOCK_D"], launch.options["num_stages"]) for launch in launches
-                   if launch.fn.__name__ == "_paged_attention_kernel" and launch.constexprs["BLOCK_M"] < 64
-                   and not launch.constexprs["DOT_F16"]}
-    assert {(256, 2), (256, 5), (512, 2)} <= wide_depths, wide_depths
+    # Decode tiles' pipeline depths: (one-byte cache, head dim, stages).
+    decode_depths = {(launch.constexprs["DOT_F16"], launch.constexprs["BLOCK_D"], launch.options["num_stages"])
+                     for launch in launches
+                     if launch.fn.__name__ == "_paged_attention_kernel" and launch.constexprs["BLOCK_M"] < 64}
+    assert {(True, 128, 3), (True, 128, 5), (False, 256, 2), (False, 256, 5), (False, 512, 2)} <= decode_depths, \
+        decode_depths
     for kernel, weightings in (("_rms_norm_kernel", {0, 1, 2}), ("_rope_write_kv_kernel", {0, 1, 2}),
                                ("_gemv_kernel", {0, 1, 2})):
         assert {(kernel, "WEIGHTING", w) for w in weightings} <= variants, kernel

@@ -113,8 +113,7 @@ def _flat_tile(query_start_loc_ptr, f, batch, BLOCK_Q: tl.constexpr):
 def _attend_tiles(acc, m_i, l_i, v_inv, q, q_step, q_pos, lo, hi, split_hi, bt_row, kv_head, cache, scales, qk_scale,
                   softcap_log2, window, dims, dim_valid, block_size: tl.constexpr, MASKED: tl.constexpr,
                   KV_SCALED: tl.constexpr, PIPELINED_SCALES: tl.constexpr, DOT_F16: tl.constexpr, PTX: tl.constexpr,
-                  BLOCK_N: tl.constexpr,
-                  USE_WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, IEEE_DOT: tl.constexpr):
+                  BLOCK_N: tl.constexpr, USE_WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, IEEE_DOT: tl.constexpr):
     """The online softmax over the key tiles ``lo`` … ``hi`` (of a split ending at ``split_hi``) folded
     into ``acc``, ``m_i``, ``l_i``; without ``MASKED`` every row may see every key of every tile. Over a
     quantized cache ``acc`` is in units of ``1 / v_inv``, the program's (``_paged_attention_kernel``).
