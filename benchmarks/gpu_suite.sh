@@ -17,6 +17,7 @@
 #  `kernel-profile-b<N>` = the decode step's kernels at batch N (`kernel-profile`: batch 1);
 #  `kvcache-profile` = the decode step's kernels and idle gaps at B = 64 over 8k tokens, per KV cache dtype;
 #  `ttft-profile` = a lone 100-token prompt's time to first token, its kernels and host functions;
+#  `study-attention-quantized-deep` = the one-byte decode tile against 8 warps and narrower tiles in deeper pipelines;
 #  `study-attention-short` = decode attention tiles and split counts at the static-decode and workload batches;
 #  `study-attention-short-gemma` = the same at head dim 256 (Gemma-3-4B's 8 q / 4 KV heads, and groups of 2
 #   and 8), with batches of mixed lengths besides;
@@ -130,6 +131,14 @@ for part in "$@"; do
         timeout 190 python3 benchmarks/study_attention_tiles.py decode --points quantized --shapes 4 --kv-dtype $kv \
           --jobs 8 --out "$OUT/attention-tiles-quantized.jsonl" 2>&1 | tail -3
       done ;;
+    study-attention-quantized-deep)
+      # The one-byte decode tile's neighbours at 5 stages and deeper: 8 warps, or 64 / 32 keys (two programs
+      # an SM), over int8 and fp8 caches at 16 x 4k and 64 x 8k tokens (Llama-3-8B's heads).
+      for kv in int8 fp8; do
+        timeout 200 python3 benchmarks/study_attention_tiles.py decode --points quantized --shapes 4 --kv-dtype $kv \
+          --jobs 12 --tiles "16,128,4,5;16,128,8,5;16,64,4,5;16,64,8,5;16,64,4,7;16,64,8,7;16,32,4,9;16,32,8,9;16,128,8,3" \
+          --out "$OUT/attention-tiles-quantized-deep.jsonl" 2>&1 | tail -3
+      done ;;
     study-attention-short)
       # Llama-3-8B's and Qwen3-0.6B's decode attention at the static-decode and workload batches
       # (32-256 sequences, 192- and 1,024-token contexts): every decode tile at 1, 2 and 4 KV splits.
@@ -234,8 +243,8 @@ for part in "$@"; do
       python3 benchmarks/profile_kernels.py --batch "${batch:-1}" --out "$OUT/$part.json" 2>&1 | grep -v "it/s]" | tail -80 ;;
     kvcache-profile)
       for kv in auto fp8 int8; do
-        timeout 150 python3 benchmarks/profile_kernels.py --batch 64 --context 8192 --kv-cache-dtype $kv \
-          --out "$OUT/kvcache-profile-$kv.json" 2>&1 | grep -v -e "it/s]" -e "^Loading" | tail -40
+        timeout 150 python3 benchmarks/profile_kernels.py --batch 64 --context 8192 --kv-cache-dtype $kv --no-eager \
+          --out "$OUT/kvcache-profile-$kv.json" 2>&1 | grep -v -e "it/s]" -e "^Loading" | tail -24
       done ;;
     startup-profile)
       python3 benchmarks/profile_startup.py --out "$OUT/startup-profile.json" 2>&1 | grep -v -e "it/s]" -e "^Loading" | tail -90 ;;

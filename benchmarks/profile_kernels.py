@@ -2,7 +2,7 @@
 included), next to the step's wall time.
 
 python benchmarks/profile_kernels.py [--shape llama3-8b] [--batch 1] [--context 128] [--kv-cache-dtype int8]
-                                    [--quantization q8_0] [--out FILE]   (GPU)
+                                    [--quantization q8_0] [--no-eager] [--out FILE]   (GPU)
 
 A step whose wall time is over its kernels' sum left the GPU idle for the difference (inside a CUDA
 graph, between kernels; or waiting on the host).
@@ -41,15 +41,16 @@ def decoding_engine(shape: str, batch: int, max_tokens: int, warm_steps: int, co
     return engine
 
 
-def kernel_profile(engine, steps: int) -> list[dict]:
-    """Per-kernel GPU time per step (kernels inside CUDA graphs included); with overlapped
-    steps, ``steps`` calls of ``engine.step`` run about ``steps`` steps."""
+def kernel_profile(engine, steps: int) -> dict:
+    """Per-kernel GPU time per step (kernels inside CUDA graphs included) and the GPU's idle time
+    (``kernel_profile_of``); with overlapped steps, ``steps`` calls of ``engine.step`` run about
+    ``steps`` steps."""
     return kernel_profile_of(lambda: [engine.step() for _ in range(steps)], steps)
 
 
-def kernel_profile_of(work, steps: int) -> list[dict]:
+def kernel_profile_of(work, steps: int) -> dict:
     """Per-kernel GPU time of ``work()``, divided by ``steps``, the biggest printed; then where the GPU
-    ran no kernel between two (``idle_gaps``)."""
+    ran no kernel between two (``idle_gaps``), in total and for the pairs around the longest gaps."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
@@ -70,10 +71,13 @@ def kernel_profile_of(work, steps: int) -> list[dict]:
     for r in rows[:28]:
         print(f"  {r['us_per_step']:8.1f} us  {r['calls_per_step']:6.1f}x  {r['kernel']}")
     gaps = idle_gaps(spans)
-    print(f"idle between kernels {sum(gaps.values()) / steps:.1f} us a step; the longest, after -> before:")
-    for (after, before), us in sorted(gaps.items(), key=lambda item: -item[1])[:8]:
-        print(f"  {us / steps:8.1f} us  {after} -> {before}")
-    return rows
+    idle = sum(gaps.values()) / steps
+    longest = [{"after": after, "before": before, "us_per_step": us / steps}
+               for (after, before), us in sorted(gaps.items(), key=lambda item: -item[1])[:8]]
+    print(f"idle between kernels {idle:.1f} us a step; the longest, after -> before:")
+    for gap in longest:
+        print(f"  {gap['us_per_step']:8.1f} us  {gap['after']} -> {gap['before']}")
+    return {"kernels": rows, "idle_us_per_step": idle, "longest_idle": longest}
 
 
 def idle_gaps(spans: list[tuple[str, float, float]]) -> dict[tuple[str, str], float]:
@@ -100,6 +104,7 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=128, help="tokens in each request's prompt")
     parser.add_argument("--kv-cache-dtype", default="auto", help="auto, fp8, fp8_e5m2 or int8")
     parser.add_argument("--quantization", default=None, help="weights: e.g. q8_0 (default: the model's dtype)")
+    parser.add_argument("--no-eager", action="store_true", help="profile the graphed steps only")
     parser.add_argument("--out")
     args = parser.parse_args()
     if args.prefill:
@@ -112,11 +117,11 @@ def main() -> None:
                     engine.step()
         torch.cuda.synchronize()
         started = time.perf_counter()
-        rows = kernel_profile(engine, 2)  # launches steps 1-3, completes 1-2: ~13.5k prompt tokens
+        profiled = kernel_profile(engine, 2)  # launches steps 1-3, completes 1-2: ~13.5k prompt tokens
         print(f"first two steps {(time.perf_counter() - started) * 1e3:.1f} ms under the profiler")
         if args.out:
             with open(args.out, "w") as f:
-                json.dump({"shape": args.shape, "prefill_steps": rows}, f, indent=1)
+                json.dump({"shape": args.shape, "prefill_steps": profiled}, f, indent=1)
         return
     ceilings = measure_ceilings()
     # A long prompt is prefilled while the first requests decode: enough tokens for every request to
@@ -134,9 +139,10 @@ def main() -> None:
     print(f"engine step {result['step_ms']:.3f} ms (batch {args.batch}, "
           f"context ~{args.context + 20}-{args.context + 70})")
     result["graphed"] = kernel_profile(engine, 20)
-    graphs, engine.core.runner.graphs = engine.core.runner.graphs, None
-    result["eager"] = kernel_profile(engine, 10)
-    engine.core.runner.graphs = graphs
+    if not args.no_eager:
+        graphs, engine.core.runner.graphs = engine.core.runner.graphs, None
+        result["eager"] = kernel_profile(engine, 10)
+        engine.core.runner.graphs = graphs
     if args.out:
         with open(args.out, "w") as f:
             json.dump(result, f, indent=1)
