@@ -92,9 +92,12 @@ def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, length: int,
 def quantize_query_int8(q: torch.Tensor) -> torch.Tensor:
     """``q`` float32 ``[..., D]`` on the int8 grid of each row (its largest magnitude over 127, rounded
     half up): over an int8 cache the scores are integer dots of the query and key values, which
-    run on the tensor cores with no conversion of the keys, times the two scales."""
+    run on the tensor cores with no conversion of the keys, times the two scales. Each value is
+    multiplied by the step's reciprocal (one division a row, each step rounded to float32, as the
+    kernel rounds them) rather than divided by the step, so the kernel makes the same grid values
+    without a correctly rounded division for every element."""
     step = q.abs().amax(dim=-1, keepdim=True).clamp_min(QUERY_INT8_FLOOR) / 127.0
-    return torch.floor(q / step + 0.5) * step
+    return torch.floor(q * torch.reciprocal(step) + 0.5) * step
 
 
 def paged_attention(

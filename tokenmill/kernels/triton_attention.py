@@ -110,6 +110,18 @@ def _flat_tile(query_start_loc_ptr, f, batch, BLOCK_Q: tl.constexpr):
 
 
 @triton.jit
+def _mul_rn(x, y, PTX: tl.constexpr):
+    """``x * y`` rounded to float32 on its own: the compiler fuses a product with the sum it feeds
+    (one rounding), which PTX's ``mul.rn`` keeps apart. The interpreter (``PTX`` false) fuses nothing."""
+    if PTX:
+        product = tl.inline_asm_elementwise("mul.rn.f32 $0, $1, $2;", "=f,f,f", [x, y], dtype=tl.float32,
+                                            is_pure=True, pack=1)
+    else:
+        product = x * y
+    return product
+
+
+@triton.jit
 def _attend_tiles(acc, m_i, l_i, v_inv, q, q_step, q_pos, lo, hi, split_hi, bt_row, kv_head, cache, scales, qk_scale,
                   softcap_log2, window, dims, dim_valid, block_size: tl.constexpr, MASKED: tl.constexpr,
                   KV_SCALED: tl.constexpr, PIPELINED_SCALES: tl.constexpr, DOT_F16: tl.constexpr, PTX: tl.constexpr,
@@ -337,11 +349,13 @@ def _paged_attention_kernel(
     if k_cache_ptr.dtype.element_ty == tl.int8:
         # An int8 cache: q on each row's int8 grid (``reference.quantize_query_int8``), so that its
         # scores are integer tensor-core dots with the keys as they are stored.
-        # Divided as the reference divides (rounded to nearest): the GPU's faster division is off by
-        # up to two ulps, which moves an element that close to half a step onto the other step.
+        # Every step rounded as the reference rounds it: a faster division is off by up to two ulps,
+        # and a product fused with the + 0.5 is rounded once, either of which moves an element that
+        # close to half a step onto the other step.
         q = q.to(tl.float32)
-        q_step = tl.math.div_rn(tl.maximum(tl.max(tl.abs(q), axis=1), _QUERY_INT8_FLOOR), 127.0)
-        q = tl.floor(tl.math.div_rn(q, q_step[:, None]) + 0.5).to(tl.int8)
+        q_step = tl.math.div_rn(tl.maximum(tl.max(tl.abs(q), axis=1, keep_dims=True), _QUERY_INT8_FLOOR), 127.0)
+        q = tl.floor(_mul_rn(q, tl.math.div_rn(1.0, q_step), PTX) + 0.5).to(tl.int8)
+        q_step = tl.reshape(q_step, (BLOCK_M,))
     elif DOT_F16:
         # A one-byte cache under a 16-bit query: the dots run in float16, which every int8 and float8
         # value converts to exactly and cheaply (float8 two a packed instruction; to bfloat16 each goes
