@@ -15,7 +15,8 @@
 #  `tp` = on two GPUs, the tensor-parallel GPU tests and benchmarks/tp_bench.py (all-reduces, 8B decode);
 #  `tp70b` = on two GPUs, Llama-3-70B split over both: batch sweep and standard workload;
 #  `kernel-profile-b<N>` = the decode step's kernels at batch N (`kernel-profile`: batch 1);
-#  `kvcache-profile` = the decode step's kernels and idle gaps at B = 64 over 8k tokens, per KV cache dtype;
+#  `kvcache-profile` = the decode step's kernels and idle gaps at B = 64 over 8k tokens, per KV cache dtype, with the
+#   SM clock and power logged beside each run (`kvcache-profile-<dtype>-clocks.csv`);
 #  `ttft-profile` = a lone 100-token prompt's time to first token, its kernels and host functions;
 #  `study-attention-quantized-deep` = the one-byte decode tile against 8 warps and narrower tiles in deeper pipelines;
 #  `study-attention-short` = decode attention tiles and split counts at the static-decode and workload batches;
@@ -242,9 +243,13 @@ for part in "$@"; do
       batch=${part#kernel-profile}; batch=${batch#-b}
       python3 benchmarks/profile_kernels.py --batch "${batch:-1}" --out "$OUT/$part.json" 2>&1 | grep -v "it/s]" | tail -80 ;;
     kvcache-profile)
+      # With the SM clock and power logged beside each run (the JSON gives each window's times).
       for kv in auto fp8 int8; do
+        nvidia-smi --query-gpu=timestamp,clocks.sm,clocks.mem,power.draw,temperature.gpu --format=csv -lms 200 \
+          > "$OUT/kvcache-profile-$kv-clocks.csv" 2>/dev/null & smi=$!
         timeout 150 python3 benchmarks/profile_kernels.py --batch 64 --context 8192 --kv-cache-dtype $kv --no-eager \
           --out "$OUT/kvcache-profile-$kv.json" 2>&1 | grep -v -e "it/s]" -e "^Loading" | tail -24
+        kill $smi
       done ;;
     startup-profile)
       python3 benchmarks/profile_startup.py --out "$OUT/startup-profile.json" 2>&1 | grep -v -e "it/s]" -e "^Loading" | tail -90 ;;

@@ -132,13 +132,20 @@ def main() -> None:
     print(f"bandwidth {ceilings.bandwidth / 1e12:.2f} TB/s")
     result = {"bandwidth": ceilings.bandwidth, "batch": args.batch, "context": args.context,
               "kv_cache_dtype": args.kv_cache_dtype}
+    # Each window's start and end in seconds since the epoch, to line up with a clock and power log
+    # taken beside the run (``nvidia-smi --query-gpu=timestamp,clocks.sm,power.draw -lms 200``).
+    result["timed_window"] = [time.time()]
     started = time.perf_counter()
     for _ in range(50):
         engine.step()
+    torch.cuda.synchronize()  # the last step launched is in flight when step() returns
     result["step_ms"] = (time.perf_counter() - started) / 50 * 1e3
+    result["timed_window"].append(time.time())
     print(f"engine step {result['step_ms']:.3f} ms (batch {args.batch}, "
           f"context ~{args.context + 20}-{args.context + 70})")
+    result["profiled_window"] = [time.time()]
     result["graphed"] = kernel_profile(engine, 20)
+    result["profiled_window"].append(time.time())
     if not args.no_eager:
         graphs, engine.core.runner.graphs = engine.core.runner.graphs, None
         result["eager"] = kernel_profile(engine, 10)
