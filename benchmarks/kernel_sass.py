@@ -3,10 +3,11 @@
 Calls a kernel wrapper the way the engine does on the CPU, intercepts the launch, compiles it for
 Hopper with the divisibility hints the JIT derives on the GPU (16-byte-aligned pointers, integer
 arguments divisible by 16 outside ``do_not_specialize``), and prints the SASS instruction mix, the
-registers and the stack (spills), and how many programs an SM holds at once (by registers, warps and
-shared memory). With the GPU image's Triton first on the path (a Triton of another
-version compiles other code), it is what the GPU runs; reading a loop's loads and conversions here
-comes before timing a change on the GPU:
+registers and the stack (spills), how many programs an SM holds at once (by registers, warps and
+shared memory), and the instruction mix of the longest loop's body (a streaming kernel's
+iteration). With the GPU image's Triton first on the path (a Triton of another version compiles
+other code), it is what the GPU runs; reading a loop's loads and conversions here comes before
+timing a change on the GPU:
 
     pip install --no-deps --target /tmp/triton-gpu triton==<the GPU's version>
     PYTHONPATH=/tmp/triton-gpu python benchmarks/kernel_sass.py attention --kv int8 [--batch 64] [--query 1] \
@@ -90,6 +91,28 @@ def occupancy(kernel: triton.compiler.CompiledKernel, regs: int) -> str:
             f"bound by {limit} (" + ", ".join(f"{k} {v}" for k, v in bounds.items()) + ")")
 
 
+_INSTRUCTION = re.compile(r"\s+/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_.]+)")
+
+
+def opcodes(lines: list[str]) -> collections.Counter:
+    """Each opcode's count in these lines of ``nvdisasm`` output (a predicate in front is not one)."""
+    return collections.Counter(m.group(1) for line in lines if (m := _INSTRUCTION.match(line)))
+
+
+def longest_loop(sass: str) -> collections.Counter:
+    """The opcodes of the longest loop's body: the lines from a label to the last branch back to it.
+    A streaming kernel's time is its main loop's, so its instructions an iteration are what a change
+    to the loop moves, where the whole kernel's count also holds the prologue and epilogue."""
+    lines = sass.splitlines()
+    labels = {m.group(1): i for i, line in enumerate(lines) if (m := re.match(r"\s*(\.L_x_\d+):", line))}
+    body: list[str] = []
+    for i, line in enumerate(lines):
+        m = re.search(r"BRA\b.*`\((\.L_x_\d+)\)", line)
+        if m and labels.get(m.group(1), i) < i and i + 1 - labels[m.group(1)] > len(body):
+            body = lines[labels[m.group(1)]:i + 1]
+    return opcodes(body)
+
+
 def report(kernel: triton.compiler.CompiledKernel, sass_out: str | None) -> None:
     tools = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
     with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
@@ -100,11 +123,14 @@ def report(kernel: triton.compiler.CompiledKernel, sass_out: str | None) -> None
                                check=True).stdout.strip().splitlines()[-1]
     finally:
         os.unlink(f.name)
-    ops = collections.Counter(m.group(1) for line in sass.splitlines()
-                              if (m := re.match(r"\s+/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_.]+)", line)))
+    ops = opcodes(sass.splitlines())
     print(f"Triton {triton.__version__}: {sum(ops.values())} instructions; {usage.strip()[:60]}")
     print(occupancy(kernel, int(re.search(r"REG:(\d+)", usage).group(1))))
     for op, count in ops.most_common(30):
+        print(f"  {count:5d} {op}")
+    loop = longest_loop(sass)
+    print(f"longest loop: {sum(loop.values())} instructions an iteration")
+    for op, count in loop.most_common(20):
         print(f"  {count:5d} {op}")
     if sass_out:
         Path(sass_out).write_text(sass)

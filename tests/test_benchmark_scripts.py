@@ -30,3 +30,27 @@ def test_idle_gaps_count_only_time_no_kernel_covers(monkeypatch: pytest.MonkeyPa
     spans = [("b", 12.0, 20.0), ("a", 0.0, 10.0), ("c", 15.0, 18.0), ("d", 25.0, 30.0), ("b", 31.0, 32.0)]
     assert idle_gaps(spans) == {("a", "b"): 2.0, ("b", "d"): 5.0, ("d", "b"): 1.0}
     assert idle_gaps([("x", 0.0, 5.0), ("y", 1.0, 3.0), ("z", 4.0, 6.0)]) == {}
+
+
+def test_longest_loop_counts_the_body_of_the_longest_backward_branch(monkeypatch: pytest.MonkeyPatch) -> None:
+    """kernel_sass's loop report: the instructions from a label to the last branch back to it, the
+    longest such region; a forward branch is no loop, and a predicate is not an opcode."""
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    from kernel_sass import longest_loop
+
+    sass = """
+        /*0000*/                   MOV R1, c[0x0][0x28] ;
+.L_x_1:
+        /*0010*/                   FMUL R2, R2, R3 ;
+        /*0020*/              @!P0 BRA `(.L_x_1) ;
+        /*0030*/                   BRA `(.L_x_3) ;
+.L_x_2:
+        /*0040*/                   IMMA.16832.S8.S8.SAT R4, R6, R8, R4 ;
+        /*0050*/                   FMUL R2, R2, R3 ;
+        /*0060*/               @P1 FFMA R2, R2, R3, R4 ;
+        /*0070*/              @!P0 BRA `(.L_x_2) ;
+.L_x_3:
+        /*0080*/                   EXIT ;
+"""
+    assert dict(longest_loop(sass)) == {"IMMA.16832.S8.S8.SAT": 1, "FMUL": 1, "FFMA": 1, "BRA": 1}
+    assert not longest_loop(sass.replace("`(.L_x_2)", "`(.L_x_3)").replace("`(.L_x_1)", "`(.L_x_3)"))
