@@ -14,6 +14,7 @@ timing a change on the GPU:
         [--head-dim 128] [--sass FILE]
     PYTHONPATH=/tmp/triton-gpu python benchmarks/kernel_sass.py gemv --q8
     PYTHONPATH=/tmp/triton-gpu python benchmarks/kernel_sass.py skinny [--q8] [--rows 8]
+    PYTHONPATH=/tmp/triton-gpu python benchmarks/kernel_sass.py rope --kv int8
 """
 
 from __future__ import annotations
@@ -36,7 +37,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "kernels"
 from study_attention_tiles import force_tile  # noqa: E402
 from test_triton_compile import HOPPER, LAUNCH_OPTIONS, Launch  # noqa: E402
 
-from tokenmill.kernels import q8_0, triton_attention, triton_gemv, triton_ops, triton_skinny_matmul  # noqa: E402
+from tokenmill.kernels import (  # noqa: E402
+    q8_0,
+    triton_attention,
+    triton_gemv,
+    triton_ops,
+    triton_rotary,
+    triton_skinny_matmul,
+)
 from tokenmill.loader.kv_layout import kv_scale_dtype  # noqa: E402
 
 KV_DTYPES = {"bf16": torch.bfloat16, "int8": torch.int8, "fp8": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
@@ -138,8 +146,8 @@ def report(kernel: triton.compiler.CompiledKernel, sass_out: str | None) -> None
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("kernel", choices=["attention", "gemv", "skinny"])
-    parser.add_argument("--kv", choices=list(KV_DTYPES), default="bf16", help="attention: the cache's dtype")
+    parser.add_argument("kernel", choices=["attention", "gemv", "skinny", "rope"])
+    parser.add_argument("--kv", choices=list(KV_DTYPES), default="bf16", help="attention, rope: the cache's dtype")
     parser.add_argument("--batch", type=int, default=64, help="attention: decode sequences (the tile follows)")
     parser.add_argument("--query", type=int, default=1, help="attention: query tokens a sequence (a prefill chunk)")
     parser.add_argument("--head-dim", type=int, default=128, help="attention: the heads' size (8 KV heads, group 4)")
@@ -171,6 +179,15 @@ def main() -> None:
                                        torch.zeros(batch, 20, dtype=torch.int32), 0.1, max_query_len=q,
                                        max_seq_len=8192, **scales)
         launch = intercept("_paged_attention_kernel", call)
+    elif args.kernel == "rope":  # Llama-3-8B's RoPE and KV write for one decode token
+        dtype = KV_DTYPES[args.kv]
+        cache = torch.zeros(40, 16, 8, 128, dtype=dtype)
+        scales = {} if dtype == torch.bfloat16 else {"k_scale": torch.zeros(40, 16, 8, dtype=kv_scale_dtype(128)),
+                                                     "v_scale": torch.zeros(40, 16, 8, dtype=kv_scale_dtype(128))}
+        launch = intercept("_rope_write_kv_kernel", lambda: triton_rotary.rotary_embedding_and_write_kv(
+            torch.zeros(1, dtype=torch.int64), torch.zeros(1, 32, 128).bfloat16(), torch.zeros(1, 8, 128).bfloat16(),
+            torch.zeros(1, 8, 128).bfloat16(), torch.zeros(64, 128).bfloat16(), cache, cache,
+            torch.zeros(1, dtype=torch.int64), **scales))
     elif args.kernel == "skinny":  # Llama-3-8B's o (dense or Q8_0): the split the GPU's SMs give it
         weight = torch.randn(4096, 4096).bfloat16()
         weight = q8_0.quantize(weight) if args.q8 else weight

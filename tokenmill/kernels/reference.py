@@ -38,13 +38,14 @@ def quantize_kv(x: torch.Tensor, cache_dtype: torch.dtype,
     (``[T, H]``, bfloat16), so that ``q * scale`` dequantizes it. The scale is the head's largest
     magnitude (or ``static_amax``, a checkpoint's calibrated one for the whole tensor, beyond which
     values are clipped) over the dtype's largest value, rounded up to bfloat16 before ``x`` is
-    divided by it: the stored scale is exactly the one used, and nothing overflows. int8 rounds to
-    the nearest integer; float8 rounds as the cast does."""
+    divided by it (multiplied by its reciprocal, as the kernel does with one division a head): the
+    stored scale is exactly the one used, and nothing overflows. int8 rounds to the nearest integer;
+    float8 rounds as the cast does."""
     qmax = kv_qmax(cache_dtype)
     amax = x.float().abs().amax(dim=-1) if static_amax is None else static_amax.float().expand(x.shape[:-1])
     scale = (amax / qmax * (1 + 2**-7)).to(torch.bfloat16)  # bf16 rounds within 2**-9: never below amax / qmax
     safe = torch.where(scale > 0, scale.float(), torch.ones_like(amax))  # an all-zero head stays zero
-    scaled = (x.float() / safe[..., None]).clamp(-qmax, qmax)
+    scaled = (x.float() * torch.reciprocal(safe)[..., None]).clamp(-qmax, qmax)
     q = scaled.round().to(torch.int8) if cache_dtype == torch.int8 else scaled.to(cache_dtype)
     return q, scale
 

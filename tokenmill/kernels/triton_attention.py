@@ -25,7 +25,7 @@ import triton.language as tl
 
 from tokenmill.kernels.reference import QUERY_INT8_FLOOR
 from tokenmill.kernels.triton_activation import tanh
-from tokenmill.kernels.triton_convert import ptx_conversions, to_f16
+from tokenmill.kernels.triton_convert import mul_rn, ptx_conversions, to_f16
 from tokenmill.kernels.triton_launch import num_sms, pdl_launch_args, wait_for_previous_kernel
 
 _LOG2E = 1.4426950408889634
@@ -107,18 +107,6 @@ def _flat_tile(query_start_loc_ptr, f, batch, BLOCK_Q: tl.constexpr):
         stop = tl.minimum(stop, tl.min(tl.where(valid & (ends > f), ends, _NO_TILE), axis=0))
         before = tl.max(ends, axis=0)
     return seq, stop - 1 - f
-
-
-@triton.jit
-def _mul_rn(x, y, PTX: tl.constexpr):
-    """``x * y`` rounded to float32 on its own: the compiler fuses a product with the sum it feeds
-    (one rounding), which PTX's ``mul.rn`` keeps apart. The interpreter (``PTX`` false) fuses nothing."""
-    if PTX:
-        product = tl.inline_asm_elementwise("mul.rn.f32 $0, $1, $2;", "=f,f,f", [x, y], dtype=tl.float32,
-                                            is_pure=True, pack=1)
-    else:
-        product = x * y
-    return product
 
 
 @triton.jit
@@ -354,7 +342,7 @@ def _paged_attention_kernel(
         # close to half a step onto the other step.
         q = q.to(tl.float32)
         q_step = tl.math.div_rn(tl.maximum(tl.max(tl.abs(q), axis=1, keep_dims=True), _QUERY_INT8_FLOOR), 127.0)
-        q = tl.floor(_mul_rn(q, tl.math.div_rn(1.0, q_step), PTX) + 0.5).to(tl.int8)
+        q = tl.floor(mul_rn(q, tl.math.div_rn(1.0, q_step), PTX) + 0.5).to(tl.int8)
         q_step = tl.reshape(q_step, (BLOCK_M,))
     elif DOT_F16:
         # A one-byte cache under a 16-bit query: the dots run in float16, which every int8 and float8

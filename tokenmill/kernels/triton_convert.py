@@ -15,6 +15,7 @@ for a tile read along its contiguous dimension (attention's K: eight bytes a loa
 skips the float16 round trip through shared memory.
 
 Triton's interpreter runs no PTX: there (``PTX`` false) the plain conversion, the same values.
+Beside them, ``mul_rn``: a float32 product rounded on its own, as the torch references round it.
 """
 
 from __future__ import annotations
@@ -53,6 +54,18 @@ def to_f16(x, PTX: tl.constexpr, MOVABLE: tl.constexpr):
     else:
         y = _ptx_to_f16(x, _INT8_TO_F16, MOVABLE)
     return y
+
+
+@triton.jit
+def mul_rn(x, y, PTX: tl.constexpr):
+    """``x * y`` (float32) rounded on its own: the compiler fuses a product with the sum it feeds (one
+    rounding of both), which PTX's ``mul.rn`` keeps apart. The interpreter (``PTX`` false) fuses nothing."""
+    if PTX:
+        product = tl.inline_asm_elementwise("mul.rn.f32 $0, $1, $2;", "=f,f,f", [x, y], dtype=tl.float32,
+                                            is_pure=True, pack=1)
+    else:
+        product = x * y
+    return product
 
 
 @triton.jit

@@ -16,6 +16,7 @@ import triton
 import triton.language as tl
 
 from tokenmill.kernels.reference import kv_qmax
+from tokenmill.kernels.triton_convert import mul_rn, ptx_conversions
 from tokenmill.kernels.triton_launch import pdl_launch_args, wait_for_previous_kernel
 from tokenmill.kernels.triton_norm import WEIGHTINGS, weigh
 
@@ -81,12 +82,12 @@ def _kv_scale(amax, QMAX: tl.constexpr):
 
 
 @triton.jit
-def _quantize(x, scale, QMAX: tl.constexpr, dtype: tl.constexpr):
-    """``x`` (float32) over its head's ``scale``, clamped to the dtype's range, in ``dtype``: int8 rounds
-    to the nearest integer (ties away from zero, where torch rounds them to even: a rare half step),
-    float8 as the cast does. The division is IEEE's (a plain ``/`` is an approximate one on the GPU), so
-    a value quantizes as the reference's does."""
-    y = tl.minimum(tl.maximum(tl.math.div_rn(x, scale), -QMAX), QMAX)
+def _quantize(x, inv_scale, QMAX: tl.constexpr, dtype: tl.constexpr, PTX: tl.constexpr):
+    """``x`` (float32) times its head's ``inv_scale`` (the scale's reciprocal, correctly rounded: one
+    division a head, not one a value), clamped to the dtype's range, in ``dtype``: int8 rounds to the
+    nearest integer (ties away from zero, where torch rounds them to even: a rare half step), float8
+    as the cast does. Every step rounds as the reference's, so a value quantizes as it does there."""
+    y = tl.minimum(tl.maximum(mul_rn(x, inv_scale, PTX), -QMAX), QMAX)
     if dtype == tl.int8:
         y = tl.where(y >= 0.0, tl.floor(y + 0.5), -tl.floor(-y + 0.5))
     return y.to(dtype)
@@ -102,7 +103,7 @@ def _rope_write_kv_kernel(
     vs_stride_block, vs_stride_slot, vs_stride_head, kv_amax_ptr,
     block_size, num_q_heads, num_kv_heads, half, head_dim,
     HAS_NORM: tl.constexpr, WEIGHTING: tl.constexpr, V_NORM: tl.constexpr, QUANTIZED: tl.constexpr,
-    QMAX: tl.constexpr, STATIC_AMAX: tl.constexpr,
+    QMAX: tl.constexpr, STATIC_AMAX: tl.constexpr, PTX: tl.constexpr,
     PDL: tl.constexpr,
     BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
@@ -169,10 +170,12 @@ def _rope_write_kv_kernel(
                          k_s.to(k_scale_ptr.dtype.element_ty), mask=live)
                 tl.store(v_scale_ptr + block * vs_stride_block + offset * vs_stride_slot + heads * vs_stride_head,
                          v_s.to(v_scale_ptr.dtype.element_ty), mask=live)
-                tl.store(k_dst, _quantize(k1f, k_s[:, None], QMAX, k_cache_ptr.dtype.element_ty), mask=kmask)
-                tl.store(k_dst + half, _quantize(k2f, k_s[:, None], QMAX, k_cache_ptr.dtype.element_ty),
+                k_inv = tl.math.div_rn(1.0, k_s)[:, None]
+                v_inv = tl.math.div_rn(1.0, v_s)[:, None]
+                tl.store(k_dst, _quantize(k1f, k_inv, QMAX, k_cache_ptr.dtype.element_ty, PTX), mask=kmask)
+                tl.store(k_dst + half, _quantize(k2f, k_inv, QMAX, k_cache_ptr.dtype.element_ty, PTX),
                          mask=kmask)
-                tl.store(v_dst, _quantize(vf, v_s[:, None], QMAX, v_cache_ptr.dtype.element_ty), mask=vmask)
+                tl.store(v_dst, _quantize(vf, v_inv, QMAX, v_cache_ptr.dtype.element_ty, PTX), mask=vmask)
             else:
                 tl.store(k_dst, k1.to(k_cache_ptr.dtype.element_ty), mask=kmask)
                 tl.store(k_dst + half, k2.to(k_cache_ptr.dtype.element_ty), mask=kmask)
@@ -244,6 +247,7 @@ def rotary_embedding_and_write_kv(
             QUANTIZED=quantized,
             QMAX=kv_qmax(k_cache.dtype) if quantized else 0.0,
             STATIC_AMAX=quantized and kv_amax is not None,
+            PTX=quantized and ptx_conversions(),
             BLOCK_HQ=block_hq,
             BLOCK_HK=block_hk,
             BLOCK_HALF=block_half,
