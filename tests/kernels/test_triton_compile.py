@@ -273,7 +273,8 @@ def test_every_kernel_compiles_for_hopper(monkeypatch: pytest.MonkeyPatch) -> No
             ("_rope_write_kv_kernel", "STATIC_AMAX", True), ("_rms_norm_kernel", "SCALE_AFTER", True),
             ("_gemv_kernel", "Q8", True), ("_gemv_kernel", "PTX", True), ("_gemv_kernel", "ACT_MUL", True),
             ("_skinny_matmul_kernel", "QUANTIZED", True), ("_skinny_matmul_kernel", "QUANTIZED", False),
-            ("_paged_attention_kernel", "PTX", True), ("_rope_write_kv_kernel", "V_NORM", True)} <= {
+            ("_paged_attention_kernel", "PTX", True), ("_rope_write_kv_kernel", "PTX", True),
+            ("_rope_write_kv_kernel", "V_NORM", True)} <= {
         (launch.fn.__name__, key, launch.constexprs.get(key)) for launch in launches
         for key in ("KV_SCALED", "DOT_F16", "QUANTIZED", "STATIC_AMAX", "SCALE_AFTER", "Q8", "PTX", "ACT_MUL",
                     "V_NORM")}
