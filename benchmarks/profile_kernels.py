@@ -4,8 +4,9 @@ included), next to the step's wall time.
 python benchmarks/profile_kernels.py [--shape llama3-8b] [--batch 1] [--context 128] [--kv-cache-dtype int8]
                                     [--quantization q8_0] [--no-eager] [--out FILE]   (GPU)
 
-A step whose wall time is over its kernels' sum left the GPU idle for the difference (inside a CUDA
-graph, between kernels; or waiting on the host).
+The GPU's idle time is measured inside the profiled window (no kernel running, between two). The
+timed steps' wall time, taken without the profiler, need not equal the kernels' sum plus that idle
+time: the profiler stretches short kernels, and programmatic dependent launch overlaps them.
 """
 
 import argparse

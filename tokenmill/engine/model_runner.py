@@ -206,8 +206,8 @@ def warm_up_shapes(max_num_batched_tokens: int, max_model_len: int, max_num_seqs
     GQA group, up to 128 or 64), whether the tiles of a ragged batch are numbered flat (a chunk longer
     than one tile beside other sequences) and whether the KV range is split (a grid under one program
     an SM), and on how many keys each program streams (``_tile_config``'s pipeline depth, over a
-    one-byte cache or at head dim 256). A chunk of 256 tokens fills two tiles of the largest class at every group, 64 at
-    groups of 4 and more; the shorter ones take each smaller class."""
+    one-byte cache or at head dim 256). A chunk of 256 tokens fills two tiles of the largest class at
+    every group, 64 at groups of 4 and more; the shorter ones take each smaller class."""
     longest = max(2, min(max_num_batched_tokens - 1, max_model_len - 1))
     shapes = {(q, q, 1) for q in (2, 4, 8, 16, 64, 128) if q < longest} | {(longest, longest, 1)}
     # Chunks of every class beside one decode row deep into the longest context, whose KV ranges

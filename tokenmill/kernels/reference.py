@@ -38,8 +38,8 @@ def quantize_kv(x: torch.Tensor, cache_dtype: torch.dtype,
     (``[T, H]``, bfloat16), so that ``q * scale`` dequantizes it. The scale is the head's largest
     magnitude (or ``static_amax``, a checkpoint's calibrated one for the whole tensor, beyond which
     values are clipped) over the dtype's largest value, rounded up to bfloat16 before ``x`` is
-    divided by it (multiplied by its reciprocal, as the kernel does with one division a head): the
-    stored scale is exactly the one used, and nothing overflows. int8 rounds to the nearest integer;
+    scaled by it (times its reciprocal, as the kernel does with one division a head): the stored
+    scale is exactly the one used, and nothing overflows. int8 rounds to the nearest integer;
     float8 rounds as the cast does."""
     qmax = kv_qmax(cache_dtype)
     amax = x.float().abs().amax(dim=-1) if static_amax is None else static_amax.float().expand(x.shape[:-1])

@@ -340,6 +340,8 @@ def _paged_attention_kernel(
         # Every step rounded as the reference rounds it: a faster division is off by up to two ulps,
         # and a product fused with the + 0.5 is rounded once, either of which moves an element that
         # close to half a step onto the other step.
+        # The step and its reciprocal are taken on a [rows, 1] column: on a row vector broadcast
+        # afterwards, the compiler divided again for every element (sm_90 code).
         q = q.to(tl.float32)
         q_step = tl.math.div_rn(tl.maximum(tl.max(tl.abs(q), axis=1, keep_dims=True), _QUERY_INT8_FLOOR), 127.0)
         q = tl.floor(mul_rn(q, tl.math.div_rn(1.0, q_step), PTX) + 0.5).to(tl.int8)
@@ -567,7 +569,8 @@ def _tile_config(block_d: int, block_m: int, elem_bytes: int, program_keys: int,
       142.9 and 150.3 against 140.3 and 146.3): a decode graph fixes its split count and tile for
       the longest context it serves, so a lone sequence of 1,024 tokens under a graph for 8k would
       stream one tile a range, where only the deeper pipeline's prologue shows. Prefill (64 rows): 32
-      keys, 4 warps, 3 stages, 128-204 TFLOP/s against 89-106 for 8 warps and 2 stages; 64 keys at 4 warps spill.
+      keys, 4 warps, 3 stages, 128-204 TFLOP/s against 89-106 for 8 warps and 2 stages; 64 keys at
+      4 warps spill.
     - 512, decode: 32 keys, 4 warps, 2 stages, 3.3-4.0 TB/s at batch 64; 64 keys spill and
       run at half that. 16 keys in 5 stages (206 registers and no spills, against 255 and a
       spill; h200-2026-12-02/tiles-d512) won only where the grid was thin and its ranges split
@@ -595,8 +598,8 @@ def _tile_config(block_d: int, block_m: int, elem_bytes: int, program_keys: int,
     261); 16 x 4k (two splits) fp8 58.6 -> 49.2, int8 57.8 -> 52.9; 256 x 1,024 fp8 213 -> 199,
     int8 209 -> 197. Where a program has two tiles to stream the deeper pipeline only costs its
     prologue: 128 x 192 fp8 41.7 -> 46.4 us, int8 1 x 8k at 33 splits 12.9 -> 15.1. Against 8 warps,
-    or 64 / 32 keys in 5-9 stages (two programs an SM), the 5-stage tile took 28-53% less time (64 x 8k int8
-    331 against 459-707 us; h200-2026-12-02/at-3d69e8b).
+    or 64 / 32 keys in 5-9 stages (two programs an SM), the 5-stage tile took 28-53% less time
+    (64 x 8k int8 331 against 459-707 us; h200-2026-12-02/at-3d69e8b).
     """
     if block_d <= 128:
         block_n, num_warps, num_stages = 64, 4, 2
