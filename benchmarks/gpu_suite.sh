@@ -17,8 +17,12 @@
 #  `kernel-profile-b<N>` = the decode step's kernels at batch N (`kernel-profile`: batch 1);
 #  `kvcache-profile` = the decode step's kernels and idle gaps at B = 64 over 8k tokens, per KV cache dtype, with the
 #   SM clock and power logged beside each run (`kvcache-profile-<dtype>-clocks.csv`);
+#  `kvcache-workload-profile` = the KV-bound workload's steps against their floors per KV cache dtype, the clocks
+#   logged (`workload-profile-kv-bound-<dtype>-clocks.csv`), then the decode step's kernels at its mean batch;
 #  `ttft-profile` = a lone 100-token prompt's time to first token, its kernels and host functions;
 #  `study-attention-quantized-deep` = the one-byte decode tile against 8 warps and narrower tiles in deeper pipelines;
+#  `study-attention-quantized-ragged` = the one-byte decode tile against 3 stages and 64 keys at 1-4 KV splits, on
+#   batches of mixed lengths and of 32-256 short contexts;
 #  `study-attention-short` = decode attention tiles and split counts at the static-decode and workload batches;
 #  `study-attention-short-gemma` = the same at head dim 256 (Gemma-3-4B's 8 q / 4 KV heads, and groups of 2
 #   and 8), with batches of mixed lengths besides;
@@ -58,6 +62,15 @@ python3 -c "import xdist" 2>/dev/null && parallel="-n ${PYTEST_WORKERS:-12} --du
 allreduce_arg() {
   python3 -c "import json; print('--allreduce-us', next(r['graph_us'] for r in json.load(open('$OUT/tp-allreduce.json'))['rows']
               if r['implementation'] == 'nccl'))" 2>/dev/null
+}
+# Runs a command with the SM clock, power and the reasons the clock is held down (0x4: the power cap)
+# logged to the CSV file given first, every 100 ms.
+with_clock_log() {
+  local log=$1; shift
+  nvidia-smi --query-gpu=timestamp,clocks.sm,clocks.mem,power.draw,temperature.gpu,clocks_throttle_reasons.active \
+    --format=csv -lms 100 > "$log" 2>/dev/null & local smi=$!
+  "$@"
+  kill $smi
 }
 for part in "$@"; do
   case $part in
@@ -139,6 +152,15 @@ for part in "$@"; do
         timeout 200 python3 benchmarks/study_attention_tiles.py decode --points quantized --shapes 4 --kv-dtype $kv \
           --jobs 12 --tiles "16,128,4,5;16,128,8,5;16,64,4,5;16,64,8,5;16,64,4,7;16,64,8,7;16,32,4,9;16,32,8,9;16,128,8,3" \
           --out "$OUT/attention-tiles-quantized-deep.jsonl" 2>&1 | tail -3
+      done ;;
+    study-attention-quantized-ragged)
+      # The one-byte decode tile against 3 stages and 64 keys, at 1, 2 and 4 KV splits, on decode batches
+      # of mixed lengths (ragged) and of 32-256 sequences over 192-1,024 tokens (short).
+      tiles="16,128,4,5;16,128,4,3;16,64,4,5;16,64,4,4"
+      for run in "ragged int8" "ragged fp8" "short int8"; do
+        read -r points kv <<< "$run"
+        timeout 175 python3 benchmarks/study_attention_tiles.py decode --points $points --shapes 4 --kv-dtype $kv \
+          --jobs 12 --tiles "$tiles" --out "$OUT/attention-tiles-$points-$kv.jsonl" 2>&1 | tail -2
       done ;;
     study-attention-short)
       # Llama-3-8B's and Qwen3-0.6B's decode attention at the static-decode and workload batches
@@ -245,11 +267,21 @@ for part in "$@"; do
     kvcache-profile)
       # With the SM clock and power logged beside each run (the JSON gives each window's times).
       for kv in auto fp8 int8; do
-        nvidia-smi --query-gpu=timestamp,clocks.sm,clocks.mem,power.draw,temperature.gpu --format=csv -lms 200 \
-          > "$OUT/kvcache-profile-$kv-clocks.csv" 2>/dev/null & smi=$!
-        timeout 150 python3 benchmarks/profile_kernels.py --batch 64 --context 8192 --kv-cache-dtype $kv --no-eager \
-          --out "$OUT/kvcache-profile-$kv.json" 2>&1 | grep -v -e "it/s]" -e "^Loading" | tail -24
-        kill $smi
+        with_clock_log "$OUT/kvcache-profile-$kv-clocks.csv" timeout 150 python3 benchmarks/profile_kernels.py \
+          --batch 64 --context 8192 --kv-cache-dtype $kv --no-eager --out "$OUT/kvcache-profile-$kv.json" 2>&1 \
+          | grep -v -e "it/s]" -e "^Loading" | tail -24
+      done ;;
+    kvcache-workload-profile)
+      # The KV-bound workload's decode and prefill-carrying steps against their floors, per KV cache dtype,
+      # with the clocks logged, then the decode step's kernels at its mean batch (85 over ~1,300 tokens).
+      for kv in auto fp8 int8; do
+        with_clock_log "$OUT/workload-profile-kv-bound-$kv-clocks.csv" timeout 170 python3 \
+          benchmarks/profile_workload.py --shape llama3-8b --kv-bound $kv --out "$OUT/workload-profile-kv-bound-$kv.json" \
+          2>&1 | grep -e "^decode" -e "^mixed" -e "slowest"
+      done
+      for kv in auto int8; do
+        timeout 150 python3 benchmarks/profile_kernels.py --batch 85 --context 1280 --kv-cache-dtype $kv --no-eager \
+          --out "$OUT/kernel-profile-b85-ctx1280-$kv.json" 2>&1 | grep -v -e "it/s]" -e "^Loading" | head -12
       done ;;
     startup-profile)
       python3 benchmarks/profile_startup.py --out "$OUT/startup-profile.json" 2>&1 | grep -v -e "it/s]" -e "^Loading" | tail -90 ;;
