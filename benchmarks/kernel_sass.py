@@ -4,7 +4,7 @@ Calls a kernel wrapper the way the engine does on the CPU, intercepts the launch
 Hopper with the divisibility hints the JIT derives on the GPU (16-byte-aligned pointers, integer
 arguments divisible by 16 outside ``do_not_specialize``), and prints the SASS instruction mix, the
 registers and the stack (spills), how many programs an SM holds at once (by registers, warps and
-shared memory), and the instruction mix of the longest loop's body (a streaming kernel's
+shared memory), and the instruction mix of each long loop's body (a streaming kernel's
 iteration). With the GPU image's Triton first on the path (a Triton of another version compiles
 other code), it is what the GPU runs; reading a loop's loads and conversions here comes before
 timing a change on the GPU:
@@ -99,6 +99,8 @@ def occupancy(kernel: triton.compiler.CompiledKernel, regs: int) -> str:
             f"bound by {limit} (" + ", ".join(f"{k} {v}" for k, v in bounds.items()) + ")")
 
 
+# Loops shorter than this are waits and scans, not a kernel's streaming loop: not reported.
+_LOOP_SHOWN = 64
 _INSTRUCTION = re.compile(r"\s+/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_.]+)")
 
 
@@ -107,18 +109,21 @@ def opcodes(lines: list[str]) -> collections.Counter:
     return collections.Counter(m.group(1) for line in lines if (m := _INSTRUCTION.match(line)))
 
 
-def longest_loop(sass: str) -> collections.Counter:
-    """The opcodes of the longest loop's body: the lines from a label to the last branch back to it.
-    A streaming kernel's time is its main loop's, so its instructions an iteration are what a change
-    to the loop moves, where the whole kernel's count also holds the prologue and epilogue."""
+def loops(sass: str) -> list[collections.Counter]:
+    """The opcodes of each loop's body, longest first: the lines from a label to the last branch back to
+    it. A streaming kernel's time is its main loop's, so its instructions an iteration are what a change
+    to the loop moves, where the whole kernel's count also holds the prologue and epilogue. A kernel
+    may have several (the attention's masked edge tiles and unmasked middle ones): which one runs the
+    most iterations is not in the code."""
     lines = sass.splitlines()
     labels = {m.group(1): i for i, line in enumerate(lines) if (m := re.match(r"\s*(\.L_x_\d+):", line))}
-    body: list[str] = []
+    ends: dict[str, int] = {}
     for i, line in enumerate(lines):
         m = re.search(r"BRA\b.*`\((\.L_x_\d+)\)", line)
-        if m and labels.get(m.group(1), i) < i and i + 1 - labels[m.group(1)] > len(body):
-            body = lines[labels[m.group(1)]:i + 1]
-    return opcodes(body)
+        if m and labels.get(m.group(1), i) < i:
+            ends[m.group(1)] = i
+    bodies = [opcodes(lines[labels[label]:end + 1]) for label, end in ends.items()]
+    return sorted(bodies, key=lambda body: -sum(body.values()))
 
 
 def report(kernel: triton.compiler.CompiledKernel, sass_out: str | None) -> None:
@@ -136,10 +141,10 @@ def report(kernel: triton.compiler.CompiledKernel, sass_out: str | None) -> None
     print(occupancy(kernel, int(re.search(r"REG:(\d+)", usage).group(1))))
     for op, count in ops.most_common(30):
         print(f"  {count:5d} {op}")
-    loop = longest_loop(sass)
-    print(f"longest loop: {sum(loop.values())} instructions an iteration")
-    for op, count in loop.most_common(20):
-        print(f"  {count:5d} {op}")
+    for loop in [body for body in loops(sass) if sum(body.values()) >= _LOOP_SHOWN][:3]:
+        print(f"loop: {sum(loop.values())} instructions an iteration")
+        for op, count in loop.most_common(20):
+            print(f"  {count:5d} {op}")
     if sass_out:
         Path(sass_out).write_text(sass)
 

@@ -32,11 +32,11 @@ def test_idle_gaps_count_only_time_no_kernel_covers(monkeypatch: pytest.MonkeyPa
     assert idle_gaps([("x", 0.0, 5.0), ("y", 1.0, 3.0), ("z", 4.0, 6.0)]) == {}
 
 
-def test_longest_loop_counts_the_body_of_the_longest_backward_branch(monkeypatch: pytest.MonkeyPatch) -> None:
-    """kernel_sass's loop report: the instructions from a label to the last branch back to it, the
-    longest such region; a forward branch is no loop, and a predicate is not an opcode."""
+def test_loops_counts_each_body_from_its_label_to_its_last_backward_branch(monkeypatch: pytest.MonkeyPatch) -> None:
+    """kernel_sass's loop report: the instructions from a label to the last branch back to it, longest
+    first; a forward branch is no loop, and a predicate is not an opcode."""
     monkeypatch.syspath_prepend(str(BENCHMARKS))
-    from kernel_sass import longest_loop
+    from kernel_sass import loops
 
     sass = """
         /*0000*/                   MOV R1, c[0x0][0x28] ;
@@ -52,5 +52,6 @@ def test_longest_loop_counts_the_body_of_the_longest_backward_branch(monkeypatch
 .L_x_3:
         /*0080*/                   EXIT ;
 """
-    assert dict(longest_loop(sass)) == {"IMMA.16832.S8.S8.SAT": 1, "FMUL": 1, "FFMA": 1, "BRA": 1}
-    assert not longest_loop(sass.replace("`(.L_x_2)", "`(.L_x_3)").replace("`(.L_x_1)", "`(.L_x_3)"))
+    assert [dict(body) for body in loops(sass)] == [{"IMMA.16832.S8.S8.SAT": 1, "FMUL": 1, "FFMA": 1, "BRA": 1},
+                                                    {"FMUL": 1, "BRA": 1}]
+    assert not loops(sass.replace("`(.L_x_2)", "`(.L_x_3)").replace("`(.L_x_1)", "`(.L_x_3)"))
