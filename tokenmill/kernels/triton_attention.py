@@ -681,7 +681,8 @@ def paged_attention(
     - ``max_query_len``: longest query of the batch. If None it is taken as 1 when
       ``T == B`` (a pure decode batch: the caller must not pass a ragged batch with
       ``T == B``), else read from ``query_start_loc`` on the host, which syncs and
-      is not graph-capturable. Passing it makes every path graph-safe.
+      is not graph-capturable. Passing it makes every path graph-safe. Never under the longest
+      query: at 1 the kernel masks keys by sequence alone, as a lone token's causal mask allows.
     - ``max_seq_len``: an upper bound of ``seq_lens`` known on the host (a CUDA graph's
       context bucket); the split count is chosen for it instead of the block-table width.
     - ``softcap``: as the reference's, ``tanh(s / cap) * cap`` of each scaled score before the mask.
