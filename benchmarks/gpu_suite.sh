@@ -23,6 +23,8 @@
 #  `study-attention-quantized-deep` = the one-byte decode tile against 8 warps and narrower tiles in deeper pipelines;
 #  `study-attention-quantized-ragged` = the one-byte decode tile against 3 stages and 64 keys at 1-4 KV splits, on
 #   batches of mixed lengths and of 32-256 short contexts;
+#  `study-warp-keys` = int8 decode attention with each warp owning its keys, against the tile whose keys the warps
+#   share, benchmarks/study_warp_keys.py;
 #  `study-attention-short` = decode attention tiles and split counts at the static-decode and workload batches;
 #  `study-attention-short-gemma` = the same at head dim 256 (Gemma-3-4B's 8 q / 4 KV heads, and groups of 2
 #   and 8), with batches of mixed lengths besides;
@@ -162,6 +164,8 @@ for part in "$@"; do
         timeout 175 python3 benchmarks/study_attention_tiles.py decode --points $points --shapes 4 --kv-dtype $kv \
           --jobs 12 --tiles "$tiles" --out "$OUT/attention-tiles-$points-$kv.jsonl" 2>&1 | tail -2
       done ;;
+    study-warp-keys)
+      (cd benchmarks && timeout 300 python3 study_warp_keys.py --out "$OUT/study-warp-keys.json" 2>&1 | tail -8) ;;
     study-attention-short)
       # Llama-3-8B's and Qwen3-0.6B's decode attention at the static-decode and workload batches
       # (32-256 sequences, 192- and 1,024-token contexts): every decode tile at 1, 2 and 4 KV splits.
