@@ -200,16 +200,16 @@ def _attend_tiles(acc, m_i, l_i, v_inv, q, q_step, q_pos, lo, hi, split_hi, bt_r
             # its result moves to the log2 domain (softcap_log2 = cap * log2(e)).
             qk = tanh(qk * (1.0 if KV_SCALED else qk_scale)) * softcap_log2
             scale = 1.0
-        if MASKED and ONE_TOKEN:
+        if MASKED:
+            allowed = n_valid[None, :]
             # A lone query token sits at its sequence's last position, and its window starts at the split's
             # first key or before: the causal and window masks hold for every key of the split (the
             # padding rows see the same keys as that token). One mask a key column instead of one an
             # element (sm_90 code, decode loops at 128 keys: int8 757 -> 723 instructions, bf16 674 -> 642).
-            qk = tl.where(n_valid[None, :], qk, float("-inf"))
-        elif MASKED:
-            allowed = n_valid[None, :] & (n[None, :] <= q_pos[:, None])
-            if USE_WINDOW:
-                allowed = allowed & ((q_pos[:, None] - n[None, :]) < window)
+            if not ONE_TOKEN:
+                allowed = allowed & (n[None, :] <= q_pos[:, None])
+                if USE_WINDOW:
+                    allowed = allowed & ((q_pos[:, None] - n[None, :]) < window)
             qk = tl.where(allowed, qk, float("-inf"))
 
         if ROW_STEP:
