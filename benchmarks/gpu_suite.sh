@@ -155,6 +155,26 @@ for part in "$@"; do
           --jobs 12 --tiles "16,128,4,5;16,128,8,5;16,64,4,5;16,64,8,5;16,64,4,7;16,64,8,7;16,32,4,9;16,32,8,9;16,128,8,3" \
           --out "$OUT/attention-tiles-quantized-deep.jsonl" 2>&1 | tail -3
       done ;;
+    study-attention-quantized-occupancy)
+      # The one-byte decode tile against tiles whose register cap lets an SM hold 3-4 programs (12-16
+      # warps) instead of 2, on decode batches of mixed lengths and at 16 x 4k and 64 x 8k tokens.
+      tiles="16,128,4,5;16,128,4,3,168;16,64,4,5,168;16,64,4,5,128;16,64,4,4,128;16,32,4,9,128;16,32,4,7,128"
+      for run in "ragged int8" "quantized int8" "ragged fp8"; do
+        read -r points kv <<< "$run"
+        timeout 190 python3 benchmarks/study_attention_tiles.py decode --points $points --shapes 4 --kv-dtype $kv \
+          --jobs 14 --tiles "$tiles" --out "$OUT/attention-tiles-occupancy-$points-$kv.jsonl" 2>&1 | tail -2
+      done ;;
+    study-attention-occupancy-bf16)
+      # The 16-bit decode tiles against the same with a register cap that lets an SM hold 3-4 programs,
+      # at head dims 128 (Llama-3-8B) and 256 (Gemma-3-4B), on the workloads' decode batches.
+      d128="16,128,4,3;16,128,4,3,168;16,128,4,5,168;16,64,4,3,168;16,64,4,4,128"
+      d256="16,32,4,5;16,64,4,2;16,32,4,5,168;16,64,4,2,168;16,64,4,3,168;16,32,4,4,128"
+      for run in "ragged 4 $d128 1" "short 4 $d128 1,2" "ragged 6 $d256 1" "short 6 $d256 1,2"; do
+        read -r points shape tiles splits <<< "$run"
+        timeout 140 python3 benchmarks/study_attention_tiles.py decode --points $points --shapes $shape \
+          --jobs 14 --tiles "$tiles" --splits $splits --out "$OUT/attention-tiles-occupancy-bf16-$points-$shape.jsonl" \
+          2>&1 | tail -2
+      done ;;
     study-attention-quantized-ragged)
       # The one-byte decode tile against 3 stages and 64 keys, at 1, 2 and 4 KV splits, on decode batches
       # of mixed lengths (ragged) and of 32-256 sequences over 192-1,024 tokens (short).

@@ -197,9 +197,11 @@ def _contexts(specs: list[tuple[int, int]]) -> str:
     return str(hi) if lo == hi else f"{lo}-{hi}" + ("-sorted" if contexts == sorted(contexts, reverse=True) else "")
 
 
-def _splits(points: str) -> tuple[int | None, ...]:
-    """The split counts each tile is timed at: the wrapper's choice (None), or each of a fixed list (with
-    the wrapper's choice first for ``splits``)."""
+def _splits(points: str, forced: str | None = None) -> tuple[int | None, ...]:
+    """The split counts each tile is timed at: ``forced`` (comma-separated), the wrapper's choice (None),
+    or each of a fixed list (with the wrapper's choice first for ``splits``)."""
+    if forced:
+        return tuple(int(n) for n in forced.split(","))
     return {"short": SHORT_SPLITS, "ragged": SHORT_SPLITS, "splits": (None, *SPLIT_COUNTS)}.get(points, (None,))
 
 
@@ -212,7 +214,7 @@ def _tiles(part: str, points: str, head_dim: int, forced: str | None = None) -> 
 
 
 def compile_only(part: str, shapes: list, worker: int, jobs: int, kv_dtype: torch.dtype, points: str,
-                 forced: str | None) -> None:
+                 forced: str | None, split_counts: str | None) -> None:
     """Run each (shape, tile) of this worker's share once, untimed, so that it is compiled (one split
     and several are two variants)."""
     work = [(shape, specs, tile) for shape in shapes for specs in _points(part, points)
@@ -223,7 +225,7 @@ def compile_only(part: str, shapes: list, worker: int, jobs: int, kv_dtype: torc
         batch = Batch(specs, head_dim, hq, hkv, kv_dtype)
         for softcap in (None, 50.0) if tile is None else (None,):
             force_tile(tile)
-            for splits in _splits(points)[:3]:  # the choice, one split and two: every kernel variant
+            for splits in _splits(points, split_counts)[:3]:  # the choice, one split and two: every kernel variant
                 try:
                     batch.run(softcap, splits)
                     torch.cuda.synchronize()
@@ -248,6 +250,8 @@ def main() -> None:
     parser.add_argument("--tiles", default=None,
                         help="these tiles only: BLOCK_M,BLOCK_N,num_warps,num_stages[,max registers a thread] "
                              "separated by ';'")
+    parser.add_argument("--splits", default=None,
+                        help="time every tile at these KV split counts only (comma-separated; else the points' own)")
     parser.add_argument("--pipelined-scales", action="store_true",
                         help="a quantized cache's four-byte scales ride the K/V copies in every tile, prompt "
                              "tiles too (the engine: decode tiles only)")
@@ -258,13 +262,14 @@ def main() -> None:
     shapes = SHAPES[:4] if args.shapes is None else [SHAPES[int(i)] for i in args.shapes.split(",")]
     kv_dtype = KV_DTYPES[args.kv_dtype]
     if args.worker is not None:
-        compile_only(args.part, shapes, args.worker, args.jobs, kv_dtype, args.points, args.tiles)
+        compile_only(args.part, shapes, args.worker, args.jobs, kv_dtype, args.points, args.tiles, args.splits)
         return
     t0 = time.time()
     if args.jobs > 1 and not args.chosen_only:
         extra = (["--kv-dtype", args.kv_dtype, "--points", args.points] + ([] if args.shapes is None else
                                                                            ["--shapes", args.shapes])
                  + ([] if args.tiles is None else ["--tiles", args.tiles])
+                 + ([] if args.splits is None else ["--splits", args.splits])
                  + (["--pipelined-scales"] if args.pipelined_scales else []))
         procs = [subprocess.Popen([sys.executable, __file__, args.part, "--jobs", str(args.jobs), "--worker", str(w),
                                    *extra]) for w in range(args.jobs)]
@@ -288,7 +293,7 @@ def main() -> None:
                                                           batch.max_ctx, batch.k.element_size(), batch.query.device)
                 chosen = _label(plan)
                 results = []
-                candidates = [(tile, splits) for tile in [*tiles, None] for splits in _splits(args.points)]
+                candidates = [(tile, splits) for tile in [*tiles, None] for splits in _splits(args.points, args.splits)]
                 for tile, splits in [*candidates, ("cap", None)]:
                     if tile == "cap":
                         row = measure(batch, None, decode, softcap=50.0)
