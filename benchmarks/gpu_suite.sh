@@ -23,6 +23,8 @@
 #  `study-attention-quantized-deep` = the one-byte decode tile against 8 warps and narrower tiles in deeper pipelines;
 #  `study-attention-quantized-ragged` = the one-byte decode tile against 3 stages and 64 keys at 1-4 KV splits, on
 #   batches of mixed lengths and of 32-256 short contexts;
+#  `study-attention-quantized-occupancy` / `study-attention-occupancy-bf16` = decode tiles under a register cap that
+#   lets an SM hold 3-4 programs, over one-byte and 16-bit caches, on batches of mixed lengths;
 #  `study-warp-keys` = int8 decode attention with each warp owning its keys, against the tile whose keys the warps
 #   share, benchmarks/study_warp_keys.py;
 #  `study-attention-short` = decode attention tiles and split counts at the static-decode and workload batches;
@@ -165,15 +167,13 @@ for part in "$@"; do
           --jobs 14 --tiles "$tiles" --out "$OUT/attention-tiles-occupancy-$points-$kv.jsonl" 2>&1 | tail -2
       done ;;
     study-attention-occupancy-bf16)
-      # The 16-bit decode tiles against the same with a register cap that lets an SM hold 3-4 programs,
-      # at head dims 128 (Llama-3-8B) and 256 (Gemma-3-4B), on the workloads' decode batches.
-      d128="16,128,4,3;16,128,4,3,168;16,128,4,5,168;16,64,4,3,168;16,64,4,4,128"
-      d256="16,32,4,5;16,64,4,2;16,32,4,5,168;16,64,4,2,168;16,64,4,3,168;16,32,4,4,128"
-      for run in "ragged 4 $d128 1" "short 4 $d128 1,2" "ragged 6 $d256 1" "short 6 $d256 1,2"; do
-        read -r points shape tiles splits <<< "$run"
-        timeout 140 python3 benchmarks/study_attention_tiles.py decode --points $points --shapes $shape \
-          --jobs 14 --tiles "$tiles" --splits $splits --out "$OUT/attention-tiles-occupancy-bf16-$points-$shape.jsonl" \
-          2>&1 | tail -2
+      # The 16-bit decode tiles against the same with a register cap that lets an SM hold 3 programs, at
+      # head dims 256 (Gemma-3-4B) and 128 (Llama-3-8B), on the workloads' decode batches, unsplit.
+      for run in "ragged 6 16,32,4,5;16,32,4,5,168;16,64,4,2;16,64,4,3,168" "short 6 16,32,4,5;16,32,4,5,168" \
+                 "ragged 4 16,128,4,3;16,128,4,3,168;16,128,4,5,168"; do
+        read -r points shape tiles <<< "$run"
+        timeout 100 python3 benchmarks/study_attention_tiles.py decode --points $points --shapes $shape \
+          --jobs 14 --tiles "$tiles" --splits 1 --out "$OUT/occ-bf16-$points-$shape.jsonl" 2>&1 | tail -4
       done ;;
     study-attention-quantized-ragged)
       # The one-byte decode tile against 3 stages and 64 keys, at 1, 2 and 4 KV splits, on decode batches

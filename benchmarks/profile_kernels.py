@@ -13,6 +13,7 @@ import argparse
 import collections
 import json
 import random
+import statistics
 import time
 
 import torch
@@ -59,14 +60,22 @@ def kernel_profile_of(work, steps: int) -> dict:
         torch.cuda.synchronize()
     totals: dict[str, list[float]] = collections.defaultdict(lambda: [0.0, 0])
     spans = []
+    calls: dict[str, list[tuple[float, float]]] = collections.defaultdict(list)
     for event in prof.events():
         if event.device_type.name == "CUDA":
             entry = totals[event.name[:90]]
             entry[0] += event.device_time
             entry[1] += 1
             spans.append((event.name[:60], event.time_range.start, event.time_range.end))
+            calls[event.name[:90]].append((event.time_range.start, event.device_time))
     rows = sorted(({"kernel": k, "us_per_step": v[0] / steps, "calls_per_step": v[1] / steps}
                    for k, v in totals.items()), key=lambda r: -r["us_per_step"])
+    # The costliest kernel's n-th call of a step (e.g. each layer's attention), median over the steps.
+    top = sorted(calls[rows[0]["kernel"]]) if rows else []
+    per_step = max(1, round(len(top) / steps))
+    by_call = [statistics.median(d for _, d in top[j::per_step]) for j in range(min(per_step, len(top)))]
+    if by_call:
+        print(f"{rows[0]['kernel'][:60]} by call in a step (us): " + " ".join(f"{d:.1f}" for d in by_call))
     total = sum(r["us_per_step"] for r in rows)
     print(f"kernel time per step {total:.1f} us, {sum(r['calls_per_step'] for r in rows):.0f} kernels")
     for r in rows[:28]:
@@ -78,7 +87,7 @@ def kernel_profile_of(work, steps: int) -> dict:
     print(f"idle between kernels {idle:.1f} us a step; the longest, after -> before:")
     for gap in longest:
         print(f"  {gap['us_per_step']:8.1f} us  {gap['after']} -> {gap['before']}")
-    return {"kernels": rows, "idle_us_per_step": idle, "longest_idle": longest}
+    return {"kernels": rows, "idle_us_per_step": idle, "longest_idle": longest, "top_kernel_by_call_us": by_call}
 
 
 def idle_gaps(spans: list[tuple[str, float, float]]) -> dict[tuple[str, str], float]:
