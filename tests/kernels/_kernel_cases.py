@@ -724,6 +724,24 @@ def check_add_rms_norm(ops, *, num_tokens: int, hidden: int, dtype: torch.dtype,
     assert err < ELEMWISE_TOL[dtype], f"rel err {err:.2e}: {where}"
 
 
+def check_join_and_norm(ops, *, num_tokens: int, hidden: int, dtype: torch.dtype, device: str,
+                        weighting: str) -> None:
+    """A Gemma block's output normed into the stream and the new stream normed by the next norm, in one
+    kernel: both outputs against the reference's two ops."""
+    gen, seed = fresh_generator(device)
+    x, residual = (_randn((num_tokens, hidden), dtype, device, gen) for _ in range(2))
+    weight, next_weight = (norm_weight((hidden,), weighting, dtype, device, gen) for _ in range(2))
+    inputs = (x.clone(), residual.clone())
+    ref = reference.join_and_norm(x, weight, 1e-6, residual, next_weight, weighting)
+    got = ops.join_and_norm(x, weight, 1e-6, residual, next_weight, weighting)
+    where = f"seed={seed} join_and_norm {weighting} T={num_tokens} H={hidden} {dtype}"
+    for name, g, r in zip(("normed", "stream"), got, ref):
+        assert g.dtype == r.dtype and g.shape == r.shape, f"{name}: {where}"
+        err = rel_err(g, r)
+        assert err < ELEMWISE_TOL[dtype], f"{name} rel err {err:.2e}: {where}"
+    assert torch.equal(x, inputs[0]) and torch.equal(residual, inputs[1]), f"inputs written: {where}"
+
+
 def check_fp32_weight_rms_norm(ops, *, shape: tuple[int, ...], dtype: torch.dtype, device: str) -> None:
     """Gemma 4's norm over the last dim of ``shape``."""
     gen, seed = fresh_generator(device)
@@ -758,6 +776,7 @@ def _interpret_gemma4_norms(ops) -> None:
         for weighting in ("offset", "fp32"):
             check_add_rms_norm(ops, num_tokens=7, hidden=96, dtype=dtype, device="cpu", weighting=weighting,
                                scaled=weighting == "fp32")
+            check_join_and_norm(ops, num_tokens=5, hidden=96, dtype=dtype, device="cpu", weighting=weighting)
         check_fp32_weight_rms_norm(ops, shape=(5, 3, 64), dtype=dtype, device="cpu")
         check_rotary_query(ops, num_tokens=4, num_heads=3, head_dim=64, dtype=dtype, device="cpu")
 

@@ -155,6 +155,8 @@ def _launches(monkeypatch: pytest.MonkeyPatch) -> list[Launch]:
         for weighting in ("offset", "fp32"):
             triton_ops.add_rms_norm(x, weight, 1e-6, rand(3, 256), weighting)
         triton_ops.add_rms_norm(x, weight, 1e-6, rand(3, 256), "fp32", rand(1))  # and a layer scalar
+        for weighting in ("offset", "fp32"):
+            triton_ops.join_and_norm(x, weight, 1e-6, rand(3, 256), rand(256), weighting)
         triton_ops.fp32_weight_rms_norm(rand(3, 2, 256), weight, 1e-6)
         positions = torch.arange(3)
         cos_sin = torch.randn(64, 128, generator=gen)

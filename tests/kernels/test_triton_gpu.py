@@ -228,6 +228,14 @@ def test_add_rms_norm(dtype, num_tokens, hidden, weighting, scaled) -> None:
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("num_tokens,hidden", [(1, 2560), (136, 2560), (129, 5376), (300, 96)])
+@pytest.mark.parametrize("weighting", ["offset", "fp32"])
+def test_join_and_norm(dtype, num_tokens, hidden, weighting) -> None:
+    cases.check_join_and_norm(triton_ops, num_tokens=num_tokens, hidden=hidden, dtype=dtype, device="cuda",
+                              weighting=weighting)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("shape", [(1, 2560), (7, 8, 256), (300, 2, 512)])
 def test_fp32_weight_rms_norm(dtype, shape) -> None:
     cases.check_fp32_weight_rms_norm(triton_ops, shape=shape, dtype=dtype, device="cuda")

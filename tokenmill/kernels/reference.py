@@ -307,6 +307,14 @@ def add_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: to
     return out if scale is None else out * scale
 
 
+def join_and_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor,
+                  next_weight: torch.Tensor, weighting: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """``add_rms_norm`` (no scale), then the new stream normed by ``next_weight`` (the same
+    ``NORMS[weighting]`` and eps): returns ``(normed, new stream)``."""
+    stream = add_rms_norm(x, weight, eps, residual, weighting)
+    return NORMS[weighting](stream, next_weight, eps), stream
+
+
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """``silu(gate) * up`` for ``x = [gate | up]`` along the last dim."""
     gate, up = x.chunk(2, dim=-1)

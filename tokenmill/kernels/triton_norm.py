@@ -1,6 +1,7 @@
 """Triton RMSNorm, with its weight applied the way each family does (``WEIGHTINGS``) and an
 optional fused residual add: before the norm (``x + residual`` normed, ``reference.rms_norm``'s
-``residual``) or, for Gemma's post-norms, after it (``reference.add_rms_norm``)."""
+``residual``) or, for Gemma's post-norms, after it (``reference.add_rms_norm``), optionally followed
+by the next norm of the new stream (``reference.join_and_norm``)."""
 
 from __future__ import annotations
 
@@ -31,6 +32,7 @@ def _rms_norm_kernel(
     x_ptr,
     residual_ptr,
     weight_ptr,
+    next_weight_ptr,
     out_ptr,
     residual_out_ptr,
     scale_ptr,
@@ -43,6 +45,7 @@ def _rms_norm_kernel(
     HAS_RESIDUAL: tl.constexpr,
     ADD_AFTER: tl.constexpr,
     SCALE_AFTER: tl.constexpr,
+    NORM_AGAIN: tl.constexpr,
     WEIGHTING: tl.constexpr,
     PDL: tl.constexpr,
     BLOCK: tl.constexpr,
@@ -74,6 +77,14 @@ def _rms_norm_kernel(
         out = out.to(x.dtype).to(tl.float32) + r.to(tl.float32)
         if SCALE_AFTER:  # then the whole stream times a scalar (Gemma 4's layer scalar), rounded in between
             out = out.to(out_ptr.dtype.element_ty).to(tl.float32) * tl.load(scale_ptr).to(tl.float32)
+        if NORM_AGAIN:
+            # The new stream is stored, and its rounded value normed by the next norm's weight: the
+            # block's join and the next block's input norm in one pass over the row.
+            stream = out.to(residual_out_ptr.dtype.element_ty)
+            tl.store(residual_out_ptr + row * residual_out_stride + cols, stream, mask=mask)
+            sf = stream.to(tl.float32)
+            normed = sf * tl.rsqrt(tl.sum(sf * sf, axis=0) / hidden + eps)
+            out = weigh(normed, tl.load(next_weight_ptr + cols, mask=mask, other=0.0).to(tl.float32), WEIGHTING)
     tl.store(out_ptr + row * out_stride + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -128,14 +139,35 @@ def add_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: to
     return out
 
 
+def join_and_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor,
+                  next_weight: torch.Tensor, weighting: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """``add_rms_norm`` (no scale), then the new stream normed by ``next_weight`` with the same
+    weighting and eps, in one pass: returns ``(normed, new stream)``. A Gemma layer's two joins each
+    meet the next block's input norm; one kernel where there were two."""
+    hidden = x.shape[-1]
+    x2, r2 = x.reshape(-1, hidden), residual.reshape(-1, hidden)
+    if (x.shape != residual.shape or x2.stride(-1) != 1 or r2.stride(-1) != 1 or weight.stride(-1) != 1
+            or next_weight.stride(-1) != 1):
+        raise ValueError("join_and_norm needs x and residual of one shape, contiguous last dimensions")
+    if weighting == "llama":
+        raise ValueError("join_and_norm is Gemma's post-norm: offset or fp32 weighting")
+    stream = torch.empty(x.shape, dtype=torch.promote_types(x.dtype, residual.dtype), device=x.device)
+    normed = torch.empty_like(stream)
+    if x2.shape[0]:
+        _launch(x2, r2, weight, normed.view(-1, hidden), stream.view(-1, hidden), eps, has_residual=True,
+                add_after=True, weighting=WEIGHTINGS[weighting], next_weight=next_weight)
+    return normed, stream
+
+
 def _launch(x2: torch.Tensor, r2: torch.Tensor, weight: torch.Tensor, out2: torch.Tensor, nr2: torch.Tensor,
             eps: float, *, has_residual: bool, add_after: bool, weighting: int,
-            scale: torch.Tensor | None = None) -> None:
+            scale: torch.Tensor | None = None, next_weight: torch.Tensor | None = None) -> None:
     block = triton.next_power_of_2(x2.shape[-1])
     _rms_norm_kernel[(x2.shape[0],)](
-        x2, r2, weight, out2, nr2, scale if scale is not None else x2, x2.stride(0),
-        r2.stride(0), out2.stride(0), nr2.stride(0), x2.shape[-1], float(eps), HAS_RESIDUAL=has_residual,
-        ADD_AFTER=add_after, SCALE_AFTER=scale is not None, WEIGHTING=weighting, BLOCK=block,
+        x2, r2, weight, next_weight if next_weight is not None else weight, out2, nr2,
+        scale if scale is not None else x2, x2.stride(0), r2.stride(0), out2.stride(0), nr2.stride(0), x2.shape[-1],
+        float(eps), HAS_RESIDUAL=has_residual, ADD_AFTER=add_after, SCALE_AFTER=scale is not None,
+        NORM_AGAIN=next_weight is not None, WEIGHTING=weighting, BLOCK=block,
         num_warps=max(1, min(16, block // 256)), **pdl_launch_args(x2.device),
     )
 

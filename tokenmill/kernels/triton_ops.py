@@ -14,7 +14,7 @@ from tokenmill.kernels.triton_gemv import MAX_ROWS as GEMV_MAX_ROWS
 from tokenmill.kernels.triton_gemv import linear as gemv_linear
 from tokenmill.kernels.triton_gemv import linear_gelu_mul as gemv_linear_gelu_mul
 from tokenmill.kernels.triton_gemv import linear_residual, norm_linear
-from tokenmill.kernels.triton_norm import add_rms_norm, fp32_weight_rms_norm, offset_rms_norm, rms_norm
+from tokenmill.kernels.triton_norm import add_rms_norm, fp32_weight_rms_norm, join_and_norm, offset_rms_norm, rms_norm
 from tokenmill.kernels.triton_penalties import apply_penalties
 from tokenmill.kernels.triton_rotary import rotary_embedding_and_write_kv, rotary_embedding_query
 from tokenmill.kernels.triton_sampling import sample
@@ -42,6 +42,7 @@ def linear_gelu_mul(x: torch.Tensor, weight: torch.Tensor | Q8Weight, up: torch.
     return gelu_tanh_mul(linear(x, weight, None), up)
 
 
-__all__ = ["GEMV_MAX_ROWS", "add_rms_norm", "apply_penalties", "fp32_weight_rms_norm", "gelu_tanh_and_mul", "linear",
-           "linear_gelu_mul", "linear_residual", "norm_linear", "offset_rms_norm", "paged_attention", "rms_norm",
-           "rotary_embedding_and_write_kv", "rotary_embedding_query", "sample", "silu_and_mul"]
+__all__ = ["GEMV_MAX_ROWS", "add_rms_norm", "apply_penalties", "fp32_weight_rms_norm", "gelu_tanh_and_mul",
+           "join_and_norm", "linear", "linear_gelu_mul", "linear_residual", "norm_linear", "offset_rms_norm",
+           "paged_attention", "rms_norm", "rotary_embedding_and_write_kv", "rotary_embedding_query", "sample",
+           "silu_and_mul"]
