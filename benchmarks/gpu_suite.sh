@@ -76,6 +76,16 @@ with_clock_log() {
   "$@"
   kill $smi
 }
+# Llama-3-8B's decode tiles named second, each "points kv" run given after the third argument, each in
+# at most the first's seconds, into $OUT/<third>-<points>-<kv>.jsonl.
+tile_runs() {
+  local limit=$1 tiles=$2 prefix=$3; shift 3
+  for run in "$@"; do
+    read -r points kv <<< "$run"
+    timeout "$limit" python3 benchmarks/study_attention_tiles.py decode --points "$points" --shapes 4 --kv-dtype "$kv" \
+      --jobs 12 --tiles "$tiles" --out "$OUT/$prefix-$points-$kv.jsonl" 2>&1 | tail -2
+  done
+}
 for part in "$@"; do
   case $part in
     tests)
@@ -160,12 +170,8 @@ for part in "$@"; do
     study-attention-quantized-occupancy)
       # The one-byte decode tile against tiles whose register cap lets an SM hold 3-4 programs (12-16
       # warps) instead of 2, on decode batches of mixed lengths and at 16 x 4k and 64 x 8k tokens.
-      tiles="16,128,4,5;16,128,4,3,168;16,64,4,5,168;16,64,4,5,128;16,64,4,4,128;16,32,4,9,128;16,32,4,7,128"
-      for run in "ragged int8" "quantized int8" "ragged fp8"; do
-        read -r points kv <<< "$run"
-        timeout 190 python3 benchmarks/study_attention_tiles.py decode --points $points --shapes 4 --kv-dtype $kv \
-          --jobs 14 --tiles "$tiles" --out "$OUT/attention-tiles-occupancy-$points-$kv.jsonl" 2>&1 | tail -2
-      done ;;
+      tile_runs 190 "16,128,4,5;16,128,4,3,168;16,64,4,5,168;16,64,4,5,128;16,64,4,4,128;16,32,4,9,128;16,32,4,7,128" \
+        attention-tiles-occupancy "ragged int8" "quantized int8" "ragged fp8" ;;
     study-attention-occupancy-bf16)
       # The 16-bit decode tiles against the same with a register cap that lets an SM hold 3 programs, at
       # head dims 256 (Gemma-3-4B) and 128 (Llama-3-8B), on the workloads' decode batches, unsplit.
@@ -178,12 +184,7 @@ for part in "$@"; do
     study-attention-quantized-ragged)
       # The one-byte decode tile against 3 stages and 64 keys, at 1, 2 and 4 KV splits, on decode batches
       # of mixed lengths (ragged) and of 32-256 sequences over 192-1,024 tokens (short).
-      tiles="16,128,4,5;16,128,4,3;16,64,4,5;16,64,4,4"
-      for run in "ragged int8" "ragged fp8" "short int8"; do
-        read -r points kv <<< "$run"
-        timeout 175 python3 benchmarks/study_attention_tiles.py decode --points $points --shapes 4 --kv-dtype $kv \
-          --jobs 12 --tiles "$tiles" --out "$OUT/attention-tiles-$points-$kv.jsonl" 2>&1 | tail -2
-      done ;;
+      tile_runs 175 "16,128,4,5;16,128,4,3;16,64,4,5;16,64,4,4" attention-tiles "ragged int8" "ragged fp8" "short int8" ;;
     study-warp-keys)
       (cd benchmarks && timeout 300 python3 study_warp_keys.py --out "$OUT/study-warp-keys.json" 2>&1 | tail -8) ;;
     study-attention-short)
