@@ -58,18 +58,14 @@ def kernel_profile_of(work, steps: int) -> dict:
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         work()
         torch.cuda.synchronize()
-    totals: dict[str, list[float]] = collections.defaultdict(lambda: [0.0, 0])
     spans = []
-    calls: dict[str, list[tuple[float, float]]] = collections.defaultdict(list)
+    calls: dict[str, list[tuple[float, float]]] = collections.defaultdict(list)  # (start, duration) a kernel
     for event in prof.events():
         if event.device_type.name == "CUDA":
-            entry = totals[event.name[:90]]
-            entry[0] += event.device_time
-            entry[1] += 1
             spans.append((event.name[:60], event.time_range.start, event.time_range.end))
             calls[event.name[:90]].append((event.time_range.start, event.device_time))
-    rows = sorted(({"kernel": k, "us_per_step": v[0] / steps, "calls_per_step": v[1] / steps}
-                   for k, v in totals.items()), key=lambda r: -r["us_per_step"])
+    rows = sorted(({"kernel": k, "us_per_step": sum(d for _, d in v) / steps, "calls_per_step": len(v) / steps}
+                   for k, v in calls.items()), key=lambda r: -r["us_per_step"])
     # The costliest kernel's n-th call of a step (e.g. each layer's attention), median over the steps.
     top = sorted(calls[rows[0]["kernel"]]) if rows else []
     per_step = max(1, round(len(top) / steps))

@@ -125,18 +125,7 @@ def add_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: to
                  weighting: str, scale: torch.Tensor | None = None) -> torch.Tensor:
     """``residual + norm(x)`` in one pass, for Gemma's ``offset`` or ``fp32`` weighting (a block's
     normed output joining the stream), times ``scale`` (one value) where given."""
-    hidden = x.shape[-1]
-    x2, r2 = x.reshape(-1, hidden), residual.reshape(-1, hidden)
-    if x.shape != residual.shape or x2.stride(-1) != 1 or r2.stride(-1) != 1 or weight.stride(-1) != 1:
-        raise ValueError("add_rms_norm needs x and residual of one shape, contiguous last dimensions")
-    if weighting == "llama":
-        raise ValueError("add_rms_norm is Gemma's post-norm: offset or fp32 weighting")
-    out = torch.empty(x.shape, dtype=torch.promote_types(x.dtype, residual.dtype), device=x.device)
-    out2 = out.view(-1, hidden)
-    if x2.shape[0]:
-        _launch(x2, r2, weight, out2, out2, eps, has_residual=True, add_after=True, weighting=WEIGHTINGS[weighting],
-                scale=scale)
-    return out
+    return _join(x, weight, eps, residual, weighting, scale=scale)[1]
 
 
 def join_and_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor,
@@ -144,18 +133,27 @@ def join_and_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: t
     """``add_rms_norm`` (no scale), then the new stream normed by ``next_weight`` with the same
     weighting and eps, in one pass: returns ``(normed, new stream)``. A Gemma layer's two joins each
     meet the next block's input norm; one kernel where there were two."""
+    return _join(x, weight, eps, residual, weighting, next_weight=next_weight)
+
+
+def _join(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor, weighting: str, *,
+          scale: torch.Tensor | None = None, next_weight: torch.Tensor | None = None
+          ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Gemma's post-norm join (``add_rms_norm``); with ``next_weight`` the new stream normed again.
+    Returns ``(normed, new stream)``: the stream twice where nothing is normed after the join."""
     hidden = x.shape[-1]
     x2, r2 = x.reshape(-1, hidden), residual.reshape(-1, hidden)
-    if (x.shape != residual.shape or x2.stride(-1) != 1 or r2.stride(-1) != 1 or weight.stride(-1) != 1
-            or next_weight.stride(-1) != 1):
-        raise ValueError("join_and_norm needs x and residual of one shape, contiguous last dimensions")
+    weights = (weight,) if next_weight is None else (weight, next_weight)
+    if (x.shape != residual.shape or x2.stride(-1) != 1 or r2.stride(-1) != 1
+            or any(w.stride(-1) != 1 for w in weights)):
+        raise ValueError("Gemma's post-norm needs x and residual of one shape, contiguous last dimensions")
     if weighting == "llama":
-        raise ValueError("join_and_norm is Gemma's post-norm: offset or fp32 weighting")
+        raise ValueError("Gemma's post-norm takes offset or fp32 weighting")
     stream = torch.empty(x.shape, dtype=torch.promote_types(x.dtype, residual.dtype), device=x.device)
-    normed = torch.empty_like(stream)
+    normed = stream if next_weight is None else torch.empty_like(stream)
     if x2.shape[0]:
         _launch(x2, r2, weight, normed.view(-1, hidden), stream.view(-1, hidden), eps, has_residual=True,
-                add_after=True, weighting=WEIGHTINGS[weighting], next_weight=next_weight)
+                add_after=True, weighting=WEIGHTINGS[weighting], scale=scale, next_weight=next_weight)
     return normed, stream
 
 
