@@ -25,6 +25,8 @@
 #   batches of mixed lengths and of 32-256 short contexts;
 #  `study-attention-quantized-occupancy` / `study-attention-occupancy-bf16` = decode tiles under a register cap that
 #   lets an SM hold 3-4 programs, over one-byte and 16-bit caches, on batches of mixed lengths;
+#  `study-stream-decode` = decode attention through the stream-K kernel against the paged one, benchmarks/
+#   study_stream_decode.py;
 #  `study-warp-keys` = int8 decode attention with each warp owning its keys, against the tile whose keys the warps
 #   share, benchmarks/study_warp_keys.py;
 #  `study-attention-short` = decode attention tiles and split counts at the static-decode and workload batches;
@@ -185,6 +187,8 @@ for part in "$@"; do
       # The one-byte decode tile against 3 stages and 64 keys, at 1, 2 and 4 KV splits, on decode batches
       # of mixed lengths (ragged) and of 32-256 sequences over 192-1,024 tokens (short).
       tile_runs 175 "16,128,4,5;16,128,4,3;16,64,4,5;16,64,4,4" attention-tiles "ragged int8" "ragged fp8" "short int8" ;;
+    study-stream-decode)
+      timeout 300 python3 benchmarks/study_stream_decode.py --out "$OUT/study-stream-decode.jsonl" 2>&1 | tail -32 ;;
     study-warp-keys)
       (cd benchmarks && timeout 300 python3 study_warp_keys.py --out "$OUT/study-warp-keys.json" 2>&1 | tail -8) ;;
     study-attention-short)
