@@ -25,8 +25,6 @@
 #   batches of mixed lengths and of 32-256 short contexts;
 #  `study-attention-quantized-occupancy` / `study-attention-occupancy-bf16` = decode tiles under a register cap that
 #   lets an SM hold 3-4 programs, over one-byte and 16-bit caches, on batches of mixed lengths;
-#  `study-stream-decode` = decode attention through the stream-K kernel against the paged one, benchmarks/
-#   study_stream_decode.py;
 #  `study-warp-keys` = int8 decode attention with each warp owning its keys, against the tile whose keys the warps
 #   share, benchmarks/study_warp_keys.py;
 #  `study-attention-short` = decode attention tiles and split counts at the static-decode and workload batches;
@@ -45,7 +43,8 @@
 #  `study-argmax` = the greedy argmax's chunks a row against the row count, benchmarks/study_argmax.py;
 #  `study-softcap` = Gemma's final-logit softcap, the kernel against three torch ops, benchmarks/study_softcap.py;
 #  `study-skinny` = the few-row matmul's tiles and K splits at 4-64 rows, dense and Q8_0, benchmarks/study_skinny.py
-#   (`study-skinny-large`: at 128-2048 rows, where it takes Q8_0 weights only, against cuBLAS);
+#   (`study-skinny-large`: at 128-2048 rows, where it takes Q8_0 weights only, against cuBLAS;
+#   `study-skinny-dense`: dense weights at 64-256 rows against cuBLAS, Llama-3-8B, Gemma-3-4B, Qwen3-0.6B);
 #  `study-tunableop` = cuBLAS against PyTorch TunableOp's timed choice of GEMM, Llama-3-8B at 32-256 rows;
 #  `study-l2-prefetch` = a decode step's projections in a row with the next weight's head prefetched into
 #   the L2 from a second stream, against without, benchmarks/study_l2_prefetch.py;
@@ -132,6 +131,9 @@ for part in "$@"; do
       rows=4,8,16,32,64; [ "$part" = study-skinny-large ] && rows=128,256,512,2048
       (cd benchmarks && timeout 500 python3 study_skinny.py --rows $rows --out "$OUT/$part.json" 2>&1 \
         | grep -v Warning | tail -24) ;;
+    study-skinny-dense)
+      (cd benchmarks && timeout 500 python3 study_skinny.py --rows 64,96,128,192,256 \
+        --models llama3-8b,gemma3-4b,qwen3-0.6b --kinds bf16 --out "$OUT/$part.json" 2>&1 | grep -v Warning | tail -64) ;;
     study-q8-a8)
       (cd benchmarks && timeout 500 python3 study_q8_a8.py --out "$OUT/study-q8-a8.json" 2>&1 | grep -v Warning \
         | tail -22) ;;
@@ -187,8 +189,6 @@ for part in "$@"; do
       # The one-byte decode tile against 3 stages and 64 keys, at 1, 2 and 4 KV splits, on decode batches
       # of mixed lengths (ragged) and of 32-256 sequences over 192-1,024 tokens (short).
       tile_runs 175 "16,128,4,5;16,128,4,3;16,64,4,5;16,64,4,4" attention-tiles "ragged int8" "ragged fp8" "short int8" ;;
-    study-stream-decode)
-      timeout 300 python3 benchmarks/study_stream_decode.py --out "$OUT/study-stream-decode.jsonl" 2>&1 | tail -32 ;;
     study-warp-keys)
       (cd benchmarks && timeout 300 python3 study_warp_keys.py --out "$OUT/study-warp-keys.json" 2>&1 | tail -8) ;;
     study-attention-short)

@@ -11,7 +11,7 @@ timing a change on the GPU:
 
     pip install --no-deps --target /tmp/triton-gpu triton==<the GPU's version>
     PYTHONPATH=/tmp/triton-gpu python benchmarks/kernel_sass.py attention --kv int8 [--batch 64] [--query 1] \
-        [--head-dim 128] [--stream] [--sass FILE]
+        [--head-dim 128] [--sass FILE]
     PYTHONPATH=/tmp/triton-gpu python benchmarks/kernel_sass.py gemv --q8
     PYTHONPATH=/tmp/triton-gpu python benchmarks/kernel_sass.py skinny [--q8] [--rows 8]
     PYTHONPATH=/tmp/triton-gpu python benchmarks/kernel_sass.py rope --kv int8
@@ -156,8 +156,6 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=64, help="attention: decode sequences (the tile follows)")
     parser.add_argument("--query", type=int, default=1, help="attention: query tokens a sequence (a prefill chunk)")
     parser.add_argument("--head-dim", type=int, default=128, help="attention: the heads' size (8 KV heads, group 4)")
-    parser.add_argument("--stream", action="store_true",
-                        help="attention: the stream-K decode kernel (triton_stream_decode), else the paged one")
     parser.add_argument("--tile", help="attention: force BLOCK_M,BLOCK_N,num_warps,num_stages[,max registers a thread] (else the engine's)")
     parser.add_argument("--q8", action="store_true", help="gemv, skinny: a Q8_0 weight (Llama-3-8B's gate|up shape)")
     parser.add_argument("--rows", type=int, default=None,
@@ -184,8 +182,8 @@ def main() -> None:
                                        torch.arange(0, batch * q + 1, q, dtype=torch.int32),
                                        torch.full((batch,), 300, dtype=torch.int32),
                                        torch.zeros(batch, 20, dtype=torch.int32), 0.1, max_query_len=q,
-                                       max_seq_len=8192, stream=args.stream, **scales)
-        launch = intercept("_stream_decode_kernel" if args.stream else "_paged_attention_kernel", call)
+                                       max_seq_len=8192, **scales)
+        launch = intercept("_paged_attention_kernel", call)
     elif args.kernel == "rope":  # Llama-3-8B's RoPE and KV write for one decode token
         dtype = KV_DTYPES[args.kv]
         cache = torch.zeros(40, 16, 8, 128, dtype=dtype)

@@ -126,18 +126,16 @@ class Batch:
         self.flops = 4 * hq * head_dim * sum(q * (c - q) + q * (q + 1) // 2 for q, c in specs)
         self._expected: dict[float | None, torch.Tensor] = {}
 
-    def run(self, softcap: float | None = None, splits: int | None = None, op=None,
-            stream: bool | None = None) -> torch.Tensor:
+    def run(self, softcap: float | None = None, splits: int | None = None, op=None) -> torch.Tensor:
         """``splits``: the KV split count (None: the wrapper's choice); ``op``: the torch reference
-        instead of the kernel; ``stream``: force the stream-K decode kernel or the paged one."""
+        instead of the kernel."""
         scales = {} if self.scales is None else {"k_scale": self.scales[0], "v_scale": self.scales[1]}
         if op is not None:
             return op(self.query, self.k, self.v, self.qsl, self.seq_lens, self.tables, self.scale, None,
                       softcap=softcap, **scales)
         return triton_attention.paged_attention(self.query, self.k, self.v, self.qsl, self.seq_lens, self.tables,
                                                 self.scale, None, max_query_len=self.max_q, max_seq_len=self.max_ctx,
-                                                softcap=softcap, num_splits=splits, stream=stream, out=self.out,
-                                                **scales)
+                                                softcap=softcap, num_splits=splits, out=self.out, **scales)
 
     def error(self, softcap: float | None) -> float:
         """The largest difference of the last run's output from the torch reference's."""

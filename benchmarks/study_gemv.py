@@ -39,6 +39,8 @@ MODELS: dict[str, tuple[str, str, list[tuple[str, int, int, str]]]] = {
     # name: (norm weighting, gate activation, projections)
     "llama3-8b": ("llama", "silu", [("qkv", 6144, 4096, "norm"), ("gate_up", 28672, 4096, "gated"),
                                     ("o", 4096, 4096, "residual"), ("down", 4096, 14336, "residual")]),
+    "qwen3-0.6b": ("llama", "silu", [("qkv", 4096, 1024, "norm"), ("gate_up", 6144, 1024, "gated"),
+                                     ("o", 1024, 2048, "residual"), ("down", 1024, 3072, "residual")]),
     "gemma3-4b": ("offset", "gelu_tanh", [("qkv", 4096, 2560, "norm"), ("gate_up", 20480, 2560, "gated"),
                                           ("o", 2560, 2048, "plain"), ("down", 2560, 10240, "plain")]),
     "gemma3-27b": ("offset", "gelu_tanh", [("qkv", 8192, 5376, "norm"), ("gate_up", 43008, 5376, "gated"),

@@ -76,7 +76,6 @@ def check_paged_attention(
     pass_max_query_len: bool = True,
     softcap: float | None = None,
     scale: float | None = None,
-    stream: bool | None = None,
 ) -> float:
     """``specs`` lists (query length, context length incl. the query) per sequence.
 
@@ -133,11 +132,10 @@ def check_paged_attention(
         max_query_len=max(q for q, _ in specs) if pass_max_query_len else None,
         softcap=softcap,
         num_splits=num_splits,
-        stream=stream,
         out=out,
     )
     where = (f"seed={seed} specs={specs} Hq={num_q_heads} Hkv={num_kv_heads} D={head_dim} {dtype} "
-             f"window={sliding_window} splits={num_splits} softcap={softcap} scale={scale} stream={stream}")
+             f"window={sliding_window} splits={num_splits} softcap={softcap} scale={scale}")
     assert got is out, where
     assert torch.isfinite(out).all(), f"unwritten or poisoned output rows: {where}"
     err = rel_err(out, ref)
@@ -330,8 +328,7 @@ def check_quantized_attention(ops, *, specs: list[tuple[int, int]], num_q_heads:
                               head_dim: int, dtype: torch.dtype, cache_dtype: torch.dtype, device: str,
                               sliding_window: int | None = None, num_splits: int | None = None,
                               value_magnitude: float = 1.0, value_decades: float = 0.0, zero_values: int = 0,
-                              block_size: int = 16, softcap: float | None = None,
-                              stream: bool | None = None) -> None:
+                              block_size: int = 16, softcap: float | None = None) -> None:
     """Attention over a quantized cache against the reference reading the same bytes and scales; values
     of ``value_magnitude`` (small ones: scales far below one), each token's scaled by up to
     ``value_decades`` powers of ten either way, the first ``zero_values`` of each sequence zero."""
@@ -359,50 +356,11 @@ def check_quantized_attention(ops, *, specs: list[tuple[int, int]], num_q_heads:
     args = (query, k_cache, v_cache, query_start_loc, seq_lens, tables, head_dim**-0.5, sliding_window)
     ref = reference.paged_attention(*args, k_scale=k_scale, v_scale=v_scale, softcap=softcap)
     got = ops.paged_attention(*args, max_query_len=max(q_lens), k_scale=k_scale, v_scale=v_scale,
-                              num_splits=num_splits, softcap=softcap, stream=stream)
+                              num_splits=num_splits, softcap=softcap)
     where = (f"seed={seed} specs={specs} Hq={num_q_heads} Hkv={num_kv_heads} D={head_dim} {dtype} {cache_dtype} "
-             f"softcap={softcap} stream={stream}")
+             f"softcap={softcap}")
     err = rel_err(got, ref)
     assert err < ATTN_TOL[dtype], f"rel err {err:.2e}: {where}"
-
-
-def check_stream_decode(ops, device: str, programs: tuple[int, ...], dtypes: tuple[torch.dtype, ...],
-                        cache_dtypes: tuple[torch.dtype, ...]) -> None:
-    """Decode batches through the stream-K kernel (``triton_stream_decode``) at several program counts
-    (``programs`` SMs, two programs each): runs that cross many sequences, sequences cut across several
-    programs (merged), runs of one tile and programs left without any; 16-bit and quantized caches, GQA
-    groups of 1-8, Gemma's head dims, softcapped scores, value scales over six decades."""
-    from tokenmill.kernels import triton_stream_decode
-
-    sms = triton_stream_decode.num_sms
-    specs = [(1, 1000), (1, 5), (1, 300), (1, 129), (1, 128), (1, 1), (1, 640)]
-    try:
-        for count in programs:
-            triton_stream_decode.num_sms = lambda _device, count=count: count
-            for dtype in dtypes:
-                check_paged_attention(ops, specs, num_q_heads=8, num_kv_heads=2, head_dim=64, block_size=16,
-                                      dtype=dtype, device=device, stream=True)
-                for cache_dtype in cache_dtypes:
-                    check_quantized_attention(ops, specs=specs, num_q_heads=4, num_kv_heads=2, head_dim=128,
-                                              dtype=dtype, cache_dtype=cache_dtype, device=device, stream=True,
-                                              value_decades=3.0, zero_values=130)
-        for dtype in dtypes:
-            check_paged_attention(ops, [(1, 700), (1, 65)], num_q_heads=8, num_kv_heads=1, head_dim=256, block_size=16,
-                                  dtype=dtype, device=device, stream=True, softcap=20.0)
-            check_paged_attention(ops, [(1, 200), (1, 33)], num_q_heads=3, num_kv_heads=3, head_dim=80, block_size=16,
-                                  dtype=dtype, device=device, stream=True)
-            for cache_dtype in cache_dtypes:
-                check_quantized_attention(ops, specs=[(1, 400), (1, 90)], num_q_heads=4, num_kv_heads=2, head_dim=64,
-                                          dtype=dtype, cache_dtype=cache_dtype, device=device, stream=True,
-                                          softcap=5.0)
-    finally:
-        triton_stream_decode.num_sms = sms
-
-
-def _interpret_stream_decode(ops) -> None:
-    """int8 alone among one-byte caches (``_interpret_quantized_kv`` says why)."""
-    check_stream_decode(ops, "cpu", programs=(1, 3, 7, 40), dtypes=(torch.float16, torch.float32),
-                        cache_dtypes=(torch.int8,))
 
 
 def _interpret_quantized_kv(ops) -> None:
@@ -1030,7 +988,6 @@ INTERPRET_CASES = {
     "offset_rms_norm": _interpret_offset_rms_norm,
     "gemma_norms": _interpret_gemma4_norms,
     "quantized_kv": _interpret_quantized_kv,
-    "stream_decode": _interpret_stream_decode,
     "rotary_embedding_and_write_kv": _interpret_rope_write_kv,
     "softcap": _interpret_softcap,
     "silu_and_mul": _interpret_act_and_mul("silu_and_mul"),

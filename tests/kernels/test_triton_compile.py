@@ -120,10 +120,6 @@ def _launches(monkeypatch: pytest.MonkeyPatch) -> list[Launch]:
                                        torch.tensor([0, 1], dtype=torch.int32),
                                        torch.tensor([40], dtype=torch.int32), tables, 0.1, window,
                                        num_splits=splits)
-        # Decode through the stream-K kernel (two sequences), as the engine sends one-byte caches' batches.
-        two_starts, two_lens = torch.tensor([0, 1, 2], dtype=torch.int32), torch.tensor([40, 20], dtype=torch.int32)
-        triton_ops.paged_attention(rand(2, 8, 128), k_cache, v_cache, two_starts, two_lens,
-                                   tables.expand(2, 4), 0.1, max_query_len=1, stream=True)
         for query_len in (12, 20):  # 64 and 128 rows a program (group 4)
             triton_ops.paged_attention(rand(query_len, 8, 128), k_cache, v_cache,
                                        torch.tensor([0, query_len], dtype=torch.int32),
@@ -148,9 +144,6 @@ def _launches(monkeypatch: pytest.MonkeyPatch) -> list[Launch]:
                                            torch.tensor([0, 1], dtype=torch.int32),
                                            torch.tensor([100], dtype=torch.int32), gemma_tables, 0.1, window,
                                            softcap=cap, num_splits=splits)
-            triton_ops.paged_attention(rand(2, num_q_heads, head_dim), gk, gv, two_starts, two_lens,
-                                       gemma_tables.expand(2, 8), 0.1, max_query_len=1, stream=True,
-                                       softcap=50.0 if num_q_heads == 4 else None)
             triton_ops.paged_attention(rand(20, num_q_heads, head_dim), gk, gv, torch.tensor([0, 20], dtype=torch.int32),
                                        torch.tensor([50], dtype=torch.int32), gemma_tables, 0.1,
                                        32 if num_q_heads == 4 else None, max_query_len=20,
@@ -199,9 +192,6 @@ def _launches(monkeypatch: pytest.MonkeyPatch) -> list[Launch]:
                                            torch.tensor([40], dtype=torch.int32), torch.zeros(1, 4, dtype=torch.int32),
                                            0.1, max_query_len=query_len, max_seq_len=bound, num_splits=splits,
                                            k_scale=ks[:, :, :kv_heads], v_scale=vs[:, :, :kv_heads])
-            triton_ops.paged_attention(rand(2, 8, 128), qk, qv, two_starts, two_lens,
-                                       torch.zeros(2, 4, dtype=torch.int32), 0.1, max_query_len=1, max_seq_len=4096,
-                                       stream=True, k_scale=ks, v_scale=vs)
         # Head dim 16 (under an integer dot's 32), decode and a prompt's tile.
         qk16, qv16 = (torch.zeros(4, 16, 1, 16, dtype=torch.int8) for _ in range(2))
         for query_len in (1, 20):
@@ -273,8 +263,7 @@ def test_every_kernel_compiles_for_hopper(monkeypatch: pytest.MonkeyPatch) -> No
     names = {launch.fn.__name__ for launch in launches}
     assert {"_paged_attention_kernel", "_merge_splits_kernel", "_rms_norm_kernel", "_rope_write_kv_kernel",
             "_act_and_mul_kernel", "_gemv_kernel", "_skinny_matmul_kernel", "_sample_kernel",
-            "_race_parts_kernel", "_penalties_kernel", "_softcap_kernel", "_plan_tiles_kernel",
-            "_prepare_queries_kernel", "_stream_decode_kernel", "_merge_runs_kernel"} <= names, names
+            "_race_parts_kernel", "_penalties_kernel", "_softcap_kernel"} <= names, names
     variants = {(launch.fn.__name__, key, launch.constexprs.get(key)) for launch in launches for key in
                 ("SOFTCAP", "WEIGHTING", "GELU_TANH", "BLOCK_D", "BLOCK_M", "ADD_AFTER", "GELU")}
     assert {("_paged_attention_kernel", "SOFTCAP", True), ("_paged_attention_kernel", "BLOCK_D", 512),

@@ -106,12 +106,10 @@ def test_paged_attention_spec_verify(pass_max_query_len: bool) -> None:
     )
 
 
-@pytest.mark.parametrize("hq,hkv,d,window,softcap,stream", [(32, 8, 128, None, None, None), (16, 8, 256, 1024, 1.5, None),
-                                                            (16, 2, 512, None, 1.5, None), (32, 8, 128, None, None, True),
-                                                            (16, 8, 256, None, 1.5, True)])
-def test_paged_attention_decode_cuda_graph(hq, hkv, d, window, softcap, stream) -> None:
-    """Capture a decode call once, then change lengths, block tables and queries in place and replay
-    (``stream``: through the stream-K kernel, whose tile layout is planned on the device)."""
+@pytest.mark.parametrize("hq,hkv,d,window,softcap", [(32, 8, 128, None, None), (16, 8, 256, 1024, 1.5),
+                                                     (16, 2, 512, None, 1.5)])
+def test_paged_attention_decode_cuda_graph(hq, hkv, d, window, softcap) -> None:
+    """Capture a decode call once, then change lengths, block tables and queries in place and replay."""
     batch, bs, width = 8, 16, 128
     num_blocks = batch * width + 1
     k_cache = torch.randn(num_blocks, bs, hkv, d, device="cuda", dtype=torch.bfloat16)
@@ -124,7 +122,7 @@ def test_paged_attention_decode_cuda_graph(hq, hkv, d, window, softcap, stream) 
 
     def step() -> None:
         triton_ops.paged_attention(query, k_cache, v_cache, qsl, seq_lens, block_tables, d**-0.5, window,
-                                   softcap=softcap, stream=stream, out=out)
+                                   softcap=softcap, out=out)
 
     step()  # compile outside the capture
     torch.cuda.synchronize()
@@ -463,24 +461,3 @@ def test_sample(rows: int, vocab: int, splits: int | None) -> None:
 @pytest.mark.parametrize("rows,vocab", [(64, 151936), (1, 128256), (257, 32000)])
 def test_penalties(rows: int, vocab: int) -> None:
     cases.check_penalties(triton_ops, rows=rows, vocab=vocab, device="cuda")
-
-
-@pytest.mark.parametrize("programs", [1, 5, 132])
-def test_stream_decode(programs: int) -> None:
-    """The stream-K decode kernel at 2, 10 and 264 programs (``programs`` SMs): 16-bit and every one-byte
-    cache, GQA groups of 1-8, Gemma's head dims, softcaps (``check_stream_decode``)."""
-    cases.check_stream_decode(triton_ops, "cuda", programs=(programs,), dtypes=(torch.bfloat16, torch.float16),
-                              cache_dtypes=tuple(QUANTIZED_KV))
-
-
-@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, *QUANTIZED_KV], ids=str)
-def test_stream_decode_ragged_batch(cache_dtype) -> None:
-    """A server's decode batch of 150 sequences of 1-2,000 tokens, longest first, through the stream-K
-    kernel at the GPU's own program count."""
-    specs = sorted(_decode_specs(150, 2000), key=lambda spec: -spec[1])
-    if cache_dtype == torch.bfloat16:
-        cases.check_paged_attention(triton_ops, specs, num_q_heads=32, num_kv_heads=8, head_dim=128, block_size=16,
-                                    dtype=torch.bfloat16, device="cuda", stream=True)
-    else:
-        cases.check_quantized_attention(triton_ops, specs=specs, num_q_heads=32, num_kv_heads=8, head_dim=128,
-                                        dtype=torch.bfloat16, cache_dtype=cache_dtype, device="cuda", stream=True)

@@ -23,12 +23,16 @@ import torch
 import triton
 import triton.language as tl
 
-from tokenmill.kernels.triton_attention_tile import NEG_BIG, attend_tile, key_layout, prepare_query, tile_blocks, tile_scales
-from tokenmill.kernels.triton_convert import ptx_conversions
+from tokenmill.kernels.reference import QUERY_INT8_FLOOR
+from tokenmill.kernels.triton_activation import tanh
+from tokenmill.kernels.triton_convert import mul_rn, ptx_conversions, to_f16
 from tokenmill.kernels.triton_launch import num_sms, pdl_launch_args, wait_for_previous_kernel
-from tokenmill.kernels.triton_stream_decode import stream_decode_attention
 
 _LOG2E = 1.4426950408889634
+# Finite stand-in for -inf as the initial running max: exp2(m_old - m_new) stays
+# well-defined (never inf - inf) for rows whose first tiles are fully masked.
+_NEG_BIG = tl.constexpr(-1.0e30)
+_QUERY_INT8_FLOOR = tl.constexpr(QUERY_INT8_FLOOR)
 _MAX_SPLITS = 64
 # The merge reads a program's splits as one [BLOCK_S, dims] tile: this many rows up to this many splits,
 # _MAX_SPLITS past it. Two variants, not one a split count; the small one holds an eighth of the
@@ -46,6 +50,41 @@ _PROMPT_SPLIT_PROGRAMS_PER_SM = 4
 # Shared memory for the pipelined K and V tiles (2 x stages x BLOCK_N x BLOCK_D elements): sm_90
 # gives a block 227 KiB, and the kernel needs some besides.
 _KV_SMEM_BUDGET = 192 * 1024
+
+
+@triton.jit
+def _key_layout(start, block_size, BLOCK_N: tl.constexpr):
+    """Where a sequence's tokens ``start`` … ``start + BLOCK_N`` lie: each one's block-table entry past
+    ``start // block_size``, and its slot in that block. The same for every tile of a loop whose
+    tiles span whole blocks (each then starts as far into a block)."""
+    k = start % block_size + tl.arange(0, BLOCK_N)
+    return k // block_size, k % block_size
+
+
+@triton.jit
+def _tile_blocks(bt_row, start, end, block_size, BLOCK_N: tl.constexpr, layout, SAME: tl.constexpr):
+    """The cache block of each token ``start`` … ``start + BLOCK_N`` of a sequence (0 from ``end`` on);
+    where ``SAME``, ``layout`` (``_key_layout``) is the tile's."""
+    n = start + tl.arange(0, BLOCK_N)
+    entry = start // block_size + layout[0] if SAME else n // block_size
+    return tl.load(bt_row + entry, mask=n < end, other=0).to(tl.int64)
+
+
+@triton.jit
+def _tile_scales(scales, block, start, end, kv_head, block_size, BLOCK_N: tl.constexpr, layout, SAME: tl.constexpr):
+    """The K and V scales (float32) of tokens ``start`` … ``start + BLOCK_N``, held in ``block``s (0 from
+    ``end`` on); ``scales``: each cache's scale pointer and strides (block, slot, head), K's then V's;
+    ``layout`` and ``SAME`` as ``_tile_blocks`` takes them."""
+    k_scale_ptr, ks_stride_block, ks_stride_slot, ks_stride_head, v_scale_ptr, vs_stride_block, vs_stride_slot, \
+        vs_stride_head = scales
+    n = start + tl.arange(0, BLOCK_N)
+    valid = n < end
+    slot = layout[1] if SAME else n % block_size
+    ks = tl.load(k_scale_ptr + block * ks_stride_block + slot * ks_stride_slot + kv_head * ks_stride_head,
+                 mask=valid, other=0.0).to(tl.float32)
+    vs = tl.load(v_scale_ptr + block * vs_stride_block + slot * vs_stride_slot + kv_head * vs_stride_head,
+                 mask=valid, other=0.0).to(tl.float32)
+    return ks, vs
 
 
 @triton.jit
@@ -92,43 +131,118 @@ def _attend_tiles(acc, m_i, l_i, v_inv, q, q_step, q_pos, lo, hi, split_hi, bt_r
     # and cross into the scores' layout through registers every tile (fp8 decode at 128 keys: 13
     # barriers an iteration against 9; sm_90 code).
     # Where tiles span whole blocks, every tile's keys lie at the first tile's block-table steps and
-    # slots (``key_layout``), computed once: the loop keeps only the block ids and their products
+    # slots (``_key_layout``), computed once: the loop keeps only the block ids and their products
     # (sm_90 code: the fp8 decode loop at 128 keys 1,039 -> 900 instructions, bf16's at 64 keys 688 ->
     # 500, a 16-bit prompt's 762 -> 674). Not in a quantized prompt's tile, whose registers are full:
     # its spills grew from 72 to 296 bytes.
     SAME: tl.constexpr = BLOCK_N % block_size == 0 and (BLOCK_M < 64 or not KV_SCALED)
-    layout = key_layout(lo, block_size, BLOCK_N)
+    layout = _key_layout(lo, block_size, BLOCK_N)
     if KV_SCALED and not PIPELINED_SCALES:
-        ks_next, vs_next = tile_scales(scales, tile_blocks(bt_row, lo, split_hi, block_size, BLOCK_N, layout, SAME),
-                                       lo, split_hi, kv_head, block_size, BLOCK_N, layout, SAME)
-        blocks_next = tile_blocks(bt_row, lo + BLOCK_N, split_hi, block_size, BLOCK_N, layout, SAME)
+        ks_next, vs_next = _tile_scales(scales, _tile_blocks(bt_row, lo, split_hi, block_size, BLOCK_N, layout, SAME),
+                                        lo, split_hi, kv_head, block_size, BLOCK_N, layout, SAME)
+        blocks_next = _tile_blocks(bt_row, lo + BLOCK_N, split_hi, block_size, BLOCK_N, layout, SAME)
     # Decode tiles (under 64 rows) spread a tile's keys over the warps: a row's sum over them would
     # cross warps every tile, so each key column keeps its own running sum, added up once at the end.
     DEFER_SUM: tl.constexpr = BLOCK_M < 64
     m_in = m_i
-    l_cols = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32) if DEFER_SUM else l_i  # (the other passes through)
+    if DEFER_SUM:
+        l_cols = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for start in range(lo, hi, BLOCK_N):
         n = start + tl.arange(0, BLOCK_N)
         # An unmasked loop's tiles lie wholly before the split's end: their K/V loads take no mask (a
         # prompt tile's loop at 128 rows x 32 keys: a 2,048-token prompt 120.9 -> 117.4 us, 4 x 512
         # over 4k 415.5 -> 397.2; h200-2026-12-02/decode-tiles-971160b).
         n_valid = n < split_hi if MASKED else tl.full([BLOCK_N], True, tl.int1)
-        block = tile_blocks(bt_row, start, split_hi, block_size, BLOCK_N, layout, SAME)
+        block = _tile_blocks(bt_row, start, split_hi, block_size, BLOCK_N, layout, SAME)
         slot = layout[1] if SAME else n % block_size
         if KV_SCALED and PIPELINED_SCALES:
-            ks, vs = tile_scales(scales, block, start, split_hi, kv_head, block_size, BLOCK_N, layout, SAME)
+            ks, vs = _tile_scales(scales, block, start, split_hi, kv_head, block_size, BLOCK_N, layout, SAME)
         elif KV_SCALED:
             ks, vs = ks_next, vs_next
-            ks_next, vs_next = tile_scales(scales, blocks_next, start + BLOCK_N, split_hi, kv_head, block_size,
-                                           BLOCK_N, layout, SAME)
-            blocks_next = tile_blocks(bt_row, start + 2 * BLOCK_N, split_hi, block_size, BLOCK_N, layout, SAME)
-        else:  # (unused)
-            ks = v_inv
-            vs = v_inv
-        acc, m_i, l_i, l_cols = attend_tile(acc, m_i, l_i, l_cols, v_inv, q, q_step, q_pos, n, n_valid, block, slot,
-                                            ks, vs, kv_head, cache, qk_scale, softcap_log2, window, dims, dim_valid,
-                                            MASKED, KV_SCALED, DOT_F16, PTX, USE_WINDOW, SOFTCAP, IEEE_DOT, ONE_TOKEN,
-                                            DEFER_SUM)
+            ks_next, vs_next = _tile_scales(scales, blocks_next, start + BLOCK_N, split_hi, kv_head, block_size,
+                                            BLOCK_N, layout, SAME)
+            blocks_next = _tile_blocks(bt_row, start + 2 * BLOCK_N, split_hi, block_size, BLOCK_N, layout, SAME)
+        k_off = block * kc_stride_block + slot * kc_stride_slot + kv_head * kc_stride_head
+        k = tl.load(
+            k_cache_ptr + k_off[None, :] + dims[:, None],
+            mask=n_valid[None, :] & dim_valid[:, None],
+            other=0.0,
+        )
+        if q.dtype == tl.int8 and q.shape[1] >= 32:  # integer dots of the int8 query and keys, no conversion of K
+            qk = tl.dot(q, k, out_dtype=tl.int32).to(tl.float32)
+        elif q.dtype == tl.int8:
+            # Integer dots take 32 dims and more: under that, the same products in float16 dots (every
+            # int8 is a float16; 16 products of at most 127^2 add up exactly in the float32 accumulator).
+            qk = tl.dot(q.to(tl.float16), k.to(tl.float16))
+        else:
+            k = to_f16(k, PTX, True) if DOT_F16 else k.to(q.dtype)  # read along d: converted in its operand layout
+            if IEEE_DOT:
+                qk = tl.dot(q, k, input_precision="ieee")
+            else:
+                qk = tl.dot(q, k)
+        # The scores in the log2 domain are qk * scale: a plain score's scale is folded into the
+        # exponent's operand (one FMA an element), a scaled or capped one is scaled here.
+        scale = qk_scale  # scale * log2(e)
+        # An int8 query's scores are in units of each row's step: a capped score needs them in its
+        # natural scale; otherwise the step joins the exponent's FMA as a row factor (the row's largest
+        # score times it is the largest of the scores times it), one multiply an element fewer.
+        ROW_STEP: tl.constexpr = q.dtype == tl.int8 and not SOFTCAP
+        if q.dtype == tl.int8 and SOFTCAP:
+            qk = qk * q_step[:, None]
+        if KV_SCALED:
+            # A quantized cache: each key's scale multiplies its scores (q . (s k) = s (q . k)); the
+            # one-byte values convert exactly to q's dtype. With the score's scale (under a cap,
+            # scale / cap: tanh's argument).
+            qk = qk * (ks * qk_scale)[None, :]
+            scale = 1.0
+        if SOFTCAP:
+            # qk_scale is scale / cap: the cap applies to the natural-scale score, and only
+            # its result moves to the log2 domain (softcap_log2 = cap * log2(e)).
+            qk = tanh(qk * (1.0 if KV_SCALED else qk_scale)) * softcap_log2
+            scale = 1.0
+        if MASKED:
+            allowed = n_valid[None, :]
+            # A lone query token sits at its sequence's last position, and its window starts at the split's
+            # first key or before: the causal and window masks hold for every key of the split (the
+            # padding rows see the same keys as that token). One mask a key column instead of one an
+            # element (sm_90 code, decode loops at 128 keys: int8 757 -> 723 instructions, bf16 674 -> 642).
+            if not ONE_TOKEN:
+                allowed = allowed & (n[None, :] <= q_pos[:, None])
+                if USE_WINDOW:
+                    allowed = allowed & ((q_pos[:, None] - n[None, :]) < window)
+            qk = tl.where(allowed, qk, float("-inf"))
+
+        if ROW_STEP:
+            row_scale = q_step * scale
+            m_new = tl.maximum(m_i, tl.max(qk, axis=1) * row_scale)
+            p = tl.exp2(qk * row_scale[:, None] - m_new[:, None])
+        else:
+            m_new = tl.maximum(m_i, tl.max(qk, axis=1) * scale)
+            p = tl.exp2(qk * scale - m_new[:, None])
+        alpha = tl.exp2(m_i - m_new)
+        if DEFER_SUM:
+            l_cols = l_cols * alpha[:, None] + p
+        else:
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+        v_off = block * vc_stride_block + slot * vc_stride_slot + kv_head * vc_stride_head
+        v = tl.load(
+            v_cache_ptr + v_off[:, None] + dims[None, :],
+            mask=n_valid[:, None] & dim_valid[None, :],
+            other=0.0,
+        )
+        # Gathered across keys: converted first (an int8 query without float16 dots is a float32 one's).
+        v = to_f16(v, PTX, False) if DOT_F16 else v.to(tl.float32 if q.dtype == tl.int8 else q.dtype)
+        pw = p
+        if KV_SCALED:
+            # Each value's scale weighs its probability (the sum l_i keeps the unweighted p), relative
+            # to the program's unit: p times a small scale would fall among float16's subnormals.
+            pw = p * tl.minimum(vs * v_inv, 65504.0)[None, :]
+        if IEEE_DOT:
+            pv = tl.dot(pw.to(v.dtype), v, input_precision="ieee")
+        else:
+            pv = tl.dot(pw.to(v.dtype), v)
+        acc = acc * alpha[:, None] + pv
+        m_i = m_new
     if DEFER_SUM:
         l_i = l_i * tl.exp2(m_in - m_i) + tl.sum(l_cols, axis=1)
     return acc, m_i, l_i
@@ -228,7 +342,26 @@ def _paged_attention_kernel(
         mask=row_valid[:, None] & dim_valid[None, :],
         other=0.0,
     )
-    q, q_step = prepare_query(q, k_cache_ptr.dtype.element_ty == tl.int8, DOT_F16, PTX)
+    q_step = tl.zeros([BLOCK_M], dtype=tl.float32)  # (read over an int8 cache alone)
+    if k_cache_ptr.dtype.element_ty == tl.int8:
+        # An int8 cache: q on each row's int8 grid (``reference.quantize_query_int8``), so that its
+        # scores are integer tensor-core dots with the keys as they are stored.
+        # Every step rounded as the reference rounds it: a faster division is off by up to two ulps,
+        # and a product fused with the + 0.5 is rounded once, either of which moves an element that
+        # close to half a step onto the other step.
+        # The step and its reciprocal are taken on a [rows, 1] column: on a row vector broadcast
+        # afterwards, the compiler divided again for every element (sm_90 code).
+        q = q.to(tl.float32)
+        q_step = tl.math.div_rn(tl.maximum(tl.max(tl.abs(q), axis=1, keep_dims=True), _QUERY_INT8_FLOOR), 127.0)
+        q = tl.floor(mul_rn(q, tl.math.div_rn(1.0, q_step), PTX) + 0.5).to(tl.int8)
+        q_step = tl.reshape(q_step, (BLOCK_M,))
+    elif DOT_F16:
+        # A one-byte cache under a 16-bit query: the dots run in float16, which every int8 and float8
+        # value converts to exactly and cheaply (float8 two a packed instruction; to bfloat16 each goes
+        # through the conversion unit, a sixteenth of the SM's rate). A bfloat16 query keeps its 8 bits
+        # of mantissa from 2^-14 to float16's largest value (clamped there); below, it loses bits worth
+        # under 2^-24 each beside scores of order one.
+        q = tl.clamp(q.to(tl.float32), -65504.0, 65504.0).to(tl.float16)
 
     # Keys this tile can see: causal upper bound from its last token, window lower
     # bound from its first; blocks outside are never loaded.
@@ -240,7 +373,7 @@ def _paged_attention_kernel(
     split_lo = kv_lo + split * chunk
     split_hi = tl.minimum(split_lo + chunk, kv_hi)
 
-    m_i = tl.full([BLOCK_M], NEG_BIG, dtype=tl.float32)
+    m_i = tl.full([BLOCK_M], _NEG_BIG, dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     bt_row = block_tables_ptr + seq.to(tl.int64) * bt_stride
@@ -256,8 +389,8 @@ def _paged_attention_kernel(
     # times the unit (float16's largest value) weighs as if it were 65504 times.
     v_unit = 1.0
     if KV_SCALED:
-        first = tile_scales(scales, tile_blocks(bt_row, split_lo, split_hi, block_size, BLOCK_N, None, False),
-                            split_lo, split_hi, kv_head, block_size, BLOCK_N, None, False)[1]
+        first = _tile_scales(scales, _tile_blocks(bt_row, split_lo, split_hi, block_size, BLOCK_N, None, False),
+                             split_lo, split_hi, kv_head, block_size, BLOCK_N, None, False)[1]
         v_unit = tl.max(first, axis=0)
         v_unit = tl.where(v_unit > 0.0, v_unit, 1.0)
     v_inv = 1.0 / v_unit
@@ -291,7 +424,7 @@ def _paged_attention_kernel(
         acc = acc * v_unit
     if WRITE_PARTIALS:
         # Partials [T, Hq, S, D] and (max, sum) pairs [T, Hq, S, 2]; empty splits
-        # write max=NEG_BIG, sum=0 and so weigh nothing in the merge.
+        # write max=_NEG_BIG, sum=0 and so weigh nothing in the merge.
         part = (q_row * num_q_heads + head) * num_splits + split
         tl.store(
             part_acc_ptr + part[:, None] * head_dim + dims[None, :],
@@ -331,7 +464,7 @@ def _merge_splits_kernel(
     dims = tl.program_id(2) * BLOCK_D + tl.arange(0, BLOCK_D)
     dim_valid = dims < head_dim
     part = (t * num_q_heads + h) * num_splits + splits
-    m = tl.load(part_ml_ptr + part * 2, mask=split_valid, other=NEG_BIG)
+    m = tl.load(part_ml_ptr + part * 2, mask=split_valid, other=_NEG_BIG)
     l = tl.load(part_ml_ptr + part * 2 + 1, mask=split_valid, other=0.0)
     m_max = tl.max(m, axis=0)
     w = tl.exp2(m - m_max)
@@ -401,13 +534,6 @@ def _mask_edges_only(block_m: int, kv_dtype: torch.dtype, num_splits: int) -> bo
     h200-2026-12-02/studies-cff1282). float8_e5m2 runs the same loop with another conversion opcode.
     """
     return block_m >= 64 or (kv_dtype in (torch.float8_e4m3fn, torch.float8_e5m2) and num_splits == 1)
-
-
-def _stream_pays(elem_bytes: int, work_units: int, device: torch.device) -> bool:
-    """Whether a decode batch without a window goes through the stream-K kernel: over a one-byte cache,
-    where the paged kernel's grid holds at least as many (sequence, KV head) programs as the SMs hold
-    at once (below that it splits each range, and its programs are already few)."""
-    return elem_bytes == 1 and work_units >= 2 * num_sms(device)
 
 
 def _block_rows(block_d: int, group: int, max_query_len: int, elem_bytes: int) -> int:
@@ -546,7 +672,6 @@ def paged_attention(
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
     num_splits: int | None = None,
-    stream: bool | None = None,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of ``query`` ``[T, Hq, D]`` over the paged cache; returns ``[T, Hq, D]``.
@@ -564,8 +689,6 @@ def paged_attention(
     - ``k_scale``/``v_scale``: a quantized cache's scales ``[num_blocks, block_size, Hkv]``, as the
       reference's: each key's scale multiplies its scores, each value's its probability.
     - ``num_splits``: force the KV split count (tests); default chosen from shapes.
-    - ``stream``: force (tests, studies) a decode batch without a window through the stream-K kernel
-      (``triton_stream_decode``) or the paged one; default chosen from shapes (``_stream_pays``).
     - ``out``: preallocated output (may be a strided view, last dim contiguous).
     """
     num_tokens, num_q_heads, head_dim = query.shape
@@ -593,19 +716,6 @@ def paged_attention(
         raise ValueError(f"num_splits must be in [1, {_MAX_SPLITS}], got {num_splits}")
     block_d = triton.next_power_of_2(head_dim)
     max_context = block_tables.shape[1] * block_size if max_seq_len is None else max_seq_len
-    qk_scale = float(scale) / float(softcap) if softcap is not None else float(scale) * _LOG2E
-    softcap_log2 = float(softcap) * _LOG2E if softcap is not None else 0.0
-    streamable = max_query_len == 1 and num_tokens == batch and sliding_window is None and num_splits is None
-    if stream is None:
-        stream = streamable and _stream_pays(k_cache.element_size(), batch * num_kv_heads, query.device)
-    elif stream and not streamable:
-        raise ValueError("the stream-K kernel takes decode batches (one query token a sequence) without a window")
-    if stream:
-        block_m = _block_rows(block_d, group, 1, k_cache.element_size())
-        # Its programs stream many tiles each: the tile of a whole KV range of at least four tiles.
-        tile = _tile_config(block_d, block_m, k_cache.element_size(), 1 << 30, 1)[:4]
-        return stream_decode_attention(query, k_cache, v_cache, seq_lens, block_tables, qk_scale, softcap_log2,
-                                       max_context, tile, k_scale, v_scale, out)
     (block_m, block_n, num_warps, num_stages, max_registers), num_splits, (tiles, seqs, flat) = launch_plan(
         block_d, group, num_kv_heads, batch, num_tokens, max_query_len, max_context, k_cache.element_size(),
         query.device, num_splits,
@@ -635,8 +745,8 @@ def paged_attention(
         query_start_loc,
         seq_lens,
         block_tables,
-        qk_scale,
-        softcap_log2,
+        float(scale) / float(softcap) if softcap is not None else float(scale) * _LOG2E,
+        float(softcap) * _LOG2E if softcap is not None else 0.0,
         sliding_window if sliding_window is not None else 0,
         query.stride(0),
         query.stride(1),
