@@ -26,7 +26,7 @@ import torch
 from tokenmill.bench.hardware import measure_ceilings, time_cuda, write_rows
 from tokenmill.bench.offline import decode_steps, make_engine, release, run_workload, standard_workload
 from tokenmill.kernels import reference, triton_ops
-from tokenmill.layers.sampler import greedy_argmax, largest_logits
+from tokenmill.layers.sampler import largest_logits
 
 VOCAB = 151936
 SAMPLINGS = {"greedy": {}, "temperature": {"temperature": 1.0}, "top_p": {"temperature": 1.0, "top_p": 0.9},
@@ -48,9 +48,9 @@ def step_rows(ceilings) -> list[dict]:
                 return {"name": f"sampling/step/{name}/{spread}/b{batch}", "batch": batch, "vocab": VOCAB,
                         "us": seconds * 1e6, "floor_us": floor * 1e6, "fraction_of_floor": floor / seconds}
 
-            rows.append(row("greedy", time_cuda(lambda: greedy_argmax(logits))))
+            rows.append(row("greedy", time_cuda(lambda: triton_ops.argmax_rows(logits))))
             ones = torch.ones(batch, device="cuda")
-            greedy = greedy_argmax(logits)
+            greedy = triton_ops.argmax_rows(logits)
             for name, k, p in STEP_KINDS:
                 top_k = torch.full((batch,), k, dtype=torch.int64, device="cuda")
                 top_p, min_p = torch.full((batch,), p, device="cuda"), torch.zeros(batch, device="cuda")

@@ -9,7 +9,8 @@ import torch
 from scipy.stats import chisquare
 
 from tokenmill.kernels.reference import apply_penalties, kth_largest, sampling_candidates
-from tokenmill.layers.sampler import Sampler, SamplingBatch, greedy_argmax, inverse_temperature, largest_logits
+from tokenmill.layers import ops
+from tokenmill.layers.sampler import Sampler, SamplingBatch, inverse_temperature, largest_logits
 
 
 def batch_of(rows: int, *, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, generators=None,
@@ -140,7 +141,7 @@ def test_finish_applies_only_where_logit_values_are_read() -> None:
         calls.append(logits.shape[0])
         return logits.div_(30.0).tanh_().mul_(30.0)
 
-    ids = greedy_argmax(head)
+    ids = ops.argmax_rows(head)
     out = Sampler()(head.clone(), batch_of(1, temperature=0.0), ids, softcap_)
     assert out.token_ids.tolist() == [1] and calls == []
     out = Sampler()(head.clone(), batch_of(1, temperature=0.0, num_logprobs=1), ids, softcap_)
@@ -216,18 +217,4 @@ def test_penalties() -> None:
     # minus 0.25 * 2 and 0.5; tokens 2, 3 untouched
     assert torch.allclose(out, torch.tensor([[1.0, -4.0 - 0.5 - 0.5, 1.0, 1.0]]))
     assert math.isclose(out[0, 1].item(), -5.0)
-
-
-@pytest.mark.parametrize("rows", [5, 70])  # (many chunks a row below 64 rows, few from there)
-@pytest.mark.parametrize("vocab", [8192, 128256, 151936, 1009, 7])
-def test_greedy_argmax_is_argmax_with_first_maximum_on_ties(vocab: int, rows: int) -> None:
-    gen = torch.Generator().manual_seed(vocab)
-    logits = torch.randn(rows, vocab, generator=gen).to(torch.bfloat16)
-    # Ties across chunk borders and inside one chunk: the first index must win.
-    logits[1, [vocab // 3, vocab - 1]] = 50.0
-    logits[2, [vocab - 2, vocab - 1]] = 50.0
-    logits[3] = 0.0
-    assert torch.equal(greedy_argmax(logits), logits.argmax(dim=-1))
-    assert greedy_argmax(logits)[1].item() == vocab // 3
-    assert greedy_argmax(logits)[3].item() == 0
 

@@ -966,6 +966,36 @@ def check_top_k_edges(ops, *, vocab: int, device: str) -> None:
             assert got.item() == order[k - 1].item(), f"seed={seed} top_k={k} of {finite}: got {got.item()}"
 
 
+def check_argmax_rows(ops, *, rows: int, vocab: int, dtype: torch.dtype, device: str, spans: int | None = None) -> None:
+    """Each row's greedy token (``argmax_rows``) against torch's argmax, on random rows and on rows
+    built to catch a wrong pick: ties inside a span and across spans (the first token wins), a row of
+    zeros, of -inf, NaNs (the first NaN wins, as torch gives it) beside +inf, a maximum in the last
+    token. ``spans``: force the spans a row (else the kernel's own choice)."""
+    gen, seed = fresh_generator(device)
+    logits = _randn((rows, vocab), dtype, device, gen)
+    specials = [[(vocab // 3, 50.0), (vocab - 1, 50.0)], [(vocab - 2, 50.0), (vocab - 1, 50.0)],
+                [(vocab - 1, 60.0)], [(vocab // 2, float("inf")), (vocab - 1, float("nan")), (vocab // 4, float("nan"))]]
+    for row, marks in enumerate(specials[:rows]):
+        for token, value in marks:
+            logits[row, token] = value
+    if rows > 4:
+        logits[4] = 0.0
+    if rows > 5:
+        logits[5] = float("-inf")
+    kernel = ops.argmax_rows if spans is None else (lambda x: ops.argmax_rows(x, spans=spans))
+    got = kernel(logits)
+    where = f"seed={seed} rows={rows} vocab={vocab} {dtype} spans={spans}"
+    assert got.dtype == torch.int64 and got.shape == (rows,), where
+    assert torch.equal(got.cpu(), logits.float().cpu().argmax(dim=-1)), where
+
+
+def _interpret_argmax_rows(ops) -> None:
+    for dtype in (torch.float16, torch.float32):
+        for rows, vocab in ((1, 7), (6, 1009), (7, 20000), (70, 4096), (2, 151936)):
+            for spans in (None, 1, 4, 16):
+                check_argmax_rows(ops, rows=rows, vocab=vocab, dtype=dtype, device="cpu", spans=spans)
+
+
 def _interpret_sample(ops) -> None:
     check_top_k_edges(ops, vocab=300, device="cpu")
     check_sample(ops, rows=24, vocab=3000, device="cpu")  # the row spans tiles, ending inside one
@@ -976,6 +1006,7 @@ def _interpret_sample(ops) -> None:
 
 
 INTERPRET_CASES = {
+    "argmax_rows": _interpret_argmax_rows,
     "sample": _interpret_sample,
     "penalties": _interpret_penalties,
     "gemv": _interpret_gemv,

@@ -201,6 +201,8 @@ def _launches(monkeypatch: pytest.MonkeyPatch) -> list[Launch]:
         triton_ops.silu_and_mul(rand(3, 512))
         triton_ops.softcap_(rand(3, 262144), 30.0)
         triton_ops.gelu_tanh_and_mul(rand(3, 512))
+        triton_ops.argmax_rows(rand(3, 151936))  # one span a row, and several with the pick
+        triton_ops.argmax_rows(rand(3, 151936), spans=8)
         if dtype == torch.float32:  # sampling reads float32 logits whatever the model's dtype
             _sample(gen, rows=3, vocab=151936)
             _penalties(gen, rows=3, vocab=151936)
@@ -263,7 +265,8 @@ def test_every_kernel_compiles_for_hopper(monkeypatch: pytest.MonkeyPatch) -> No
     names = {launch.fn.__name__ for launch in launches}
     assert {"_paged_attention_kernel", "_merge_splits_kernel", "_rms_norm_kernel", "_rope_write_kv_kernel",
             "_act_and_mul_kernel", "_gemv_kernel", "_skinny_matmul_kernel", "_sample_kernel",
-            "_race_parts_kernel", "_penalties_kernel", "_softcap_kernel"} <= names, names
+            "_race_parts_kernel", "_penalties_kernel", "_softcap_kernel", "_argmax_spans_kernel",
+            "_argmax_pick_kernel"} <= names, names
     variants = {(launch.fn.__name__, key, launch.constexprs.get(key)) for launch in launches for key in
                 ("SOFTCAP", "WEIGHTING", "GELU_TANH", "BLOCK_D", "BLOCK_M", "ADD_AFTER", "GELU")}
     assert {("_paged_attention_kernel", "SOFTCAP", True), ("_paged_attention_kernel", "BLOCK_D", 512),

@@ -461,3 +461,11 @@ def test_sample(rows: int, vocab: int, splits: int | None) -> None:
 @pytest.mark.parametrize("rows,vocab", [(64, 151936), (1, 128256), (257, 32000)])
 def test_penalties(rows: int, vocab: int) -> None:
     cases.check_penalties(triton_ops, rows=rows, vocab=vocab, device="cuda")
+
+
+@pytest.mark.parametrize("rows,vocab", [(1, 128256), (1, 262208), (7, 151936), (64, 1009), (130, 262144), (256, 128256)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+@pytest.mark.parametrize("spans", [None, 1, 8])
+def test_argmax_rows(rows: int, vocab: int, dtype: torch.dtype, spans: int | None) -> None:
+    """Each row's greedy token at the vocabularies and batches the decode graphs take."""
+    cases.check_argmax_rows(triton_ops, rows=rows, vocab=vocab, dtype=dtype, device="cuda", spans=spans)

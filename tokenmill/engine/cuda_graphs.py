@@ -31,8 +31,8 @@ from typing import Any, TypeVar
 
 import torch
 
+from tokenmill.layers import ops
 from tokenmill.layers.attention import AttentionMetadata
-from tokenmill.layers.sampler import greedy_argmax
 
 logger = logging.getLogger(__name__)
 
@@ -139,7 +139,7 @@ class DecodeGraphs:
         )
         hidden = self.model(self.input_ids[:rows], self.positions[:rows], self.kv_caches, meta)
         logits = self.model.head_logits(hidden, out=self.logits[:rows])
-        self.greedy_ids[:rows] = greedy_argmax(logits)
+        self.greedy_ids[:rows] = ops.argmax_rows(logits)
 
     @torch.inference_mode()
     def capture(self) -> None:

@@ -35,8 +35,8 @@ import time
 import torch
 
 from tokenmill.engine.cuda_graphs import capture_graphs, stage_step_inputs
+from tokenmill.layers import ops
 from tokenmill.layers.attention import AttentionMetadata
-from tokenmill.layers.sampler import greedy_argmax
 
 logger = logging.getLogger(__name__)
 
@@ -91,7 +91,7 @@ class PrefillGraphs:
         hidden = self.model(self.input_ids[:size], self.positions[:size], self.kv_caches, meta)
         rows = min(size, self.max_seqs)  # no step of ``size`` tokens samples more rows
         logits = self.model.head_logits(hidden[self.logits_rows[:rows]], out=self.logits[:rows])
-        self.greedy_ids[:rows] = greedy_argmax(logits)
+        self.greedy_ids[:rows] = ops.argmax_rows(logits)
 
     @torch.inference_mode()
     def capture(self, pool: object = None) -> None:

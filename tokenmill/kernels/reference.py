@@ -360,6 +360,12 @@ def sampling_candidates(logits: torch.Tensor, inv_temperature: torch.Tensor, kth
     return kept
 
 
+def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
+    """Each row's greedy token: the first position of its largest value (of its first NaN, if any),
+    int64 ``[rows]``."""
+    return logits.argmax(dim=-1)
+
+
 def kth_largest(top_k: torch.Tensor, top_values: torch.Tensor) -> torch.Tensor:
     """Each row's ``top_k``-th largest logit from ``top_values``, its largest logits in order
     (``[N, m]``), or -inf where ``top_k`` is 0 or past ``m`` (the row has no top-k)."""

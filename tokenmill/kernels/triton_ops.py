@@ -9,6 +9,7 @@ import torch
 
 from tokenmill.kernels.q8_0 import Q8Weight
 from tokenmill.kernels.triton_activation import gelu_tanh_and_mul, gelu_tanh_mul, silu_and_mul, softcap_
+from tokenmill.kernels.triton_argmax import argmax_rows
 from tokenmill.kernels.triton_attention import paged_attention
 from tokenmill.kernels.triton_gemv import MAX_ROWS as GEMV_MAX_ROWS
 from tokenmill.kernels.triton_gemv import linear as gemv_linear
@@ -42,7 +43,7 @@ def linear_gelu_mul(x: torch.Tensor, weight: torch.Tensor | Q8Weight, up: torch.
     return gelu_tanh_mul(linear(x, weight, None), up)
 
 
-__all__ = ["GEMV_MAX_ROWS", "add_rms_norm", "apply_penalties", "fp32_weight_rms_norm", "gelu_tanh_and_mul",
+__all__ = ["GEMV_MAX_ROWS", "add_rms_norm", "argmax_rows", "apply_penalties", "fp32_weight_rms_norm", "gelu_tanh_and_mul",
            "join_and_norm", "linear", "linear_gelu_mul", "linear_residual", "norm_linear", "offset_rms_norm",
            "paged_attention", "rms_norm", "rotary_embedding_and_write_kv", "rotary_embedding_query", "sample",
            "silu_and_mul"]

@@ -204,6 +204,12 @@ def apply_penalties(logits: torch.Tensor, counts: torch.Tensor, prompt: torch.Te
     return backend_for(logits).apply_penalties(logits, counts, prompt, rows, repetition, presence, frequency)
 
 
+def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
+    """Each row's greedy token (``reference.argmax_rows``); on the GPU in one pass over the row spread
+    across the SMs."""
+    return backend_for(logits).argmax_rows(logits)
+
+
 def sample(logits: torch.Tensor, noise: torch.Tensor, inv_temperature: torch.Tensor, top_k: torch.Tensor,
            top_values: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor, greedy_ids: torch.Tensor) -> torch.Tensor:
     """A token per row from its top-k/top-p/min-p candidates by the exponential race over ``noise``

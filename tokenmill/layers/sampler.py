@@ -90,24 +90,6 @@ def exponential_noise(shape: tuple[int, int], generators: list[torch.Generator |
     return noise
 
 
-def greedy_argmax(logits: torch.Tensor, max_chunks: int | None = None) -> torch.Tensor:
-    """``logits.argmax(-1)`` (the first maximum) in two passes: torch reduces a row in one
-    thread block, which at batch 1 leaves the GPU idle for 28 us over a 128k vocabulary
-    (H200); splitting each row into up to ``max_chunks`` equal chunks fills it. From 64 rows the
-    rows fill it themselves and 4 chunks a row read fastest (``benchmarks/study_argmax.py``: 128,256
-    tokens at 256 rows, 49 us against 71 in 256 chunks)."""
-    rows, vocab = logits.shape
-    if max_chunks is None:
-        max_chunks = 256 if rows < 64 else 4
-    chunks = next(c for c in range(min(max_chunks, vocab), 0, -1) if vocab % c == 0)
-    if chunks == 1:
-        return logits.argmax(dim=-1)
-    width = vocab // chunks
-    values, within = logits.view(rows, chunks, width).max(dim=-1)
-    best = values.argmax(dim=-1, keepdim=True)  # the first chunk holding the maximum
-    return (best * width + within.gather(-1, best)).squeeze(-1)
-
-
 def gather_logprobs(logprobs: torch.Tensor, token_ids: torch.Tensor,
                     num_top: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Each row's logprob of ``token_ids`` followed by its ``num_top`` best: ``[N, 1 + num_top]``."""
@@ -144,7 +126,7 @@ class Sampler:
         if batch.banned is not None:
             logits[batch.banned] = float("-inf")
         if greedy_ids is None:
-            greedy_ids = greedy_argmax(logits)
+            greedy_ids = ops.argmax_rows(logits)
         states: dict[int, torch.Tensor] = {}
         if batch.all_greedy:
             token_ids = greedy_ids
