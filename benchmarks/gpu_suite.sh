@@ -40,7 +40,7 @@
 #  `study-attention-splits` = Llama-3-8B's decode attention at 1-16 KV splits from 1 to 128 sequences
 #   (`study-attention-splits-gemma`: head dim 256, groups of 2 and 8);
 #  `study-gemv-rows` = the one-row GEMV's tiles with several tiles of rows a program;
-#  `study-argmax` = the greedy argmax's chunks a row against the row count, benchmarks/study_argmax.py;
+#  `study-argmax` = the greedy argmax kernel against torch by row count and vocabulary, benchmarks/study_argmax.py;
 #  `study-softcap` = Gemma's final-logit softcap, the kernel against three torch ops, benchmarks/study_softcap.py;
 #  `study-skinny` = the few-row matmul's tiles and K splits at 4-64 rows, dense and Q8_0, benchmarks/study_skinny.py
 #   (`study-skinny-large`: at 128-2048 rows, where it takes Q8_0 weights only, against cuBLAS;
