@@ -17,6 +17,7 @@ import triton
 import triton.language as tl
 
 from tokenmill.kernels.triton_launch import num_sms
+from tokenmill.kernels.triton_sampling import first_of_best
 
 # Tokens a program reads a loop iteration, and its warps: 16 a thread (two 16-byte loads of bfloat16).
 # Of 4,096-16,384 tokens over 4-16 warps the fastest, or within 10% of it, from 32 rows on the H200
@@ -36,8 +37,7 @@ def _first_best(values, tokens, no_token):
     largest value; and that value."""
     is_nan = values != values
     first_nan = tl.min(tl.where(is_nan, tokens, no_token), axis=0)
-    best = tl.max(tl.where(is_nan, float("-inf"), values), axis=0)
-    first_best = tl.min(tl.where(values == best, tokens, no_token), axis=0)
+    best, first_best = first_of_best(tl.where(is_nan, float("-inf"), values), tokens, no_token)
     token = tl.where(first_nan < no_token, first_nan, first_best)
     return tl.where(first_nan < no_token, float("nan"), best), token
 

@@ -30,7 +30,7 @@ _PART_WARPS = 4
 
 
 @triton.jit
-def _first_of_best(best_key, best_idx, vocab):
+def first_of_best(best_key, best_idx, vocab):
     """The largest key over a program's lanes, and the smallest token id holding it."""
     key = tl.max(best_key, axis=0)
     return key, tl.min(tl.where(best_key == key, best_idx, vocab), axis=0)
@@ -65,7 +65,7 @@ def _race(logits_row, noise_row, inv_t, kth, start, end, BLOCK: tl.constexpr):
         better = key > best_key
         best_key = tl.where(better, key, best_key)
         best_idx = tl.where(better, cols, best_idx)
-    key, winner = _first_of_best(best_key, best_idx, end)
+    key, winner = first_of_best(best_key, best_idx, end)
     return tl.max(top, axis=0), key, winner
 
 
@@ -107,7 +107,7 @@ def _sample_kernel(logits_ptr, noise_ptr, inv_temp_ptr, top_k_ptr, top_values_pt
             splits = tl.arange(0, MAX_SPLITS)
             done = splits < num_splits
             row_max = tl.max(tl.load(part_max_ptr + row * MAX_SPLITS + splits, mask=done, other=float("-inf")), axis=0)
-            _, winner = _first_of_best(
+            _, winner = first_of_best(
                 tl.load(part_key_ptr + row * MAX_SPLITS + splits, mask=done, other=float("-inf")),
                 tl.load(part_idx_ptr + row * MAX_SPLITS + splits, mask=done, other=vocab), vocab)
         else:
@@ -137,7 +137,7 @@ def _sample_kernel(logits_ptr, noise_ptr, inv_temp_ptr, top_k_ptr, top_values_pt
                 best_key = tl.where(better, key, best_key)
                 best_idx = tl.where(better, cols, best_idx)
             in_top_p = (top_p >= 1.0) | (tl.sum(above_mass, axis=0) < top_p * tl.sum(total, axis=0))
-            next_key, next_winner = _first_of_best(best_key, best_idx, vocab)
+            next_key, next_winner = first_of_best(best_key, best_idx, vocab)
             # Nothing above the winner: it is the row's best token, which is always a candidate.
             accepted = (in_top_p & (tl.exp(x_win - row_max) >= min_p)) | (next_key == float("-inf"))
             if accepted == 0:
