@@ -86,14 +86,13 @@ def main() -> None:
             x = torch.randn(m, k, device="cuda", dtype=DT)
             row = {"name": f"skinny/{model}/{name}/m{m}", "m": m, "n": n, "k": k,
                    "cublas_bf16_us": time_graph(lambda x=x: [F.linear(x, w) for w in dense]) * 1e3 / len(dense)}
-            row["bf16_floor_us"] = ceilings.floor(n * k * 2 + 2 * m * (n + k), 2 * m * n * k) * 1e6
+            for kind, weight_bytes in (("bf16", n * k * 2), ("q8", n * k * (1 + 2 / 32))):
+                row[f"{kind}_floor_us"] = ceilings.floor(weight_bytes + 2 * m * (n + k), 2 * m * n * k) * 1e6
             for kind, weights in (("bf16", dense), ("q8", packed)):
                 if kind not in kinds:
                     continue
                 timed = time_candidates(lambda x, w, t: skinny_matmul(x, w, None, t), candidates(m, kind == "q8"),
                                         weights, reference.linear(x, weights[0], None), x)
-                weight_bytes = n * k * (1 + 2 / 32) if kind == "q8" else n * k * 2
-                row[f"{kind}_floor_us"] = ceilings.floor(weight_bytes + 2 * m * (n + k), 2 * m * n * k) * 1e6
                 row[f"{kind}_best"] = timed[0]
                 row[f"{kind}_tiles"] = timed
             row["floor_us"] = row["bf16_floor_us"]  # the row's floor: the dense weight's

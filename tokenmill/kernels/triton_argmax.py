@@ -104,7 +104,9 @@ def argmax_rows(logits: torch.Tensor, spans: int | None = None) -> torch.Tensor:
     if spans & (spans - 1):
         raise ValueError(f"spans must be a power of two, got {spans}")
     span = triton.cdiv(triton.cdiv(vocab, spans), _MIN_SPAN) * _MIN_SPAN
-    parts = [torch.empty((rows, spans), dtype=dtype, device=logits.device) for dtype in (torch.float32, torch.int32)]
+    # Each span's best value and token, where a row has several (one span writes ``out`` itself).
+    parts = ([torch.empty((rows, spans), dtype=dtype, device=logits.device) for dtype in (torch.float32, torch.int32)]
+             if spans > 1 else [out, out])
     _argmax_spans_kernel[(rows, spans)](logits, out, *parts, logits.stride(0), vocab, span, spans, _BLOCK,
                                         num_warps=_NUM_WARPS)
     if spans > 1:
