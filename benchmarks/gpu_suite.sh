@@ -17,6 +17,8 @@
 #  `kernel-profile-b<N>` = the decode step's kernels at batch N (`kernel-profile`: batch 1);
 #  `kvcache-profile` = the decode step's kernels and idle gaps at B = 64 over 8k tokens, per KV cache dtype, with the
 #   SM clock and power logged beside each run (`kvcache-profile-<dtype>-clocks.csv`);
+#  `kvcache-long` = 1,024 requests of 2k prompt / 1k output tokens on Llama-3-8B per KV cache dtype, the whole GPU's
+#   memory for each (`kvcache-long-auto,int8`: the dtypes named);
 #  `kvcache-workload-profile` = the KV-bound workload's steps against their floors per KV cache dtype, the clocks
 #   logged (`workload-profile-kv-bound-<dtype>-clocks.csv`), then the decode step's kernels at its mean batch;
 #  `ttft-profile` = a lone 100-token prompt's time to first token, its kernels and host functions;
@@ -101,6 +103,12 @@ for part in "$@"; do
       case $part in startup|features|kvcache|q8) extra="--no-peer" ;; throughput) extra="--peer-requests 16" ;; esac
       timeout 400 python3 benchmarks/run_engine_bench.py "$part" --out "$OUT/$part.json" $extra 2>&1 \
         | grep -v -e "it/s]" -e "^Loading" | tail -30 ;;
+    kvcache-long|kvcache-long-*)
+      # 1,024 requests of 2,048 prompt + 1,024 output tokens on Llama-3-8B in the whole GPU's memory per KV cache
+      # dtype (kvcache-long-auto,int8: those alone).
+      dtypes=auto,fp8,int8; [ "$part" = kvcache-long ] || dtypes=${part#kvcache-long-}
+      timeout 590 python3 benchmarks/run_engine_bench.py kvcache-long --kv-cache-dtypes "$dtypes" \
+        --out "$OUT/$part.json" 2>&1 | grep -v -e "it/s]" -e "^Loading" | tail -8 ;;
     throughput-whole-peer)
       # Qwen3-0.6B's standard workload with transformers' generate_batch given all 256 requests too.
       timeout 590 python3 benchmarks/run_engine_bench.py throughput --throughput-shapes qwen3-0.6b --peer-requests 256 \

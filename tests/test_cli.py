@@ -163,7 +163,7 @@ print(sorted(m for m in sys.modules if m.startswith(("tokenmill.bench.serve", "t
     assert result.stdout.splitlines() == ["[]", "[]"]
 
 
-def test_bench_shapes_are_checked_when_parsed() -> None:
+def test_bench_shapes_and_kv_dtypes_are_checked_when_parsed() -> None:
     import argparse
 
     from tokenmill.bench.offline import add_bench_args
@@ -179,3 +179,8 @@ def test_bench_shapes_are_checked_when_parsed() -> None:
             parser.parse_args(["--throughput-shapes", bad])
         with pytest.raises(SystemExit):
             parser.parse_args(["--shapes", bad])
+    assert parser.parse_args([]).kv_cache_dtypes == ("auto", "fp8", "int8")
+    assert parser.parse_args(["--kv-cache-dtypes", "auto, int8"]).kv_cache_dtypes == ("auto", "int8")
+    for bad in ("auto,int4", "", ","):
+        with pytest.raises(SystemExit):
+            parser.parse_args(["--kv-cache-dtypes", bad])

@@ -28,7 +28,7 @@ import torch
 from tokenmill.bench import hf_peer
 from tokenmill.bench.hardware import Ceilings, environment, measure_ceilings, time_cuda
 from tokenmill.bench.shapes import SHAPES, StepCostModel, shape_dir
-from tokenmill.engine.config import EngineConfig
+from tokenmill.engine.config import KV_CACHE_DTYPES, EngineConfig
 from tokenmill.engine.llm_engine import LLMEngine
 from tokenmill.loader.hf_config import load_model_config
 from tokenmill.loader.kv_layout import QUANTIZED_KV_DTYPES
@@ -385,6 +385,36 @@ def bench_kv_cache_dtypes(ceilings: Ceilings, shape: str = "llama3-8b", dtypes: 
     return rows
 
 
+def bench_kv_cache_long(ceilings: Ceilings, shape: str = "llama3-8b", dtypes: tuple[str, ...] = ("auto", "fp8", "int8"),
+                        num_requests: int = 1024, prompt_len: int = 2048, output_len: int = 1024,
+                        checkpoint: Callable[[list[dict]], None] | None = None) -> list[dict]:
+    """Each ``kv_cache_dtype`` on ``num_requests`` requests of ``prompt_len`` prompt and ``output_len``
+    output tokens, all queued at once, in the whole GPU's memory (the engine's defaults) and with room
+    for all of them in a step (``max_num_seqs``): the KV cache alone bounds how many run together, so
+    a cache of half the bytes a token runs about twice as many. Each row gives its output rate against
+    ``auto``'s."""
+    rows: list[dict] = []
+    rng = random.Random(6)
+    for name in dtypes:
+        engine = make_engine(shape, max_num_seqs=num_requests, max_model_len=prompt_len + output_len,
+                             max_num_batched_tokens=8192, kv_cache_dtype=name)
+        workload = [(random_prompt(rng, prompt_len, engine.model_config.vocab_size), output_len)
+                    for _ in range(num_requests)]
+        result = run_workload(engine, ceilings, workload)
+        rows.append({"name": f"kv_cache/{shape}/{name}/long_workload", "kv_cache_dtype": name,
+                     "prompt_len": prompt_len, "output_len": output_len,
+                     "kv_tokens": min(pool.num_blocks for pool in engine.core.kv.pools) * engine.core.kv.block_size,
+                     **result})
+        if rows[0]["kv_cache_dtype"] == "auto":
+            rows[-1]["output_speedup_vs_auto"] = result["output_tok_per_s"] / rows[0]["output_tok_per_s"]
+            rows[-1]["peak_batch_vs_auto"] = result["peak_batch"] / rows[0]["peak_batch"]
+        if checkpoint:
+            checkpoint(rows)
+        del engine
+        release()
+    return rows
+
+
 def kv_bound_workload(shape: str, kv_cache_dtype: str, kv_budget_gib: float = 8.0
                       ) -> tuple[LLMEngine, list[tuple[list[int], int]]]:
     """An engine whose KV cache holds ``kv_budget_gib`` of ``kv_cache_dtype`` blocks, and 256 requests
@@ -546,7 +576,8 @@ def print_table(rows: list[dict]) -> None:
         print(f"{row['name']:44s} {measured:>14s} {floor:>10s} {frac:>8s} {peer:>14s}")
 
 
-BENCHMARKS = ("latency", "batch", "throughput", "features", "startup", "models", "kvcache", "spec", "q8", "all")
+BENCHMARKS = ("latency", "batch", "throughput", "features", "startup", "models", "kvcache", "kvcache-long", "spec", "q8",
+              "all")
 MODEL_SHAPES = ["gemma3-4b", "gemma3-27b", "gemma4-e4b", "gemma4-31b"]
 LATENCY_SHAPES = ["llama3-8b", "qwen3-8b"]
 
@@ -561,6 +592,16 @@ def shape_list(text: str) -> list[str]:
     return names
 
 
+def kv_dtype_list(text: str) -> tuple[str, ...]:
+    """A comma-separated list of KV cache dtypes (an argparse type, as ``shape_list``)."""
+    names = tuple(name.strip() for name in text.split(",") if name.strip())
+    unknown = [name for name in names if name not in KV_CACHE_DTYPES]
+    if not names or unknown:
+        raise argparse.ArgumentTypeError(f"unknown KV cache dtype(s) {', '.join(unknown) or repr(text)}; "
+                                         f"known: {', '.join(KV_CACHE_DTYPES)}")
+    return names
+
+
 def add_bench_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", default=None, help="JSON file for the results")
     parser.add_argument("--no-peer", action="store_true", help="skip transformers")
@@ -571,6 +612,9 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
                              "to derive the speedup at each batch size")
     parser.add_argument("--throughput-shapes", type=shape_list, default=["qwen3-0.6b", "llama3-8b"],
                         help="comma-separated shapes for the throughput benchmark")
+    parser.add_argument("--kv-cache-dtypes", type=kv_dtype_list, default=("auto", "fp8", "int8"),
+                        help="comma-separated KV cache dtypes for the kvcache benchmarks (rows against auto's "
+                             "need auto first)")
     parser.add_argument("--shapes", type=shape_list, default=None,
                         help="comma-separated shapes for the models benchmark (default: "
                              f"{', '.join(MODEL_SHAPES)}) and the latency one (default: "
@@ -602,7 +646,8 @@ def run_bench(args: argparse.Namespace) -> int:
         "throughput": lambda: bench_throughput(ceilings, args.throughput_shapes, peer, args.peer_requests,
                                                checkpoint),
         "features": lambda: bench_features(ceilings),
-        "kvcache": lambda: bench_kv_cache_dtypes(ceilings),
+        "kvcache": lambda: bench_kv_cache_dtypes(ceilings, dtypes=args.kv_cache_dtypes),
+        "kvcache-long": lambda: bench_kv_cache_long(ceilings, dtypes=args.kv_cache_dtypes, checkpoint=checkpoint),
         "spec": lambda: bench_spec_decode(ceilings, tokens_per_forward=args.tokens_per_forward),
         "q8": lambda: bench_q8_0(ceilings),
         "models": lambda: bench_models(ceilings, args.shapes or MODEL_SHAPES, [1, 8, 32, 128], peer, args.peer_requests,

@@ -23,7 +23,7 @@ _DTYPES = {"auto": "auto", "bfloat16": "bfloat16", "float16": "float16", "half":
            "float32": "float32", "float": "float32"}
 _POLICIES = {"fcfs": "fcfs", "priority": "priority"}
 # vLLM's names for the KV cache's dtype; fp8 is fp8_e4m3.
-_KV_CACHE_DTYPES = {"auto": "auto", "fp8": "fp8_e4m3", "fp8_e4m3": "fp8_e4m3", "fp8_e5m2": "fp8_e5m2", "int8": "int8"}
+KV_CACHE_DTYPES = {"auto": "auto", "fp8": "fp8_e4m3", "fp8_e4m3": "fp8_e4m3", "fp8_e5m2": "fp8_e5m2", "int8": "int8"}
 _DEVICE = re.compile(r"auto|cpu|cuda(:[0-9]+)?")
 _QUANTIZATIONS = {"q8_0": "q8_0"}
 
@@ -74,7 +74,7 @@ class EngineConfig:
         True, BOOLEAN, negative_alias="--no-prefix-caching",
         help="reuse the KV cache of prompt prefixes computed before")
     kv_cache_dtype: str = ruled(
-        "auto", one_of(_KV_CACHE_DTYPES), choices=tuple(_KV_CACHE_DTYPES),
+        "auto", one_of(KV_CACHE_DTYPES), choices=tuple(KV_CACHE_DTYPES),
         help="what the KV cache stores: auto (the model's dtype), or fp8 (= fp8_e4m3), fp8_e5m2 or int8 with "
              "one scale per token and KV head (about half the bytes, so twice the tokens; fp8 e4m3 needs compute "
              "capability 8.9 or later on a GPU)")
