@@ -42,6 +42,8 @@
 #  `study-attention-splits` = Llama-3-8B's decode attention at 1-16 KV splits from 1 to 128 sequences
 #   (`study-attention-splits-gemma`: head dim 256, groups of 2 and 8);
 #  `study-gemv-rows` = the one-row GEMV's tiles with several tiles of rows a program;
+#  `study-prefill-backends` = prompt attention, the paged Triton kernel against torch's FlashAttention-2 and cuDNN
+#   kernels (with and without gathering the keys first), benchmarks/study_prefill_backends.py;
 #  `study-argmax` = the greedy argmax kernel against torch by row count and vocabulary, benchmarks/study_argmax.py;
 #  `study-softcap` = Gemma's final-logit softcap, the kernel against three torch ops, benchmarks/study_softcap.py;
 #  `study-skinny` = the few-row matmul's tiles and K splits at 4-64 rows, dense and Q8_0, benchmarks/study_skinny.py
@@ -109,6 +111,8 @@ for part in "$@"; do
       dtypes=auto,fp8,int8; [ "$part" = kvcache-long ] || dtypes=${part#kvcache-long-}
       timeout 590 python3 benchmarks/run_engine_bench.py kvcache-long --kv-cache-dtypes "$dtypes" \
         --out "$OUT/$part.json" 2>&1 | grep -v -e "it/s]" -e "^Loading" | tail -8 ;;
+    study-prefill-backends)
+      timeout 300 python3 benchmarks/study_prefill_backends.py --out "$OUT/prefill-backends.jsonl" 2>&1 | tail -40 ;;
     throughput-whole-peer)
       # Qwen3-0.6B's standard workload with transformers' generate_batch given all 256 requests too.
       timeout 590 python3 benchmarks/run_engine_bench.py throughput --throughput-shapes qwen3-0.6b --peer-requests 256 \
