@@ -68,13 +68,16 @@ def backends(batch: Batch) -> dict:
                                                             0.0, True, False, scale=batch.scale)[0]
         return run
 
-    def cudnn(gather: bool):
-        group = batch.query.shape[1] // k.shape[1]
+    # cuDNN's variable-length path is given as many KV heads as query heads (alone: expanded beforehand).
+    group = batch.query.shape[1] // k.shape[1]
+    wide_k, wide_v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
 
+    def cudnn(gather: bool):
         def run():
-            kk, vv = (flat_k.index_select(0, index), flat_v.index_select(0, index)) if gather else (k, v)
-            # cuDNN's variable-length path wants as many KV heads as query heads.
-            kk, vv = kk.repeat_interleave(group, 1), vv.repeat_interleave(group, 1)
+            kk, vv = wide_k, wide_v
+            if gather:
+                kk = flat_k.index_select(0, index).repeat_interleave(group, 1)
+                vv = flat_v.index_select(0, index).repeat_interleave(group, 1)
             return torch.ops.aten._cudnn_attention_forward(batch.query, kk, vv, None, batch.qsl, cu_k, batch.max_q,
                                                            max_k, False, 0.0, True, False, scale=batch.scale)[0]
         return run
