@@ -110,7 +110,7 @@ for part in "$@"; do
       # dtype (kvcache-long-auto,int8: those alone).
       dtypes=auto,fp8,int8; [ "$part" = kvcache-long ] || dtypes=${part#kvcache-long-}
       timeout 590 python3 benchmarks/run_engine_bench.py kvcache-long --kv-cache-dtypes "$dtypes" \
-        --out "$OUT/$part.json" 2>&1 | grep -v -e "it/s]" -e "^Loading" | tail -8 ;;
+        --out "$OUT/${part//,/-}.json" 2>&1 | grep -v -e "it/s]" -e "^Loading" | tail -8 ;;
     study-prefill-backends)
       timeout 300 python3 benchmarks/study_prefill_backends.py --out "$OUT/prefill-backends.jsonl" 2>&1 | tail -40 ;;
     throughput-whole-peer)

@@ -1,9 +1,11 @@
 """Where the standard throughput workload's time goes: decode steps against steps that
 carry prefill, each beside its floor, then a cProfile of the host over a smaller run. With
 ``--kv-bound DTYPE``, the same for ``tokenmill bench kvcache``'s KV-bound workload (256 requests of
-1024 + 512 tokens in 8 GiB of KV) with that ``kv_cache_dtype``.
+1024 + 512 tokens in 8 GiB of KV) with that ``kv_cache_dtype``; with ``--kv-long DTYPE``, for
+``tokenmill bench kvcache-long``'s (1,024 requests of 2,048 + 1,024 tokens in the whole GPU).
 
-python benchmarks/profile_workload.py [--shape qwen3-0.6b] [--requests 256] [--kv-bound auto|fp8|int8] [--out FILE]   (GPU)
+python benchmarks/profile_workload.py [--shape qwen3-0.6b] [--requests 256] [--kv-bound|--kv-long auto|fp8|int8]
+    [--out FILE]   (GPU)
 """
 
 import argparse
@@ -15,8 +17,8 @@ import statistics
 import sys
 
 from tokenmill.bench.hardware import environment, measure_ceilings
-from tokenmill.bench.offline import (add_workload, kv_bound_workload, make_engine, release, run_metered,
-                                    standard_workload)
+from tokenmill.bench.offline import (add_workload, kv_bound_workload, long_workload, make_engine, release,
+                                    run_metered, standard_workload)
 
 
 SLOWEST = 5  # steps of each kind listed by time
@@ -79,14 +81,18 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--shape", default="qwen3-0.6b")
     parser.add_argument("--requests", type=int, default=256)
-    parser.add_argument("--kv-bound", choices=["auto", "fp8", "fp8_e5m2", "int8"],
-                        help="profile the KV-bound workload with this KV cache dtype instead (--requests unused)")
+    which = parser.add_mutually_exclusive_group()
+    which.add_argument("--kv-bound", choices=["auto", "fp8", "fp8_e5m2", "int8"],
+                       help="profile the KV-bound workload with this KV cache dtype instead (--requests unused)")
+    which.add_argument("--kv-long", choices=["auto", "fp8", "fp8_e5m2", "int8"],
+                       help="profile the long KV-bound workload with this KV cache dtype instead (--requests unused)")
     parser.add_argument("--out")
     args = parser.parse_args()
     ceilings = measure_ceilings()
     launches = launch_costs()
-    if args.kv_bound:
-        engine, workload = kv_bound_workload(args.shape, args.kv_bound)
+    if args.kv_bound or args.kv_long:
+        build = kv_bound_workload if args.kv_bound else long_workload
+        engine, workload = build(args.shape, args.kv_bound or args.kv_long)
     else:
         engine = make_engine(args.shape, max_num_seqs=256, max_num_batched_tokens=8192)
         workload = standard_workload(args.requests, vocab=engine.model_config.vocab_size)
@@ -95,9 +101,11 @@ def main() -> None:
     before = allocator_events()
     records, wall, _ = run_metered(engine, ceilings)
     result = {"environment": environment(ceilings, " ".join(sys.argv)), "shape": args.shape,
-              "requests": len(workload), "kv_bound": args.kv_bound, "seconds": wall, "launch_us": launches,
-              "compiles_after_startup": engine.core.stats.num_compiles_after_startup}
-    print(f"kernel variants compiled during the run: {result['compiles_after_startup']}")
+              "requests": len(workload), "kv_bound": args.kv_bound, "kv_long": args.kv_long, "seconds": wall,
+              "launch_us": launches, "compiles_after_startup": engine.core.stats.num_compiles_after_startup,
+              "preemptions": engine.core.stats.num_preemptions}
+    print(f"kernel variants compiled during the run: {result['compiles_after_startup']}; "
+          f"preemptions: {result['preemptions']}")
     # A step that waits on the device allocator (a new segment, or a retry that frees the cache first).
     result["allocator_during_run"] = {k: v - before[k] for k, v in allocator_events().items()}
     print(f"allocator during the run: {result['allocator_during_run']}")

@@ -469,3 +469,25 @@ def test_penalties(rows: int, vocab: int) -> None:
 def test_argmax_rows(rows: int, vocab: int, dtype: torch.dtype, spans: int | None) -> None:
     """Each row's greedy token at the vocabularies and batches the decode graphs take."""
     cases.check_argmax_rows(triton_ops, rows=rows, vocab=vocab, dtype=dtype, device="cuda", spans=spans)
+
+
+def test_argmax_rows_compiles_one_variant_a_dtype() -> None:
+    """Every row count (so every span count, one span included) runs the variants the first compiled:
+    a sampler meeting a new batch size must not wait on Triton inside its step."""
+    from tokenmill.kernels import triton_argmax
+
+    def variants() -> int:
+        return sum(len(caches[0]) for fn in (triton_argmax._argmax_spans_kernel, triton_argmax._argmax_pick_kernel)
+                   for caches in fn.device_caches.values())
+
+    def run(rows: int) -> None:
+        logits = torch.randn(rows, 128256, device="cuda", dtype=torch.float16)
+        assert torch.equal(triton_ops.argmax_rows(logits), logits.argmax(dim=-1))
+
+    run(3)
+    compiled = variants()
+    spans = {triton_argmax.row_spans(rows, 128256, torch.device("cuda")) for rows in (1, 40, 100, 200, 300, 700)}
+    assert len(spans) >= 4 and 1 in spans  # the row counts below reach one span a row and several counts
+    for rows in (1, 40, 100, 200, 300, 700):
+        run(rows)
+    assert variants() == compiled

@@ -185,7 +185,7 @@ def add_workload(engine: LLMEngine, workload: list[tuple[list[int], int]], prefi
 def run_workload(engine: LLMEngine, ceilings: Ceilings, workload: list[tuple[list[int], int]],
                  sampling: dict[str, Any] | None = None, cost: StepCostModel | None = None) -> dict:
     add_workload(engine, workload, sampling=sampling)
-    compiled = engine.core.stats.num_compiles_after_startup
+    compiled, preempted = engine.core.stats.num_compiles_after_startup, engine.core.stats.num_preemptions
     records, wall, peak = run_metered(engine, ceilings, cost)
     out_tokens = sum(n for _, n in workload)
     total_tokens = out_tokens + sum(len(p) for p, _ in workload)
@@ -197,7 +197,9 @@ def run_workload(engine: LLMEngine, ceilings: Ceilings, workload: list[tuple[lis
             # Requests running at once at the busiest step (a cache that holds more runs more together).
             "peak_batch": max((r.batch_size for r in records), default=0), "peak_kv_blocks": peak,
             # Kernel variants compiled inside the run's steps (each a wait the warm-up should have taken).
-            "compiles_during_run": engine.core.stats.num_compiles_after_startup - compiled}
+            "compiles_during_run": engine.core.stats.num_compiles_after_startup - compiled,
+            # Sequences sent back to the queue for want of KV blocks (each recomputes its tokens later).
+            "preemptions": engine.core.stats.num_preemptions - preempted}
 
 
 def bench_throughput(ceilings: Ceilings, shapes: list[str], peer: bool, peer_requests: int,
@@ -386,23 +388,16 @@ def bench_kv_cache_dtypes(ceilings: Ceilings, shape: str = "llama3-8b", dtypes: 
 
 
 def bench_kv_cache_long(ceilings: Ceilings, shape: str = "llama3-8b", dtypes: tuple[str, ...] = ("auto", "fp8", "int8"),
-                        num_requests: int = 1024, prompt_len: int = 2048, output_len: int = 1024,
                         checkpoint: Callable[[list[dict]], None] | None = None) -> list[dict]:
-    """Each ``kv_cache_dtype`` on ``num_requests`` requests of ``prompt_len`` prompt and ``output_len``
-    output tokens, all queued at once, in the whole GPU's memory (the engine's defaults) and with room
-    for all of them in a step (``max_num_seqs``): the KV cache alone bounds how many run together, so
-    a cache of half the bytes a token runs about twice as many. Each row gives its output rate against
-    ``auto``'s."""
+    """Each ``kv_cache_dtype`` on ``long_workload``, in the whole GPU's memory: the KV cache alone
+    bounds how many requests run together, so a cache of half the bytes a token runs about twice as
+    many. Each row gives its output rate against ``auto``'s (where auto ran first)."""
     rows: list[dict] = []
-    rng = random.Random(6)
     for name in dtypes:
-        engine = make_engine(shape, max_num_seqs=num_requests, max_model_len=prompt_len + output_len,
-                             max_num_batched_tokens=8192, kv_cache_dtype=name)
-        workload = [(random_prompt(rng, prompt_len, engine.model_config.vocab_size), output_len)
-                    for _ in range(num_requests)]
+        engine, workload = long_workload(shape, name)
         result = run_workload(engine, ceilings, workload)
         rows.append({"name": f"kv_cache/{shape}/{name}/long_workload", "kv_cache_dtype": name,
-                     "prompt_len": prompt_len, "output_len": output_len,
+                     "prompt_len": len(workload[0][0]), "output_len": workload[0][1],
                      "kv_tokens": min(pool.num_blocks for pool in engine.core.kv.pools) * engine.core.kv.block_size,
                      **result})
         if rows[0]["kv_cache_dtype"] == "auto":
@@ -413,6 +408,18 @@ def bench_kv_cache_long(ceilings: Ceilings, shape: str = "llama3-8b", dtypes: tu
         del engine
         release()
     return rows
+
+
+def long_workload(shape: str, kv_cache_dtype: str, num_requests: int = 1024, prompt_len: int = 2048,
+                  output_len: int = 1024) -> tuple[LLMEngine, list[tuple[list[int], int]]]:
+    """An engine with the engine's default memory budget and room for ``num_requests`` sequences in a
+    step, and that many requests of ``prompt_len`` prompt and ``output_len`` output tokens (all queued
+    at once: more than the KV cache holds in any dtype)."""
+    engine = make_engine(shape, max_num_seqs=num_requests, max_model_len=prompt_len + output_len,
+                         max_num_batched_tokens=8192, kv_cache_dtype=kv_cache_dtype)
+    rng = random.Random(6)
+    return engine, [(random_prompt(rng, prompt_len, engine.model_config.vocab_size), output_len)
+                    for _ in range(num_requests)]
 
 
 def kv_bound_workload(shape: str, kv_cache_dtype: str, kv_budget_gib: float = 8.0

@@ -42,9 +42,12 @@ def _first_best(values, tokens, no_token):
     return tl.where(first_nan < no_token, float("nan"), best), token
 
 
-@triton.jit(do_not_specialize=["span"])
-def _argmax_spans_kernel(logits_ptr, out_ptr, part_value_ptr, part_token_ptr, stride, vocab, span,
-                         SPANS: tl.constexpr, BLOCK: tl.constexpr):
+# The spans a row and their length change with the row count: specialising on them (a constexpr, or
+# a value of 1) compiled a variant for every few-rows class the first time a step's sampler met it,
+# inside that step (Llama-3-8B's 1,024-request workload: five of them). One variant a logits dtype.
+@triton.jit(do_not_specialize=["span", "spans"])
+def _argmax_spans_kernel(logits_ptr, out_ptr, part_value_ptr, part_token_ptr, stride, vocab, span, spans,
+                         BLOCK: tl.constexpr):
     """Program ``(row, s)``: tokens ``s * span`` … of the row. With one span a row it writes the token
     itself; otherwise its span's best value and token."""
     row = tl.program_id(0).to(tl.int64)
@@ -65,20 +68,21 @@ def _argmax_spans_kernel(logits_ptr, out_ptr, part_value_ptr, part_token_ptr, st
         first_nan = tl.minimum(first_nan, tl.where(x != x, tokens, vocab))
     value, token = _first_best(tl.where(first_nan < vocab, float("nan"), best),
                                tl.where(first_nan < vocab, first_nan, best_token), vocab)
-    if SPANS == 1:
+    if spans == 1:
         tl.store(out_ptr + row, token.to(tl.int64))
     else:
-        tl.store(part_value_ptr + row * SPANS + tl.program_id(1), value)
-        tl.store(part_token_ptr + row * SPANS + tl.program_id(1), token)
+        tl.store(part_value_ptr + row * spans + tl.program_id(1), value)
+        tl.store(part_token_ptr + row * spans + tl.program_id(1), token)
 
 
-@triton.jit
-def _argmax_pick_kernel(part_value_ptr, part_token_ptr, out_ptr, vocab, SPANS: tl.constexpr):
+@triton.jit(do_not_specialize=["spans"])
+def _argmax_pick_kernel(part_value_ptr, part_token_ptr, out_ptr, vocab, spans, MAX_SPANS: tl.constexpr):
     """Row ``program_id``'s token from its spans' best values (spans in token order)."""
     row = tl.program_id(0).to(tl.int64)
-    spans = tl.arange(0, SPANS)
-    value = tl.load(part_value_ptr + row * SPANS + spans)
-    token = tl.load(part_token_ptr + row * SPANS + spans)
+    lanes = tl.arange(0, MAX_SPANS)
+    used = lanes < spans
+    value = tl.load(part_value_ptr + row * spans + lanes, mask=used, other=float("-inf"))
+    token = tl.load(part_token_ptr + row * spans + lanes, mask=used, other=vocab)  # never before a real span
     tl.store(out_ptr + row, _first_best(value, token, vocab)[1].to(tl.int64))
 
 
@@ -101,14 +105,14 @@ def argmax_rows(logits: torch.Tensor, spans: int | None = None) -> torch.Tensor:
     if vocab == 0 or vocab >= 2**31:
         raise ValueError(f"argmax_rows takes 1 to 2^31 - 1 tokens a row, got {vocab}")
     spans = spans or row_spans(rows, vocab, logits.device)
-    if spans & (spans - 1):
-        raise ValueError(f"spans must be a power of two, got {spans}")
+    if spans & (spans - 1) or not 1 <= spans <= _MAX_SPANS:
+        raise ValueError(f"spans must be a power of two of at most {_MAX_SPANS}, got {spans}")
     span = triton.cdiv(triton.cdiv(vocab, spans), _MIN_SPAN) * _MIN_SPAN
-    # Each span's best value and token, where a row has several (one span writes ``out`` itself).
-    parts = ([torch.empty((rows, spans), dtype=dtype, device=logits.device) for dtype in (torch.float32, torch.int32)]
-             if spans > 1 else [out, out])
+    # Each span's best value and token, where a row has several (one span writes ``out`` itself; its
+    # parts go unused, but typed as the others are: one kernel signature for every span count).
+    parts = [torch.empty((rows, spans), dtype=dtype, device=logits.device) for dtype in (torch.float32, torch.int32)]
     _argmax_spans_kernel[(rows, spans)](logits, out, *parts, logits.stride(0), vocab, span, spans, _BLOCK,
                                         num_warps=_NUM_WARPS)
     if spans > 1:
-        _argmax_pick_kernel[(rows,)](*parts, out, vocab, spans)
+        _argmax_pick_kernel[(rows,)](*parts, out, vocab, spans, _MAX_SPANS)
     return out
