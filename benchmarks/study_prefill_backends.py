@@ -8,6 +8,9 @@ keys: causal from the bottom right), and batches of several. Every output is che
 torch reference's (``max_err``); a backend that fails or differs says so in its row.
 
     python benchmarks/study_prefill_backends.py [--out FILE]
+
+Rows go to ``--out`` (default ``$OUT/prefill-backends.jsonl``) as each finishes, and all of them with
+the run's environment to the same name ending in ``.json`` at the end.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from study_attention_tiles import BLOCK_SIZE, Batch  # noqa: E402
 
-from tokenmill.bench.hardware import measure_ceilings  # noqa: E402
+from tokenmill.bench.hardware import measure_ceilings, write_rows  # noqa: E402
 from tokenmill.kernels import reference  # noqa: E402
 
 SHAPES = {"llama3-8b": (128, 32, 8), "gemma3-4b": (256, 8, 4)}  # head dim, q heads, KV heads
@@ -95,13 +98,15 @@ def main() -> None:
     ceilings = measure_ceilings()
     print(f"torch {torch.__version__}; flash forward: {torch.ops.aten._flash_attention_forward.default._schema}")
     print(f"{'shape':10s} {'point':22s} {'backend':22s} {'us':>9s} {'TFLOP/s':>8s} {'max_err':>8s}")
+    rows = []
     with out.open("w") as f:
         for shape, (head_dim, hq, hkv) in SHAPES.items():
             for point, specs in POINTS.items():
                 batch = Batch(specs, head_dim, hq, hkv)
                 expected = batch.run(op=reference.paged_attention).float()
                 for name, run in backends(batch).items():
-                    row = {"shape": shape, "point": point, "backend": name, "specs": specs,
+                    row = {"name": f"prefill_backends/{shape}/{point}/{name}", "shape": shape, "point": point,
+                           "backend": name, "specs": specs,
                            "floor_us": batch.flops / ceilings.matmul_rate * 1e6}
                     try:
                         row["max_err"] = float((run().float() - expected).abs().max())
@@ -110,6 +115,7 @@ def main() -> None:
                                    fraction_of_floor=row["floor_us"] / (ms * 1e3))
                     except Exception as exc:  # noqa: BLE001 - a backend that cannot run is a result too
                         row["error"] = f"{type(exc).__name__}: {str(exc)[-200:]}"
+                    rows.append(row)
                     f.write(json.dumps(row) + "\n")
                     f.flush()
                     shown = (f"{row['us']:9.1f} {row['tflops']:8.0f} {row['max_err']:8.4f}" if "us" in row
@@ -117,6 +123,7 @@ def main() -> None:
                     print(f"{shape:10s} {point:22s} {name:22s} {shown}")
                 del batch
                 torch.cuda.empty_cache()
+    write_rows(str(out.with_suffix(".json")), ceilings, rows)
 
 
 if __name__ == "__main__":
