@@ -6,6 +6,7 @@ import json
 import logging
 import re
 
+import numpy as np
 import pytest
 import torch
 
@@ -365,19 +366,35 @@ def test_the_start_up_log_says_what_start_up_took(model_dir, caplog) -> None:
 
 def test_a_steps_sequences_go_longest_context_first(llm, monkeypatch) -> None:
     """Attention's programs start in the batch's order, so a step hands the forward its sequences
-    longest context first whatever order they were scheduled in; each request's tokens are those it
-    gets alone."""
-    contexts = []
+    longest context first whatever order they were scheduled in; in a step of prompt chunks and
+    one-token queries the chunks come first, and the two kinds attend apart (``num_chunk_seqs``).
+    Each request's tokens are those it gets alone."""
+    steps = []
     forward = llm.engine.core.runner._forward
 
     def watched(plan, tensors):
-        contexts.append(plan.arrays["seq_lens"].tolist())
+        steps.append((plan.arrays["seq_lens"].tolist(), np.diff(plan.arrays["query_start_loc"]).tolist(),
+                      plan.num_chunk_seqs))
         return forward(plan, tensors)
 
     prompts = [[3, 4] * 2, [5, 6, 7] * 5, [8] * 9, [9, 10] * 3]  # shortest first
     monkeypatch.setattr(llm.engine.core.runner, "_forward", watched)
-    together = llm.generate(prompts, greedy(6, ignore_eos=True), use_tqdm=False)
-    assert any(len(step) == len(prompts) for step in contexts)
-    assert all(step == sorted(step, reverse=True) for step in contexts)
+    engine, tokens = llm.engine, {}
+    for i, prompt in enumerate(prompts[:2]):
+        engine.add_request(f"r{i}", prompt, greedy(6, ignore_eos=True), stream=False)
+    engine.step()
+    engine.step()  # the first two decode when the others arrive: a step of chunks and one-token queries
+    for i, prompt in enumerate(prompts[2:], 2):
+        engine.add_request(f"r{i}", prompt, greedy(6, ignore_eos=True), stream=False)
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            tokens[out.request_id] = out.outputs[0].token_ids
+    assert any(0 < num_chunk_seqs < len(contexts) for contexts, _, num_chunk_seqs in steps)
+    for contexts, query_lens, num_chunk_seqs in steps:
+        chunks = sum(1 for n in query_lens if n > 1)
+        assert num_chunk_seqs == (chunks if chunks < len(query_lens) else 0)
+        assert all(n > 1 for n in query_lens[:chunks])  # chunks first, then the one-token queries
+        assert contexts[:chunks] == sorted(contexts[:chunks], reverse=True)
+        assert contexts[chunks:] == sorted(contexts[chunks:], reverse=True)
     alone = [llm.generate([p], greedy(6, ignore_eos=True), use_tqdm=False)[0] for p in prompts]
-    assert [o.outputs[0].token_ids for o in together] == [o.outputs[0].token_ids for o in alone]
+    assert [tokens[f"r{i}"] for i in range(len(prompts))] == [o.outputs[0].token_ids for o in alone]

@@ -129,6 +129,9 @@ class StepPlan:
     # Every row's id is the step before's sample of the same row (decode after decode of the same
     # sequences): the input ids are those samples as they lie on the device.
     pending_in_order: bool = False
+    # A step of several-token queries and one-token ones: the first come first, this many sequences,
+    # and each kind attends in a launch of its own where the step runs eagerly (0: one launch).
+    num_chunk_seqs: int = 0
 
 
 class Peers(Protocol):
@@ -287,6 +290,8 @@ class ModelRunner:
                 block_tables=(torch.zeros((1 + rows, -(-context // self.block_size)), dtype=torch.int32,
                                           device=dev),) * groups,
                 max_query_len=query_len, max_seq_len=context)
+            if rows and query_len > 1:  # the one-token rows' own launch, as a step of both kinds takes it
+                meta = meta.split_one_token_queries(1, query_len)
             positions = torch.cat([torch.arange(context - query_len, context), torch.zeros(rows, dtype=torch.int64)]).to(dev)
             hidden = self.model(torch.zeros(total, dtype=torch.int64, device=dev), positions, self.kv_caches, meta)
             logits = self.model.compute_logits(hidden[[query_len - 1, total - 1]])
@@ -318,8 +323,13 @@ class ModelRunner:
         starts = np.fromiter(map(attrgetter("num_computed_tokens"), seqs), dtype=np.int64, count=len(seqs))
         # Longest context first: attention's programs start in the batch's order, and a long one
         # started last would run on alone while the GPU idles. (Each step's sequences then keep the
-        # previous step's order, and its sampled ids stay in place as the next step's inputs.)
-        order = np.argsort(-(starts + counts), kind="stable")
+        # previous step's order, and its sampled ids stay in place as the next step's inputs.) Beside
+        # prompt chunks, the one-token queries come last, to attend in a launch of their own
+        # (``AttentionMetadata.split_one_token_queries``).
+        one_token = counts == 1
+        num_chunk_seqs = int(len(seqs) - one_token.sum()) if one_token.any() else 0
+        order = np.lexsort((-(starts + counts), one_token)) if num_chunk_seqs else np.argsort(-(starts + counts),
+                                                                                              kind="stable")
         if (order[1:] < order[:-1]).any():
             seqs, counts, starts = [seqs[i] for i in order.tolist()], counts[order], starts[order]
         query_start = np.zeros(len(seqs) + 1, dtype=np.int32)
@@ -394,7 +404,8 @@ class ModelRunner:
                          "query_start_loc": query_start, "seq_lens": seq_lens, "block_tables": tables,
                          "logits_rows": logits_rows,
                          "pending_rows": pending_rows.astype(np.int64), "pending_sources": pending_sources},
-                        max_query_len, int(seq_lens.max()), path, picks_rows, sum(rows_per_seq), in_order)
+                        max_query_len, int(seq_lens.max()), path, picks_rows, sum(rows_per_seq), in_order,
+                        num_chunk_seqs)
         if self.peers is not None:
             self.peers.send(plan)
         t = self._stage(plan, previous.token_ids if len(pending_rows) else None,
@@ -431,6 +442,9 @@ class ModelRunner:
             graphs = self.prefill_graphs if plan.path == PREFILL_GRAPH else self.mixed_graphs
             logits, greedy_ids = graphs.run(t["input_ids"], t["positions"], meta, t["logits_rows"])
             return (logits, greedy_ids) if len(plan.arrays["logits_rows"]) else (None, None)
+        if plan.num_chunk_seqs:
+            meta = meta.split_one_token_queries(
+                plan.num_chunk_seqs, int(plan.arrays["query_start_loc"][plan.num_chunk_seqs]))
         hidden = self.model(t["input_ids"], t["positions"], self.kv_caches, meta)
         if not len(plan.arrays["logits_rows"]):
             return None, None  # pure prefill chunks: no LM-head work at all

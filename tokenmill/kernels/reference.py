@@ -116,12 +116,15 @@ def paged_attention(
     softcap: float | None = None,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Causal attention of ``query`` ``[T, Hq, D]`` over the paged cache, in float32; returns ``[T, Hq, D]``.
-    ``max_query_len`` and ``max_seq_len`` are launch hints for kernels; the reference reads the lengths
-    itself. ``softcap`` bounds the scaled scores to ``(-softcap, softcap)`` by ``tanh(s / cap) * cap``
-    before the mask, as Gemma does. A quantized cache is read through its scales (``gather_kv``)."""
-    out = torch.empty_like(query)
+    """Causal attention of ``query`` ``[T, Hq, D]`` over the paged cache, in float32; returns ``[T, Hq, D]``
+    (in ``out`` where given). ``max_query_len`` and ``max_seq_len`` are launch hints for kernels; the
+    reference reads the lengths itself. ``softcap`` bounds the scaled scores to ``(-softcap, softcap)``
+    by ``tanh(s / cap) * cap`` before the mask, as Gemma does. A quantized cache is read through its
+    scales (``gather_kv``)."""
+    if out is None:
+        out = torch.empty_like(query)
     num_q_heads = query.shape[1]
     num_kv_heads = k_cache.shape[2]
     group = num_q_heads // num_kv_heads

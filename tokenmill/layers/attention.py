@@ -38,6 +38,28 @@ class AttentionMetadata:
     block_tables: tuple[torch.Tensor, ...]  # per group: [B, max_blocks] int32
     max_query_len: int  # host-side; 1 for a pure decode step
     max_seq_len: int | None = None  # host-side upper bound of seq_lens; None: the block-table width
+    # A step of prompt chunks and one-token queries, the chunks' sequences first: each kind attends
+    # in a launch of its own (``split_one_token_queries``).
+    parts: tuple[int, AttentionMetadata, AttentionMetadata] | None = None
+
+    def split_one_token_queries(self, num_seqs: int, num_tokens: int) -> AttentionMetadata:
+        """This step with its first ``num_seqs`` sequences (several query tokens each, ``num_tokens``
+        in all) and the rest (one each) attending apart. In one launch the tiles fit the longest query,
+        and every one-token sequence computes a whole prompt tile's rows for its one (32-128 rows, at a
+        group of 4 only 4 of them real) over every key of its context; apart, the one-token sequences
+        take the decode tiles, whose cost is reading their keys. The second part's lengths and block
+        tables are copies, so that they start on the 16-byte boundary every compiled kernel variant
+        assumes (its slots are not read: the step's K/V are written before)."""
+        chunks = AttentionMetadata(
+            tuple(s[:num_tokens] for s in self.slot_mapping), self.query_start_loc[:num_seqs + 1],
+            self.seq_lens[:num_seqs], tuple(t[:num_seqs] for t in self.block_tables), self.max_query_len,
+            self.max_seq_len)
+        ones = AttentionMetadata(
+            tuple(s[num_tokens:] for s in self.slot_mapping), self.query_start_loc[num_seqs:] - num_tokens,
+            self.seq_lens[num_seqs:].clone(), tuple(t[num_seqs:].clone() for t in self.block_tables), 1,
+            self.max_seq_len)
+        return AttentionMetadata(self.slot_mapping, self.query_start_loc, self.seq_lens, self.block_tables,
+                                 self.max_query_len, self.max_seq_len, (num_tokens, chunks, ones))
 
 
 class PagedAttention(nn.Module):
@@ -87,9 +109,17 @@ class PagedAttention(nn.Module):
             self.kv_amax = torch.full((2,), float("nan"), dtype=torch.float32, device=self.rotary.cos_sin_cache.device)
         self.kv_amax[0 if which == "k_scale" else 1] = float(scale) * torch.finfo(torch.float8_e4m3fn).max
 
-    def attend(self, q: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
-        """Attention of the rotated ``q`` over the layer's cache (written before)."""
+    def attend(self, q: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata,
+               out: torch.Tensor | None = None) -> torch.Tensor:
+        """Attention of the rotated ``q`` over the layer's cache (written before), into ``out`` if given."""
+        if meta.parts is not None:
+            first, chunks, ones = meta.parts
+            out = torch.empty_like(q) if out is None else out
+            self.attend(q[:first], kv_cache, chunks, out[:first])
+            self.attend(q[first:], kv_cache, ones, out[first:])
+            return out
         return ops.paged_attention(q, kv_cache.k, kv_cache.v, meta.query_start_loc, meta.seq_lens,
                                    meta.block_tables[self.kv_group], self.scale, self.sliding_window,
                                    max_query_len=meta.max_query_len, max_seq_len=meta.max_seq_len,
-                                   softcap=self.softcap, k_scale=kv_cache.k_scale, v_scale=kv_cache.v_scale)
+                                   softcap=self.softcap, k_scale=kv_cache.k_scale, v_scale=kv_cache.v_scale,
+                                   out=out)

@@ -52,16 +52,16 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
                     scale: float, sliding_window: int | None = None,
                     max_query_len: int | None = None, max_seq_len: int | None = None,
                     softcap: float | None = None, k_scale: torch.Tensor | None = None,
-                    v_scale: torch.Tensor | None = None) -> torch.Tensor:
+                    v_scale: torch.Tensor | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
     """``max_query_len`` (known on the host) spares the kernel a device read, which also
     keeps the call capturable in a CUDA graph; ``max_seq_len`` (an upper bound of
     ``seq_lens``) lets it split the KV range for the contexts it will really see.
     ``softcap`` caps each scaled score at ``tanh(s / cap) * cap`` before the mask (Gemma).
-    ``k_scale``/``v_scale``: a quantized cache's scales."""
+    ``k_scale``/``v_scale``: a quantized cache's scales. ``out``: where to write (a view of rows)."""
     return backend_for(query).paged_attention(query, k_cache, v_cache, query_start_loc, seq_lens, block_tables,
                                               scale, sliding_window, max_query_len=max_query_len,
                                               max_seq_len=max_seq_len, softcap=softcap, k_scale=k_scale,
-                                              v_scale=v_scale)
+                                              v_scale=v_scale, out=out)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
