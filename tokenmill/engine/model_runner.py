@@ -276,8 +276,9 @@ class ModelRunner:
         """Eager forwards in the shapes that prefill steps take (``warm_up_shapes``: chunks of 2 … the
         token budget, alone and beside a decode row, whose attention tiles are numbered differently;
         chunks deep into a long context, and beside the most decode rows a step can hold, whose
-        attention grid may take other tiles), so that Triton compiles their kernel variants at start-up
-        rather than inside the first requests' steps.
+        attention grid may take other tiles; beside decode rows both in one launch, as several chunks
+        take it, and apart, as chunks and one-token queries do), so that Triton compiles their kernel
+        variants at start-up rather than inside the first requests' steps.
         Every token writes to slot -1 (padding) and reads block 0: the cache is left as it was."""
         dev = self.device
         for query_len, context, rows in warm_up_shapes(max_num_batched_tokens, max_model_len, self.max_num_seqs):
@@ -290,10 +291,12 @@ class ModelRunner:
                 block_tables=(torch.zeros((1 + rows, -(-context // self.block_size)), dtype=torch.int32,
                                           device=dev),) * groups,
                 max_query_len=query_len, max_seq_len=context)
-            if rows and query_len > 1:  # the one-token rows' own launch, as a step of both kinds takes it
-                meta = meta.split_one_token_queries(1, query_len)
+            # As one ragged launch (as a step of several chunks takes them), then, beside one-token
+            # queries, in a launch for each kind (as a step of both kinds takes them).
+            metas = [meta] + ([meta.split_one_token_queries(1, query_len)] if rows and query_len > 1 else [])
             positions = torch.cat([torch.arange(context - query_len, context), torch.zeros(rows, dtype=torch.int64)]).to(dev)
-            hidden = self.model(torch.zeros(total, dtype=torch.int64, device=dev), positions, self.kv_caches, meta)
+            for meta in metas:
+                hidden = self.model(torch.zeros(total, dtype=torch.int64, device=dev), positions, self.kv_caches, meta)
             logits = self.model.compute_logits(hidden[[query_len - 1, total - 1]])
         self._warm_up_sampling(logits)
         if dev.type == "cuda":
