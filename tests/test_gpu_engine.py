@@ -156,6 +156,37 @@ def test_prompts_past_the_prefill_graphs_compile_nothing_after_start_up(arch: st
     assert llm.engine.core.stats.num_compiles_after_startup == 0
 
 
+@pytest.mark.parametrize("arch,kv_cache_dtype", [("llama3", "auto"), ("llama3", "int8"), ("llama3", "fp8"),
+                                                 ("gemma3", "auto")])
+def test_chunks_beside_decoding_sequences_attend_apart(arch: str, kv_cache_dtype: str, tmp_path, monkeypatch) -> None:
+    """Steps past the mixed-step graphs that carry prompt chunks beside sequences that decode run
+    eagerly and attend over each kind in a launch of its own: tokens as the CPU path gives them, and
+    nothing compiled after start-up (the warm-up ran both launches' variants)."""
+    make_model_dir(arch, tmp_path)
+    g = torch.Generator().manual_seed(7)
+    prompts = [torch.randint(0, 256, (n,), generator=g).tolist() for n in (3, 40, 1500, 700, 9, 300)]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=2)
+    options = dict(dtype="float32", kv_cache_dtype=kv_cache_dtype, max_num_seqs=8, max_num_batched_tokens=1024,
+                   max_model_len=2048)
+    cpu = LLM(str(tmp_path), device="cpu", **options).generate(prompts, params, use_tqdm=False)
+    llm = LLM(str(tmp_path), device="cuda", **options)
+    runner, split = llm.engine.core.runner, []
+    forward = runner._forward
+
+    def watched(plan, tensors):
+        split.append(plan.num_chunk_seqs > 0 and plan.path == "eager")
+        return forward(plan, tensors)
+
+    monkeypatch.setattr(runner, "_forward", watched)
+    before = _compiled_kernel_variants()
+    gpu = llm.generate(prompts, params, use_tqdm=False)
+    assert any(split)
+    assert _compiled_kernel_variants() == before
+    assert llm.engine.core.stats.num_compiles_after_startup == 0
+    assert_equal_up_to_a_near_tie(cpu, gpu, logprob_tol=1e-3, tie=0.1,
+                                  flip_tol=None if kv_cache_dtype == "auto" else 0.2)
+
+
 def test_a_variant_compiled_after_start_up_is_counted(tmp_path) -> None:
     """The engine counts (and logs) each kernel variant compiled, or loaded from Triton's disk cache,
     after its start-up: here the norm's, dropped from memory first."""
