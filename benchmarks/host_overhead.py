@@ -1,8 +1,9 @@
 """The engine's host work per step, phase by phase: what the GPU must hide (or wait for) at
 large batch.
 
-python benchmarks/host_overhead.py [--batch 256] [--waiting 0] [--steps 100] [--no-async] [--profile N]
-    on the CPU, the model's forward stubbed out: the host's work alone;
+python benchmarks/host_overhead.py [--batch 256] [--waiting 0] [--steps 100] [--prompt-len 128] [--no-async] [--profile N]
+    on the CPU, the model's forward stubbed out: the host's work alone, and the garbage collector's
+    pauses within it (``--batch 1024 --prompt-len 2048 --steps 1000``: the long KV-bound workload's);
 python benchmarks/host_overhead.py --shape llama3.2-1b [--batch 256] ...
     on the GPU, the real forward of a shape with random weights: ``collect`` is then the time the
     host waits for the GPU, and a step that costs more than the graph's replay is host-bound.
@@ -12,6 +13,7 @@ import argparse
 import collections
 import cProfile
 import functools
+import gc
 import pstats
 import sys
 import tempfile
@@ -29,11 +31,12 @@ from tokenmill.engine.config import EngineConfig  # noqa: E402
 from tokenmill.engine.llm_engine import LLMEngine  # noqa: E402
 
 
-def stubbed_engine(batch: int, async_scheduling: bool) -> LLMEngine:
+def stubbed_engine(batch: int, async_scheduling: bool, max_model_len: int) -> LLMEngine:
     model_dir = Path(tempfile.mkdtemp())
     make_model_dir("llama3", model_dir)
     engine = LLMEngine(EngineConfig(model=str(model_dir), device="cpu", dtype="float32", max_num_seqs=batch,
-                                    num_kv_blocks=64 * batch, async_scheduling=async_scheduling))
+                                    max_model_len=max_model_len, num_kv_blocks=batch * (max_model_len // 16 + 1),
+                                    async_scheduling=async_scheduling))
     model, cfg = engine.core.runner.model, engine.model_config
     model.forward = lambda ids, positions, kv, meta: torch.zeros(ids.shape[0], cfg.hidden_size)
     model.head_logits = lambda hidden, out=None: torch.zeros(hidden.shape[0], cfg.vocab_size)
@@ -44,6 +47,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--batch", type=int, default=256)
     parser.add_argument("--steps", type=int, default=100)
+    parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--no-async", action="store_true")
     parser.add_argument("--waiting", type=int, default=0, help="requests queued behind the running batch")
     parser.add_argument("--shape", default=None, help="run this shape's real forward on the GPU (random weights)")
@@ -53,7 +57,7 @@ def main() -> None:
     if args.shape:
         engine = make_engine(args.shape, max_num_seqs=args.batch, async_scheduling=not args.no_async)
     else:
-        engine = stubbed_engine(args.batch, not args.no_async)
+        engine = stubbed_engine(args.batch, not args.no_async, max(512, args.prompt_len + args.steps + 148))
     phases: collections.Counter[str] = collections.Counter()
 
     def timed(obj, name: str) -> None:
@@ -73,21 +77,34 @@ def main() -> None:
                       (core.runner, "_sampling_batch"), (core.runner, "sampler"), (core.runner, "collect"),
                       (core, "_complete"), (engine.outputs, "process")):
         timed(obj, name)
-    params = SamplingParams(temperature=0, max_tokens=engine.max_model_len - 128, ignore_eos=True)
+    params = SamplingParams(temperature=0, max_tokens=engine.max_model_len - args.prompt_len, ignore_eos=True)
     for i in range(args.batch + args.waiting):
-        engine.add_request(str(i), [1 + i % 50] * 128, params, stream=False)
+        engine.add_request(str(i), [1 + i % 50] * args.prompt_len, params, stream=False)
     for _ in range(20):
         engine.step()
     phases.clear()
+    collections_ms: dict[int, list[float]] = collections.defaultdict(list)
+    gc_started = [0.0]
+
+    def on_collection(phase: str, info: dict) -> None:
+        if phase == "start":
+            gc_started[0] = time.perf_counter()
+        else:
+            collections_ms[info["generation"]].append((time.perf_counter() - gc_started[0]) * 1e3)
+    gc.callbacks.append(on_collection)
     started = time.perf_counter()
     for _ in range(args.steps):
         engine.step()
     per_step = (time.perf_counter() - started) / args.steps
+    gc.callbacks.remove(on_collection)
     where = f"{args.shape} on the GPU" if args.shape else "forward stubbed"
     print(f"batch {args.batch}, {args.waiting} waiting, async {not args.no_async}, {where}: "
           f"{per_step * 1e3:.3f} ms per step")
     for name, seconds in phases.most_common():
         print(f"  {name:16s} {seconds / args.steps * 1e3:.3f} ms")
+    for generation, pauses in sorted(collections_ms.items()):
+        print(f"  garbage collections of generation {generation}: {len(pauses)}, {sum(pauses):.1f} ms in all, "
+              f"the longest {max(pauses):.1f} ms")
     if args.shape:
         graph = core.runner.graphs.graph_for(args.batch, 128 + 20 + args.steps)
         replay = (lambda: [graph.replay() for _ in range(20)])

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import json
 import logging
 import re
@@ -157,6 +158,21 @@ def test_bad_prompts_raise_and_the_engine_keeps_serving(llm, prompt, params, mes
 def test_bad_sampling_params_raise(kwargs, message) -> None:
     with pytest.raises(ValueError, match=message):
         SamplingParams(**kwargs)
+
+
+def test_prompts_in_the_core_leave_the_garbage_collectors_walk(llm) -> None:
+    """Each full collection walks every tracked container: the core's copies of long prompts must
+    not be among them (they are tuples of ints, untracked once a collection has met them)."""
+    engine = llm.engine
+    engine.add_request("gc", [7, 8, 9] * 100, greedy(4, n=2, ignore_eos=True))
+    engine.step()
+    seqs = engine.core.requests["gc"].seqs
+    gc.collect()
+    assert seqs[0].prompt_token_ids is seqs[1].prompt_token_ids  # one copy for the request's choices
+    assert list(seqs[0].prompt_token_ids) == [7, 8, 9] * 100
+    assert not gc.is_tracked(seqs[0].prompt_token_ids)
+    while engine.has_unfinished_requests():
+        engine.step()
 
 
 def test_abort_frees_blocks(llm) -> None:

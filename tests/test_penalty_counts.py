@@ -42,7 +42,7 @@ def test_each_row_reads_its_sequences_counts(script: list[tuple[str, list[int], 
                 if seq.params.uses_penalties:
                     want_counts.index_put_((torch.tensor(seq.output_token_ids, dtype=torch.int64),),
                                            torch.ones(len(seq.output_token_ids)), accumulate=True)
-                    want_prompt[seq.prompt_token_ids] = True
+                    want_prompt[list(seq.prompt_token_ids)] = True
                 assert torch.equal(got_counts[row], want_counts) and torch.equal(got_prompt[row], want_prompt)
             sampled = torch.tensor([tokens[i % len(tokens)] for i in range(len(batch))])
             counts.add(add, sampled)

@@ -229,7 +229,7 @@ class EngineCore:
     def add_request(self, request: AddRequest) -> None:
         """Queue a request the front-end validated (and whose id it checked is free)."""
         params = request.params
-        ids = request.prompt_token_ids
+        ids = tuple(request.prompt_token_ids)  # one tuple for the request's sequences
         seqs = [self._new_sequence(request.request_id, i, ids, params, request.arrival_time)
                 for i in range(params.n)]
         core_request = self.requests[request.request_id] = CoreRequest(request.request_id, params, seqs)
@@ -267,13 +267,13 @@ class EngineCore:
                 self.scheduler.add(seq, priority)
         self._compiling = still
 
-    def _new_sequence(self, request_id: str, index: int, ids: list[int], params: SamplingParams,
+    def _new_sequence(self, request_id: str, index: int, ids: tuple[int, ...], params: SamplingParams,
                       now: float) -> Sequence:
         generator = None
         if params.seed is not None:
             generator = torch.Generator(device=self.device).manual_seed((params.seed * 65537 + index) % (1 << 63))
         limit = self.max_model_len if params.max_tokens is None else min(self.max_model_len, len(ids) + params.max_tokens)
-        return Sequence(next(self._seq_ids), request_id, index, list(ids), params, now, generator,
+        return Sequence(next(self._seq_ids), request_id, index, ids, params, now, generator,
                         eos_token_ids=self.model_config.eos_token_ids, token_limit=limit)
 
     def abort_request(self, request_id: str) -> None:

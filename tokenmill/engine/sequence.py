@@ -5,6 +5,12 @@ While a step is in flight its sampled token is not known on the host yet, but th
 next step is already scheduled: the token list then ends with ``num_pending``
 placeholders (``PENDING``), which the engine replaces as results arrive. Nothing
 that must see real tokens (outputs, prefix-cache hashes, penalties) reads them.
+
+The prompt is kept in a tuple: of ints alone, the garbage collector stops tracking it after
+the first collection that meets it, where a list's references would be walked again by every
+full collection (a thousand 2k-token prompts: 2 million of them). The growing token
+list stays a list: an ``array`` would hide it from the collector too, but costs a conversion on
+every append, store and read of the step's hot loops.
 """
 
 from __future__ import annotations
@@ -35,12 +41,12 @@ class Sequence:
     seq_id: int
     request_id: str
     index: int
-    prompt_token_ids: list[int]
+    prompt_token_ids: tuple[int, ...]  # a list given is kept as a tuple
     params: SamplingParams
     arrival_time: float
     generator: torch.Generator | None = None
     eos_token_ids: tuple[int, ...] = ()
-    token_ids: list[int] = field(default_factory=list)
+    token_ids: list[int] = field(init=False)  # the prompt, then the generated tokens
     status: SequenceStatus = SequenceStatus.WAITING
     num_computed_tokens: int = 0
     block_tables: list[list[int]] = field(default_factory=list)  # one per KV group; empty while it holds none
@@ -73,8 +79,8 @@ class Sequence:
     stop_ids: frozenset[int] = field(default=frozenset(), init=False, repr=False)
 
     def __post_init__(self) -> None:
-        if not self.token_ids:
-            self.token_ids = list(self.prompt_token_ids)
+        self.prompt_token_ids = tuple(self.prompt_token_ids)
+        self.token_ids = list(self.prompt_token_ids)
         eos = () if self.params.ignore_eos else self.eos_token_ids
         self.stop_ids = frozenset((*eos, *self.params.stop_token_ids))
 
