@@ -44,6 +44,8 @@
 #  `study-gemv-rows` = the one-row GEMV's tiles with several tiles of rows a program;
 #  `study-prefill-backends` = prompt attention, the paged Triton kernel against torch's FlashAttention-2 and cuDNN
 #   kernels (with and without gathering the keys first), benchmarks/study_prefill_backends.py;
+#  `study-overlap` = a large decode step's projections beside its attention on two streams, against one after the
+#   other (Llama-3-8B, 490 sequences over 2,500 tokens of int8 and bf16 KV), benchmarks/study_overlap.py;
 #  `study-argmax` = the greedy argmax kernel against torch by row count and vocabulary, benchmarks/study_argmax.py;
 #  `study-softcap` = Gemma's final-logit softcap, the kernel against three torch ops, benchmarks/study_softcap.py;
 #  `study-skinny` = the few-row matmul's tiles and K splits at 4-64 rows, dense and Q8_0, benchmarks/study_skinny.py
@@ -111,6 +113,10 @@ for part in "$@"; do
       dtypes=auto,fp8,int8; [ "$part" = kvcache-long ] || dtypes=${part#kvcache-long-}
       timeout 590 python3 benchmarks/run_engine_bench.py kvcache-long --kv-cache-dtypes "$dtypes" \
         --out "$OUT/${part//,/-}.json" 2>&1 | grep -v -e "it/s]" -e "^Loading" | tail -8 ;;
+    study-overlap)
+      for kv in int8 bf16; do
+        timeout 280 python3 benchmarks/study_overlap.py --kv-dtype $kv --out "$OUT/overlap-$kv.json" 2>&1 | tail -7
+      done ;;
     study-prefill-backends)
       timeout 300 python3 benchmarks/study_prefill_backends.py --out "$OUT/prefill-backends.jsonl" 2>&1 | tail -40 ;;
     throughput-whole-peer)
