@@ -31,6 +31,9 @@ from tokenmill.engine.config import EngineConfig  # noqa: E402
 from tokenmill.engine.llm_engine import LLMEngine  # noqa: E402
 
 
+WARM_UP_STEPS = 20
+
+
 def stubbed_engine(batch: int, async_scheduling: bool, max_model_len: int) -> LLMEngine:
     model_dir = Path(tempfile.mkdtemp())
     make_model_dir("llama3", model_dir)
@@ -57,7 +60,9 @@ def main() -> None:
     if args.shape:
         engine = make_engine(args.shape, max_num_seqs=args.batch, async_scheduling=not args.no_async)
     else:
-        engine = stubbed_engine(args.batch, not args.no_async, max(512, args.prompt_len + args.steps + 148))
+        # Room for the prompt, the warm-up, the timed and the profiled steps: no request ends inside.
+        room = args.prompt_len + WARM_UP_STEPS + 2 * args.steps
+        engine = stubbed_engine(args.batch, not args.no_async, max(512, room))
     phases: collections.Counter[str] = collections.Counter()
 
     def timed(obj, name: str) -> None:
@@ -80,7 +85,7 @@ def main() -> None:
     params = SamplingParams(temperature=0, max_tokens=engine.max_model_len - args.prompt_len, ignore_eos=True)
     for i in range(args.batch + args.waiting):
         engine.add_request(str(i), [1 + i % 50] * args.prompt_len, params, stream=False)
-    for _ in range(20):
+    for _ in range(WARM_UP_STEPS):
         engine.step()
     phases.clear()
     collections_ms: dict[int, list[float]] = collections.defaultdict(list)
@@ -106,7 +111,7 @@ def main() -> None:
         print(f"  garbage collections of generation {generation}: {len(pauses)}, {sum(pauses):.1f} ms in all, "
               f"the longest {max(pauses):.1f} ms")
     if args.shape:
-        graph = core.runner.graphs.graph_for(args.batch, 128 + 20 + args.steps)
+        graph = core.runner.graphs.graph_for(args.batch, args.prompt_len + WARM_UP_STEPS + args.steps)
         replay = (lambda: [graph.replay() for _ in range(20)])
         replay()
         torch.cuda.synchronize()

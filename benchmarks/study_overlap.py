@@ -12,7 +12,8 @@ is the larger. Timed per layer:
 - ``bound``: the whole batch's projections on one stream beside its attention on another, with no
   order between them (not a valid step: how far running at once can go at all).
 
-python benchmarks/study_overlap.py [--batch 490] [--context 2500] [--kv-dtype int8|fp8|bf16] [--out FILE]   (GPU)
+python benchmarks/study_overlap.py [--batch 490] [--context 2500] [--kv-dtype int8|fp8|bf16] [--out FILE]
+    (GPU)
 """
 
 from __future__ import annotations
@@ -71,30 +72,26 @@ def main() -> None:
     ceilings = measure_ceilings()
     kv_dtype = KV_DTYPES[args.kv_dtype]
     half = args.batch // 2
-    whole = (Projections(args.batch), Batch([(1, args.context)] * args.batch, HEAD_DIM, Q_HEADS, KV_HEADS, kv_dtype))
-    halves = [(Projections(rows), Batch([(1, args.context)] * rows, HEAD_DIM, Q_HEADS, KV_HEADS, kv_dtype))
-              for rows in (half, args.batch - half)]
-    for proj, attn in (whole, *halves):  # compiled before timing
-        proj.run()
-        attn.run()
-
-    (pa, aa), (pb, ab) = halves
-    variants = {
-        "projections": whole[0].run,
-        "attention": whole[1].run,
-        "serial": lambda: (whole[0].run(), whole[1].run()),
+    proj, attn = Projections(args.batch), Batch([(1, args.context)] * args.batch, HEAD_DIM, Q_HEADS, KV_HEADS, kv_dtype)
+    (pa, aa), (pb, ab) = [(Projections(rows), Batch([(1, args.context)] * rows, HEAD_DIM, Q_HEADS, KV_HEADS, kv_dtype))
+                          for rows in (half, args.batch - half)]
+    variants = {  # each run once before its capture (time_graph), which compiles what it needs
+        "projections": proj.run,
+        "attention": attn.run,
+        "serial": lambda: (proj.run(), attn.run()),
         "halves": lambda: forked(lambda: (pa.run(), aa.run()), lambda: (ab.run(), pb.run())),
-        "bound": lambda: forked(whole[0].run, whole[1].run),
+        "bound": lambda: forked(proj.run, attn.run),
     }
-    proj, attn = whole
     floors = {"projections": ceilings.floor(proj.bytes, proj.flops), "attention": ceilings.floor(attn.kv_bytes, 0)}
-    floors.update(dict.fromkeys(("serial", "halves", "bound"), ceilings.floor(proj.bytes + attn.kv_bytes, proj.flops)))
+    step_floor = ceilings.floor(proj.bytes + attn.kv_bytes, proj.flops)
+    floors.update(dict.fromkeys(("serial", "halves", "bound"), step_floor))
     rows = []
     for name, fn in variants.items():
         seconds = time_graph(fn)
         rows.append({"name": f"overlap/llama3-8b/{args.kv_dtype}/b{args.batch}x{args.context}/{name}",
                      "us": seconds * 1e6, "floor_us": floors[name] * 1e6, "fraction_of_floor": floors[name] / seconds})
-    rows[1]["max_err"] = attn.error(None)  # the attention kernel's output against its torch reference    write_rows(args.out, ceilings, rows)
+    rows[1]["max_err"] = attn.error(None)  # the attention kernel's output against its torch reference
+    write_rows(args.out, ceilings, rows)
     print(f"{'variant':58s} {'us':>9s} {'floor':>9s} {'of floor':>9s}")
     for row in rows:
         print(f"{row['name']:58s} {row['us']:9.1f} {row['floor_us']:9.1f} {row['fraction_of_floor']:9.0%}")

@@ -331,8 +331,7 @@ class ModelRunner:
         # (``AttentionMetadata.split_one_token_queries``).
         one_token = counts == 1
         num_chunk_seqs = int(len(seqs) - one_token.sum()) if one_token.any() else 0
-        longest_first = -(starts + counts)
-        order = np.lexsort((longest_first, one_token)) if num_chunk_seqs else np.argsort(longest_first, kind="stable")
+        order = np.lexsort((-(starts + counts), one_token))  # stable: ties keep the previous step's order
         if (order[1:] < order[:-1]).any():
             seqs, counts, starts = [seqs[i] for i in order.tolist()], counts[order], starts[order]
         query_start = np.zeros(len(seqs) + 1, dtype=np.int32)

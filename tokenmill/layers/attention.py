@@ -7,7 +7,7 @@ and speculative verification: only ``query_start_loc`` differs.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import nn
@@ -58,8 +58,7 @@ class AttentionMetadata:
             tuple(s[num_tokens:] for s in self.slot_mapping), self.query_start_loc[num_seqs:] - num_tokens,
             self.seq_lens[num_seqs:].clone(), tuple(t[num_seqs:].clone() for t in self.block_tables), 1,
             self.max_seq_len)
-        return AttentionMetadata(self.slot_mapping, self.query_start_loc, self.seq_lens, self.block_tables,
-                                 self.max_query_len, self.max_seq_len, (num_tokens, chunks, ones))
+        return replace(self, parts=(num_tokens, chunks, ones))
 
 
 class PagedAttention(nn.Module):
