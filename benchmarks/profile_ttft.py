@@ -1,7 +1,8 @@
 """Where a lone prompt's time to first token goes: the wall time, the GPU's kernel time within it,
 and the host's functions (cProfile), for a prompt alone in the engine (nothing cached).
 
-python benchmarks/profile_ttft.py [--shape llama3-8b] [--tokens 100] [--out FILE]   (GPU)
+python benchmarks/profile_ttft.py [--shape llama3-8b] [--tokens 100] [--max-num-batched-tokens N] [--out FILE]
+    (GPU; the token budget unset: the engine's default)
 """
 
 import argparse
@@ -31,9 +32,11 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--shape", default="llama3-8b")
     parser.add_argument("--tokens", type=int, default=100)
+    parser.add_argument("--max-num-batched-tokens", type=int)
     parser.add_argument("--out")
     args = parser.parse_args()
-    engine = make_engine(args.shape, max_num_seqs=8)
+    engine = make_engine(args.shape, max_num_seqs=8, max_num_batched_tokens=args.max_num_batched_tokens)
+    budget = engine.core.config.max_num_batched_tokens
     rng, vocab = random.Random(0), engine.model_config.vocab_size
 
     def ttft() -> float:
@@ -42,7 +45,8 @@ def main() -> None:
     for _ in range(3):
         ttft()
     wall_ms = statistics.median(ttft() for _ in range(10)) * 1e3
-    print(f"{args.shape}: {args.tokens}-token prompt, time to first token {wall_ms:.2f} ms (median of 10)")
+    print(f"{args.shape}: {args.tokens}-token prompt, {budget} tokens a step, time to first token {wall_ms:.2f} ms "
+          "(median of 10)")
     kernels = kernel_profile_of(lambda: [ttft() for _ in range(5)], 5)
     profile = cProfile.Profile()
     profile.enable()
@@ -54,7 +58,8 @@ def main() -> None:
     print(report)
     if args.out:
         with open(args.out, "w") as f:
-            json.dump({"shape": args.shape, "prompt_tokens": args.tokens, "ttft_ms": wall_ms,
+            json.dump({"shape": args.shape, "prompt_tokens": args.tokens, "max_num_batched_tokens": budget,
+                       "ttft_ms": wall_ms,
                        "kernels_per_request": kernels, "host_profile": report}, f, indent=1)
 
 

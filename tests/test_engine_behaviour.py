@@ -118,6 +118,22 @@ def test_logprobs_and_prompt_logprobs(llm) -> None:
         assert token in lp and all(v <= 0 for v in lp.values())
 
 
+def test_the_token_budget_follows_the_gpus_memory(model_dir, monkeypatch) -> None:
+    from types import SimpleNamespace
+
+    from tokenmill.engine.rank import token_budget
+
+    llm = LLM(str(model_dir), device="cpu", dtype="float32")  # unset: the CPU's budget
+    assert llm.engine.core.config.max_num_batched_tokens == 2048
+    assert llm.engine.core.scheduler.config.max_num_batched_tokens == 2048
+    assert token_budget(100, torch.device("cpu")) == 100
+    for gib, budget in ((141, 8192), (80, 8192), (48, 2048), (24, 2048)):
+        props = SimpleNamespace(total_memory=gib << 30)
+        monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device, props=props: props)
+        assert token_budget(None, torch.device("cuda")) == budget
+        assert token_budget(512, torch.device("cuda", 1)) == 512
+
+
 def test_prompt_only_chunks_run_no_lm_head(model_dir, monkeypatch) -> None:
     llm = LLM(str(model_dir), device="cpu", dtype="float32", max_num_batched_tokens=16)
     rows = []

@@ -179,7 +179,7 @@ ENGINE_VALID = {
     "dtype": st.sampled_from(["auto", "bfloat16", "float16", "float32", "half", "float"]),
     "device": st.sampled_from(["auto", "cpu", "cuda"]) | st.integers(0, 15).map(lambda i: f"cuda:{i}"),
     "seed": st.integers(SEED_MIN, SEED_MAX), "block_size": _SIZE, "max_num_seqs": _SIZE,
-    "max_num_batched_tokens": _SIZE, "max_model_len": st.none() | _SIZE, "num_kv_blocks": st.none() | _SIZE,
+    "max_num_batched_tokens": st.none() | _SIZE, "max_model_len": st.none() | _SIZE, "num_kv_blocks": st.none() | _SIZE,
     "gpu_memory_utilization": st.floats(0, 1, exclude_min=True), "cpu_kv_cache_gib": st.floats(1e-3, 64),
     "enable_prefix_caching": st.booleans(), "static_batching": st.booleans(), "enforce_eager": st.booleans(),
     "async_scheduling": st.booleans(), "random_weights": st.booleans(),
@@ -255,9 +255,8 @@ def _check_engine_invariants(c: EngineConfig) -> None:
     assert c.dtype in ("auto", "bfloat16", "float16", "float32")
     assert c.device in ("auto", "cpu", "cuda") or (c.device.startswith("cuda:") and c.device[5:].isdigit())
     assert _is_int(c.seed, SEED_MIN, SEED_MAX)
-    assert all(_is_int(v, 1) for v in (c.block_size, c.max_num_seqs, c.max_num_batched_tokens,
-                                       c.tensor_parallel_size))
-    assert c.max_model_len is None or _is_int(c.max_model_len, 1)
+    assert all(_is_int(v, 1) for v in (c.block_size, c.max_num_seqs, c.tensor_parallel_size))
+    assert all(v is None or _is_int(v, 1) for v in (c.max_model_len, c.max_num_batched_tokens))
     assert c.num_kv_blocks is None or _is_int(c.num_kv_blocks, 1)
     assert _is_float(c.gpu_memory_utilization, 0, 1, lo_open=True)
     assert _is_float(c.cpu_kv_cache_gib, 0, lo_open=True)

@@ -457,6 +457,7 @@ def bench_startup(ceilings: Ceilings, shape: str = "llama3-8b") -> list[dict]:
     graphs, prefill, mixed = runner.graphs, runner.prefill_graphs, runner.mixed_graphs
     phases = engine.startup_seconds
     rows = [{"name": f"startup/{shape}", "seconds_total": total, **phases,
+             "max_num_batched_tokens": engine.core.config.max_num_batched_tokens,
              "unaccounted_seconds": total - sum(phases.values()),
              "graph_capture_seconds": graphs.capture_seconds if graphs else None,
              "graph_batch_sizes": graphs.sizes if graphs else None,

@@ -65,8 +65,10 @@ class EngineConfig:
              "so the same seed gives the same text")
     block_size: int = ruled(16, _POSITIVE, help="tokens per KV cache block")
     max_num_seqs: int = ruled(256, _POSITIVE, help="most sequences decoded together in one step")
-    max_num_batched_tokens: int = ruled(
-        2048, _POSITIVE, help="most tokens one step computes (prompt chunks and decoded tokens together)")
+    max_num_batched_tokens: int | None = ruled(
+        None, _POSITIVE.or_none(),
+        help="most tokens one step computes (prompt chunks and decoded tokens together); none means 8192 on a "
+             "GPU of 70 GiB or more, else 2048")
     max_model_len: int | None = ruled(
         None, _POSITIVE.or_none(),
         help="longest sequence, prompt and output together; none means the model's context length")

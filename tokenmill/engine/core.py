@@ -19,7 +19,7 @@ import logging
 import time
 import weakref
 from concurrent.futures import FIRST_COMPLETED, wait
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -50,6 +50,7 @@ from tokenmill.engine.rank import (
     quantize,
     rank_device,
     resolve_device,
+    token_budget,
 )
 from tokenmill.engine.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
 from tokenmill.engine.sequence import PENDING, Sequence, SequenceStatus
@@ -102,11 +103,12 @@ class EngineCore:
     share of the model and drives the other ranks' worker processes (``engine/tp_workers.py``)."""
 
     def __init__(self, config: EngineConfig) -> None:
-        self.config = config
         model_dir = model_dir_of(config)
         self.model_config: ModelConfig = load_model_config(model_dir)
         cfg = self.model_config
         self.device = resolve_device(config.device)
+        config = replace(config, max_num_batched_tokens=token_budget(config.max_num_batched_tokens, self.device))
+        self.config = config
         if self.device.type == "cuda":
             # One engine a process watches Triton's compiles: the newest, once it has started, so that an
             # engine built before this one does not count this one's start-up as its own steps' compiles.
