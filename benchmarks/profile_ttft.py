@@ -1,8 +1,9 @@
 """Where a lone prompt's time to first token goes: the wall time, the GPU's kernel time within it,
 and the host's functions (cProfile), for a prompt alone in the engine (nothing cached).
 
-python benchmarks/profile_ttft.py [--shape llama3-8b] [--tokens 100] [--max-num-batched-tokens N] [--out FILE]
-    (GPU; the token budget unset: the engine's default)
+python benchmarks/profile_ttft.py [--shape llama3-8b] [--tokens 100] [--max-num-batched-tokens N] [--sampled]
+    [--out FILE]   (GPU; the token budget unset: the engine's default; --sampled: top-k, top-p and a
+    repetition penalty, as the start-up benchmark's sampled prompt; the very first request is timed apart)
 """
 
 import argparse
@@ -15,7 +16,7 @@ import statistics
 
 import torch
 
-from tokenmill.bench.offline import make_engine, random_prompt, time_to_first_token
+from tokenmill.bench.offline import SAMPLED, make_engine, random_prompt, time_to_first_token
 from profile_kernels import kernel_profile_of
 
 
@@ -33,15 +34,21 @@ def main() -> None:
     parser.add_argument("--shape", default="llama3-8b")
     parser.add_argument("--tokens", type=int, default=100)
     parser.add_argument("--max-num-batched-tokens", type=int)
+    parser.add_argument("--sampled", action="store_true")
     parser.add_argument("--out")
     args = parser.parse_args()
     engine = make_engine(args.shape, max_num_seqs=8, max_num_batched_tokens=args.max_num_batched_tokens)
     budget = engine.core.config.max_num_batched_tokens
     rng, vocab = random.Random(0), engine.model_config.vocab_size
 
-    def ttft() -> float:
-        return time_to_first_token(engine, random_prompt(rng, args.tokens, vocab))
+    sampling = SAMPLED if args.sampled else None
 
+    def ttft() -> float:
+        return time_to_first_token(engine, random_prompt(rng, args.tokens, vocab), sampling)
+
+    first_ms = ttft() * 1e3
+    print(f"{args.shape}: the first {args.tokens}-token prompt after start-up{' (sampled)' * args.sampled}: "
+          f"{first_ms:.2f} ms")
     for _ in range(3):
         ttft()
     wall_ms = statistics.median(ttft() for _ in range(10)) * 1e3
@@ -59,6 +66,7 @@ def main() -> None:
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"shape": args.shape, "prompt_tokens": args.tokens, "max_num_batched_tokens": budget,
+                       "sampling": sampling, "first_ms": first_ms,
                        "ttft_ms": wall_ms,
                        "kernels_per_request": kernels, "host_profile": report}, f, indent=1)
 
