@@ -79,7 +79,7 @@ def test_help_shows_defaults(server_stub, capsys) -> None:
     assert _exit_code(["generate", "--help"]) == 0
     out = " ".join(capsys.readouterr().out.split())  # undo the line wrapping
     assert "--max-num-seqs MAX_NUM_SEQS most sequences decoded together in one step (default: 256)" in out
-    assert "(default: 0.7)" in out and "(default: 2048)" in out
+    assert "(default: 0.7)" in out and "8192 on a GPU of 70 GiB or more, else 2048 (default: None)" in out
     assert "--no-prefix-caching" in out and "--no-enable-prefix-caching" in out
     assert _exit_code(["serve", "--help"]) == 0
     out = " ".join(capsys.readouterr().out.split())

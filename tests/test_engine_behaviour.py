@@ -348,17 +348,25 @@ def test_penalised_steps_overlap_and_count_every_token(llm, model_dir) -> None:
 def test_warm_up_leaves_the_cache_and_results_alone(arch: str, model_dir, tmp_path) -> None:
     """The start-up warm-up (run on CUDA to compile kernels) runs prefill-shaped forwards that write
     only to the padding slot, for every architecture (Gemma's sliding and global layers, KV-shared
-    layers reading another's cache): the KV cache and later results are unchanged."""
+    layers reading another's cache): the KV cache and later results are unchanged. Its sampled
+    steps count tokens in the penalties' table, whose rows a later penalised request reads clean."""
     if arch != "default":
         make_model_dir(arch, tmp_path)
         model_dir = tmp_path
     llm = LLM(str(model_dir), device="cpu", dtype="float32", max_num_seqs=6, max_num_batched_tokens=100)
     prompt = [[3, 1, 4, 1, 5, 9, 2, 6] * 4]
-    before = llm.generate(prompt, greedy(8), use_tqdm=False)[0].outputs[0].token_ids
+    kinds = (greedy(8), greedy(8, repetition_penalty=1.5, frequency_penalty=0.5))
+
+    def results() -> list[list[int]]:
+        return [llm.generate(prompt, params, use_tqdm=False)[0].outputs[0].token_ids for params in kinds]
+
+    before = results()
     caches = [t.clone() for t in llm.engine.core.runner.kv_tensors]
     llm.engine.core.runner.warm_up(100, llm.engine.max_model_len)
     assert all(torch.equal(t, c) for t, c in zip(llm.engine.core.runner.kv_tensors, caches))
-    assert llm.generate(prompt, greedy(8), use_tqdm=False)[0].outputs[0].token_ids == before
+    # The warm-up's penalised sequence (prompt [0, 1]) took a row of the table, as a request would.
+    assert any(row.nonzero().flatten().tolist() == [0, 1] for row in llm.engine.core.runner.penalties.prompt)
+    assert results() == before
 
 
 def test_overlap_under_preemption_and_streaming(model_dir) -> None:

@@ -107,14 +107,14 @@ class EngineCore:
         self.model_config: ModelConfig = load_model_config(model_dir)
         cfg = self.model_config
         self.device = resolve_device(config.device)
-        config = replace(config, max_num_batched_tokens=token_budget(config.max_num_batched_tokens, self.device))
-        self.config = config
         if self.device.type == "cuda":
             # One engine a process watches Triton's compiles: the newest, once it has started, so that an
             # engine built before this one does not count this one's start-up as its own steps' compiles.
             ops.watch_compiles(None)
         check_tensor_parallel(config, cfg, self.device, model_dir)
         self.device = rank_device(self.device, 0) if config.tensor_parallel_size > 1 else self.device
+        config = replace(config, max_num_batched_tokens=token_budget(config.max_num_batched_tokens, self.device))
+        self.config = config
         self.dtype = resolve_dtype(config.dtype, cfg, self.device)
         self.kv_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, self.dtype, self.device)
         self.workers: WorkerGroup | None = None

@@ -32,7 +32,7 @@ from tokenmill.engine.cuda_graphs import DecodeGraphs
 from tokenmill.engine.host_staging import HostStaging
 from tokenmill.engine.prefill_graphs import PrefillGraphs
 from tokenmill.engine.scheduler import ScheduledBatch
-from tokenmill.engine.sequence import PENDING, Sequence
+from tokenmill.engine.sequence import PENDING, Sequence, SequenceStatus
 from tokenmill.engine.sequence_rows import (
     GRAMMAR, LOGIT_BIAS, LOGPROBS, MIN_TOKENS, PENALTIES, PROMPT_LOGPROBS, SEEDED, SequenceRows)
 from tokenmill.engine.penalty_counts import PenaltyCounts
@@ -44,6 +44,7 @@ from tokenmill.loader.kv_layout import KVLayout, is_quantized, kv_scale_dtype
 from tokenmill.loader.weights import iter_checkpoint
 from tokenmill.models.registry import model_class
 from tokenmill.outputs import Logprobs
+from tokenmill.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -303,18 +304,27 @@ class ModelRunner:
             torch.cuda.synchronize(dev)
 
     def _warm_up_sampling(self, logits: torch.Tensor) -> None:
-        """A sampled step with every filter and penalty, so that their kernels compile at start-up too."""
-        rows, vocab = logits.shape
+        """Sampled steps with every filter and penalty, as a request's first sampled step takes them:
+        a penalised sequence filled into the token table (prompt and output), read and counted, at
+        one row and at two, with a small and a larger top-k (torch orders them with other kernels)
+        and logprobs. So that step launches no kernel for the first time: a first launch compiles a
+        Triton variant, or loads the module of one of torch's (CUDA loads modules lazily)."""
+        seq = Sequence(-1, "warm-up", 0, [0, 1], SamplingParams(repetition_penalty=1.1), 0.0)
+        seq.status = SequenceStatus.RUNNING
+        seq.token_ids.append(0)  # an output token: a sequence refilled after a preemption counts it
+        for rows, top_k, num_logprobs in ((1, 50, -1), (min(2, logits.shape[0]), 2, 2)):
+            read, add = self.penalties.rows([seq] * rows)
 
-        def full(value: float, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-            return torch.full((rows,), value, dtype=dtype, device=self.device)
+            def full(value: float, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+                return torch.full((rows,), value, dtype=dtype, device=self.device)
 
-        tables = (torch.zeros(rows, vocab, device=self.device), torch.zeros(rows, vocab, dtype=torch.bool, device=self.device),
-                  torch.arange(rows, device=self.device))
-        self.sampler(logits, SamplingBatch(
-            temperature=full(1.0), inv_temperature=full(1.0), top_k=full(2, torch.int64), top_p=full(0.5),
-            min_p=full(0.1), repetition_penalty=full(1.1), presence_penalty=full(0.5), frequency_penalty=full(0.5),
-            generators=[None] * rows, num_logprobs=-1, penalties=tables, max_top_k=2))
+            out = self.sampler(logits[:rows], SamplingBatch(
+                temperature=full(1.0), inv_temperature=full(1.0), top_k=full(top_k, torch.int64), top_p=full(0.5),
+                min_p=full(0.1), repetition_penalty=full(1.1), presence_penalty=full(0.5),
+                frequency_penalty=full(0.5), generators=[None] * rows, num_logprobs=num_logprobs,
+                penalties=(self.penalties.counts, self.penalties.prompt, read), max_top_k=top_k))
+            self.penalties.add(add, out.token_ids)
+        seq.status = SequenceStatus.FINISHED  # its row goes back at the next step's rows()
 
     # ------------------------------------------------------------------ inputs
     def _prepare(self, batch: ScheduledBatch, previous: InFlightStep | None) -> StepInputs:
