@@ -13,9 +13,11 @@ import json
 import pstats
 import random
 import statistics
+import sys
 
 import torch
 
+from tokenmill.bench.hardware import environment
 from tokenmill.bench.offline import SAMPLED, make_engine, random_prompt, time_to_first_token
 from profile_kernels import kernel_profile_of
 
@@ -65,10 +67,10 @@ def main() -> None:
     print(report)
     if args.out:
         with open(args.out, "w") as f:
-            json.dump({"shape": args.shape, "prompt_tokens": args.tokens, "max_num_batched_tokens": budget,
-                       "sampling": sampling, "first_ms": first_ms,
-                       "ttft_ms": wall_ms,
-                       "kernels_per_request": kernels, "host_profile": report}, f, indent=1)
+            json.dump({"environment": environment(None, " ".join(sys.argv)), "shape": args.shape,
+                       "prompt_tokens": args.tokens, "max_num_batched_tokens": budget, "sampling": sampling,
+                       "first_ms": first_ms, "ttft_ms": wall_ms, "kernels_per_request": kernels,
+                       "host_profile": report}, f, indent=1)
 
 
 if __name__ == "__main__":
