@@ -364,6 +364,22 @@ def test_structured_outputs_on_cuda() -> None:
         jsonschema.validate(json.loads(out.outputs[0].text), schema)
 
 
+def test_small_copies_to_the_device_leave_the_host_ahead() -> None:
+    """A penalised sequence's prompt ids, a step's banned tokens and logit biases reach the device
+    without the host waiting for the kernels queued before them (the step in flight), and whole."""
+    from tokenmill.engine.host_staging import to_device
+
+    torch.cuda.synchronize()
+    queued = torch.cuda.Event()
+    torch.cuda._sleep(500_000_000)  # a quarter of a second or more of the GPU's clock
+    queued.record()
+    ids = to_device(tuple(range(3000)), torch.int64, torch.device("cuda"))
+    bias = to_device([0.5, -2.0], torch.float32, torch.device("cuda"))
+    assert not queued.query()  # the host got here while the GPU still slept
+    assert ids.dtype == torch.int64 and ids.tolist() == list(range(3000))
+    assert bias.dtype == torch.float32 and bias.tolist() == [0.5, -2.0]
+
+
 def test_host_staging_sends_every_array_whole() -> None:
     """One pinned copy carries arrays of several dtypes and shapes, empty ones included, each back
     under its name and on a 16-byte boundary (as Triton's kernels are compiled for), and so is each

@@ -21,6 +21,14 @@ def _torch_dtype(dtype: np.dtype) -> torch.dtype:
     return torch.from_numpy(np.zeros(0, dtype=dtype)).dtype
 
 
+def to_device(values: list | tuple, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """``values`` as a tensor on ``device``, without making the host wait: ``torch.tensor(values,
+    device=...)`` copies synchronously, so it waits for every kernel queued before it (the step in
+    flight, the forward just launched) and the host loses its lead on the GPU. From pageable memory
+    the copy is staged at once and the buffer is free when this returns."""
+    return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
+
+
 class HostStaging:
     def __init__(self, device: torch.device, capacity: int = 1 << 20) -> None:
         self.device = device

@@ -29,7 +29,7 @@ import torch
 
 from tokenmill.distributed import SINGLE, TPGroup, broadcast, sharding_for
 from tokenmill.engine.cuda_graphs import DecodeGraphs
-from tokenmill.engine.host_staging import HostStaging
+from tokenmill.engine.host_staging import HostStaging, to_device
 from tokenmill.engine.prefill_graphs import PrefillGraphs
 from tokenmill.engine.scheduler import ScheduledBatch
 from tokenmill.engine.sequence import PENDING, Sequence, SequenceStatus
@@ -481,7 +481,7 @@ class ModelRunner:
             """The columns of ``entries`` (row, token id, ...) on the device; None if there are none."""
             if not entries:
                 return None
-            return tuple(torch.tensor(c, dtype=d, device=self.device) for c, d in zip(zip(*entries), dtypes))
+            return tuple(to_device(c, d, self.device) for c, d in zip(zip(*entries), dtypes))
 
         nums = [num_top_logprobs(p.logprobs, self.cfg.vocab_size) for p in params if p.logprobs is not None]
         batch.num_logprobs = max(nums) if nums else -1

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 
+from tokenmill.engine.host_staging import to_device
 from tokenmill.engine.sequence import Sequence, SequenceStatus
 
 _ZEROS, _DISCARD = 0, 1  # the row read for rows without penalties, and the row their samples go to
@@ -38,7 +39,7 @@ class PenaltyCounts:
             self._admit(new)
         read = [self.slots.get(s, _ZEROS) for s in seqs]
         add = [self.slots.get(s, _DISCARD) for s in seqs]
-        both = torch.tensor([read, add], dtype=torch.int64).to(self.device, non_blocking=True)
+        both = to_device([read, add], torch.int64, self.device)
         return both[0], both[1]
 
     def add(self, rows: torch.Tensor, token_ids: torch.Tensor) -> None:
@@ -57,11 +58,11 @@ class PenaltyCounts:
             self.slots[seq] = slot
             self.counts[slot].zero_()
             self.prompt[slot].zero_()
-            self.prompt[slot, torch.tensor(seq.prompt_token_ids, device=self.device)] = True
+            self.prompt[slot, to_device(seq.prompt_token_ids, torch.int64, self.device)] = True
             # (A sequence first samples, or samples again after preemption, with no token pending.)
             outputs = seq.output_token_ids
             if outputs:
-                ids = torch.tensor(outputs, device=self.device)
+                ids = to_device(outputs, torch.int64, self.device)
                 self.counts[slot].index_put_((ids,), torch.ones(len(outputs), device=self.device), accumulate=True)
 
     def _grow(self, at_least: int) -> None:
