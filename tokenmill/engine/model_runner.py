@@ -306,23 +306,24 @@ class ModelRunner:
     def _warm_up_sampling(self, logits: torch.Tensor) -> None:
         """Sampled steps with every filter and penalty, as a request's first sampled step takes them:
         a penalised sequence filled into the token table (prompt and output), read and counted, at
-        one row and at two, with a small and a larger top-k (torch orders them with other kernels)
-        and logprobs. So that step launches no kernel for the first time: a first launch compiles a
-        Triton variant, or loads the module of one of torch's (CUDA loads modules lazily)."""
+        one row and at two, with a small and a larger top-k (torch sorts a larger one with other
+        kernels) and logprobs. So that step launches no kernel for the first time: a first launch
+        compiles a Triton variant, or loads the module of one of torch's (CUDA loads modules lazily)."""
         seq = Sequence(-1, "warm-up", 0, [0, 1], SamplingParams(repetition_penalty=1.1), 0.0)
         seq.status = SequenceStatus.RUNNING
         seq.token_ids.append(0)  # an output token: a sequence refilled after a preemption counts it
+
+        def full(rows: int, value: float, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+            return torch.full((rows,), value, dtype=dtype, device=self.device)
+
         for rows, top_k, num_logprobs in ((1, 50, -1), (min(2, logits.shape[0]), 2, 2)):
             read, add = self.penalties.rows([seq] * rows)
-
-            def full(value: float, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-                return torch.full((rows,), value, dtype=dtype, device=self.device)
-
             out = self.sampler(logits[:rows], SamplingBatch(
-                temperature=full(1.0), inv_temperature=full(1.0), top_k=full(top_k, torch.int64), top_p=full(0.5),
-                min_p=full(0.1), repetition_penalty=full(1.1), presence_penalty=full(0.5),
-                frequency_penalty=full(0.5), generators=[None] * rows, num_logprobs=num_logprobs,
-                penalties=(self.penalties.counts, self.penalties.prompt, read), max_top_k=top_k))
+                temperature=full(rows, 1.0), inv_temperature=full(rows, 1.0), top_k=full(rows, top_k, torch.int64),
+                top_p=full(rows, 0.5), min_p=full(rows, 0.1), repetition_penalty=full(rows, 1.1),
+                presence_penalty=full(rows, 0.5), frequency_penalty=full(rows, 0.5), generators=[None] * rows,
+                num_logprobs=num_logprobs, penalties=(self.penalties.counts, self.penalties.prompt, read),
+                max_top_k=top_k))
             self.penalties.add(add, out.token_ids)
         seq.status = SequenceStatus.FINISHED  # its row goes back at the next step's rows()
 

@@ -52,7 +52,7 @@ def token_budget(requested: int | None, device: torch.device) -> int:
     """A step's token budget: ``requested``, else 8,192 on a GPU of 70 GiB or more and 2,048 elsewhere.
     On a large GPU a step of 2,048 prompt tokens is already bound by its FLOPs, and a longer chunk saves
     the attention's passes over the prompt's earlier chunks and a step's fixed costs (a 4,000-token
-    prompt then runs in one step); its activations (~1 GiB at Llama-3-8B's width) are a small share
+    prompt then runs in one step); its activations (~1.4 GiB at Llama-3-8B's width) are a small share
     there. Smaller GPUs keep the shorter chunk, which holds up the sequences decoding beside it less."""
     if requested is not None:
         return requested
