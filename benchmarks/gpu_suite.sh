@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # GPU tests, then benchmarks, in one device call; parts run in the order given:
 #   bash benchmarks/gpu_suite.sh tests kernels startup latency batch throughput features kvcache q8
-# (`tests` = kernel and engine GPU tests; `engine-tests` = engine only;
+# (`tests` = kernel and engine GPU tests; `engine-tests` = engine only, `kernel-tests` = kernels only;
 #  `serve-qwen3-0.6b`, `serve-llama3-8b` = the server against the engine, benchmarks/serve_vs_engine.py;
 #  `throughput-whole-peer` = Qwen3-0.6B's standard workload, transformers given all of it;
 #  `latency-<shape>[,<shape>]` = batch-1 decode of those shapes at three context lengths, no peer;
@@ -100,6 +100,9 @@ for part in "$@"; do
         2>&1 | tee "$OUT/gpu-tests.log" | tail -42 ;;
     engine-tests)
       python3 -m pytest -q -p no:cacheprovider $parallel -m gpu tests/test_gpu_engine.py 2>&1 | tee "$OUT/gpu-engine-tests.log" | tail -15 ;;
+    kernel-tests)
+      python3 -m pytest -q -p no:cacheprovider $parallel -m gpu tests/kernels/test_triton_gpu.py 2>&1 \
+        | tee "$OUT/gpu-kernel-tests.log" | tail -15 ;;
     kernels)
       python3 benchmarks/bench_kernels.py --out "$OUT/bench_kernels.json" 2>&1 | tail -25 ;;
     startup|latency|batch|throughput|features|kvcache|q8)
