@@ -46,15 +46,10 @@ class Projections:
             torch.matmul(x, w.t(), out=out)
 
 
-_SIDE: list[torch.cuda.Stream] = []
-
-
-def forked(first, second) -> None:
-    """``first()`` on the current stream beside ``second()`` on a side stream, joined after both
-    (under capture the side stream joins the graph through the fork, and leaves it at the join)."""
-    if not _SIDE:
-        _SIDE.append(torch.cuda.Stream())
-    side, main_stream = _SIDE[0], torch.cuda.current_stream()
+def forked(side: torch.cuda.Stream, first, second) -> None:
+    """``first()`` on the current stream beside ``second()`` on ``side``, joined after both (under
+    capture the side stream joins the graph through the fork, and leaves it at the join)."""
+    main_stream = torch.cuda.current_stream()
     side.wait_stream(main_stream)
     first()
     with torch.cuda.stream(side):
@@ -71,7 +66,7 @@ def main() -> None:
     args = parser.parse_args()
     ceilings = measure_ceilings()
     kv_dtype = KV_DTYPES[args.kv_dtype]
-    half = args.batch // 2
+    half, side = args.batch // 2, torch.cuda.Stream()
     proj, attn = Projections(args.batch), Batch([(1, args.context)] * args.batch, HEAD_DIM, Q_HEADS, KV_HEADS, kv_dtype)
     (pa, aa), (pb, ab) = [(Projections(rows), Batch([(1, args.context)] * rows, HEAD_DIM, Q_HEADS, KV_HEADS, kv_dtype))
                           for rows in (half, args.batch - half)]
@@ -79,8 +74,8 @@ def main() -> None:
         "projections": proj.run,
         "attention": attn.run,
         "serial": lambda: (proj.run(), attn.run()),
-        "halves": lambda: forked(lambda: (pa.run(), aa.run()), lambda: (ab.run(), pb.run())),
-        "bound": lambda: forked(proj.run, attn.run),
+        "halves": lambda: forked(side, lambda: (pa.run(), aa.run()), lambda: (ab.run(), pb.run())),
+        "bound": lambda: forked(side, proj.run, attn.run),
     }
     floors = {"projections": ceilings.floor(proj.bytes, proj.flops), "attention": ceilings.floor(attn.kv_bytes, 0)}
     step_floor = ceilings.floor(proj.bytes + attn.kv_bytes, proj.flops)
