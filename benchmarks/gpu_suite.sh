@@ -93,16 +93,19 @@ tile_runs() {
       --jobs 12 --tiles "$tiles" --out "$OUT/$prefix-$points-$kv.jsonl" 2>&1 | tail -2
   done
 }
+kernel_tests() {
+  python3 -m pytest -q -p no:cacheprovider $parallel -m gpu tests/kernels/test_triton_gpu.py 2>&1 \
+    | tee "$OUT/gpu-kernel-tests.log" | tail -15
+}
+# In one process: each engine sizes its KV cache from the GPU's free memory.
+engine_tests() {
+  python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu_engine.py 2>&1 | tee "$OUT/gpu-engine-tests.log" | tail -15
+}
 for part in "$@"; do
   case $part in
-    tests)
-      python3 -m pytest -q -p no:cacheprovider $parallel -m gpu tests/kernels/test_triton_gpu.py tests/test_gpu_engine.py \
-        2>&1 | tee "$OUT/gpu-tests.log" | tail -42 ;;
-    engine-tests)
-      python3 -m pytest -q -p no:cacheprovider $parallel -m gpu tests/test_gpu_engine.py 2>&1 | tee "$OUT/gpu-engine-tests.log" | tail -15 ;;
-    kernel-tests)
-      python3 -m pytest -q -p no:cacheprovider $parallel -m gpu tests/kernels/test_triton_gpu.py 2>&1 \
-        | tee "$OUT/gpu-kernel-tests.log" | tail -15 ;;
+    tests) kernel_tests; engine_tests ;;
+    kernel-tests) kernel_tests ;;
+    engine-tests) engine_tests ;;
     kernels)
       python3 benchmarks/bench_kernels.py --out "$OUT/bench_kernels.json" 2>&1 | tail -25 ;;
     startup|latency|batch|throughput|features|kvcache|q8)
