@@ -12,6 +12,7 @@ reads both fail.
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import random
 from pathlib import Path
@@ -25,6 +26,7 @@ if not torch.cuda.is_available() or importlib.util.find_spec("triton") is None:
     pytest.skip("needs CUDA and triton", allow_module_level=True)
 
 from tokenmill.kernels import q8_0, reference, triton_ops  # noqa: E402
+from tokenmill.layers.sampler import largest_logits  # noqa: E402
 
 
 def _load_cases():
@@ -456,6 +458,41 @@ def test_pdl_chain_in_cuda_graph() -> None:
 def test_sample(rows: int, vocab: int, splits: int | None) -> None:
     """``splits`` None: as many programs a row as the batch leaves room for (several below 132 rows)."""
     cases.check_sample(triton_ops, rows=rows, vocab=vocab, device="cuda", splits=splits)
+
+
+def test_sample_compiles_one_variant_for_every_row_count() -> None:
+    """The engine's warm-up samples one row and two: a larger batch, one program a row from 133 rows
+    on, or a row count that is not a multiple of 4, must run the variants those compiled (dropped
+    from memory first, so that none an earlier test compiled hides a new one)."""
+    from tokenmill.kernels import triton_sampling
+
+    kernels = (triton_sampling._sample_kernel, triton_sampling._race_parts_kernel)
+    loaded = [dict(fn.device_caches) for fn in kernels]
+
+    def variants() -> int:
+        return sum(len(caches[0]) for fn in kernels for caches in fn.device_caches.values())
+
+    def run(rows: int) -> None:
+        logits = torch.randn(rows, 32000, device="cuda")
+        noise = torch.empty_like(logits).exponential_()
+        full = functools.partial(torch.full, (rows,), device="cuda")
+        triton_ops.sample(logits, noise, full(1.0), full(50, dtype=torch.int64), largest_logits(logits, 50),
+                          full(0.9), full(0.0), logits.argmax(dim=-1))
+
+    for fn in kernels:
+        fn.device_caches.clear()
+    try:
+        for rows in (1, 2):
+            run(rows)
+        compiled = variants()
+        assert compiled == 2
+        for rows in (3, 5, 133, 134, 135, 201, 256):
+            run(rows)
+        assert variants() == compiled
+    finally:
+        for fn, caches in zip(kernels, loaded):
+            fn.device_caches.clear()
+            fn.device_caches.update(caches)
 
 
 @pytest.mark.parametrize("rows,vocab", [(64, 151936), (1, 128256), (257, 32000)])

@@ -176,9 +176,12 @@ def sample(logits: torch.Tensor, noise: torch.Tensor, inv_temperature: torch.Ten
     splits = _default_splits(rows, vocab, logits.device) if splits is None else min(splits, MAX_SPLITS)
     span = triton.cdiv(triton.cdiv(vocab, max(splits, 1)), _PART_BLOCK) * _PART_BLOCK
     splits = triton.cdiv(vocab, span)
-    # The spans' parts: (largest scaled logit, best key) and the best key's token, per row and span.
-    parts = torch.empty((2, rows, MAX_SPLITS if splits > 1 else 1), dtype=torch.float32, device=logits.device)
-    part_idx = torch.empty((rows, MAX_SPLITS if splits > 1 else 1), dtype=torch.int32, device=logits.device)
+    # The spans' parts: the largest scaled logit, the best key and its token, per row and span. Each in
+    # an allocation of its own: a slice of one would start wherever the row count put it, and Triton
+    # compiles the kernel again for a pointer off a 16-byte boundary (a variant the warm-up cannot see).
+    part_shape = (rows, MAX_SPLITS if splits > 1 else 1)
+    parts = [torch.empty(part_shape, dtype=torch.float32, device=logits.device) for _ in range(2)]
+    part_idx = torch.empty(part_shape, dtype=torch.int32, device=logits.device)
     if splits > 1:
         _race_parts_kernel[(rows, splits)](logits, noise, inv_temperature, top_k, top_values, parts[0], parts[1],
                                            part_idx, logits.stride(0), noise.stride(0), top_values.stride(0),
