@@ -364,20 +364,52 @@ def test_structured_outputs_on_cuda() -> None:
         jsonschema.validate(json.loads(out.outputs[0].text), schema)
 
 
-def test_small_copies_to_the_device_leave_the_host_ahead() -> None:
-    """A penalised sequence's prompt ids, a step's banned tokens and logit biases reach the device
-    without the host waiting for the kernels queued before them (the step in flight), and whole."""
+def test_penalised_banned_and_biased_sampling_leaves_the_host_ahead() -> None:
+    """A penalised sequence's first step (its prompt ids into the token table), banned tokens and
+    logit biases reach the device without the host waiting for the kernels queued before them (the
+    step in flight): CUDA's sync check raises on any copy or call that would wait. And each takes
+    effect: the prompt's tokens are marked, a banned token is never drawn, a large bias always is."""
     from tokenmill.engine.host_staging import to_device
+    from tokenmill.engine.penalty_counts import PenaltyCounts
+    from tokenmill.engine.sequence import Sequence, SequenceStatus
+    from tokenmill.layers.sampler import Sampler, SamplingBatch
 
+    cuda, vocab, rows = torch.device("cuda"), 1000, 3
+    penalties = PenaltyCounts(vocab, cuda, max_seqs=rows)
+    seqs = [Sequence(i, "", 0, list(range(i, 600, 3)), SamplingParams(repetition_penalty=1.3), 0.0) for i in range(rows)]
+    for seq in seqs:
+        seq.status = SequenceStatus.RUNNING
+    seqs[2].token_ids += [5, 5]  # outputs before a preemption: counted when the sequence is refilled
+
+    def full(value: float, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return torch.full((rows,), value, dtype=dtype, device=cuda)
+
+    logits = torch.randn(rows, vocab, device=cuda)
+    logits[:, 7] = 30.0  # every row's favourite, banned below for rows 0 and 1
     torch.cuda.synchronize()
     queued = torch.cuda.Event()
     torch.cuda._sleep(500_000_000)  # a quarter of a second or more of the GPU's clock
     queued.record()
-    ids = to_device(tuple(range(3000)), torch.int64, torch.device("cuda"))
-    bias = to_device([0.5, -2.0], torch.float32, torch.device("cuda"))
-    assert not queued.query()  # the host got here while the GPU still slept
-    assert ids.dtype == torch.int64 and ids.tolist() == list(range(3000))
-    assert bias.dtype == torch.float32 and bias.tolist() == [0.5, -2.0]
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        read, add = penalties.rows(seqs)
+        out = Sampler()(logits, SamplingBatch(
+            temperature=full(1.0), inv_temperature=full(1.0), top_k=full(0, torch.int64), top_p=full(1.0),
+            min_p=full(0.0), repetition_penalty=full(1.3), presence_penalty=full(0.0), frequency_penalty=full(0.0),
+            generators=[None] * rows, num_logprobs=-1, penalties=(penalties.counts, penalties.prompt, read),
+            banned=(to_device([0, 1], torch.int64, cuda), to_device([7, 7], torch.int64, cuda)),
+            logit_bias=(to_device([1], torch.int64, cuda), to_device([900], torch.int64, cuda),
+                        to_device([100.0], torch.float32, cuda))))
+        penalties.add(add, out.token_ids)
+        assert not queued.query()  # the host got here while the GPU still slept
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    tokens = out.token_ids.tolist()
+    assert tokens[0] != 7 and tokens[1] == 900 and tokens[2] == 7
+    marked = penalties.prompt[read].cpu()
+    for seq, row in zip(seqs, marked):
+        assert row.nonzero().flatten().tolist() == list(seq.prompt_token_ids)
+    assert penalties.counts[add].sum(dim=-1).tolist() == [1.0, 1.0, 3.0] and penalties.counts[add[2], 5] >= 2
 
 
 def test_host_staging_sends_every_array_whole() -> None:

@@ -307,8 +307,9 @@ class ModelRunner:
         """Sampled steps with every filter and penalty, as a request's first sampled step takes them:
         a penalised sequence filled into the token table (prompt and output), read and counted, at
         one row and at two, with a small and a larger top-k (torch sorts a larger one with other
-        kernels) and logprobs. So that step launches no kernel for the first time: a first launch
-        compiles a Triton variant, or loads the module of one of torch's (CUDA loads modules lazily)."""
+        kernels), logprobs, a banned token and a logit bias. So that step launches no kernel for the
+        first time: a first launch compiles a Triton variant, or loads the module of one of torch's
+        (CUDA loads modules lazily)."""
         seq = Sequence(-1, "warm-up", 0, [0, 1], SamplingParams(repetition_penalty=1.1), 0.0)
         seq.status = SequenceStatus.RUNNING
         seq.token_ids.append(0)  # an output token: a sequence refilled after a preemption counts it
@@ -316,6 +317,7 @@ class ModelRunner:
         def full(rows: int, value: float, dtype: torch.dtype = torch.float32) -> torch.Tensor:
             return torch.full((rows,), value, dtype=dtype, device=self.device)
 
+        zero = full(1, 0, torch.int64)  # row 0's token 0: banned, and biased
         for rows, top_k, num_logprobs in ((1, 50, -1), (min(2, logits.shape[0]), 2, 2)):
             read, add = self.penalties.rows([seq] * rows)
             out = self.sampler(logits[:rows], SamplingBatch(
@@ -323,7 +325,7 @@ class ModelRunner:
                 top_p=full(rows, 0.5), min_p=full(rows, 0.1), repetition_penalty=full(rows, 1.1),
                 presence_penalty=full(rows, 0.5), frequency_penalty=full(rows, 0.5), generators=[None] * rows,
                 num_logprobs=num_logprobs, penalties=(self.penalties.counts, self.penalties.prompt, read),
-                max_top_k=top_k))
+                banned=(zero, zero), logit_bias=(zero, zero, full(1, 0.5)), max_top_k=top_k))
             self.penalties.add(add, out.token_ids)
         seq.status = SequenceStatus.FINISHED  # its row goes back at the next step's rows()
 

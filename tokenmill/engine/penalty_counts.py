@@ -58,12 +58,14 @@ class PenaltyCounts:
             self.slots[seq] = slot
             self.counts[slot].zero_()
             self.prompt[slot].zero_()
-            self.prompt[slot, to_device(seq.prompt_token_ids, torch.int64, self.device)] = True
+            # ``index_fill_`` takes the value as a kernel argument; an item assignment (``t[ids] = True``)
+            # copies it to the device synchronously, and the host waits for every queued kernel.
+            self.prompt[slot].index_fill_(0, to_device(seq.prompt_token_ids, torch.int64, self.device), True)
             # (A sequence first samples, or samples again after preemption, with no token pending.)
             outputs = seq.output_token_ids
             if outputs:
                 ids = to_device(outputs, torch.int64, self.device)
-                self.counts[slot].index_put_((ids,), torch.ones(len(outputs), device=self.device), accumulate=True)
+                self.counts[slot].scatter_add_(0, ids, torch.ones_like(ids, dtype=torch.float32))
 
     def _grow(self, at_least: int) -> None:
         rows = max(min(2 * len(self.counts), self.max_rows), len(self.counts) + at_least)

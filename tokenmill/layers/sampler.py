@@ -117,14 +117,17 @@ class Sampler:
         raw_logprobs = logits.log_softmax(dim=-1) if batch.num_logprobs >= 0 else None
         if batch.logit_bias is not None:
             rows, token_ids, bias = batch.logit_bias
-            # Out of place: ``logits`` may be the caller's tensor (a graph's static output).
-            logits = logits.index_put((rows, token_ids), bias, accumulate=True)
+            # Out of place: ``logits`` may be the caller's tensor (a graph's static output). One scatter
+            # of atomic adds (an accumulating ``index_put`` sorts its indices first).
+            logits = logits.reshape(-1).scatter_add(0, rows * logits.shape[-1] + token_ids, bias).view_as(logits)
         if batch.penalties is not None:
             counts, prompt, rows = batch.penalties
             logits = ops.apply_penalties(logits, counts, prompt, rows, batch.repetition_penalty,
                                          batch.presence_penalty, batch.frequency_penalty)
         if batch.banned is not None:
-            logits[batch.banned] = float("-inf")
+            # The value made on the device: an item assignment (``logits[banned] = -inf``) copies it
+            # there synchronously, and the host would wait for the step in flight.
+            logits.index_put_(batch.banned, logits.new_full((), float("-inf")))
         if greedy_ids is None:
             greedy_ids = ops.argmax_rows(logits)
         states: dict[int, torch.Tensor] = {}
