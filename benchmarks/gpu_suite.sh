@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # GPU tests, then benchmarks, in one device call; parts run in the order given:
 #   bash benchmarks/gpu_suite.sh tests kernels startup latency batch throughput features kvcache q8
-# (`tests` = kernel and engine GPU tests; `engine-tests` = engine only, `kernel-tests` = kernels only;
+# (`tests` = kernel and engine GPU tests; `engine-tests` = engine only (`engine-tests-1/2`: its first half),
+#  `kernel-tests` = kernels only;
 #  `serve-qwen3-0.6b`, `serve-llama3-8b` = the server against the engine, benchmarks/serve_vs_engine.py;
 #  `throughput-whole-peer` = Qwen3-0.6B's standard workload, transformers given all of it;
 #  `latency-<shape>[,<shape>]` = batch-1 decode of those shapes at three context lengths, no peer;
@@ -97,15 +98,18 @@ kernel_tests() {
   python3 -m pytest -q -p no:cacheprovider $parallel -m gpu tests/kernels/test_triton_gpu.py 2>&1 \
     | tee "$OUT/gpu-kernel-tests.log" | tail -15
 }
-# In one process: each engine sizes its KV cache from the GPU's free memory.
+# In one process: each engine sizes its KV cache from the GPU's free memory. A shard I/N given: every
+# N-th test from the I-th (the whole file takes ~13 minutes with a warm Triton cache).
 engine_tests() {
-  python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu_engine.py 2>&1 | tee "$OUT/gpu-engine-tests.log" | tail -15
+  local shard=${1:+--shard $1} log=gpu-engine-tests${1:+-${1/\//of}}.log
+  python3 -m pytest -q -p no:cacheprovider -m gpu $shard tests/test_gpu_engine.py 2>&1 | tee "$OUT/$log" | tail -15
 }
 for part in "$@"; do
   case $part in
     tests) kernel_tests; engine_tests ;;
     kernel-tests) kernel_tests ;;
     engine-tests) engine_tests ;;
+    engine-tests-*/*) engine_tests "${part#engine-tests-}" ;;
     kernels)
       python3 benchmarks/bench_kernels.py --out "$OUT/bench_kernels.json" 2>&1 | tail -25 ;;
     startup|latency|batch|throughput|features|kvcache|q8)
