@@ -23,6 +23,8 @@
 #  `kvcache-workload-profile` = the KV-bound workload's steps against their floors per KV cache dtype, the clocks
 #   logged (`workload-profile-kv-bound-<dtype>-clocks.csv`), then the decode step's kernels at its mean batch;
 #  `ttft-profile` = a lone 100-token prompt's time to first token, its kernels and host functions;
+#  `audit-host-waits` = the engine's lines that make the host wait for the GPU, per request feature,
+#   benchmarks/audit_host_waits.py;
 #  `study-attention-quantized-deep` = the one-byte decode tile against 8 warps and narrower tiles in deeper pipelines;
 #  `study-attention-quantized-ragged` = the one-byte decode tile against 3 stages and 64 keys at 1-4 KV splits, on
 #   batches of mixed lengths and of 32-256 short contexts;
@@ -342,6 +344,9 @@ for part in "$@"; do
       done ;;
     startup-profile)
       python3 benchmarks/profile_startup.py --out "$OUT/startup-profile.json" 2>&1 | grep -v -e "it/s]" -e "^Loading" | tail -90 ;;
+    audit-host-waits)
+      timeout 300 python3 benchmarks/audit_host_waits.py --speculative --out "$OUT/host-waits.json" 2>&1 \
+        | grep -v -e "it/s]" -e "^Loading" | tail -60 ;;
     ttft-profile)
       python3 benchmarks/profile_ttft.py --out "$OUT/ttft-profile.json" 2>&1 | grep -v -e "it/s]" -e "^Loading" | tail -120 ;;
     *) echo "unknown part $part"; exit 2 ;;

@@ -71,8 +71,10 @@ SPLIT_TILES = {128: [(16, 64, 4, 2), (16, 64, 4, 3), (16, 64, 4, 4), (16, 128, 4
 KV_DTYPES = {"bf16": torch.bfloat16, "int8": torch.int8, "fp8": torch.float8_e4m3fn}
 PREFILL_POINTS = [[(2048, 2048)], [(512, 4096)] * 4]  # (query length, context) per sequence
 # Lone prompts and chunks whose grid holds fewer programs than SMs, where the KV may still be split
-# (``--points splits``): whole prompts of 500-2,000 tokens, and short chunks deep in long contexts.
-PROMPT_SPLIT_POINTS = [[(500, 500)], [(1000, 1000)], [(2000, 2000)], [(64, 8192)], [(256, 16384)], [(512, 4096)]]
+# (``--points splits``): whole prompts of 100-2,000 tokens (a prefill graph of 128-256 tokens splits a
+# fresh prompt's keys in 2-4), and short chunks deep in long contexts.
+PROMPT_SPLIT_POINTS = [[(100, 100)], [(200, 200)], [(500, 500)], [(1000, 1000)], [(2000, 2000)], [(64, 8192)],
+                       [(256, 16384)], [(512, 4096)]]
 DECODE_TILES = [(16, n, w, s) for n in (16, 32, 64, 128) for w in (4, 8) for s in (2, 3, 4)]
 PREFILL_TILES = [(m, n, w, s) for m in (32, 64, 128) for n in (16, 32, 64) for w in (4, 8) for s in (2, 3)]
 CHOSEN = (triton_attention._tile_config, triton_attention._block_rows)

@@ -412,6 +412,34 @@ def test_penalised_banned_and_biased_sampling_leaves_the_host_ahead() -> None:
     assert penalties.counts[add].sum(dim=-1).tolist() == [1.0, 1.0, 3.0] and penalties.counts[add[2], 5] >= 2
 
 
+def test_steps_of_every_sampling_feature_never_wait_for_the_gpu(tmp_path) -> None:
+    """Requests of every token-level feature in one batch (greedy, filtered and seeded sampling,
+    penalties, logit biases, min_tokens, logprobs, n=2), run under CUDA's sync check set to raise:
+    no step's host work waits for queued kernels (a blocking copy, ``.item()``, an item assignment on
+    a device tensor), so the host stays a step ahead. The step's read of its sampled ids waits on an
+    event, which the check leaves alone; prompt logprobs, which read on the host, are left out."""
+    make_model_dir("llama3", tmp_path)
+    llm = LLM(str(tmp_path), device="cuda", dtype="bfloat16", max_num_seqs=16)
+    base = dict(max_tokens=10, ignore_eos=True)
+    params = [SamplingParams(temperature=0, **base), SamplingParams(temperature=0, logprobs=3, **base),
+              SamplingParams(temperature=0.8, top_k=20, top_p=0.9, min_p=0.05, **base),
+              SamplingParams(temperature=1.0, seed=3, **base),
+              SamplingParams(temperature=1.0, repetition_penalty=1.3, presence_penalty=0.5, frequency_penalty=0.2, **base),
+              SamplingParams(temperature=1.0, logit_bias={5: 3.0, 6: -2.0}, **base),
+              SamplingParams(temperature=1.0, min_tokens=6, stop_token_ids=[1, 2], max_tokens=10),
+              SamplingParams(temperature=1.0, n=2, **base)]
+    prompts = parity_prompts()[:len(params)]
+    llm.generate(prompts, params, use_tqdm=False)  # a first run launches each kernel once
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert [len(out.outputs) for out in outputs] == [1] * 7 + [2]
+    assert all(len(choice.token_ids) >= 6 for out in outputs for choice in out.outputs)
+    assert len(outputs[1].outputs[0].logprobs) == len(outputs[1].outputs[0].token_ids)
+
+
 def test_host_staging_sends_every_array_whole() -> None:
     """One pinned copy carries arrays of several dtypes and shapes, empty ones included, each back
     under its name and on a 16-byte boundary (as Triton's kernels are compiled for), and so is each
