@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import time
 
-from hypothesis import settings
+from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
@@ -232,3 +232,17 @@ def test_a_blocked_admission_counts_its_prefix_lookup_once() -> None:
     scheduler.schedule()
     assert waiter in scheduler.running
     assert (kv.query_tokens, kv.hit_tokens) == (16 + 12, 8)
+
+
+@given(windows=st.lists(st.sampled_from([None, 4, 8, 13]), min_size=1, max_size=3),
+       data=st.data())
+def test_the_longest_prefix_hit_is_the_longest_every_group_can_serve(windows: list[int | None], data) -> None:
+    """A lookup takes the most leading cached blocks that every group holds, as trying each length
+    from the longest down finds them (a full group needs every block before the hit, a sliding one
+    those its window still sees), whatever blocks each group has lost."""
+    kv = KVCacheManager([NUM_BLOCKS] * len(windows), BLOCK, windows=windows)
+    usable = data.draw(st.integers(0, 12))
+    found = [data.draw(st.lists(st.one_of(st.none(), st.integers(0, 99)), min_size=usable, max_size=usable))
+             for _ in windows]
+    tried = next((n for n in range(usable, 0, -1) if kv._is_hit(found, n)), 0)
+    assert kv._longest_hit(found) == tried

@@ -65,7 +65,7 @@ class KVCacheManager:
             return 0
         hashes = seq.full_block_hashes(self.block_size)[:usable]
         found = [[pool.lookup(h) for h in hashes] for pool in self.pools]
-        hit = next((n for n in range(usable, 0, -1) if self._is_hit(found, n)), 0)
+        hit = self._longest_hit(found)
         if hit == 0:
             return 0
         seq.block_tables = [[] for _ in self.pools]
@@ -79,6 +79,15 @@ class KVCacheManager:
         seq.num_computed_tokens = hit * self.block_size
         seq.num_committed_blocks = hit
         return seq.num_computed_tokens
+
+    def _longest_hit(self, found: list[list[int | None]]) -> int:
+        """The most leading blocks of ``found`` (each group's cached block per hash, None where it has
+        none) that ``_is_hit`` accepts. A full-attention group needs every block before the hit, so
+        none lies past its first miss: a new prompt (every block a miss) is answered at once, not by
+        trying each length from the longest down, each a scan of the blocks before it."""
+        usable = min(blocks.index(None) if window is None and None in blocks else len(blocks)
+                     for blocks, window in zip(found, self.windows))
+        return next((n for n in range(usable, 0, -1) if self._is_hit(found, n)), 0)
 
     def _is_hit(self, found: list[list[int | None]], num_blocks: int) -> bool:
         """Whether every group holds what computing on from ``num_blocks`` cached blocks needs."""
