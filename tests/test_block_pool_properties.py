@@ -15,7 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from tokenmill.engine.block_pool import BlockPool, hash_block
+from tokenmill.engine.block_pool import BlockPool, hash_blocks
 from tokenmill.engine.kv_cache_manager import KVCacheManager
 from tokenmill.engine.scheduler import Scheduler, SchedulerConfig
 from tokenmill.engine.sequence import Sequence
@@ -24,6 +24,12 @@ from tokenmill.sampling_params import SamplingParams
 
 BLOCK = 4
 NUM_BLOCKS = 12
+
+
+def hash_block(parent: bytes | None, token_ids: list[int]) -> bytes:
+    return hash_blocks(parent, token_ids, len(token_ids))[0]
+
+
 # Prompts built from a few shared stems over a tiny alphabet, so prefixes repeat often.
 STEMS = [[1, 2, 3, 4, 5, 6, 7, 8], [1, 2, 3, 4, 9, 9, 9, 9], [5, 5, 5, 5]]
 
@@ -173,6 +179,19 @@ TestEngineMachine = EngineMachine.TestCase
 TestEngineMachine.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
 TestSlidingEngineMachine = SlidingEngineMachine.TestCase
 TestSlidingEngineMachine.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
+
+
+@given(st.lists(st.integers(0, 2**40), max_size=30), st.integers(0, 30), st.sampled_from([1, 4, 16]))
+def test_hashing_a_run_of_blocks_at_once_chains_as_one_at_a_time(tokens: list[int], cut: int, block: int) -> None:
+    """A sequence's hashes are extended as it grows: any split of its tokens at a block boundary gives
+    the chain one block at a time gives, and a partial last block gets none."""
+    one_by_one, parent = [], None
+    for start in range(0, len(tokens) - block + 1, block):
+        parent = hash_block(parent, tokens[start:start + block])
+        one_by_one.append(parent)
+    cut = min(cut, len(tokens)) // block * block
+    head = hash_blocks(None, tokens[:cut], block)
+    assert head + hash_blocks(head[-1] if head else None, tokens[cut:], block) == one_by_one
 
 
 def test_hash_chains_over_the_parent() -> None:

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from tokenmill.engine.block_pool import BlockHash, hash_block
+from tokenmill.engine.block_pool import BlockHash, hash_blocks
 from tokenmill.sampling_params import SamplingParams
 
 
@@ -129,7 +129,8 @@ class Sequence:
 
     def full_block_hashes(self, block_size: int) -> list[BlockHash]:
         """Hashes of every full block of known tokens, extended as the sequence grows."""
-        for i in range(len(self.block_hashes), (self.num_tokens - self.num_pending) // block_size):
-            parent = self.block_hashes[-1] if self.block_hashes else None
-            self.block_hashes.append(hash_block(parent, self.token_ids[i * block_size:(i + 1) * block_size]))
+        done, known = len(self.block_hashes) * block_size, self.num_tokens - self.num_pending
+        if known - done >= block_size:
+            self.block_hashes += hash_blocks(self.block_hashes[-1] if self.block_hashes else None,
+                                             self.token_ids[done:known], block_size)
         return self.block_hashes
