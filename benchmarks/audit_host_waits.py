@@ -90,8 +90,10 @@ def main() -> None:
         vocab = engine.model_config.vocab_size
         for name, options in CASES.items() if not prefix else [("greedy", CASES["greedy"])]:
             params = SamplingParams(**options, max_tokens=args.max_tokens, ignore_eos=True)
-            # A repeating prompt, so that prompt lookup finds drafts.
-            prompts = [random_prompt(rng, 40, vocab) * 5 for _ in range(args.requests)]
+            # A repeating prompt, so that prompt lookup finds drafts; and one past the largest prefill
+            # graph, whose steps run eagerly.
+            prompts = [random_prompt(rng, 40, vocab) * 5 for _ in range(args.requests - 1)]
+            prompts.append(random_prompt(rng, 3000, vocab))
             audit(engine, prompts, params)  # warm-up: first launches may load modules
             steps, sites = audit(engine, prompts, params)
             total = sum(sites.values())
