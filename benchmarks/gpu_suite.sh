@@ -42,6 +42,8 @@
 #  `study-attention-prefill-pipelined-scales` = prompt tiles over int8 and fp8 caches with the scales copied
 #   with the K/V tiles, against read a tile ahead;
 #  `study-attention-prompt-splits` = lone prompts and chunks deep in long contexts at 1-16 KV splits;
+#  `study-prompt-attention` = a new prompt's attention over its contiguous keys in wider tiles, against the
+#   engine's paged tile and torch's SDPA, benchmarks/study_prompt_attention.py;
 #  `study-attention-splits` = Llama-3-8B's decode attention at 1-16 KV splits from 1 to 128 sequences
 #   (`study-attention-splits-gemma`: head dim 256, groups of 2 and 8);
 #  `study-gemv-rows` = the one-row GEMV's tiles with several tiles of rows a program;
@@ -249,6 +251,8 @@ for part in "$@"; do
       # Llama-3-8B's prefill attention (a 2,048-token prompt; four 512-token chunks over 4k contexts), every tile.
       timeout 500 python3 benchmarks/study_attention_tiles.py prefill --shapes 4 --jobs 8 \
         --out "$OUT/attention-tiles-prefill.jsonl" 2>&1 | tail -10 ;;
+    study-prompt-attention)
+      timeout 300 python3 benchmarks/study_prompt_attention.py --out "$OUT/study-prompt-attention.json" 2>&1 | tail -40 ;;
     study-attention-prompt-splits)
       # Lone prompts and short chunks deep in long contexts at 1-16 KV splits in the engine's tile:
       # Llama-3-8B's heads and Gemma-3-4B's.

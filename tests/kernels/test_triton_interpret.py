@@ -43,12 +43,14 @@ def test_kernel_under_interpreter(kernel: str) -> None:
     assert proc.returncode == 0, f"{kernel} failed under the interpreter:\n{proc.stdout}\n{proc.stderr}"
 
 
-@pytest.mark.parametrize("script,checks", [("study_q8_a8.py", 6), ("study_warp_keys.py", 4)])
+@pytest.mark.parametrize("script,checks", [("study_q8_a8.py", 6), ("study_warp_keys.py", 4),
+                                           ("study_prompt_attention.py", 3)])
 def test_study_candidate_kernels_under_interpreter(script: str, checks: int) -> None:
     """Kernels that a study measures before any enters the engine (benchmarks/study_q8_a8.py: Q8_0
     projections on rows quantized to int8, by dp4a and by int8 tensor cores; study_warp_keys.py: int8
-    decode attention with each warp owning its keys, and the shared tile it is measured against)
-    match the reference too, so a study's timing is of a kernel known to be right."""
+    decode attention with each warp owning its keys, and the shared tile it is measured against;
+    study_prompt_attention.py: a new prompt's causal attention over its
+    contiguous keys), so a study's timing is of a kernel known to be right."""
     proc = subprocess.run([sys.executable, script, "--check"], cwd=REPO_ROOT / "benchmarks",
                           env=_interpreter_env(), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, f"{proc.stdout}\n{proc.stderr}"
