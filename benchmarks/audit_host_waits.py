@@ -15,9 +15,7 @@ python benchmarks/audit_host_waits.py [--shape llama3.2-1b] [--requests 8] [--ma
 
 import argparse
 import collections
-import json
 import random
-import sys
 import traceback
 import warnings
 from pathlib import Path
@@ -26,7 +24,7 @@ from typing import Any
 import torch
 
 from tokenmill import SamplingParams
-from tokenmill.bench.hardware import environment
+from tokenmill.bench.hardware import write_rows
 from tokenmill.bench.offline import make_engine, random_prompt
 
 PACKAGE = str(Path(__file__).resolve().parents[1] / "tokenmill")
@@ -102,8 +100,7 @@ def main() -> None:
             print(f"{prefix}{name:<18} {steps:4d} steps {total:5d} waits ({total / max(steps, 1):.2f} a step)"
                   + "".join(f"\n    {n:5d}  {site}" for site, n in sites.most_common(6)))
     if args.out:
-        with open(args.out, "w") as f:
-            json.dump({"environment": environment(None, " ".join(sys.argv)), "rows": rows}, f, indent=1)
+        write_rows(args.out, None, rows)
 
 
 if __name__ == "__main__":

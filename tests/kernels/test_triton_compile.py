@@ -540,16 +540,23 @@ def test_the_compile_watcher_keeps_no_engine_alive() -> None:
         watch_compiles(None)
 
 
-def test_the_l2_prefetch_studys_kernel_asks_for_whole_chunks(monkeypatch: pytest.MonkeyPatch) -> None:
-    """``benchmarks/study_l2_prefetch.py``'s prefetch is inline PTX (no interpreter runs it): it must
-    assemble for sm_90 and ask the L2 for the bytes with bulk prefetches, not load them."""
-    path = Path(__file__).resolve().parents[2] / "benchmarks" / "study_l2_prefetch.py"
-    spec = importlib.util.spec_from_file_location("study_l2_prefetch", path)
+def _study_with_launches_recorded(name: str, monkeypatch: pytest.MonkeyPatch) -> tuple[Any, list[Launch]]:
+    """``benchmarks/<name>.py`` loaded as a module, and the list its kernels' launches go to from now on
+    (recorded, not run)."""
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
     study = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(study)
     launches: list[Launch] = []
     monkeypatch.setattr(JITFunction, "run", lambda self, *args, grid, warmup, **kwargs:
                         launches.append(Launch.intercepted(self, args, kwargs)))
+    return study, launches
+
+
+def test_the_l2_prefetch_studys_kernel_asks_for_whole_chunks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``benchmarks/study_l2_prefetch.py``'s prefetch is inline PTX (no interpreter runs it): it must
+    assemble for sm_90 and ask the L2 for the bytes with bulk prefetches, not load them."""
+    study, launches = _study_with_launches_recorded("study_l2_prefetch", monkeypatch)
     study.prefetch_l2(torch.zeros(4096, 4096, dtype=torch.bfloat16), 16 << 20)
     ptx = launches[0].compile().asm["ptx"]
     assert "cp.async.bulk.prefetch.L2.global" in ptx and "ld.global" not in ptx
@@ -558,13 +565,7 @@ def test_the_l2_prefetch_studys_kernel_asks_for_whole_chunks(monkeypatch: pytest
 def test_the_prompt_attention_studys_tiles_compile_for_hopper(monkeypatch: pytest.MonkeyPatch) -> None:
     """Every tile ``benchmarks/study_prompt_attention.py`` times, at Llama-3-8B's heads in bf16, compiles
     for sm_90 within its shared memory: a tile too large fails here, not on the GPU."""
-    path = Path(__file__).resolve().parents[2] / "benchmarks" / "study_prompt_attention.py"
-    spec = importlib.util.spec_from_file_location("study_prompt_attention", path)
-    study = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(study)
-    launches: list[Launch] = []
-    monkeypatch.setattr(JITFunction, "run", lambda self, *args, grid, warmup, **kwargs:
-                        launches.append(Launch.intercepted(self, args, kwargs)))
+    study, launches = _study_with_launches_recorded("study_prompt_attention", monkeypatch)
     q, k, v = study.inputs(300, study.HEADS, "cpu", torch.bfloat16)
     for tile in study.TILES:
         study.prompt_attention(q, k, v, torch.empty_like(q), tile)
