@@ -236,7 +236,9 @@ def test_graphs_match_eager_across_context_buckets_and_decode_shaped_prefill(tmp
 def test_prefill_graphs_match_eager(arch: str, tmp_path) -> None:
     """Lone prompts (each step one sequence) of lengths across the captured token counts: whole, in
     chunks after a context (a 300-token prompt under a 128-token budget), and after a cached prefix
-    (the same prompt twice); the graph's tokens and logprobs are the eager engine's."""
+    (the same prompt twice); the graph's tokens and logprobs are the eager engine's. New prompts
+    replay graphs that attend over whole contexts, the chunks after 256 tokens the graphs that split
+    them."""
     make_model_dir(arch, tmp_path)
     g = torch.Generator().manual_seed(5)
     prompts = [torch.randint(0, 256, (n,), generator=g).tolist() for n in (2, 17, 100, 300)]
@@ -249,8 +251,11 @@ def test_prefill_graphs_match_eager(arch: str, tmp_path) -> None:
         assert want.token_ids == got.token_ids
         for x, y in zip(want.logprobs, got.logprobs):
             assert set(x) == set(y) and all(abs(x[t] - y[t]) < 1e-4 for t in x)
-    # Every prompt's prefill: 2, 17, 100, 300 in three chunks (128, 128, 44), the cached one's tail.
-    assert graphs.engine.core.runner.prefill_graphs.replays >= 6
+    # Every prompt's prefill: 2, 17, 100, 300 in three chunks (128, 128, 44), the cached one's tail;
+    # the last two after 256 and 288 tokens.
+    prefill = graphs.engine.core.runner.prefill_graphs
+    assert prefill.replays >= 6 and prefill.long_prefix_replays >= 2
+    assert any(context > size for size, context in prefill.graphs)
 
 
 @pytest.mark.parametrize("arch", ["llama3", "gemma3", "gemma4-kv-shared"])
@@ -375,7 +380,6 @@ def test_penalised_banned_and_biased_sampling_leaves_the_host_ahead() -> None:
     from tokenmill.layers.sampler import Sampler, SamplingBatch
 
     cuda, vocab, rows = torch.device("cuda"), 1000, 3
-    penalties = PenaltyCounts(vocab, cuda, max_seqs=rows)
     seqs = [Sequence(i, "", 0, list(range(i, 600, 3)), SamplingParams(repetition_penalty=1.3), 0.0) for i in range(rows)]
     for seq in seqs:
         seq.status = SequenceStatus.RUNNING
@@ -386,12 +390,8 @@ def test_penalised_banned_and_biased_sampling_leaves_the_host_ahead() -> None:
 
     logits = torch.randn(rows, vocab, device=cuda)
     logits[:, 7] = 30.0  # every row's favourite, banned below for rows 0 and 1
-    torch.cuda.synchronize()
-    queued = torch.cuda.Event()
-    torch.cuda._sleep(500_000_000)  # a quarter of a second or more of the GPU's clock
-    queued.record()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
+
+    def step(penalties: PenaltyCounts) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         read, add = penalties.rows(seqs)
         out = Sampler()(logits, SamplingBatch(
             temperature=full(1.0), inv_temperature=full(1.0), top_k=full(0, torch.int64), top_p=full(1.0),
@@ -401,10 +401,21 @@ def test_penalised_banned_and_biased_sampling_leaves_the_host_ahead() -> None:
             logit_bias=(to_device([1], torch.int64, cuda), to_device([900], torch.int64, cuda),
                         to_device([100.0], torch.float32, cuda))))
         penalties.add(add, out.token_ids)
+        return read, add, out.token_ids
+
+    step(PenaltyCounts(vocab, cuda, max_seqs=rows))  # compiles the kernels, which takes longer than the sleep
+    penalties = PenaltyCounts(vocab, cuda, max_seqs=rows)
+    torch.cuda.synchronize()
+    queued = torch.cuda.Event()
+    torch.cuda._sleep(500_000_000)  # a quarter of a second or more of the GPU's clock
+    queued.record()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        read, add, token_ids = step(penalties)
         assert not queued.query()  # the host got here while the GPU still slept
     finally:
         torch.cuda.set_sync_debug_mode("default")
-    tokens = out.token_ids.tolist()
+    tokens = token_ids.tolist()
     assert tokens[0] != 7 and tokens[1] == 900 and tokens[2] == 7
     marked = penalties.prompt[read].cpu()
     for seq, row in zip(seqs, marked):

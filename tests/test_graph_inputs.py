@@ -27,3 +27,39 @@ def test_a_steps_inputs_fill_the_static_buffers_and_padding_writes_nowhere() -> 
         assert static.slot_mapping[g].tolist() == slots[g].tolist() + [-1, -1, 5, 5, 5]
         assert torch.equal(static.block_tables[g, :3, :3], tables[g])
         assert (static.block_tables[g, 3:] == 9).all() and (static.block_tables[g, :, 3:] == 9).all()
+
+
+def test_a_lone_chunk_after_a_long_prefix_replays_the_graph_that_splits_its_context(tmp_path, monkeypatch) -> None:
+    """The lone-sequence prefill graphs: one per size over a whole context, and a second for the
+    sizes whose attention would split the longest context's ranges; a chunk replays the second only
+    with ``LONG_PREFIX`` tokens or more before it. (The graphs are stand-ins that record their replay.)"""
+    from helpers import make_model_dir
+
+    from tokenmill import LLM
+    from tokenmill.engine import prefill_graphs
+    from tokenmill.engine.prefill_graphs import LONG_PREFIX, PrefillGraphs
+
+    make_model_dir("llama3", tmp_path)
+    runner = LLM(str(tmp_path), device="cpu", dtype="float32").engine.core.runner
+    asked = []
+
+    def splits(k_cache, num_q_heads, num_tokens, max_query_len, max_seq_len, batch=1):
+        asked.append((num_tokens, max_seq_len))
+        return 4 if num_tokens < 64 else 1
+
+    monkeypatch.setattr(prefill_graphs.ops, "paged_attention_kv_splits", splits)
+    graphs = PrefillGraphs(runner.model, runner.kv_caches, 1, 128, 32, runner.cfg.vocab_size, torch.float32,
+                           torch.device("cpu"))
+    assert graphs.max_context == 32 * runner.block_size
+    keys = graphs._keys()
+    assert set(keys) == {(n, n) for n in graphs.sizes} | {(n, graphs.max_context) for n in graphs.sizes if n < 64}
+    assert {(n, graphs.max_context) for n in graphs.sizes} <= set(asked)
+    replayed = []
+    graphs.graphs = {key: SimpleNamespace(replay=lambda key=key: replayed.append(key)) for key in keys}
+    for tokens, before in ((20, 0), (20, LONG_PREFIX - 1), (20, LONG_PREFIX), (100, 400)):
+        meta = AttentionMetadata(slot_mapping=(torch.full((tokens,), -1),), query_start_loc=torch.tensor([0, tokens]),
+                                 seq_lens=torch.tensor([before + tokens]), block_tables=(torch.zeros(1, 32, dtype=torch.int32),),
+                                 max_query_len=tokens, max_seq_len=before + tokens)
+        graphs.run(torch.zeros(tokens, dtype=torch.int64), torch.arange(tokens), meta, torch.tensor([tokens - 1]))
+    assert replayed == [(32, 32), (32, 32), (32, graphs.max_context), (128, 128)]
+    assert graphs.long_prefix_replays == 1 and graphs.replays == 4

@@ -346,6 +346,30 @@ def test_a_split_decode_grid_stops_at_two_programs_an_sm(monkeypatch: pytest.Mon
             assert units * more > most or more * 64 > context or more > triton_attention._MAX_SPLITS
 
 
+def test_kv_splits_is_the_split_count_a_launch_takes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``kv_splits`` (from which the prefill graphs learn which sizes split a long context's ranges)
+    gives the split count ``paged_attention`` launches with, for decode rows, new prompts and chunks
+    deep into a context."""
+    launched: list[tuple] = []
+    monkeypatch.setattr(JITFunction, "run", lambda self, *a, grid, warmup, **k: launched.append((self.__name__, grid)))
+    monkeypatch.setattr(triton_attention, "num_sms", lambda device: 132)
+    kv_heads, heads = 8, 32
+    k_cache = torch.empty(2, 16, kv_heads, 128, dtype=torch.bfloat16)
+    counts = set()
+    for tokens, context in ((1, 4096), (16, 16), (128, 128), (128, 8192), (512, 4096), (2048, 8192)):
+        launched.clear()
+        triton_ops.paged_attention(torch.empty(tokens, heads, 128, dtype=torch.bfloat16), k_cache, k_cache,
+                                   torch.tensor([0, tokens], dtype=torch.int32), torch.tensor([context], dtype=torch.int32),
+                                   torch.zeros(1, context // 16, dtype=torch.int32), 0.1, max_query_len=tokens,
+                                   max_seq_len=context)
+        grid = next(grid for name, grid in launched if name == "_paged_attention_kernel")
+        splits = triton_ops.kv_splits(k_cache, heads, tokens, tokens, context)
+        assert grid[1] == kv_heads * splits
+        assert any(name == "_merge_splits_kernel" for name, _ in launched) == (splits > 1)
+        counts.add(splits)
+    assert 1 in counts and max(counts) > 1
+
+
 def test_decode_masks_only_the_edge_tiles_of_a_whole_float8_range() -> None:
     """Prompt tiles always take the loop that masks only their edge tiles; decode tiles only over a
     float8 cache with no KV split (the one place it measured faster)."""
@@ -397,24 +421,31 @@ def test_the_warm_up_compiles_every_attention_variant_a_prefill_step_takes(
     scales = (torch.ones(2, block_size, kv_heads), torch.ones(2, block_size, kv_heads)) \
         if kv_dtype.itemsize == 1 else (None, None)
 
-    def step(seqs: list[tuple[int, int]], width: int | None = None) -> None:  # (query tokens, context) a sequence
+    def step(seqs: list[tuple[int, int]], width: int | None = None, max_seq_len: int | None = None,
+             num_splits: int | None = None) -> None:  # (query tokens, context) a sequence
         lens = torch.tensor([q for q, _ in seqs])
         start = torch.zeros(len(seqs) + 1, dtype=torch.int32)
         start[1:] = torch.cumsum(lens, 0)
         tables = torch.zeros(len(seqs), width or -(-max(c for _, c in seqs) // block_size), dtype=torch.int32)
         triton_ops.paged_attention(torch.empty(int(start[-1]), group * kv_heads, head_dim, dtype=torch.bfloat16),
                                    k_cache, k_cache, start, torch.tensor([c for _, c in seqs], dtype=torch.int32),
-                                   tables, 0.1, max_query_len=int(lens.max()), max_seq_len=max(c for _, c in seqs),
-                                   k_scale=scales[0], v_scale=scales[1])
+                                   tables, 0.1, max_query_len=int(lens.max()),
+                                   max_seq_len=max_seq_len or max(c for _, c in seqs),
+                                   k_scale=scales[0], v_scale=scales[1], num_splits=num_splits)
 
     rng = random.Random(group * kv_heads * head_dim)
     for budget, max_len, max_seqs in ((4096, 8192, 256), (512, 2048, 8)):
         seen.clear()
         for q, context, rows in warm_up_shapes(budget, max_len, max_seqs):
             step([(q, context)] + [(1, 1)] * rows)
-        for seqs in (1, max_seqs):  # as captured: the first sequence holds the query, the others are empty
-            for size in capture_sizes(budget, seqs):
-                step([(size, size)] + [(0, 0)] * (seqs - 1), width=max_len // block_size)
+        # As captured: the first sequence holds the query, the others are empty; a lone sequence's
+        # graphs over a whole context, and where ranges of the longest context split, split for it.
+        for size in capture_sizes(budget, 1):
+            step([(size, size)], width=max_len // block_size, num_splits=1)
+            if triton_ops.kv_splits(k_cache, group * kv_heads, size, size, max_len) > 1:
+                step([(size, size)], width=max_len // block_size, max_seq_len=max_len)
+        for size in capture_sizes(budget, max_seqs):
+            step([(size, size)] + [(0, 0)] * (max_seqs - 1), width=max_len // block_size)
         warm = set(seen)
         for _ in range(300):
             chunks = [rng.choice((rng.randint(2, 40), rng.randint(2, budget))) for _ in range(rng.choice((1, 1, 2, 3)))]

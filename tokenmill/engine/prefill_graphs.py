@@ -20,10 +20,17 @@ sequences a step lacks have empty queries, and attention numbers the real query 
 one flat range (``triton_attention.query_tiles``) sized at capture for the most that
 ``max_seqs`` sequences of that many tokens can have, its extra programs exiting at once.
 The LM head runs on the rows that sample alone (``logits_rows``; row 0 fills the rest),
-so the graph ends with their logits and greedy ids. The split count of the KV range is
-fixed at capture for a context as long as the padded query, and each program divides the
-actual range in the kernel, so a chunk deep into a long prompt gives the same result,
-only with fewer programs than an eager step would choose.
+so the graph ends with their logits and greedy ids.
+
+A graph fixes how many ranges attention splits each context into, and each program divides
+the actual range in the kernel, so any context gives the same result, only at another speed.
+A lone new prompt attends over about as many keys as it has queries, and splitting them
+costs more (partial results of every query row and head, written and merged) than it
+saves, so the lone-sequence graphs attend over whole contexts; a chunk after a long
+cached prefix or earlier chunks (``LONG_PREFIX`` tokens and more) replays a second graph
+of its size, captured for the longest context, whose ranges are split as an eager step's
+would be for it, where that split differs. The graphs of several sequences are captured
+for a context as long as their padded query.
 """
 
 from __future__ import annotations
@@ -36,7 +43,7 @@ import torch
 
 from tokenmill.engine.cuda_graphs import capture_graphs, stage_step_inputs
 from tokenmill.layers import ops
-from tokenmill.layers.attention import AttentionMetadata
+from tokenmill.layers.attention import AttentionMetadata, PagedAttention
 
 logger = logging.getLogger(__name__)
 
@@ -46,6 +53,8 @@ logger = logging.getLogger(__name__)
 TOKEN_COUNTS = (16, 32, 64, 96, 128, 192, 256, 320, 384, 448, 512, 640, 768, 896, 1024, 1280, 1536, 1792, 2048)
 MAX_TOKENS = TOKEN_COUNTS[-1]
 MIXED_MAX_TOKENS = 256
+# Tokens before a lone sequence's chunk from which it replays the graph whose KV ranges are split.
+LONG_PREFIX = 256
 
 
 def capture_sizes(max_tokens: int, max_seqs: int) -> list[int]:
@@ -65,6 +74,7 @@ class PrefillGraphs:
         self.kv_caches = kv_caches
         self.max_seqs = max_seqs
         self.sizes = capture_sizes(max_tokens, max_seqs)
+        self.max_context = max_blocks_per_seq * kv_caches[0].k.shape[1]  # (a cache's blocks hold its block size)
         rows = self.sizes[-1] if self.sizes else 0
         self.input_ids = torch.zeros(rows, dtype=torch.int64, device=device)
         self.positions = torch.zeros(rows, dtype=torch.int64, device=device)
@@ -75,18 +85,32 @@ class PrefillGraphs:
         self.logits_rows = torch.zeros(max_seqs, dtype=torch.int64, device=device)
         self.logits = torch.zeros(max_seqs, vocab_size, dtype=dtype, device=device)
         self.greedy_ids = torch.zeros(max_seqs, dtype=torch.int64, device=device)
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}  # by (tokens, context bound)
         self.capture_seconds = 0.0
         self.replays = 0
+        self.long_prefix_replays = 0
 
-    def _forward(self, size: int) -> None:
+    def _keys(self) -> list[tuple[int, int]]:
+        """(token count, context bound) of every graph, largest first: each size for a context as
+        long as itself, and a lone sequence's sizes whose attention splits ranges of the longest
+        context also for that one."""
+        keys = [(size, size) for size in self.sizes]
+        if self.max_seqs == 1:
+            layers = [m for m in self.model.modules() if isinstance(m, PagedAttention)]
+            keys += [(size, self.max_context) for size in self.sizes if self.max_context > size and max(
+                ops.paged_attention_kv_splits(cache.k, layer.num_heads, size, size, self.max_context)
+                for layer, cache in zip(layers, self.kv_caches)) > 1]
+        return sorted(keys, reverse=True)
+
+    def _forward(self, size: int, context: int) -> None:
         meta = AttentionMetadata(
             slot_mapping=tuple(self.slot_mapping[:, :size]),
             query_start_loc=self.query_start_loc,
             seq_lens=self.seq_lens,
             block_tables=tuple(self.block_tables),
             max_query_len=size,
-            max_seq_len=size,
+            max_seq_len=context,
+            kv_splits=1 if self.max_seqs == 1 and context == size else None,
         )
         hidden = self.model(self.input_ids[:size], self.positions[:size], self.kv_caches, meta)
         rows = min(size, self.max_seqs)  # no step of ``size`` tokens samples more rows
@@ -99,19 +123,21 @@ class PrefillGraphs:
         what their largest step needs beyond the largest decode graph."""
         started = time.monotonic()
 
-        def prepare(size: int) -> None:
+        def prepare(key: tuple[int, int]) -> None:
             # The first sequence holds the whole query, with no context before it; the others none.
+            size = key[0]
             self.query_start_loc[1:] = size
             self.seq_lens.zero_()
             self.seq_lens[0] = size
             self.logits_rows.fill_(size - 1)
 
-        self.graphs, _ = capture_graphs(sorted(self.sizes, reverse=True), prepare, self._forward, pool)
+        self.graphs, _ = capture_graphs(self._keys(), prepare, lambda key: self._forward(*key), pool)
         self.capture_seconds = time.monotonic() - started
         if self.graphs:
-            logger.info("captured %d prefill graphs (%s, %s tokens) in %.1f s", len(self.graphs),
+            split = sorted(size for size, context in self.graphs if context != size)
+            logger.info("captured %d prefill graphs (%s, %s tokens%s) in %.1f s", len(self.graphs),
                         "one sequence" if self.max_seqs == 1 else f"up to {self.max_seqs} sequences", self.sizes,
-                        self.capture_seconds)
+                        f"; after a long prefix, split: {split}" if split else "", self.capture_seconds)
 
     def padded_size(self, num_tokens: int, num_seqs: int = 1) -> int | None:
         """The captured token count a step of ``num_tokens`` in ``num_seqs`` sequences pads to; None if
@@ -134,6 +160,11 @@ class PrefillGraphs:
         self.seq_lens[seqs:].zero_()
         self.logits_rows.zero_()  # (every index stays within the rows this graph computes)
         self.logits_rows[:rows].copy_(logits_rows)
-        self.graphs[size].replay()
+        split = (size, self.max_context)
+        if split in self.graphs and meta.max_seq_len - total >= LONG_PREFIX:
+            self.graphs[split].replay()
+            self.long_prefix_replays += 1
+        else:
+            self.graphs[(size, size)].replay()
         self.replays += 1
         return self.logits[:rows], self.greedy_ids[:rows]

@@ -101,6 +101,12 @@ def quantize_query_int8(q: torch.Tensor) -> torch.Tensor:
     return torch.floor(q * torch.reciprocal(step) + 0.5) * step
 
 
+def kv_splits(k_cache: torch.Tensor, num_q_heads: int, num_tokens: int, max_query_len: int, max_seq_len: int,
+              batch: int = 1) -> int:
+    """The KV ranges ``paged_attention`` splits a context into: the reference attends over each whole."""
+    return 1
+
+
 def paged_attention(
     query: torch.Tensor,
     k_cache: torch.Tensor,
@@ -116,11 +122,12 @@ def paged_attention(
     softcap: float | None = None,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    num_splits: int | None = None,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of ``query`` ``[T, Hq, D]`` over the paged cache, in float32; returns ``[T, Hq, D]``
-    (in ``out`` where given). ``max_query_len`` and ``max_seq_len`` are launch hints for kernels; the
-    reference reads the lengths itself. ``softcap`` bounds the scaled scores to ``(-softcap, softcap)``
+    (in ``out`` where given). ``max_query_len``, ``max_seq_len`` and ``num_splits`` are launch hints for
+    kernels; the reference reads the lengths itself and never splits a context. ``softcap`` bounds the scaled scores to ``(-softcap, softcap)``
     by ``tanh(s / cap) * cap`` before the mask, as Gemma does. A quantized cache is read through its
     scales (``gather_kv``)."""
     if out is None:

@@ -656,6 +656,15 @@ def launch_plan(block_d: int, group: int, num_kv_heads: int, batch: int, num_tok
     return tile, num_splits, grid
 
 
+def kv_splits(k_cache: torch.Tensor, num_q_heads: int, num_tokens: int, max_query_len: int, max_seq_len: int,
+              batch: int = 1) -> int:
+    """The KV ranges a launch over ``k_cache`` splits each sequence's context into, for ``num_q_heads``
+    query heads and these lengths (``paged_attention``'s choice when no split count is forced)."""
+    num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
+    return launch_plan(triton.next_power_of_2(head_dim), num_q_heads // num_kv_heads, num_kv_heads, batch,
+                       num_tokens, max_query_len, max_seq_len, k_cache.element_size(), k_cache.device)[1]
+
+
 def paged_attention(
     query: torch.Tensor,
     k_cache: torch.Tensor,
@@ -688,7 +697,7 @@ def paged_attention(
     - ``softcap``: as the reference's, ``tanh(s / cap) * cap`` of each scaled score before the mask.
     - ``k_scale``/``v_scale``: a quantized cache's scales ``[num_blocks, block_size, Hkv]``, as the
       reference's: each key's scale multiplies its scores, each value's its probability.
-    - ``num_splits``: force the KV split count (tests); default chosen from shapes.
+    - ``num_splits``: force the KV split count; default chosen from shapes (``kv_splits``).
     - ``out``: preallocated output (may be a strided view, last dim contiguous).
     """
     num_tokens, num_q_heads, head_dim = query.shape

@@ -38,6 +38,7 @@ class AttentionMetadata:
     block_tables: tuple[torch.Tensor, ...]  # per group: [B, max_blocks] int32
     max_query_len: int  # host-side; 1 for a pure decode step
     max_seq_len: int | None = None  # host-side upper bound of seq_lens; None: the block-table width
+    kv_splits: int | None = None  # the KV ranges every context is split into; None: the kernel's choice
     # A step of prompt chunks and one-token queries, the chunks' sequences first: each kind attends
     # in a launch of its own (``split_one_token_queries``).
     parts: tuple[int, AttentionMetadata, AttentionMetadata] | None = None
@@ -121,4 +122,4 @@ class PagedAttention(nn.Module):
                                    meta.block_tables[self.kv_group], self.scale, self.sliding_window,
                                    max_query_len=meta.max_query_len, max_seq_len=meta.max_seq_len,
                                    softcap=self.softcap, k_scale=kv_cache.k_scale, v_scale=kv_cache.v_scale,
-                                   out=out)
+                                   num_splits=meta.kv_splits, out=out)

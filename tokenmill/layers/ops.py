@@ -52,16 +52,25 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
                     scale: float, sliding_window: int | None = None,
                     max_query_len: int | None = None, max_seq_len: int | None = None,
                     softcap: float | None = None, k_scale: torch.Tensor | None = None,
-                    v_scale: torch.Tensor | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+                    v_scale: torch.Tensor | None = None, num_splits: int | None = None,
+                    out: torch.Tensor | None = None) -> torch.Tensor:
     """``max_query_len`` (known on the host) spares the kernel a device read, which also
     keeps the call capturable in a CUDA graph; ``max_seq_len`` (an upper bound of
-    ``seq_lens``) lets it split the KV range for the contexts it will really see.
+    ``seq_lens``) lets it split the KV range for the contexts it will really see;
+    ``num_splits`` fixes how many ranges it splits each context into (None: its own choice,
+    ``paged_attention_kv_splits``).
     ``softcap`` caps each scaled score at ``tanh(s / cap) * cap`` before the mask (Gemma).
     ``k_scale``/``v_scale``: a quantized cache's scales. ``out``: where to write (a view of rows)."""
     return backend_for(query).paged_attention(query, k_cache, v_cache, query_start_loc, seq_lens, block_tables,
                                               scale, sliding_window, max_query_len=max_query_len,
                                               max_seq_len=max_seq_len, softcap=softcap, k_scale=k_scale,
-                                              v_scale=v_scale, out=out)
+                                              v_scale=v_scale, num_splits=num_splits, out=out)
+
+
+def paged_attention_kv_splits(k_cache: torch.Tensor, num_q_heads: int, num_tokens: int, max_query_len: int,
+                              max_seq_len: int, batch: int = 1) -> int:
+    """How many KV ranges ``paged_attention`` splits each context into for these lengths when not told."""
+    return backend_for(k_cache).kv_splits(k_cache, num_q_heads, num_tokens, max_query_len, max_seq_len, batch)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
