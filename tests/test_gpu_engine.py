@@ -425,11 +425,11 @@ def test_penalised_banned_and_biased_sampling_leaves_the_host_ahead() -> None:
 
 def test_steps_of_every_sampling_feature_never_wait_for_the_gpu(tmp_path) -> None:
     """Requests of every token-level feature in one batch (greedy, filtered and seeded sampling,
-    penalties, logit biases, min_tokens, logprobs, n=2) beside a prompt too long for the prefill
-    graphs (eager steps, chunks beside decoding rows), run under CUDA's sync check set to raise:
-    no step's host work waits for queued kernels (a blocking copy, ``.item()``, an item assignment on
-    a device tensor), so the host stays a step ahead. The step's read of its sampled ids waits on an
-    event, which the check leaves alone; prompt logprobs, which read on the host, are left out."""
+    penalties, logit biases, min_tokens, logprobs, n=2, prompt logprobs) beside a prompt too long for
+    the prefill graphs (eager steps, chunks beside decoding rows), run under CUDA's sync check set to
+    raise: no step's host work waits for queued kernels (a blocking copy, ``.item()``, an item
+    assignment on a device tensor), so the host stays a step ahead. The step's read of its sampled
+    ids and prompt logprobs waits on events, which the check leaves alone."""
     make_model_dir("llama3", tmp_path)
     llm = LLM(str(tmp_path), device="cuda", dtype="bfloat16", max_num_seqs=16, max_model_len=4096,
               max_num_batched_tokens=4096)
@@ -440,7 +440,8 @@ def test_steps_of_every_sampling_feature_never_wait_for_the_gpu(tmp_path) -> Non
               SamplingParams(temperature=1.0, repetition_penalty=1.3, presence_penalty=0.5, frequency_penalty=0.2, **base),
               SamplingParams(temperature=1.0, logit_bias={5: 3.0, 6: -2.0}, **base),
               SamplingParams(temperature=1.0, min_tokens=6, stop_token_ids=[1, 2], max_tokens=10),
-              SamplingParams(temperature=1.0, n=2, **base), SamplingParams(temperature=0, **base)]
+              SamplingParams(temperature=1.0, n=2, **base), SamplingParams(temperature=0, prompt_logprobs=2, **base),
+              SamplingParams(temperature=0, **base)]
     # The last prompt is past the largest prefill graph: its step runs eagerly.
     prompts = parity_prompts()[:len(params) - 1] + [torch.randint(0, 256, (3000,)).tolist()]
     llm.generate(prompts, params, use_tqdm=False)  # a first run launches each kernel once
@@ -449,9 +450,12 @@ def test_steps_of_every_sampling_feature_never_wait_for_the_gpu(tmp_path) -> Non
         outputs = llm.generate(prompts, params, use_tqdm=False)
     finally:
         torch.cuda.set_sync_debug_mode("default")
-    assert [len(out.outputs) for out in outputs] == [1] * 7 + [2, 1]
+    assert [len(out.outputs) for out in outputs] == [1] * 7 + [2, 1, 1]
     assert all(len(choice.token_ids) >= 6 for out in outputs for choice in out.outputs)
     assert len(outputs[1].outputs[0].logprobs) == len(outputs[1].outputs[0].token_ids)
+    prompt_logprobs = outputs[8].prompt_logprobs
+    assert len(prompt_logprobs) == len(prompts[8]) and prompt_logprobs[0] is None
+    assert all(token in entry and len(entry) <= 3 for token, entry in zip(prompts[8][1:], prompt_logprobs[1:]))
 
 
 def test_host_staging_sends_every_array_whole() -> None:

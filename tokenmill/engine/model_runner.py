@@ -104,7 +104,9 @@ class InFlightStep:
     host: list[torch.Tensor | None] = field(default_factory=list)  # token ids, logprobs, their ids
     generator_states: dict[int, torch.Tensor] | None = None  # sampled row -> its generator's state
     done: torch.cuda.Event | None = None
-    prompt_logprobs: dict[Sequence, list[Logprobs]] = field(default_factory=dict)
+    # Prompt logprobs on their way to the host: (sequence, values kept a position, values, their ids).
+    prompt_logprobs: list[tuple[Sequence, int, torch.Tensor, torch.Tensor]] = field(default_factory=list)
+    prompt_logprobs_done: torch.cuda.Event | None = None
     pending_index: list[int] = field(default_factory=list)  # where each sampled token goes (engine)
     pending_sample: PendingSample | None = None  # set while ``sample`` is still to run
     sampling_flags: int = 0  # every ``sequence_rows`` flag a sampled row sets
@@ -516,8 +518,7 @@ class ModelRunner:
             return step
         num_prompt_rows = len(logits_rows) - sum(inputs.rows_per_seq)
         if prompt_rows:
-            self._prompt_logprobs(self.model.finish_logits_(logits[:num_prompt_rows]), prompt_rows,
-                                  step.prompt_logprobs)
+            self._prompt_logprobs(self.model.finish_logits_(logits[:num_prompt_rows]), step)
         if sampled:
             batch = self._sampling_batch(sampled, inputs)
             step.pending_sample = PendingSample(logits[num_prompt_rows:], batch, greedy_ids)
@@ -564,13 +565,14 @@ class ModelRunner:
 
     def collect(self, step: InFlightStep) -> StepResult:
         """Wait for a launched step's sampled ids (the step's one synchronisation) and read them."""
-        result = StepResult(sampled_seqs=step.sampled_seqs, prompt_logprobs=step.prompt_logprobs)
+        result = StepResult(sampled_seqs=step.sampled_seqs)
+        if step.prompt_logprobs:
+            self._wait(step.prompt_logprobs_done)
+            for seq, keep, values, ids in step.prompt_logprobs:
+                result.prompt_logprobs[seq] = [_logprob_dict(i, v, keep) for i, v in zip(ids.tolist(), values.tolist())]
         if not step.sampled_seqs:
             return result
-        if step.done is not None and self.peers is not None:
-            self.peers.wait(step.done)
-        elif step.done is not None:
-            step.done.synchronize()
+        self._wait(step.done)
         token_ids, logprobs, logprob_ids = step.host
         result.token_ids = token_ids.tolist()
         if len(result.token_ids) != len(step.sampled_seqs):
@@ -596,19 +598,31 @@ class ModelRunner:
             ids = torch.empty(plan.num_sampled_rows, dtype=torch.int64, device=self.device)
             self._followed_ids = broadcast(ids, self.tp)
 
-    def _prompt_logprobs(self, logits: torch.Tensor, prompt_rows: list[PromptLogprobRows],
-                         into: dict[Sequence, list[Logprobs]]) -> None:
-        """Computed at launch (a host read: prompt logprobs are rare and end the overlap for one step)."""
+    def _wait(self, event: torch.cuda.Event | None) -> None:
+        """Until the device has passed ``event`` (None: nothing to wait for, as on the CPU); with
+        other ranks, also watching that none of them failed."""
+        if event is not None and self.peers is not None:
+            self.peers.wait(event)
+        elif event is not None:
+            event.synchronize()
+
+    def _prompt_logprobs(self, logits: torch.Tensor, step: InFlightStep) -> None:
+        """Each of ``step``'s prompt rows' logprobs (``logits`` their rows, in order), enqueued at
+        launch with their copies to the host, which ``collect`` reads: the host does not wait for
+        the forward here, so a step with prompt logprobs overlaps like any other."""
         logprobs = logits.float().log_softmax(dim=-1)
         row = 0
-        for rows in prompt_rows:
+        for rows in step.prompt_rows:
             seq, first, count = rows.seq, rows.first, rows.count
-            targets = torch.tensor(seq.prompt_token_ids[first + 1:first + 1 + count], device=self.device)
+            targets = to_device(seq.prompt_token_ids[first + 1:first + 1 + count], torch.int64, self.device)
             num_top = num_top_logprobs(seq.params.prompt_logprobs, self.cfg.vocab_size)
             values, ids = gather_logprobs(logprobs[row:row + count], targets, num_top)
-            values, ids = values.tolist(), ids.tolist()
-            into[seq] = [_logprob_dict(ids[i], values[i], 1 + num_top) for i in range(count)]
+            step.prompt_logprobs.append((seq, 1 + num_top, values.to("cpu", non_blocking=True),
+                                         ids.to("cpu", non_blocking=True)))
             row += count
+        if self.device.type == "cuda":
+            step.prompt_logprobs_done = torch.cuda.Event()
+            step.prompt_logprobs_done.record()
 
 
 def max_top_k(temperature: np.ndarray, top_k: np.ndarray, vocab_size: int) -> int:
