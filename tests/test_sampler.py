@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from scipy.stats import chisquare
 
 from tokenmill.kernels.reference import apply_penalties, kth_largest, sampling_candidates
@@ -17,7 +20,7 @@ def batch_of(rows: int, *, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, gener
              num_logprobs=-1) -> SamplingBatch:
     full = lambda v, dt=torch.float32: torch.full((rows,), v, dtype=dt)  # noqa: E731
     return SamplingBatch(
-        temperature=full(temperature), inv_temperature=torch.from_numpy(inverse_temperature(full(temperature).numpy())),
+        temperature=full(temperature), inv_temperature=full(inverse_temperature(temperature)),
         top_k=full(top_k, torch.int64), top_p=full(top_p), min_p=full(min_p),
         repetition_penalty=full(1.0), presence_penalty=full(0.0), frequency_penalty=full(0.0),
         generators=generators or [None] * rows, num_logprobs=num_logprobs, all_greedy=temperature == 0,
@@ -76,16 +79,15 @@ def test_ties_at_the_edge_are_kept_whole() -> None:
 
 
 def test_max_top_k_is_the_largest_cut_of_a_sampled_row() -> None:
-    import numpy as np
-
     from tokenmill import SamplingParams
     from tokenmill.engine.model_runner import max_top_k
-    from tokenmill.engine.sequence_rows import sampling_row
+    from tokenmill.engine.sequence_rows import clamped_top_k
 
     def cut(vocab: int, *kinds: dict) -> int:
         """max_top_k over the sampling columns of rows of these parameters, as a step builds them."""
-        values = np.array([sampling_row(SamplingParams(**kind), vocab) for kind in kinds])
-        return max_top_k(values[:, 0].astype(np.float32), values[:, 1].astype(np.int64), vocab)
+        params = [SamplingParams(**kind) for kind in kinds]
+        return max_top_k(np.array([p.temperature for p in params], np.float32),
+                         np.array([clamped_top_k(p, vocab) for p in params], np.int64), vocab)
 
     assert cut(1000, {"top_k": 20, "top_p": 0.8}, {"top_k": 50}, {"temperature": 0.0, "top_k": 500}) == 50
     assert cut(1000, {"top_k": 20}, {"top_p": 0.9}) == 20
@@ -218,3 +220,13 @@ def test_penalties() -> None:
     assert torch.allclose(out, torch.tensor([[1.0, -4.0 - 0.5 - 0.5, 1.0, 1.0]]))
     assert math.isclose(out[0, 1].item(), -5.0)
 
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.floats(min_value=0.0, max_value=1e6, allow_nan=False) | st.floats(min_value=0.0, max_value=1e-5))
+def test_inverse_temperature_is_float32s_quotient(temperature: float) -> None:
+    """The host's inverse temperature (float64 division rounded to float32) is float32's own division
+    of the float32 temperature, the floor at 1e-6 and greedy's 0 included."""
+    t = np.float32(temperature)
+    want = np.float32(1) / np.maximum(t, np.float32(1e-6)) if t > 0 else np.float32(0)
+    assert inverse_temperature(temperature) == float(want)

@@ -55,7 +55,11 @@ def test_sampling_columns_are_each_rows_parameters(params: list[SamplingParams],
     temperature = np.array([p.temperature for p in expanded], dtype=np.float32)
     assert columns["temperature"].dtype == np.float32 and columns["top_k"].dtype == np.int64
     np.testing.assert_array_equal(columns["temperature"], temperature)
-    np.testing.assert_array_equal(columns["inv_temperature"], inverse_temperature(temperature))
+    # float32's own 1 / max(t, 1e-6) where t > 0 (the host computes it in float64, then rounds)
+    floor = np.float32(1e-6)
+    want = np.where(temperature > 0, np.float32(1) / np.maximum(temperature, floor), np.float32(0)).astype(np.float32)
+    np.testing.assert_array_equal(columns["inv_temperature"], want)
+    assert all(inverse_temperature(t) == w for t, w in zip(temperature.tolist(), want.tolist()))
     np.testing.assert_array_equal(columns["top_k"], [min(max(p.top_k, 0), VOCAB) for p in expanded])
     for name in ("top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty"):
         np.testing.assert_array_equal(columns[name], np.array([getattr(p, name) for p in expanded], np.float32))

@@ -906,7 +906,7 @@ def check_sample(ops, *, rows: int, vocab: int, device: str, splits: int | None 
     top_p[::4] = 1.0
     min_p = torch.where(torch.rand(rows, generator=gen, device=device) < 0.3, uniform(0.0, 0.5), 0.0)
     top_values = largest_logits(logits, int(top_k.max()))
-    inv_temperature = torch.from_numpy(inverse_temperature(temperature.cpu().numpy())).to(device)
+    inv_temperature = torch.tensor([inverse_temperature(t) for t in temperature.tolist()], device=device)
     greedy = logits.argmax(dim=-1)
     args = (logits, noise, inv_temperature, top_k, top_values, top_p, min_p, greedy)
     ref, got = reference.sample(*args), ops.sample(*args, **({} if splits is None else {"splits": splits}))

@@ -34,7 +34,8 @@ from tokenmill.engine.prefill_graphs import PrefillGraphs
 from tokenmill.engine.scheduler import ScheduledBatch
 from tokenmill.engine.sequence import PENDING, Sequence, SequenceStatus
 from tokenmill.engine.sequence_rows import (
-    GRAMMAR, LOGIT_BIAS, LOGPROBS, MIN_TOKENS, PENALTIES, PROMPT_LOGPROBS, SEEDED, SequenceRows)
+    FLOAT_COLUMNS, GRAMMAR, LOGIT_BIAS, LOGPROBS, MIN_TOKENS, PENALTIES, PROMPT_LOGPROBS, SEEDED, SamplingColumns,
+    SequenceRows)
 from tokenmill.engine.penalty_counts import PenaltyCounts
 from tokenmill.engine.structured_outputs import HostBitmask, apply_grammars
 from tokenmill.layers.attention import AttentionMetadata, KVCache
@@ -159,7 +160,7 @@ class StepInputs:
     rows_per_seq: list[int]  # sampled rows of each sampled sequence: 1 + its drafts
     sampling_columns: dict[str, torch.Tensor]  # per sampled row, named as SamplingBatch's fields
     prompt_rows: list[PromptLogprobRows]
-    host_sampling: dict[str, np.ndarray]  # the same columns on the host
+    host_sampling: SamplingColumns  # the same columns on the host
     sampling_flags: int  # every ``sequence_rows`` flag a sampled row sets
 
 
@@ -350,7 +351,7 @@ class ModelRunner:
         if (order[1:] < order[:-1]).any():
             seqs, counts, starts = [seqs[i] for i in order.tolist()], counts[order], starts[order]
         query_start = np.zeros(len(seqs) + 1, dtype=np.int32)
-        np.cumsum(counts, out=query_start[1:])
+        query_start[1:] = np.cumsum(counts)
         total = int(query_start[-1])
         rows = self.rows.rows_of(seqs)
         tables = self.rows.block_tables(rows)  # [groups, B, blocks]
@@ -385,9 +386,13 @@ class ModelRunner:
                 prompt_rows.append(PromptLogprobRows(seq, first, last - first))
                 prompt_logits_rows.extend(range(row0 + first, row0 + last))
         # Then each sampling sequence's rows: its last known token's, then each draft's.
-        firsts = np.repeat(query_start[1:][sampling_seqs] - drafts - 1, drafts + 1)
-        within = np.arange(int(drafts.sum()) + len(drafts)) - np.repeat(np.cumsum(drafts + 1) - drafts - 1, drafts + 1)
-        logits_rows = np.concatenate([np.asarray(prompt_logits_rows, dtype=np.int64), firsts + within])
+        sample_rows = query_start[1:][sampling_seqs].astype(np.int64) - 1
+        sampling_rows = rows[sampling_seqs]
+        if drafts.any():
+            firsts = np.repeat(sample_rows - drafts, drafts + 1)
+            sample_rows = firsts + np.arange(len(firsts)) - np.repeat(np.cumsum(drafts + 1) - drafts - 1, drafts + 1)
+            sampling_rows = np.repeat(sampling_rows, drafts + 1)
+        logits_rows = np.concatenate([np.asarray(prompt_logits_rows, dtype=np.int64), sample_rows])
         seq_lens = ends.astype(np.int32)
         pending_rows = np.flatnonzero(ids == PENDING)
         if len(pending_rows) and (previous is None or sum(previous.rows_per_seq) != len(previous.sampled_seqs)):
@@ -400,7 +405,6 @@ class ModelRunner:
             row_of = {seq: i for i, seq in enumerate(previous.sampled_seqs)} if len(pending_rows) else {}
             pending_sources = np.fromiter((row_of[seqs[b]] for b in owner[pending_rows].tolist()),
                                           dtype=np.int64, count=len(pending_rows))
-        sampling_rows = np.repeat(rows[sampling_seqs], drafts + 1)
         sampling = self.rows.sampling_columns(sampling_rows)
         max_query_len = int(counts.max())
         path, picks_rows = EAGER, False
@@ -426,9 +430,9 @@ class ModelRunner:
         if self.peers is not None:
             self.peers.send(plan)
         t = self._stage(plan, previous.token_ids if len(pending_rows) else None,
-                        {f"sampling.{name}": column for name, column in sampling.items()})
-        return StepInputs(plan, t, logits_rows, sampled, rows_per_seq,
-                          {name: t[f"sampling.{name}"] for name in sampling}, prompt_rows, sampling,
+                        {"sampling_floats": sampling.floats, "sampling_top_k": sampling.top_k})
+        columns = dict(zip(FLOAT_COLUMNS, t["sampling_floats"].unbind(0)), top_k=t["sampling_top_k"])
+        return StepInputs(plan, t, logits_rows, sampled, rows_per_seq, columns, prompt_rows, sampling,
                           self.rows.union_flags(sampling_rows))
 
     def _stage(self, plan: StepPlan, previous_ids: torch.Tensor | None,
@@ -626,8 +630,8 @@ class ModelRunner:
 
 
 def max_top_k(temperature: np.ndarray, top_k: np.ndarray, vocab_size: int) -> int:
-    """The largest top-k of a sampled row (``sampling_row``'s columns) that cuts the vocabulary; 0 if
-    none does."""
+    """The largest top-k of a sampled row (``SamplingColumns``' top-k, clamped) that cuts the
+    vocabulary; 0 if none does."""
     cuts = top_k[(temperature > 0) & (top_k > 0) & (top_k < vocab_size)]
     return int(cuts.max()) if len(cuts) else 0
 

@@ -13,6 +13,7 @@ are reclaimed (the arrays grow when that frees none).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from operator import attrgetter
 
 import numpy as np
@@ -21,11 +22,11 @@ from tokenmill.engine.sequence import Sequence, SequenceStatus
 from tokenmill.layers.sampler import inverse_temperature
 from tokenmill.sampling_params import SamplingParams
 
-# The numeric sampling parameters of a row, and the dtype each goes to the device in (``top_k`` 0 is
-# off; larger than the vocabulary means all of it).
-SAMPLING_COLUMNS = {"temperature": np.float32, "top_k": np.int64, "top_p": np.float32, "min_p": np.float32,
-                    "repetition_penalty": np.float32, "presence_penalty": np.float32,
-                    "frequency_penalty": np.float32}
+# A row's float32 sampling parameters, in their order as the rows of one array (the inverse
+# temperature the sampler takes is computed once, when the sequence takes its row); its top-k is kept
+# apart as int64 (0 is off; larger than the vocabulary means all of it).
+FLOAT_COLUMNS = ("temperature", "inv_temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty",
+                 "frequency_penalty")
 
 
 # What a row needs besides its numeric sampling columns, one bit each: a step whose rows set none
@@ -42,10 +43,27 @@ def row_flags(seq: Sequence) -> int:
             | (PENALTIES if params.uses_penalties else 0) | (GRAMMAR if seq.matcher is not None else 0))
 
 
-def sampling_row(params: SamplingParams, vocab_size: int) -> tuple[float, ...]:
-    """``params``' values in ``SAMPLING_COLUMNS``' order."""
-    return (params.temperature, min(max(params.top_k, 0), vocab_size), params.top_p, params.min_p,
+def float_row(params: SamplingParams) -> tuple[float, ...]:
+    """``params``' values in ``FLOAT_COLUMNS``' order."""
+    return (params.temperature, inverse_temperature(params.temperature), params.top_p, params.min_p,
             params.repetition_penalty, params.presence_penalty, params.frequency_penalty)
+
+
+def clamped_top_k(params: SamplingParams, vocab_size: int) -> int:
+    """``params.top_k`` with -1 (off) as 0 and at most the vocabulary."""
+    return min(max(params.top_k, 0), vocab_size)
+
+
+@dataclass
+class SamplingColumns:
+    """The sampling parameters of a step's sampled rows: the float32 ones as the rows of one array, so
+    that they cross to the device in one piece, and top-k. ``columns[name]`` is one parameter's."""
+
+    floats: np.ndarray  # [len(FLOAT_COLUMNS), rows] float32
+    top_k: np.ndarray  # [rows] int64
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        return self.top_k if name == "top_k" else self.floats[FLOAT_COLUMNS.index(name)]
 
 
 class SequenceRows:
@@ -53,7 +71,8 @@ class SequenceRows:
         self.vocab_size = vocab_size
         self.owners: list[Sequence | None] = [None] * capacity
         self.free = list(range(capacity))
-        self.sampling = np.zeros((capacity, len(SAMPLING_COLUMNS)), dtype=np.float64)
+        self.floats = np.zeros((len(FLOAT_COLUMNS), capacity), dtype=np.float32)
+        self.top_k = np.zeros(capacity, dtype=np.int64)
         self.flags = np.zeros(capacity, dtype=np.uint8)
         self.tables = np.zeros((num_groups, capacity, 1), dtype=np.int32)
         self.table_lens = np.zeros(capacity, dtype=np.int64)
@@ -73,13 +92,9 @@ class SequenceRows:
         """``[groups, len(rows), longest table]`` int32, zero past each sequence's table."""
         return self.tables[:, rows, :max(1, int(self.table_lens[rows].max(initial=0)))]
 
-    def sampling_columns(self, rows: np.ndarray) -> dict[str, np.ndarray]:
-        """The sampling parameters of ``rows`` (a sequence's row once for each of its sampled rows),
-        one named column each, with the inverse temperature the sampler takes."""
-        values = self.sampling[rows]
-        columns = {name: values[:, i].astype(dtype) for i, (name, dtype) in enumerate(SAMPLING_COLUMNS.items())}
-        columns["inv_temperature"] = inverse_temperature(columns["temperature"])
-        return columns
+    def sampling_columns(self, rows: np.ndarray) -> SamplingColumns:
+        """The sampling parameters of ``rows`` (a sequence's row once for each of its sampled rows)."""
+        return SamplingColumns(self.floats[:, rows], self.top_k[rows])
 
     def union_flags(self, rows: np.ndarray) -> int:
         """Every flag any of ``rows`` sets."""
@@ -90,7 +105,8 @@ class SequenceRows:
             self._reclaim()
         row = seq.row = self.free.pop()
         self.owners[row] = seq
-        self.sampling[row] = sampling_row(seq.params, self.vocab_size)
+        self.floats[:, row] = float_row(seq.params)
+        self.top_k[row] = clamped_top_k(seq.params, self.vocab_size)
         self.flags[row] = row_flags(seq)
         self._write_tables(seq, row)
 
@@ -117,7 +133,8 @@ class SequenceRows:
         old = len(self.owners)
         self.owners += [None] * old
         self.free = list(range(old, 2 * old))
-        self.sampling = np.concatenate([self.sampling, np.zeros_like(self.sampling)])
+        self.floats = np.concatenate([self.floats, np.zeros_like(self.floats)], axis=1)
+        self.top_k = np.concatenate([self.top_k, np.zeros_like(self.top_k)])
         self.flags = np.concatenate([self.flags, np.zeros_like(self.flags)])
         self.tables = np.concatenate([self.tables, np.zeros_like(self.tables)], axis=1)
         self.table_lens = np.concatenate([self.table_lens, np.zeros_like(self.table_lens)])

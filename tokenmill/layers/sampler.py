@@ -49,13 +49,16 @@ class SamplingBatch:
     keep_generator_states: frozenset[int] = frozenset()
 
 
-def inverse_temperature(temperature: np.ndarray) -> np.ndarray:
-    """``1 / temperature`` for sampled rows (temperatures below 1e-6 as 1e-6), 0 for greedy ones, in
-    float32: computed on the host with a step's other sampling columns, so the device gets it in the
-    same copy."""
-    temperature = np.asarray(temperature, dtype=np.float32)
-    return np.where(temperature > 0, np.float32(1) / np.maximum(temperature, np.float32(1e-6)),
-                    np.float32(0)).astype(np.float32)
+_MIN_TEMPERATURE = float(np.float32(1e-6))
+
+
+def inverse_temperature(temperature: float) -> float:
+    """``1 / temperature`` of a sampled row (a temperature below 1e-6 as 1e-6), 0 of a greedy one, as
+    float32 computes it (the quotient of two float32 values, correctly rounded to float32, is what
+    float64 division rounded to float32 gives): computed on the host once a sequence and sent with a
+    step's other sampling columns."""
+    t = float(np.float32(temperature))
+    return float(np.float32(1.0 / max(t, _MIN_TEMPERATURE))) if t > 0 else 0.0
 
 
 @dataclass
