@@ -43,48 +43,46 @@ class HostStaging:
         slice along the first axis of an array of two or more dimensions: a model with several KV
         groups gives each group's slots and block tables to its layers as a tensor of its own, and
         slices packed end to end would start wherever the step's token or sequence count put them,
-        a variant the warm-up cannot foresee. Arrays of one dtype lie side by side and are cut apart
-        with one ``split``: a torch call costs the host microseconds, and a step sends about twenty
-        arrays."""
+        a variant the warm-up cannot foresee. Each array is one strided view of the copied buffer
+        (one torch call: a step sends about a dozen arrays, and each torch call costs the host
+        microseconds)."""
         if self._pinned is None:
             return {name: torch.from_numpy(np.ascontiguousarray(a)) for name, a in arrays.items()}
-        by_dtype: dict[np.dtype, list[str]] = {}
+        layout = []  # (name, array, its slices, their elements, with padding, element offset)
+        total = 0  # bytes, a multiple of 16 after every array
         for name, a in arrays.items():
-            by_dtype.setdefault(a.dtype, []).append(name)
-        regions, total = [], 0  # (dtype, names, byte offset, each one's elements with its padding)
-        slices: dict[str, tuple[int, int, int]] = {}  # each array's slices, their elements, and with padding
-        for dtype, names in by_dtype.items():
-            per_align = _ALIGN // dtype.itemsize
-            for name in names:
-                a = arrays[name]
-                count, each = (a.shape[0], int(np.prod(a.shape[1:]))) if a.ndim > 1 else (1, a.size)
-                slices[name] = (count, each, -(-each // per_align) * per_align)
-            spans = [count * padded for count, _, padded in map(slices.__getitem__, names)]
-            regions.append((dtype, names, total, spans))
-            total += sum(spans) * dtype.itemsize
+            count, each = (a.shape[0], a.size // a.shape[0] if a.shape[0] else 0) if a.ndim > 1 else (1, a.size)
+            per_align = _ALIGN // a.itemsize
+            padded = -(-each // per_align) * per_align
+            layout.append((name, a, count, each, padded, total // a.itemsize))
+            total += count * padded * a.itemsize
         if self._copied is not None:
             self._copied.synchronize()  # the previous step's copy must have left the buffer
         if total > self._pinned.numel():
             self._pinned = torch.empty(2 * total, dtype=torch.uint8, pin_memory=True)
-        host = self._pinned.numpy()
-        for dtype, names, offset, spans in regions:
-            view = host[offset:offset + sum(spans) * dtype.itemsize].view(dtype)
-            at = 0
-            for name, span in zip(names, spans):
-                count, each, padded = slices[name]
-                view[at:at + span].reshape(count, padded)[:, :each] = arrays[name].reshape(count, each)
-                at += span
+        host_bytes = self._pinned.numpy()
+        host: dict[np.dtype, np.ndarray] = {}
+        for name, a, count, each, padded, at in layout:
+            view = host.get(a.dtype)
+            if view is None:
+                view = host[a.dtype] = host_bytes[:total].view(a.dtype)
+            if count == 1 or padded == each:
+                view[at:at + count * each] = a.reshape(-1)
+            else:
+                view[at:at + count * padded].reshape(count, padded)[:, :each] = a.reshape(count, each)
         on_device = self._pinned[:total].to(self.device, non_blocking=True)
         self._copied = torch.cuda.Event()
         self._copied.record()
+        typed: dict[np.dtype, torch.Tensor] = {}
         out = {}
-        for dtype, names, offset, spans in regions:
-            region = on_device[offset:offset + sum(spans) * dtype.itemsize].view(_torch_dtype(dtype))
-            for name, part in zip(names, region.split(spans)):
-                count, each, padded = slices[name]
-                shape = arrays[name].shape
-                if len(shape) <= 1:
-                    out[name] = part[:each].view(shape)
-                else:  # each slice contiguous, one padded stride apart
-                    out[name] = part.view(count, padded)[:, :each].unflatten(1, shape[1:])
-        return {name: out[name] for name in arrays}
+        for name, a, count, each, padded, at in layout:
+            region = typed.get(a.dtype)
+            if region is None:
+                region = typed[a.dtype] = on_device.view(_torch_dtype(a.dtype))
+            strides = [1] * a.ndim
+            for d in range(a.ndim - 2, -1, -1):
+                strides[d] = strides[d + 1] * a.shape[d + 1]
+            if a.ndim > 1:
+                strides[0] = padded  # each slice one padded stride apart
+            out[name] = region.as_strided(a.shape, strides, at)
+        return out
