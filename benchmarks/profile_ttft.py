@@ -70,6 +70,8 @@ def main() -> None:
     parser.add_argument("--sampled", action="store_true")
     parser.add_argument("--out")
     args = parser.parse_args()
+    if args.tokens < 1 or args.prefix < 0:
+        parser.error("--tokens must be at least 1 and --prefix at least 0")
     engine = make_engine(args.shape, max_num_seqs=8, max_num_batched_tokens=args.max_num_batched_tokens)
     budget = engine.core.config.max_num_batched_tokens
     rng, vocab = random.Random(0), engine.model_config.vocab_size
