@@ -63,3 +63,10 @@ def test_a_lone_chunk_after_a_long_prefix_replays_the_graph_that_splits_its_cont
         graphs.run(torch.zeros(tokens, dtype=torch.int64), torch.arange(tokens), meta, torch.tensor([tokens - 1]))
     assert replayed == [(32, 32), (32, 32), (32, graphs.max_context), (128, 128)]
     assert graphs.long_prefix_replays == 1 and graphs.replays == 4
+    assert graphs.logits_rows.tolist() == [99] and graphs.seq_lens.tolist() == [500]
+    # A chunk that samples nothing: its graph's one logits row must not keep the last step's 99.
+    meta = AttentionMetadata(slot_mapping=(torch.full((20,), -1),), query_start_loc=torch.tensor([0, 20]),
+                             seq_lens=torch.tensor([20]), block_tables=(torch.zeros(1, 32, dtype=torch.int32),),
+                             max_query_len=20, max_seq_len=20)
+    graphs.run(torch.zeros(20, dtype=torch.int64), torch.arange(20), meta, torch.zeros(0, dtype=torch.int64))
+    assert graphs.logits_rows.tolist() == [0] and graphs.seq_lens.tolist() == [20]

@@ -85,7 +85,8 @@ def stage_step_inputs(static: Any, input_ids: torch.Tensor, positions: torch.Ten
     for g, (slots, table) in enumerate(zip(meta.slot_mapping, meta.block_tables)):
         static.slot_mapping[g, :rows].copy_(slots)
         static.block_tables[g, :seqs, :width].copy_(table)
-    static.slot_mapping[:, rows:padded].fill_(-1)
+    if rows < padded:
+        static.slot_mapping[:, rows:padded].fill_(-1)
 
 
 class DecodeGraphs:
@@ -180,7 +181,8 @@ class DecodeGraphs:
         size = self.padded_size(batch)
         stage_step_inputs(self, input_ids, positions, meta, size)
         self.seq_lens[:batch].copy_(meta.seq_lens)
-        self.seq_lens[batch:size].fill_(1)
+        if batch < size:
+            self.seq_lens[batch:size].fill_(1)
         self.graph_for(batch, meta.max_seq_len).replay()
         return self.logits[:batch], self.greedy_ids[:batch]
 

@@ -155,10 +155,12 @@ class PrefillGraphs:
         size = self.padded_size(total, seqs)
         stage_step_inputs(self, input_ids, positions, meta, size)
         self.query_start_loc[:seqs + 1].copy_(meta.query_start_loc)
-        self.query_start_loc[seqs + 1:] = meta.query_start_loc[-1]  # the missing sequences: empty queries
         self.seq_lens[:seqs].copy_(meta.seq_lens)
-        self.seq_lens[seqs:].zero_()
-        self.logits_rows.zero_()  # (every index stays within the rows this graph computes)
+        if seqs < self.max_seqs:  # (each torch call costs the host microseconds: none for nothing)
+            self.query_start_loc[seqs + 1:] = meta.query_start_loc[-1]  # the missing sequences: empty queries
+            self.seq_lens[seqs:].zero_()
+        if rows < self.max_seqs:
+            self.logits_rows.zero_()  # (every index stays within the rows this graph computes)
         self.logits_rows[:rows].copy_(logits_rows)
         split = (size, self.max_context)
         if split in self.graphs and meta.max_seq_len - total >= LONG_PREFIX:
