@@ -467,6 +467,7 @@ def bench_startup(ceilings: Ceilings, shape: str = "llama3-8b") -> list[dict]:
              "graph_batch_sizes": graphs.sizes if graphs else None,
              "prefill_graph_capture_seconds": prefill.capture_seconds if prefill else None,
              "prefill_graph_tokens": prefill.sizes if prefill else None,
+             "prefill_long_prefix_graph_tokens": sorted(n for n, c in prefill.graphs if c != n) if prefill else None,
              "mixed_graph_capture_seconds": mixed.capture_seconds if mixed else None,
              "mixed_graph_tokens": mixed.sizes if mixed else None}]
     rng, vocab = random.Random(0), engine.model_config.vocab_size
