@@ -265,3 +265,14 @@ def test_the_longest_prefix_hit_is_the_longest_every_group_can_serve(windows: li
              for _ in windows]
     tried = next((n for n in range(usable, 0, -1) if kv._is_hit(found, n)), 0)
     assert kv._longest_hit(found) == tried
+
+
+def test_a_preempted_sequence_finds_its_computed_blocks_when_admitted_again() -> None:
+    """Preemption frees a sequence's blocks with those its last step computed committed (no step
+    completed since), so its recompute starts from the cache."""
+    kv = KVCacheManager(num_blocks=8, block_size=4)
+    victim = Sequence(0, "0", 0, list(range(1, 11)), SamplingParams(), time.time(), None)
+    assert kv.match_prefix(victim) == 0 and kv.allocate(victim, 10)
+    victim.num_computed_tokens = 10  # its prompt's step launched; nothing committed yet
+    kv.free(victim)  # as Scheduler._preempt does
+    assert kv.match_prefix(victim) == 8  # its two full blocks; the last token is always computed

@@ -207,6 +207,26 @@ def test_abort_frees_blocks(llm) -> None:
     assert engine.abort_request("a") is None
 
 
+@pytest.mark.parametrize("overlap", [False, True])
+def test_a_request_that_ends_with_its_prompts_step_leaves_the_prompt_cached(model_dir, overlap) -> None:
+    """One token asked for, or a stop on the first: the request ends in the step that computes its
+    prompt, and the next prompt with the same start finds those blocks (with the same results as
+    computing them again)."""
+    llm = LLM(str(model_dir), device="cpu", dtype="float32", max_num_seqs=4, async_scheduling=overlap)
+    fresh = LLM(str(model_dir), device="cpu", dtype="float32", max_num_seqs=4, enable_prefix_caching=False)
+    kv, vocab = llm.engine.core.kv, llm.engine.model_config.vocab_size
+    ended_at_once = [greedy(1), greedy(4, stop_token_ids=list(range(vocab)))]
+    for n, params in enumerate(ended_at_once):
+        prompt = [(7 * i + n) % 50 + 3 for i in range(40)]  # two full blocks of 16 and 8 tokens more
+        out = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0]
+        assert len(out.token_ids) == 1
+        hits = kv.hit_tokens
+        longer = prompt + [9, 8, 7, 6, 5]
+        cached = llm.generate([longer], greedy(8, ignore_eos=True), use_tqdm=False)[0].outputs[0].token_ids
+        assert kv.hit_tokens - hits == 32, "the prompt's blocks were not cached when its request ended"
+        assert cached == fresh.generate([longer], greedy(8, ignore_eos=True), use_tqdm=False)[0].outputs[0].token_ids
+
+
 def test_unknown_model_directory_errors_are_clear(tmp_path) -> None:
     with pytest.raises(ValueError, match="does not exist"):
         LLM(str(tmp_path / "missing"))

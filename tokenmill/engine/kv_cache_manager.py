@@ -143,8 +143,9 @@ class KVCacheManager:
                 seq.tables_changed()
 
     def commit_step(self, seqs: list[Sequence]) -> None:
-        """``commit_computed_blocks`` for every sequence of a step that still runs (called only for
-        those whose computed tokens reach past their committed blocks: most steps, none do)."""
+        """``commit_computed_blocks`` for every sequence of a step that still runs (those that ended
+        committed theirs when their blocks were freed; called only for those whose computed tokens
+        reach past their committed blocks: most steps, none do)."""
         size = self.block_size
         for seq in seqs:
             if seq.num_computed_tokens >= (seq.num_committed_blocks + 1) * size and not seq.is_finished:
@@ -177,7 +178,14 @@ class KVCacheManager:
                 seq.tables_changed()
 
     def free(self, seq: Sequence) -> None:
-        """Return the sequence's blocks, tail first into the eviction queue."""
+        """Return the sequence's blocks, tail first into the eviction queue, after making its full
+        computed blocks findable: a request that ends in the step that computes its prompt (one
+        token asked for, or a stop on the first) leaves its prompt cached for the next one with
+        the same prefix, and a preempted sequence finds its own blocks when admitted again. A
+        block whose keys the step in flight still writes is safe to find: every later step that
+        reads it is launched after that write on the same stream."""
+        if seq.block_tables:
+            self.commit_computed_blocks(seq)
         for pool, table, null in zip(self.pools, seq.block_tables, self.null_blocks):
             pool.free([b for b in reversed(table) if b != null])
         seq.block_tables = []
