@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+import pytest
 import torch
 
-from tokenmill.engine.cuda_graphs import stage_step_inputs
+from tokenmill.engine.cuda_graphs import capture_each, stage_step_inputs
 from tokenmill.layers.attention import AttentionMetadata
 
 
@@ -70,3 +71,49 @@ def test_a_lone_chunk_after_a_long_prefix_replays_the_graph_that_splits_its_cont
                              max_query_len=20, max_seq_len=20)
     graphs.run(torch.zeros(20, dtype=torch.int64), torch.arange(20), meta, torch.zeros(0, dtype=torch.int64))
     assert graphs.logits_rows.tolist() == [0] and graphs.seq_lens.tolist() == [20]
+
+
+def _recorded_capture(failing: set[int]):
+    """``capture_each``'s callables over integer keys, logging each call; a capture of a key in
+    ``failing`` raises until that key has run eagerly (as a capture that needs a buffer made outside
+    it does)."""
+    log: list[tuple[str, int]] = []
+    eager: set[int] = set()
+
+    def forward(key: int) -> None:
+        log.append(("eager", key))
+        eager.add(key)
+
+    def capture(key: int) -> str:
+        log.append(("capture", key))
+        if key in failing and key not in eager:
+            raise RuntimeError(f"key {key} cannot be captured before it runs eagerly")
+        return f"graph {key}"
+
+    return log, forward, capture
+
+
+def test_only_the_first_graph_runs_eagerly_and_a_failed_capture_runs_eagerly_then_again() -> None:
+    log, forward, capture = _recorded_capture(failing={2})
+    prepared: list[int] = []
+    graphs = capture_each([3, 2, 1], prepared.append, forward, capture)
+    assert graphs == {3: "graph 3", 2: "graph 2", 1: "graph 1"} and prepared == [3, 2, 1]
+    assert log == [("eager", 3), ("capture", 3), ("capture", 2), ("eager", 2), ("capture", 2), ("capture", 1)]
+
+
+def test_every_graph_runs_eagerly_first_when_asked() -> None:
+    """(As every rank of a tensor-parallel group does: a retry on one rank alone would launch
+    collectives the others do not.)"""
+    log, forward, capture = _recorded_capture(failing=set())
+    capture_each([2, 1], lambda key: None, forward, capture, eager_each=True)
+    assert log == [("eager", 2), ("capture", 2), ("eager", 1), ("capture", 1)]
+
+
+def test_a_capture_that_fails_after_its_eager_run_raises() -> None:
+    log, forward, capture = _recorded_capture(failing=set())
+
+    def broken(key: int) -> str:
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    with pytest.raises(RuntimeError, match="not permitted"):
+        capture_each([2, 1], lambda key: None, forward, lambda key: capture(key) if key == 2 else broken(key))

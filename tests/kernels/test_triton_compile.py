@@ -525,6 +525,24 @@ def test_the_few_row_matmul_keeps_every_counter_array_a_graph_may_hold() -> None
     skinny._counters.pop(device)
 
 
+def test_the_few_row_matmul_makes_no_counters_inside_a_graph_capture(monkeypatch) -> None:
+    """Counters made inside a capture would be zeroed only when that graph replays, and eager launches
+    would read them first: the launch refuses, and the capture is done again after an eager run
+    (``cuda_graphs.capture_each``). Counters made before it serve the capture."""
+    from tokenmill.kernels import triton_skinny_matmul as skinny
+
+    device = torch.device("cuda", 0)  # nothing is allocated on it: the counters are given or refused
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    monkeypatch.setitem(skinny._counters, device, [])
+    with pytest.raises(RuntimeError, match="outside a CUDA graph capture"):
+        skinny._tile_counters(device, 10)
+    made = torch.zeros(1 << 12, dtype=torch.int32)
+    skinny._counters[device].append(made)
+    assert skinny._tile_counters(device, 10) is made
+    with pytest.raises(RuntimeError, match="outside a CUDA graph capture"):
+        skinny._tile_counters(device, made.numel() + 1)
+
+
 def _compile_merge_kernel() -> Any:
     """Triton's cache hook called, as Triton calls it before it compiles a variant (or loads one from
     disk), for the split merge; its answer (a true one would skip the compile)."""

@@ -51,27 +51,53 @@ def capture_sizes(max_num_seqs: int) -> list[int]:
 
 
 def capture_graphs(keys: Iterable[K], prepare: Callable[[K], None], forward: Callable[[K], None],
-                   pool: Any = None) -> tuple[dict[K, torch.cuda.CUDAGraph], Any]:
+                   pool: Any = None, eager_each: bool = False) -> tuple[dict[K, torch.cuda.CUDAGraph], Any]:
     """A graph of ``forward(key)`` for every key, in order, after ``prepare(key)`` (which sets the
-    static inputs for the capture, and is not captured), each run once eagerly first (Triton compiles
-    and cuBLAS picks its kernels outside the capture), all in one memory pool (``pool``, or a new
+    static inputs for the capture, and is not captured), all in one memory pool (``pool``, or a new
     one): the graphs never run at once, and their outputs are static buffers outside it. Returns the
-    graphs and the pool."""
-    graphs: dict[K, torch.cuda.CUDAGraph] = {}
+    graphs and the pool. The keys are run eagerly as ``capture_each`` says (``eager_each``: every
+    one, as ranks of a tensor-parallel group must, so that all of them launch the same collectives)."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for key in keys:
-            prepare(key)
+
+    def capture(key: K) -> torch.cuda.CUDAGraph:
+        nonlocal pool
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool, stream=stream):
             forward(key)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool, stream=stream):
-                forward(key)
-            pool = graph.pool()
-            graphs[key] = graph
+        pool = graph.pool()
+        return graph
+
+    with torch.cuda.stream(stream):
+        graphs = capture_each(keys, prepare, forward, capture, eager_each)
     torch.cuda.current_stream().wait_stream(stream)
     torch.cuda.synchronize()
     return graphs, pool
+
+
+def capture_each(keys: Iterable[K], prepare: Callable[[K], None], forward: Callable[[K], None],
+                 capture: Callable[[K], Any], eager_each: bool = False) -> dict[K, Any]:
+    """``capture(key)`` for every key after ``prepare(key)``. Only the first key runs eagerly before
+    its capture (cuBLAS's workspace on the capture stream, the model's kernels loaded): a start-up
+    spends most of its time in the host's work of each forward, and an eager run before every
+    capture doubled it. A kernel variant first reached inside a later capture compiles or loads
+    there, which CUDA drivers from 12.3 allow; a capture that fails (an older driver, a buffer that
+    must be made outside any capture) is done again after an eager run. ``eager_each``: run every
+    key eagerly first."""
+    graphs: dict[K, Any] = {}
+    for i, key in enumerate(keys):
+        prepare(key)
+        if i == 0 or eager_each:
+            forward(key)
+            graphs[key] = capture(key)
+            continue
+        try:
+            graphs[key] = capture(key)
+        except RuntimeError as error:
+            logger.debug("capturing %s failed (%s): run eagerly first, then captured again", key, error)
+            forward(key)
+            graphs[key] = capture(key)
+    return graphs
 
 
 def stage_step_inputs(static: Any, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
@@ -143,14 +169,16 @@ class DecodeGraphs:
         self.greedy_ids[:rows] = ops.argmax_rows(logits)
 
     @torch.inference_mode()
-    def capture(self) -> None:
-        """Capture every graph, largest first, so smaller graphs reuse its memory pool."""
+    def capture(self, eager_each: bool = False) -> None:
+        """Capture every graph, largest first, so smaller graphs reuse its memory pool
+        (``eager_each``: ``capture_graphs``')."""
         started = time.monotonic()
 
         def prepare(key: tuple[int, int, int]) -> None:
             self.seq_lens.fill_(key[2])  # every sequence holds its query (a context of 0 before it)
 
-        self.graphs, self.pool = capture_graphs(self._keys(), prepare, lambda key: self._forward(*key))
+        self.graphs, self.pool = capture_graphs(self._keys(), prepare, lambda key: self._forward(*key),
+                                                 eager_each=eager_each)
         self.seq_lens.fill_(1)
         self.capture_seconds = time.monotonic() - started
         logger.info("captured %d decode graphs (batch sizes %s%s) in %.1f s", len(self.graphs), self.sizes,

@@ -265,15 +265,16 @@ class ModelRunner:
             max_blocks = -(-max_model_len // block_size)
             self.graphs = DecodeGraphs(model, self.kv_caches, len(num_blocks), max_num_seqs, max_blocks, block_size,
                                        cfg.vocab_size, dtype, device, verify_len, max_verify_seqs)
-            self.graphs.capture()
+            eager_each = tp.size > 1  # every rank must launch the same collectives
+            self.graphs.capture(eager_each)
             budget = min(max_num_batched_tokens, max_model_len)
             self.prefill_graphs = PrefillGraphs(model, self.kv_caches, len(num_blocks), budget, max_blocks,
                                                 cfg.vocab_size, dtype, device)
-            self.prefill_graphs.capture(self.graphs.pool)
+            self.prefill_graphs.capture(self.graphs.pool, eager_each)
             if max_num_seqs > 1:
                 self.mixed_graphs = PrefillGraphs(model, self.kv_caches, len(num_blocks), budget, max_blocks,
                                                   cfg.vocab_size, dtype, device, max_seqs=max_num_seqs)
-                self.mixed_graphs.capture(self.graphs.pool)
+                self.mixed_graphs.capture(self.graphs.pool, eager_each)
 
     @torch.inference_mode()
     def warm_up(self, max_num_batched_tokens: int, max_model_len: int) -> None:

@@ -118,9 +118,9 @@ class PrefillGraphs:
         self.greedy_ids[:rows] = ops.argmax_rows(logits)
 
     @torch.inference_mode()
-    def capture(self, pool: object = None) -> None:
+    def capture(self, pool: object = None, eager_each: bool = False) -> None:
         """Capture every size, largest first, in ``pool`` (the decode graphs'): these graphs add only
-        what their largest step needs beyond the largest decode graph."""
+        what their largest step needs beyond the largest decode graph (``eager_each``: ``capture_graphs``')."""
         started = time.monotonic()
 
         def prepare(key: tuple[int, int]) -> None:
@@ -131,7 +131,8 @@ class PrefillGraphs:
             self.seq_lens[0] = size
             self.logits_rows.fill_(size - 1)
 
-        self.graphs, _ = capture_graphs(self._keys(), prepare, lambda key: self._forward(*key), pool)
+        self.graphs, _ = capture_graphs(self._keys(), prepare, lambda key: self._forward(*key), pool,
+                                        eager_each)
         self.capture_seconds = time.monotonic() - started
         if self.graphs:
             split = sorted(size for size, context in self.graphs if context != size)

@@ -127,6 +127,10 @@ def _tile_counters(device: torch.device, tiles: int) -> torch.Tensor:
     than they hold gets a longer array; the old one is kept, since a captured graph may use it."""
     made = _counters.setdefault(device, [])
     if not made or made[-1].numel() < tiles:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            # Made inside a capture, they would be zeroed only when that graph replays.
+            raise RuntimeError("the split-K tile counters must be made outside a CUDA graph capture: "
+                               "run this shape eagerly first")
         made.append(torch.zeros(max(1 << 12, tiles), dtype=torch.int32, device=device))
     return made[-1]
 
