@@ -96,8 +96,8 @@ def _recorded_capture(failing: set[int]):
 def test_only_the_first_graph_runs_eagerly_and_a_failed_capture_runs_eagerly_then_again() -> None:
     log, forward, capture = _recorded_capture(failing={2})
     prepared: list[int] = []
-    graphs = capture_each([3, 2, 1], prepared.append, forward, capture)
-    assert graphs == {3: "graph 3", 2: "graph 2", 1: "graph 1"} and prepared == [3, 2, 1]
+    graphs, retried = capture_each([3, 2, 1], prepared.append, forward, capture)
+    assert graphs == {3: "graph 3", 2: "graph 2", 1: "graph 1"} and prepared == [3, 2, 1] and retried == 1
     assert log == [("eager", 3), ("capture", 3), ("capture", 2), ("eager", 2), ("capture", 2), ("capture", 1)]
 
 
@@ -105,7 +105,7 @@ def test_every_graph_runs_eagerly_first_when_asked() -> None:
     """(As every rank of a tensor-parallel group does: a retry on one rank alone would launch
     collectives the others do not.)"""
     log, forward, capture = _recorded_capture(failing=set())
-    capture_each([2, 1], lambda key: None, forward, capture, eager_each=True)
+    assert capture_each([2, 1], lambda key: None, forward, capture, eager_each=True)[1] == 0
     assert log == [("eager", 2), ("capture", 2), ("eager", 1), ("capture", 1)]
 
 
@@ -117,3 +117,44 @@ def test_a_capture_that_fails_after_its_eager_run_raises() -> None:
 
     with pytest.raises(RuntimeError, match="not permitted"):
         capture_each([2, 1], lambda key: None, forward, lambda key: capture(key) if key == 2 else broken(key))
+
+
+def test_capture_graphs_threads_one_pool_through_every_capture(monkeypatch) -> None:
+    """``capture_graphs``' plumbing around ``capture_each``, with CUDA's stream and graph objects
+    stood in for: every capture after the first gets the pool the one before it made or was given,
+    a capture that fails is retried, and the pool comes back."""
+    import contextlib
+
+    from tokenmill.engine import cuda_graphs
+
+    pools_given: list[object] = []
+
+    class Graph:
+        made = 0
+
+        def __init__(self) -> None:
+            Graph.made += 1
+            self.id = Graph.made
+
+        def pool(self) -> str:
+            return "pool"
+
+    @contextlib.contextmanager
+    def graph(g: Graph, pool: object = None, stream: object = None):
+        pools_given.append(pool)
+        yield
+        if g.id == 2:  # the second key's first capture
+            raise RuntimeError("operation not permitted when stream is capturing")
+
+    stream = SimpleNamespace(wait_stream=lambda other: None)
+    monkeypatch.setattr(torch.cuda, "Stream", lambda: stream)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda: stream)
+    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", Graph)
+    monkeypatch.setattr(torch.cuda, "graph", graph)
+    ran: list[int] = []
+    graphs, pool = cuda_graphs.capture_graphs([3, 2, 1], lambda key: None, ran.append)
+    assert sorted(graphs) == [1, 2, 3] and pool == "pool"
+    assert ran == [3, 3, 2, 2, 2, 1]  # eager 3, capture 3, failed capture of 2, eager 2, capture 2, capture 1
+    assert pools_given == [None, "pool", "pool", "pool"]

@@ -69,22 +69,25 @@ def capture_graphs(keys: Iterable[K], prepare: Callable[[K], None], forward: Cal
         return graph
 
     with torch.cuda.stream(stream):
-        graphs = capture_each(keys, prepare, forward, capture, eager_each)
+        graphs, retried = capture_each(keys, prepare, forward, capture, eager_each)
+    if retried:
+        logger.info("%d of %d graph captures failed and were done again after an eager run", retried, len(graphs))
     torch.cuda.current_stream().wait_stream(stream)
     torch.cuda.synchronize()
     return graphs, pool
 
 
 def capture_each(keys: Iterable[K], prepare: Callable[[K], None], forward: Callable[[K], None],
-                 capture: Callable[[K], Any], eager_each: bool = False) -> dict[K, Any]:
+                 capture: Callable[[K], Any], eager_each: bool = False) -> tuple[dict[K, Any], int]:
     """``capture(key)`` for every key after ``prepare(key)``. Only the first key runs eagerly before
     its capture (cuBLAS's workspace on the capture stream, the model's kernels loaded): a start-up
     spends most of its time in the host's work of each forward, and an eager run before every
     capture doubled it. A kernel variant first reached inside a later capture compiles or loads
     there, which CUDA drivers from 12.3 allow; a capture that fails (an older driver, a buffer that
     must be made outside any capture) is done again after an eager run. ``eager_each``: run every
-    key eagerly first."""
+    key eagerly first. Returns the graphs and how many captures were done again."""
     graphs: dict[K, Any] = {}
+    retried = 0
     for i, key in enumerate(keys):
         prepare(key)
         if i == 0 or eager_each:
@@ -97,7 +100,8 @@ def capture_each(keys: Iterable[K], prepare: Callable[[K], None], forward: Calla
             logger.debug("capturing %s failed (%s): run eagerly first, then captured again", key, error)
             forward(key)
             graphs[key] = capture(key)
-    return graphs
+            retried += 1
+    return graphs, retried
 
 
 def stage_step_inputs(static: Any, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
