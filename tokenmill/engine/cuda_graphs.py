@@ -71,7 +71,8 @@ def capture_graphs(keys: Iterable[K], prepare: Callable[[K], None], forward: Cal
     with torch.cuda.stream(stream):
         graphs, retried = capture_each(keys, prepare, forward, capture, eager_each)
     if retried:
-        logger.info("%d of %d graph captures failed and were done again after an eager run", retried, len(graphs))
+        logger.info("%d of %d graphs captured after an eager run of their shape (a kernel or buffer it first needed "
+                    "could not be made inside a capture)", retried, len(graphs))
     torch.cuda.current_stream().wait_stream(stream)
     torch.cuda.synchronize()
     return graphs, pool
@@ -90,17 +91,15 @@ def capture_each(keys: Iterable[K], prepare: Callable[[K], None], forward: Calla
     retried = 0
     for i, key in enumerate(keys):
         prepare(key)
-        if i == 0 or eager_each:
-            forward(key)
-            graphs[key] = capture(key)
-            continue
-        try:
-            graphs[key] = capture(key)
-        except RuntimeError as error:
-            logger.debug("capturing %s failed (%s): run eagerly first, then captured again", key, error)
-            forward(key)
-            graphs[key] = capture(key)
-            retried += 1
+        if i and not eager_each:
+            try:
+                graphs[key] = capture(key)
+                continue
+            except RuntimeError as error:
+                logger.debug("capturing %s failed (%s): run eagerly first, then captured again", key, error)
+                retried += 1
+        forward(key)
+        graphs[key] = capture(key)
     return graphs, retried
 
 
