@@ -32,6 +32,8 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -155,16 +157,16 @@ def bench_client(args: argparse.Namespace, vocab: int, out: Path, *options: str)
     return json.loads(out.read_text())
 
 
-def run_server(model: Path, args: argparse.Namespace, vocab: int, work: Path) -> list[dict]:
+@contextmanager
+def served(*arguments: str, ready_timeout: float = 600) -> Iterator[tuple[str, subprocess.Popen]]:
+    """``tokenmill serve`` with ``arguments`` in a process of its own on a free port: (its base URL, the
+    process) once ``/health`` answers; stopped with SIGTERM (as a service manager would) after."""
     port = _free_port()
-    options = engine_options(args)
-    command = _cli("serve", str(model), "--port", str(port), "--uvicorn-log-level", "warning",
-                   *[f"--{k.replace('_', '-')}={v}" for k, v in options.items()])
-    server = subprocess.Popen(command, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    server = subprocess.Popen(_cli("serve", "--port", str(port), *arguments),
+                              env={**os.environ, "PYTHONUNBUFFERED": "1"})
     base = f"http://127.0.0.1:{port}"
-    rows = []
     try:
-        deadline = time.monotonic() + 600
+        deadline = time.monotonic() + ready_timeout
         while True:
             if server.poll() is not None:
                 raise RuntimeError(f"the server exited with {server.returncode}")
@@ -175,6 +177,20 @@ def run_server(model: Path, args: argparse.Namespace, vocab: int, work: Path) ->
                     break
             except httpx.HTTPError:
                 time.sleep(0.5)
+        yield base, server
+    finally:
+        server.send_signal(signal.SIGTERM)
+        try:
+            server.wait(60)
+        except subprocess.TimeoutExpired:
+            server.kill()
+
+
+def run_server(model: Path, args: argparse.Namespace, vocab: int, work: Path) -> list[dict]:
+    options = engine_options(args)
+    rows = []
+    with served(str(model), "--uvicorn-log-level", "warning",
+                *[f"--{k.replace('_', '-')}={v}" for k, v in options.items()]) as (base, _):
         warm = argparse.Namespace(**{**vars(args), "num_prompts": 16})
         bench_client(warm, vocab, work / "warm.json", "--base-url", base)
         loads = [("burst", ["--request-rate", "inf"])]
@@ -183,12 +199,6 @@ def run_server(model: Path, args: argparse.Namespace, vocab: int, work: Path) ->
         for label, extra in loads:
             summary = bench_client(args, vocab, work / f"{label}.json", "--base-url", base, *extra)
             rows.append({"name": f"{args.label}/serve/{label}", **_figures(summary)})
-    finally:
-        server.send_signal(signal.SIGTERM)
-        try:
-            server.wait(60)
-        except subprocess.TimeoutExpired:
-            server.kill()
     stub = bench_client(args, vocab, work / "stub.json", "--stub")
     rows.append({"name": f"{args.label}/client_against_stub/burst", **_figures(stub)})
     return rows

@@ -23,6 +23,7 @@ from transformers import (
 from transformers import AutoModelForCausalLM
 
 from tokenmill import LLM, SamplingParams
+from tokenmill.engine.scheduler import StepCost, StepWork
 
 VOCAB = 320
 
@@ -120,11 +121,14 @@ TINY_CONFIGS = {
 }
 
 
-def make_model_dir(name: str, path: Path, seed: int = 0) -> torch.nn.Module:
+def make_model_dir(name: str, path: Path, seed: int = 0, max_positions: int | None = None) -> torch.nn.Module:
     """Save a random tiny model of config ``name`` (of TINY_CONFIGS or GGUF_CONFIGS) to ``path``;
-    returns the transformers model."""
+    returns the transformers model. ``max_positions`` replaces the config's max_position_embeddings
+    (512), past which the engine refuses a max_model_len, for tests of longer sequences."""
     torch.manual_seed(seed)
     config = (TINY_CONFIGS | GGUF_CONFIGS)[name]()
+    if max_positions is not None:
+        config.max_position_embeddings = max_positions
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
     if config.model_type.startswith("gemma4") or name in GGUF_CONFIGS:
         vary_unit_weights(model)
@@ -167,6 +171,18 @@ def make_model_with_tokenizer(name: str, path: Path) -> Path:
     make_model_dir(name, path)
     make_tokenizer(path)
     return path
+
+
+def frozen_step_cost(fixed_s: float, per_token_s: float, per_pair_s: float = 0.0) -> StepCost:
+    """A CPU step-cost estimate fitted to steps that took exactly ``fixed_s + per_token_s`` × tokens +
+    ``per_pair_s`` × query-key pairs, which the engine's own timings then leave alone: the prompt
+    chunks it sizes are the same every run."""
+    cost = StepCost()
+    for work in (StepWork(1, 100), StepWork(64, 4096), StepWork(256, 300_000), StepWork(1024, 1 << 20),
+                 StepWork(16, 30_000)):
+        cost.observe(work, fixed_s + per_token_s * work.tokens + per_pair_s * work.pairs)
+    cost.observe = lambda work, seconds: None
+    return cost
 
 
 def assert_clean(llm) -> None:

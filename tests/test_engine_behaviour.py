@@ -11,8 +11,9 @@ import numpy as np
 import pytest
 import torch
 
-from helpers import make_model_dir, make_model_with_tokenizer
+from helpers import frozen_step_cost, make_model_dir, make_model_with_tokenizer
 from tokenmill import LLM, SamplingParams
+from tokenmill.engine.scheduler import CHUNK_QUANTUM, StepCost, StepWork
 from tokenmill.tokenizer import StreamDetokenizer, WindowDetokenizer, make_detokenizer
 
 
@@ -132,6 +133,75 @@ def test_the_token_budget_follows_the_gpus_memory(model_dir, monkeypatch) -> Non
         monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device, props=props: props)
         assert token_budget(None, torch.device("cuda")) == budget
         assert token_budget(512, torch.device("cuda", 1)) == 512
+
+
+def test_the_step_cost_is_fitted_to_measured_steps_and_sizes_chunks_to_its_target() -> None:
+    cost = StepCost(target_s=0.25)
+    decoding = StepWork(tokens=1, pairs=100)  # one sequence decoding, 100 tokens in
+    assert cost.estimate() is None and cost.prompt_tokens(decoding, 0, 2048) == 2048  # nothing measured yet
+    for _ in range(3):  # steps of one size cannot tell the terms apart: the time goes on the work
+        cost.observe(StepWork(3, 300), 0.0563)
+    fixed, per_token, per_pair = cost.estimate()
+    assert fixed == 0 and per_token * 3 + per_pair * 300 == pytest.approx(0.0563)
+    assert cost.prompt_tokens(decoding, 0, 2048) == CHUNK_QUANTUM  # about 13 such tokens in 0.25 s: the least
+    steps = [StepWork(1, 100), StepWork(50, 2500), StepWork(1, 160), StepWork(257, 120_000), StepWork(129, 200_000)]
+    for work in steps:  # 0.05 s a step, 2 ms a token and 1 us a query-key pair
+        cost.observe(work, 0.05 + 0.002 * work.tokens + 1e-6 * work.pairs)
+    assert cost.estimate() == pytest.approx((0.05, 0.002, 1e-6))
+    # 0.198 s left beside the decoding row: 94 tokens at the start of a prompt, 64 a thousand tokens in,
+    # where each chunk token reads a thousand keys more.
+    assert cost.prompt_tokens(decoding, 0, 2048) == 80
+    assert cost.prompt_tokens(decoding, 1000, 2048) == 64
+    assert cost.prompt_tokens(decoding, 0, 40) == 40  # never more than the budget
+    busy = StepWork(tokens=60, pairs=60 * 2000)  # the decoding rows alone take more than the target
+    assert cost.prompt_tokens(busy, 0, 2048) == CHUNK_QUANTUM
+    for step in range(60):  # the machine slows to half speed: the fit follows, the old steps fading out
+        work = steps[step % len(steps)]
+        cost.observe(work, 2 * (0.05 + 0.002 * work.tokens + 1e-6 * work.pairs))
+    assert cost.estimate() == pytest.approx((0.1, 0.004, 2e-6), rel=1e-3)
+    assert cost.prompt_tokens(decoding, 0, 2048) == 32
+    fresh = StepCost(target_s=0.25)
+    for work in (StepWork(1, 100), StepWork(8, 800), StepWork(20, 2000), StepWork(4, 500)):
+        fresh.observe(work, 0.01 + 0.0001 * work.tokens)  # 0.24 s would hold 2,400 tokens this cheap
+    assert fresh.prompt_tokens(decoding, 0, 2048) == 32  # but a step takes at most twice the largest seen (20)
+
+
+def test_cpu_prompt_chunks_beside_decoding_sequences_keep_to_the_step_target(model_dir, monkeypatch) -> None:
+    """A long prompt that arrives while another sequence decodes gets per step only the tokens that the
+    step-cost estimate allows beside it (0.05 s + 4 ms a token against 0.25 s: 50 tokens, 48 for the
+    chunk beside one decoding row), not the whole budget, which a prompt takes when nothing decodes;
+    the tokens are those of chunks sized by the budget alone."""
+    g = torch.Generator().manual_seed(3)
+    first, second = (torch.randint(0, 256, (n,), generator=g).tolist() for n in (200, 300))
+
+    def run(step_cost: StepCost | None) -> tuple[list[dict[str, int]], dict[str, list[int]]]:
+        llm = LLM(str(model_dir), device="cpu", dtype="float32", max_num_seqs=4, max_num_batched_tokens=512,
+                  enable_prefix_caching=False)
+        engine, scheduler = llm.engine, llm.engine.core.scheduler
+        scheduler.step_cost = step_cost
+        steps, schedule = [], scheduler.schedule
+
+        def recording():
+            batch = schedule()
+            steps.append({seq.request_id: n for seq, n in zip(batch.seqs, batch.num_tokens)})
+            return batch
+
+        monkeypatch.setattr(scheduler, "schedule", recording)
+        engine.add_request("a", first, greedy(40, ignore_eos=True), stream=False)
+        finals = [out for _ in range(3) for out in engine.step()]
+        engine.add_request("b", second, greedy(8, ignore_eos=True), stream=False)
+        while engine.has_unfinished_requests():
+            finals += engine.step()
+        return steps, {out.request_id: out.outputs[0].token_ids for out in finals}
+
+    steps, tokens = run(frozen_step_cost(0.05, 0.004))
+    assert steps[0] == {"a": 200}  # nothing decodes yet: the whole prompt in one step
+    chunks = [step for step in steps if step.get("b", 0) > 1]
+    assert [step["b"] for step in chunks] == [48] * 6 + [12]
+    assert all(step.get("a") == 1 for step in chunks)  # the first decodes in every one of them
+    unlimited_steps, unlimited_tokens = run(None)
+    assert [step["b"] for step in unlimited_steps if step.get("b", 0) > 1] == [300]
+    assert tokens == unlimited_tokens and len(tokens["a"]) == 40 and len(tokens["b"]) == 8
 
 
 def test_prompt_only_chunks_run_no_lm_head(model_dir, monkeypatch) -> None:

@@ -144,7 +144,7 @@ def test_prompts_past_the_prefill_graphs_compile_nothing_after_start_up(arch: st
     left to the 128-token one's variant). Gemma 3's two KV groups each take their own slots and
     block tables, from the same copy: an odd token count must not put the second group's slots off
     the 16-byte boundary the warm-up's were on."""
-    make_model_dir(arch, tmp_path)
+    make_model_dir(arch, tmp_path, max_positions=4096)
     llm = LLM(str(tmp_path), device="cuda", dtype="bfloat16", max_num_seqs=8, max_model_len=4096,
               max_num_batched_tokens=4096)
     before = _compiled_kernel_variants()
@@ -162,7 +162,7 @@ def test_chunks_beside_decoding_sequences_attend_apart(arch: str, kv_cache_dtype
     """Steps past the mixed-step graphs that carry prompt chunks beside sequences that decode run
     eagerly and attend over each kind in a launch of its own: tokens as the CPU path gives them, and
     nothing compiled after start-up (the warm-up ran both launches' variants)."""
-    make_model_dir(arch, tmp_path)
+    make_model_dir(arch, tmp_path, max_positions=2048)
     g = torch.Generator().manual_seed(7)
     prompts = [torch.randint(0, 256, (n,), generator=g).tolist() for n in (3, 40, 1500, 700, 9, 300)]
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=2)
@@ -287,8 +287,8 @@ def test_logit_bias_and_full_vocabulary_logprobs_on_cuda(tmp_path) -> None:
     prompts = [[5, 6, 7, 8], [9, 10, 11]]
     forced = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logit_bias={7: 100.0})
     banned = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logit_bias={7: -100.0}, logprobs=-1)
-    cuda = LLM(str(tmp_path), device="cuda", dtype="float32")
-    cpu = LLM(str(tmp_path), device="cpu", dtype="float32")
+    cuda = LLM(str(tmp_path), device="cuda", dtype="float32", max_logprobs=-1)
+    cpu = LLM(str(tmp_path), device="cpu", dtype="float32", max_logprobs=-1)
     assert all(o.outputs[0].token_ids == [7] * 12 for o in cuda.generate(prompts, forced, use_tqdm=False))
     got = cuda.generate(prompts, banned, use_tqdm=False)
     want = cpu.generate(prompts, banned, use_tqdm=False)
@@ -369,6 +369,22 @@ def test_structured_outputs_on_cuda() -> None:
         jsonschema.validate(json.loads(out.outputs[0].text), schema)
 
 
+def test_speculation_grammars_penalties_quantized_kv_and_preemption_on_cuda(tmp_path) -> None:
+    """The CPU test's seeded mix on the GPU, where sampling waits for the grammars while the next
+    forward runs and decode steps replay graphs: no step fails, the tokens are the same with and
+    without speculation, and every constrained output follows its grammar."""
+    import collections
+
+    from server.tiny_model import build_tiny_model
+    from test_structured_outputs import mix_compiler, mix_round
+
+    model = build_tiny_model(tmp_path)
+    compiler, seen = mix_compiler(model), collections.Counter()
+    for seed in range(6):
+        mix_round(model, seed, compiler, seen, device="cuda")
+    assert seen["drafts"] and seen["past a stop token"], seen
+
+
 def test_penalised_banned_and_biased_sampling_leaves_the_host_ahead() -> None:
     """A penalised sequence's first step (its prompt ids into the token table), banned tokens and
     logit biases reach the device without the host waiting for the kernels queued before them (the
@@ -430,7 +446,7 @@ def test_steps_of_every_sampling_feature_never_wait_for_the_gpu(tmp_path) -> Non
     raise: no step's host work waits for queued kernels (a blocking copy, ``.item()``, an item
     assignment on a device tensor), so the host stays a step ahead. The step's read of its sampled
     ids and prompt logprobs waits on events, which the check leaves alone."""
-    make_model_dir("llama3", tmp_path)
+    make_model_dir("llama3", tmp_path, max_positions=4096)
     llm = LLM(str(tmp_path), device="cuda", dtype="bfloat16", max_num_seqs=16, max_model_len=4096,
               max_num_batched_tokens=4096)
     base = dict(max_tokens=10, ignore_eos=True)

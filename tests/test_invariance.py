@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from helpers import make_model_dir
+from helpers import frozen_step_cost, make_model_dir
 from test_parity import parity_prompts
 from tokenmill import LLM, SamplingParams
 
@@ -19,6 +19,9 @@ VARIANTS = {
     "chunk-16": dict(max_num_seqs=8, max_num_batched_tokens=16),
     "chunk-40": dict(max_num_seqs=4, max_num_batched_tokens=40),
     "preempting-pool": dict(max_num_seqs=4, max_num_batched_tokens=48, num_kv_blocks=16),
+    # The CPU's prompt chunks beside decoding sequences, sized by a step cost (20 tokens in the target):
+    # 16 tokens a step, shared by the prompts in it.
+    "cpu-step-target": dict(max_num_seqs=8, max_num_batched_tokens=64, step_cost=(0.05, 0.01)),
 }
 
 
@@ -29,8 +32,13 @@ def model_dir(tmp_path_factory):
     return str(path)
 
 
-def run(model_dir: str, params: SamplingParams, one_at_a_time: bool = False, **options) -> list[list[int]]:
+def run(model_dir: str, params: SamplingParams, one_at_a_time: bool = False,
+        step_cost: tuple[float, float] | None = None, **options) -> list[list[int]]:
+    """``step_cost``: (fixed, per-token) seconds that size the prompt chunks beside decoding sequences,
+    in place of the engine's own measurements."""
     llm = LLM(model_dir, device="cpu", dtype="float32", block_size=16, **options)
+    if step_cost is not None:
+        llm.engine.core.scheduler.step_cost = frozen_step_cost(*step_cost)
     prompts = parity_prompts()
     if one_at_a_time:
         outs = [llm.generate([p], params, use_tqdm=False)[0] for p in prompts]

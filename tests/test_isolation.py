@@ -116,6 +116,21 @@ def test_a_request_that_can_never_be_scheduled_ends_with_an_error(llm: LLM, monk
     works(llm)
 
 
+def test_a_request_with_nothing_to_run_ends_with_an_error(llm: LLM) -> None:
+    """A request none of whose sequences runs or waits, and that never ended (``n`` = 0, put past the
+    checks as ``sp.n = 0`` once was), ends with an error instead of the engine stepping on forever
+    (driven here a bounded number of steps, as ``generate`` would step it unbounded)."""
+    params = SamplingParams(max_tokens=2)
+    object.__setattr__(params, "n", 0)
+    llm.engine.add_request("stuck", [1, 2, 3], params, stream=False)
+    outputs = [out for _ in range(5) if llm.engine.has_unfinished_requests() for out in llm.engine.step()]
+    assert not llm.engine.has_unfinished_requests()
+    [out] = outputs
+    assert out.finished and out.error is not None and "could never finish" in out.error
+    assert_clean(llm)
+    works(llm)
+
+
 def test_chat_roles_go_to_the_template(llm: LLM) -> None:
     """Any role reaches the chat template, which decides: this one takes every role, the
     embedded model's refuses all but four, and its refusal is a ValueError."""

@@ -1,19 +1,27 @@
 """Structured outputs (xgrammar): every constraint kind gives valid output on the embedded model,
 sampled or greedy, beside unconstrained requests that it leaves alone; bad constraints are clear
-errors."""
+errors. On a tiny model: grammars under speculation, penalties, quantized KV caches and preemption;
+a grammar that raises fails its own request alone; compiles on a bounded pool with time limits, a
+cache bounded by bytes, and a size limit on constraints."""
 
 from __future__ import annotations
 
+import collections
 import json
 import random
 import re
+import threading
+from pathlib import Path
 from typing import Any
 
 import jsonschema
 import pytest
+from helpers import SPEC, assert_clean
 
 from tokenmill import LLM, SamplingParams
+from tokenmill.entrypoints.llm import EngineError
 from tokenmill.sampling_params import StructuredOutputsParams
+from tokenmill.tokenizer import load_tokenizer
 
 PROMPT = "def parse(text):\n    return"
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12}, "age": {"type": "integer"}},
@@ -206,7 +214,7 @@ def test_a_constraint_that_does_not_parse_is_refused_before_it_runs(llm: LLM, st
 
 def test_a_constraint_that_does_not_compile_fails_its_request_only(llm: LLM, monkeypatch) -> None:
     """(Parsing catches what it can; a failure in the engine's compile still ends only its request.)"""
-    monkeypatch.setattr("tokenmill.engine.input_processor.check_constraint", lambda spec: None)
+    monkeypatch.setattr("tokenmill.engine.input_processor.check_constraint", lambda spec, max_bytes: None)
     with pytest.raises(ValueError, match="structured_outputs cannot be compiled"):
         llm.generate([PROMPT], SamplingParams(structured_outputs={"regex": "(unclosed"}), use_tqdm=False)
     assert llm.generate([PROMPT], SamplingParams(max_tokens=4), use_tqdm=False)[0].outputs[0].token_ids
@@ -231,21 +239,6 @@ def test_the_params_round_trip_through_the_core_messages() -> None:
     assert again.structured_outputs == params.structured_outputs
 
 
-def test_a_constraint_that_compiles_too_long_fails_its_request_only(monkeypatch) -> None:
-    import time
-
-    from tokenmill.engine import core
-    from tokenmill.engine.structured_outputs import GrammarCompiler
-
-    compile_ = GrammarCompiler._compile
-    monkeypatch.setattr(GrammarCompiler, "_compile", lambda self, spec: (time.sleep(0.5), compile_(self, spec))[1])
-    monkeypatch.setattr(core, "GRAMMAR_TIMEOUT_S", 0.1)
-    llm = LLM(device="cpu", max_num_seqs=4)
-    with pytest.raises(ValueError, match="took longer than"):
-        llm.generate([PROMPT], SamplingParams(structured_outputs={"regex": "[a-z]+"}), use_tqdm=False)
-    assert llm.generate([PROMPT], SamplingParams(max_tokens=4), use_tqdm=False)[0].outputs[0].token_ids
-
-
 def test_a_request_aborted_while_its_constraint_compiles_ends_quietly(llm: LLM) -> None:
     """Its sequences were never queued: the abort ends them without touching the scheduler's queue
     (it raised there once), and the engine serves on with nothing left behind."""
@@ -258,3 +251,352 @@ def test_a_request_aborted_while_its_constraint_compiles_ends_quietly(llm: LLM) 
         engine.step()
     assert engine.core.scheduler.num_waiting_requests == engine.core.scheduler.num_running_requests == 0
     assert llm.generate([PROMPT], SamplingParams(max_tokens=4), use_tqdm=False)[0].outputs[0].token_ids
+
+
+# ------------------------------------------------- speculation x grammars x everything, on a tiny model
+TINY_SCHEMA = {"type": "object", "properties": {
+    "name": {"type": "string", "maxLength": 5}, "n": {"type": "integer", "minimum": 0, "maximum": 99},
+    "ok": {"type": "boolean"}, "tag": {"enum": ["ab", "ba"]}}, "required": ["name", "n"]}
+TINY_EBNF = 'root ::= "(" word (" " word)? ")"\nword ::= [a-z] [a-z]? [a-z]?'
+
+
+def _valid_json(text: str) -> bool:
+    try:  # (xgrammar's strings allow raw control characters, which strict parsing refuses)
+        jsonschema.validate(json.loads(text, strict=False), TINY_SCHEMA)
+    except (ValueError, jsonschema.ValidationError):
+        return False
+    return True
+
+
+# Each kind: its constraint, a check of a whole output that does not ask xgrammar, and an output
+# it allows (prompts repeat it, each time followed by the stop token, so drafts propose it and
+# then the stop token).
+TINY_GRAMMARS = {
+    "json": ({"json": TINY_SCHEMA}, _valid_json, '{"name": "ab", "n": 7}'),
+    "regex": ({"regex": "(ab|ba){1,4}c"}, lambda t: re.fullmatch("(ab|ba){1,4}c", t) is not None, "ababc"),
+    "choice": ({"choice": ["yes", "no", "maybe so"]}, lambda t: t in ("yes", "no", "maybe so"), "maybe so"),
+    "grammar": ({"grammar": TINY_EBNF}, lambda t: re.fullmatch(r"\([a-z]{1,3}( [a-z]{1,3})?\)", t) is not None,
+                "(ab cd)"),
+}
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory) -> Path:
+    from server.tiny_model import build_tiny_model
+
+    return build_tiny_model(tmp_path_factory.mktemp("tiny"))
+
+
+def _random_requests(rng: random.Random, tokenizer: Any,
+                     eos: int) -> list[tuple[list[int], SamplingParams, str | None]]:
+    """A mix of constrained requests of every kind (and some unconstrained), greedy or seeded, with and
+    without penalties, ignore_eos and n > 1; each prompt makes prompt lookup propose the rest of a
+    valid output and then the stop token."""
+    requests = []
+    for _ in range(rng.randint(4, 7)):
+        kind = rng.choice([*TINY_GRAMMARS, None])
+        example = TINY_GRAMMARS[kind][2] if kind else "the quick brown fox"
+        ids = tokenizer(example, add_special_tokens=False)["input_ids"]
+        prompt = (ids + [eos]) * rng.randint(1, 3) + ids[:rng.randint(0, len(ids) - 1)]
+        penalties = rng.choice([{}, {}, {"repetition_penalty": 1.3},
+                                {"presence_penalty": 0.5, "frequency_penalty": 0.5}])
+        sampling = rng.choice([{"temperature": 0}, {"temperature": 1.0, "seed": rng.randrange(1000)}])
+        params = SamplingParams(max_tokens=rng.randint(24, 48), ignore_eos=rng.random() < 0.3, n=rng.choice([1, 1, 2]),
+                                structured_outputs=TINY_GRAMMARS[kind][0] if kind else None, **penalties, **sampling)
+        requests.append((prompt, params, kind))
+    return requests
+
+
+def _check_constrained(tokenizer: Any, matcher: Any, kind: str, token_ids: list[int], eos: int) -> None:
+    """The output up to its first stop token follows the grammar: xgrammar takes each of its tokens,
+    and, complete, it passes its kind's own check. (Past a stop token, under ignore_eos, the output
+    is free.)"""
+    end = token_ids.index(eos) if eos in token_ids else len(token_ids)
+    assert all(matcher.accept_token(t) for t in token_ids[:end]), (kind, token_ids)
+    if end < len(token_ids):
+        text = tokenizer.decode(token_ids[:end])
+        assert matcher.is_completed() and TINY_GRAMMARS[kind][1](text), (kind, text)
+
+
+def _compile_for_check(compiler: Any, spec: StructuredOutputsParams) -> Any:
+    if spec.json is not None:
+        return compiler.compile_json_schema(json.dumps(spec.json), any_whitespace=False)
+    if spec.regex is not None:
+        return compiler.compile_regex(spec.regex)
+    if spec.choice is not None:
+        return compiler.compile_grammar("root ::= " + " | ".join(json.dumps(c) for c in spec.choice))
+    return compiler.compile_grammar(spec.grammar)
+
+
+def mix_compiler(tiny_model: Path) -> Any:
+    """An xgrammar compiler of the tiny model's vocabulary, to check the mix's outputs with."""
+    import xgrammar
+
+    tokenizer = load_tokenizer(tiny_model)
+    info = xgrammar.TokenizerInfo.from_huggingface(tokenizer, vocab_size=len(tokenizer),
+                                                   stop_token_ids=[tokenizer.eos_token_id])
+    return xgrammar.GrammarCompiler(info)
+
+
+def mix_round(tiny_model: Path, seed: int, compiler: Any, seen: dict[str, int], device: str = "cpu") -> None:
+    """One round of the mix below, drawn from ``seed``; ``seen`` counts what the rounds exercised."""
+    import xgrammar
+
+    rng = random.Random(seed)
+    tokenizer = load_tokenizer(tiny_model)
+    eos = tokenizer.eos_token_id
+    requests = _random_requests(rng, tokenizer, eos)
+    # A small pool holds the longest sequence and a few blocks more: the others preempt one another.
+    longest = max(len(prompt) + p.max_tokens for prompt, p, _ in requests)
+    options = dict(device=device, dtype="float32", max_num_seqs=rng.choice([4, 8]), block_size=4,
+                   kv_cache_dtype=["auto", "int8", "fp8"][seed % 3], num_kv_blocks=rng.choice([None, longest // 4 + 5]),
+                   max_num_batched_tokens=rng.choice([32, 256]))
+    plain = LLM(str(tiny_model), **options)
+    spec = LLM(str(tiny_model), **options, speculative_config={
+        "method": "ngram", "num_speculative_tokens": rng.randint(2, 6), "prompt_lookup_max": 3})
+    assert plain.engine.core.model_config.eos_token_ids == (eos,)
+    prompts, params = [r[0] for r in requests], [r[1] for r in requests]
+    outs = [[[c.token_ids for c in o.outputs] for o in llm.generate(prompts, params, use_tqdm=False)]
+            for llm in (plain, spec)]
+    for llm in (plain, spec):
+        assert llm.engine.core.stats.num_failed_steps == 0, seed
+        assert llm.engine.core.kv.num_blocks_in_use == 0, seed
+    assert outs[0] == outs[1], seed
+    for (_, p, kind), choices in zip(requests, outs[1]):
+        if kind is not None:
+            compiled = _compile_for_check(compiler, p.structured_outputs)
+            for token_ids in choices:
+                _check_constrained(tokenizer, xgrammar.GrammarMatcher(compiled), kind, token_ids, eos)
+                seen["past a stop token"] += eos in token_ids[:-1]
+    seen["drafts"] += spec.engine.core.stats.spec_decode_num_drafts
+    seen["preemptions"] += plain.engine.core.stats.num_preemptions + spec.engine.core.stats.num_preemptions
+    seen[options["kv_cache_dtype"]] += 1
+
+
+def test_speculation_grammars_penalties_quantized_kv_and_preemption_together(tiny_model: Path, caplog) -> None:
+    """Rounds of a seeded random mix on a tiny model, each with speculation on and off (the same engine
+    options otherwise: a KV cache in the model's dtype, int8 or fp8, a pool that forces preemption or
+    not): no step fails, every constrained output follows its grammar, and the tokens are the same.
+    Between them the rounds take drafts that are stop tokens, go past a grammar's end under ignore_eos,
+    preempt, and use each KV cache dtype."""
+    compiler, seen = mix_compiler(tiny_model), collections.Counter()
+    for seed in range(8):
+        mix_round(tiny_model, seed, compiler, seen)
+    assert all(seen[what] for what in ("past a stop token", "drafts", "preemptions", "auto", "int8", "fp8")), seen
+    assert not [r for r in caplog.records if "broke" in r.getMessage()]
+
+
+class _FailingMatcher:
+    """A real matcher whose ``method`` raises once it has run ``after`` times: a grammar that fails
+    inside a step, at the point the test picks."""
+
+    def __init__(self, matcher: Any, method: str, after: int) -> None:
+        self._matcher, self._method, self._left = matcher, method, after
+
+    def __getattr__(self, name: str) -> Any:
+        attr = getattr(self._matcher, name)
+        if name != self._method:
+            return attr
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            self._left -= 1
+            if self._left < 0:
+                raise RuntimeError(f"injected failure in {name}")
+            return attr(*args, **kwargs)
+        return call
+
+
+def _run_to_the_end(llm: LLM, requests: dict[str, tuple[list[int], SamplingParams]]) -> dict[str, Any]:
+    """Each request's last output, failed or finished, driving the engine step by step (``generate``
+    stops at the first error)."""
+    for request_id, (prompt, params) in requests.items():
+        llm.engine.add_request(request_id, prompt, params, stream=False)
+    last = {}
+    while llm.engine.has_unfinished_requests():
+        for out in llm.engine.step():
+            last[out.request_id] = out
+    return last
+
+
+class _RaisingPool:
+    """xgrammar's thread pool when a matcher of the batch raises."""
+
+    def batch_fill_next_token_bitmask(self, *args: Any) -> None:
+        raise RuntimeError("a matcher of the batch failed")
+
+
+@pytest.mark.parametrize("method,after,pooled", [("fill_next_token_bitmask", 2, False),
+                                                 ("fill_next_token_bitmask", 2, True), ("accept_token", 3, False),
+                                                 ("rollback", 0, False)])
+def test_a_grammar_that_raises_in_a_step_fails_its_own_request_alone(tiny_model: Path, monkeypatch, method: str,
+                                                                     after: int, pooled: bool) -> None:
+    """A matcher that raises while the step masks (row by row, or in xgrammar's thread pool), takes a
+    token or a draft, or rolls drafts back: its request ends with an engine error, and every other
+    request of the step, constrained or not, gets the tokens it gets alone."""
+    from tokenmill.engine import structured_outputs
+    from tokenmill.outputs import ERROR_ENGINE
+
+    if pooled:  # every mask is the pool's, and the pool raises: the rows are filled again one by one
+        monkeypatch.setattr(structured_outputs, "POOL_START_S", -1.0)
+        monkeypatch.setattr(structured_outputs, "_thread_pool", _RaisingPool)
+    tokenizer = load_tokenizer(tiny_model)
+    eos = tokenizer.eos_token_id
+    requests = {}
+    for kind in [*TINY_GRAMMARS, None]:
+        example = TINY_GRAMMARS[kind][2] if kind else "the quick brown fox"
+        ids = tokenizer(example, add_special_tokens=False)["input_ids"]
+        requests[str(kind)] = ((ids + [eos]) * 2 + ids[:2], SamplingParams(
+            temperature=0, max_tokens=32, structured_outputs=TINY_GRAMMARS[kind][0] if kind else None))
+    llm = LLM(str(tiny_model), device="cpu", dtype="float32", max_num_seqs=8, speculative_config=SPEC)
+    alone = {request_id: _run_to_the_end(llm, {request_id: request})[request_id]
+             for request_id, request in requests.items()}
+    grammars = llm.engine.core.grammars
+    victim = grammars.submit(StructuredOutputsParams(**TINY_GRAMMARS["regex"][0])).result()
+    make_matcher = grammars.matcher
+    monkeypatch.setattr(grammars, "matcher", lambda compiled: _FailingMatcher(make_matcher(compiled), method, after)
+                        if compiled is victim else make_matcher(compiled))
+    outs = _run_to_the_end(llm, requests)
+    assert "structured output" in outs["regex"].error and outs["regex"].error_kind == ERROR_ENGINE
+    for request_id, out in outs.items():
+        if request_id != "regex":
+            assert out.error is None and out.outputs[0].token_ids == alone[request_id].outputs[0].token_ids
+    assert llm.engine.core.stats.num_failed_steps == 0
+    assert llm.engine.core.stats.spec_decode_num_drafts > 0
+    assert_clean(llm)
+
+
+# ------------------------------------------- compiles on a bounded pool, a bounded cache, a size limit
+def _hold_compiles(monkeypatch, held: Any) -> tuple[threading.Event, list[StructuredOutputsParams]]:
+    """Make the compiles of the constraints that ``held`` picks wait for the event returned; the list
+    gets every constraint a worker compiles."""
+    from tokenmill.engine.structured_outputs import GrammarCompiler
+
+    release, compiled = threading.Event(), []
+    compile_ = GrammarCompiler._compile
+
+    def compile_held(self: GrammarCompiler, spec: StructuredOutputsParams) -> Any:
+        compiled.append(spec)
+        if held(spec):
+            release.wait()
+        return compile_(self, spec)
+
+    monkeypatch.setattr(GrammarCompiler, "_compile", compile_held)
+    return release, compiled
+
+
+def _tiny_compiler(model_dir: Path, **options: Any) -> Any:
+    from tokenmill.engine.structured_outputs import GrammarCompiler
+
+    tokenizer = load_tokenizer(model_dir)
+    return GrammarCompiler(model_dir, len(tokenizer), (tokenizer.eos_token_id,), **options)
+
+
+def test_slow_compiles_do_not_hold_up_a_quick_one(tiny_model: Path, monkeypatch) -> None:
+    """Three compiles that do not end (until the test lets them) leave a worker of the default four to
+    a trivial choice, which compiles while they still run."""
+    release, _ = _hold_compiles(monkeypatch, lambda spec: spec.regex is not None)
+    compiler = _tiny_compiler(tiny_model)
+    try:
+        slow = [compiler.submit(StructuredOutputsParams(regex=f"slow{i}")) for i in range(3)]
+        assert compiler.submit(StructuredOutputsParams(choice=["yes", "no"])).result(timeout=60) is not None
+        assert all(job.started is not None and not job.done() for job in slow)
+    finally:
+        release.set()
+    assert all(job.result(timeout=60) is not None for job in slow)
+
+
+def test_the_time_limits_count_from_the_compiles_start() -> None:
+    """Time queued behind other compiles is not a request's fault: it has its own, shorter limit,
+    and the compile's own limit counts from its start (or from the request, if it came later)."""
+    from tokenmill.engine.structured_outputs import CompileJob, GrammarCompiler
+
+    compiler = GrammarCompiler(Path("unused"), 100, (), workers=2)
+    compiler.timeout_s, compiler.queue_timeout_s = 30.0, 10.0
+    job = CompileJob("key")
+    assert compiler.overdue(job, waiting_since=100.0, now=110.0) is None
+    assert "no grammar compile worker was free for 10 s (all 2 were compiling" in compiler.overdue(job, 100.0, 110.5)
+    job.started = 125.0  # 25 s in the queue, then a worker
+    assert compiler.overdue(job, 100.0, 155.0) is None
+    assert "took longer than 30 s" in compiler.overdue(job, 100.0, 155.5)
+    assert compiler.overdue(job, 140.0, 170.0) is None  # a request that came once it ran: from its coming
+    assert "took longer than 30 s" in compiler.overdue(job, 140.0, 170.5)
+    compiler.close()
+
+
+def test_a_compile_that_waits_or_runs_too_long_fails_its_request_as_unavailable(tiny_model: Path, monkeypatch) -> None:
+    """With one worker busy, a request whose compile queues past the limit fails as the engine's
+    limit ("unavailable": a retry may succeed), and its compile, wanted by nobody now, never runs; one
+    whose compile runs past the limit fails the same way. The others go on."""
+    from tokenmill.outputs import ERROR_UNAVAILABLE
+
+    held_regex = TINY_GRAMMARS["regex"][0]["regex"]
+    release, compiled = _hold_compiles(monkeypatch, lambda spec: spec.regex == held_regex)
+    llm = LLM(str(tiny_model), device="cpu", dtype="float32", max_num_seqs=4, grammar_compile_workers=1)
+    grammars, engine = llm.engine.core.grammars, llm.engine
+    grammars.queue_timeout_s = 0.0
+    greedy = dict(temperature=0, max_tokens=16)
+    requests = {"held": SamplingParams(**greedy, structured_outputs=TINY_GRAMMARS["regex"][0]),
+                "queued": SamplingParams(**greedy, structured_outputs=TINY_GRAMMARS["choice"][0]),
+                "free": SamplingParams(**greedy)}
+    for request_id, params in requests.items():
+        engine.add_request(request_id, "ab", params, stream=False)
+    last = {}
+    try:
+        while "queued" not in last:
+            last.update((out.request_id, out) for out in engine.step())
+    finally:
+        release.set()
+    while engine.has_unfinished_requests():
+        last.update((out.request_id, out) for out in engine.step())
+    queued = last["queued"]
+    assert queued.error_kind == ERROR_UNAVAILABLE and "no grammar compile worker was free" in queued.error
+    assert [spec.regex for spec in compiled] == [held_regex]  # the choice's compile was dropped
+    assert last["free"].error is None and last["held"].error is None
+    assert TINY_GRAMMARS["regex"][1](last["held"].outputs[0].text)
+
+    release, _ = _hold_compiles(monkeypatch, lambda spec: spec.grammar is not None)
+    grammars.timeout_s = 0.0
+    try:
+        with pytest.raises(EngineError, match="took longer than 0 s"):
+            llm.generate(["ab"], SamplingParams(structured_outputs={"grammar": TINY_EBNF}), use_tqdm=False)
+    finally:
+        release.set()
+    assert llm.generate(["ab"], SamplingParams(**greedy), use_tqdm=False)[0].outputs[0].token_ids
+    assert_clean(llm)
+
+
+def _schema_of(index: int) -> dict[str, Any]:
+    """Distinct schemas of about the same compiled size."""
+    return {"type": "object", "properties": {f"field_{index}_{i}": {"type": "integer"} for i in range(12)}}
+
+
+def test_the_compiled_grammar_cache_is_bounded_by_bytes_and_keeps_the_newest(tiny_model: Path) -> None:
+    size = _tiny_compiler(tiny_model).submit(StructuredOutputsParams(json=_schema_of(-1))).result().memory_size_bytes
+    limit = int(3.5 * size)
+    compiler = _tiny_compiler(tiny_model, cache_bytes=limit)
+    first = compiler.submit(StructuredOutputsParams(json=_schema_of(0))).result()
+    for index in range(1, 12):
+        newest = compiler.submit(StructuredOutputsParams(json=_schema_of(index))).result()
+        assert 0 < compiler.cache_bytes <= limit
+    hit = compiler.submit(StructuredOutputsParams(json=_schema_of(11)))
+    assert hit.done() and hit.result() is newest
+    assert compiler.submit(StructuredOutputsParams(json=_schema_of(0))).result() is not first  # evicted
+    assert compiler._compiler.get_cache_size_bytes() == 0  # xgrammar keeps nothing of its own
+    none_kept = _tiny_compiler(tiny_model, cache_bytes=0)
+    again = [none_kept.submit(StructuredOutputsParams(json=_schema_of(0))).result() for _ in range(2)]
+    assert again[0] is not again[1] and none_kept.cache_bytes == 0
+
+
+@pytest.mark.parametrize("structured,kind", [
+    ({"json": {"type": "object", "description": "x" * 300}}, "json"),
+    ({"json": json.dumps({"enum": ["y" * 300]})}, "json"),
+    ({"regex": "a" * 201}, "regex"), ({"grammar": 'root ::= "' + "b" * 200 + '"'}, "grammar"),
+    ({"choice": ["ab" * 20] * 6}, "choice"), ({"choice": ["é" * 101]}, "choice"),  # 202 bytes of UTF-8
+])
+def test_a_constraint_larger_than_the_limit_is_refused(tiny_model: Path, structured: dict, kind: str) -> None:
+    llm = LLM(str(tiny_model), device="cpu", dtype="float32", max_num_seqs=2, max_structured_output_bytes=200)
+    with pytest.raises(ValueError, match=rf"structured_outputs.{kind} is \d+ bytes, more than this engine's limit of "
+                                         r"200 \(the max_structured_output_bytes option\)"):
+        llm.generate(["ab"], SamplingParams(structured_outputs=structured), use_tqdm=False)
+    within = {"choice": ["é" * 100]}  # 200 bytes: at the limit
+    assert llm.generate(["ab"], SamplingParams(max_tokens=4, structured_outputs=within), use_tqdm=False)

@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 from tokenmill.default_model import DEFAULT_MODEL_DIR
 from tokenmill.entrypoints.openai.tool_parsers import (
     TOOL_PARSERS,
+    FunctionCall,
     HermesToolParser,
     Llama3JsonToolParser,
     ParsedReply,
@@ -62,8 +63,17 @@ def test_any_text_reads_the_same_whole_or_streamed(parser: type[ToolParser], tex
     whole = parser(NAMES).parse(text)
     assert _chunked(parser(NAMES), text, cuts) == whole
     assert all(call.name in NAMES for call in whole.calls)
-    if not whole.calls:  # no call: the text is content, whitespace and all
-        assert whole.content == text
+    if not whole.calls:  # no call: the text is content, whitespace and all, but a hermes call cut short at its end
+        assert whole.content == text or (parser is HermesToolParser and text.startswith(whole.content)
+                                         and _hermes_call_cut_short(text[len(whole.content):])), whole
+
+
+def _hermes_call_cut_short(tail: str) -> bool:
+    """Whether a reply's ``tail`` is a hermes call that the reply's end cut short (and the whitespace
+    before it): its opening tag not whole yet, or a call opened and not decided."""
+    tail = tail.lstrip()
+    opener = HermesToolParser.OPENER
+    return bool(tail) and (opener.startswith(tail) or tail.startswith(opener))
 
 
 def _expected_content(text: str) -> str | None:
@@ -100,6 +110,32 @@ def test_llama3_calls_come_back_as_written(calls: list[tuple[str, dict]], lead: 
 def test_a_reply_cut_short_keeps_its_call_with_the_arguments_so_far(parser: type[ToolParser]) -> None:
     text = parser.call_prefix("get_weather") + '{"city": "Par'
     assert [(c.name, c.arguments) for c in parser(NAMES).parse(text).calls] == [("get_weather", '{"city": "Par')]
+
+
+@pytest.mark.parametrize("reply, content", [
+    ("Let me check. <tool_", "Let me check."), ("Let me check.\n<", "Let me check."), ("<tool_call", ""),
+    ("Let me check. <tool_call>", "Let me check."), ("Let me check.\n<tool_call>\n", "Let me check."),
+    ('Sure. <tool_call>\n{"name": "get_wea', "Sure."), ('Sure. <tool_call>\n{"name": "get_weather"', "Sure."),
+    ('Sure. <tool_call>\n{"name": "get_weather", "argu', "Sure."),
+])
+def test_a_hermes_call_cut_short_by_the_end_of_the_reply_is_not_content(reply: str, content: str) -> None:
+    """A reply cut short (``max_tokens``) in a call's opening tag, or in a call not yet one, shows none
+    of that markup as content, whole or streamed in any pieces."""
+    whole = HermesToolParser(NAMES).parse(reply)
+    assert whole == ParsedReply(content, [])
+    for cut in range(len(reply) + 1):
+        assert _chunked(HermesToolParser(NAMES), reply, [cut]) == whole, cut
+    assert _chunked(HermesToolParser(NAMES), reply, list(range(len(reply)))) == whole
+
+
+def test_a_hermes_closing_tag_cut_short_is_not_content() -> None:
+    call = '<tool_call>\n{"name": "now", "arguments": {}}\n'
+    for cut_short in ("</", "</tool_", "</tool_call"):
+        reply = "Done. " + call + cut_short
+        whole = HermesToolParser(NAMES).parse(reply)
+        assert whole == ParsedReply("Done.", [FunctionCall("now", "{}")]), cut_short
+        for cut in range(len(reply) + 1):
+            assert _chunked(HermesToolParser(NAMES), reply, [cut]) == whole, (cut_short, cut)
 
 
 @pytest.mark.parametrize("parser", PARSERS, ids=lambda p: p.name)

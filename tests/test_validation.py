@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from tokenmill.engine.config import EngineConfig
 from tokenmill.engine.spec_decode import SpeculativeConfig
-from tokenmill.sampling_params import SamplingParams, StructuredOutputsParams
+from tokenmill.sampling_params import MAX_N, SamplingParams, StructuredOutputsParams
 from tokenmill.tokenizer import invalid_unicode_at
 
 NAN, INF = float("nan"), float("inf")
@@ -32,7 +32,7 @@ def _raises_naming(cls: type, field: str, **kwargs: object) -> str:
 
 
 # ------------------------------------------------------------ SamplingParams
-@pytest.mark.parametrize("field, value", [
+BAD_SAMPLING_VALUES = [
     # Wrong types used to raise TypeError (or pass).
     ("temperature", None), ("max_tokens", "x"), ("stop", 123), ("top_k", 2.5), ("max_tokens", 1.5),
     ("seed", "x"), ("stop", [1]), ("stop_token_ids", "ab"), ("n", True), ("n", 2.0), ("top_p", "1"),
@@ -45,7 +45,7 @@ def _raises_naming(cls: type, field: str, **kwargs: object) -> str:
     ("top_p", NAN), ("min_p", NAN), ("presence_penalty", NAN), ("frequency_penalty", -INF),
     ("temperature", 10**400),
     # Out of range.
-    ("n", 0), ("temperature", -0.1), ("top_p", 0.0), ("top_p", 1.5), ("top_k", -2), ("min_p", -0.1),
+    ("n", 0), ("n", MAX_N + 1), ("n", 10**6), ("temperature", -0.1), ("top_p", 0.0), ("top_p", 1.5), ("top_k", -2), ("min_p", -0.1),
     ("min_p", 1.01), ("repetition_penalty", 0.0), ("presence_penalty", 2.5), ("frequency_penalty", -3),
     ("seed", SEED_MAX + 1), ("seed", SEED_MIN - 1), ("max_tokens", 0), ("min_tokens", -1),
     ("stop_token_ids", [-1]), ("logprobs", -2), ("prompt_logprobs", -5),
@@ -53,9 +53,54 @@ def _raises_naming(cls: type, field: str, **kwargs: object) -> str:
     ("logit_bias", {True: 1.0}), ("logit_bias", {3: "1"}), ("logit_bias", [(3, 1.0)]),
     # Stop strings: empty, or not encodable as UTF-8.
     ("stop", ""), ("stop", [""]), ("stop", "ab\ud800"), ("stop", ["ok", "\udfff"]),
-])
+]
+
+
+@pytest.mark.parametrize("field, value", BAD_SAMPLING_VALUES)
 def test_bad_sampling_value_is_a_value_error_naming_the_field(field: str, value: object) -> None:
     _raises_naming(SamplingParams, field, **{field: value})
+
+
+@pytest.mark.parametrize("field, value", BAD_SAMPLING_VALUES)
+def test_bad_sampling_value_assigned_later_is_refused_at_once(field: str, value: object) -> None:
+    """Assignment is checked as construction is: the field keeps its value (``sp.n = 0`` once made
+    ``LLM.generate`` spin forever, ``sp.temperature = nan`` reached the sampler)."""
+    params = SamplingParams(stop=["x"], max_tokens=8)
+    before = getattr(params, field)
+    with pytest.raises(ValueError) as info:
+        setattr(params, field, value)
+    assert str(info.value).startswith(f"{field} must be ") and ", got " in str(info.value), info.value
+    assert getattr(params, field) == before and params == SamplingParams(stop=["x"], max_tokens=8)
+
+
+def test_assigned_values_are_stored_in_normal_form_and_stop_strings_follow_stop() -> None:
+    params = SamplingParams()
+    params.n, params.temperature, params.top_p = np.int64(3), 1, Fraction(1, 2)
+    assert (type(params.n), type(params.temperature), params.top_p) == (int, float, 0.5)
+    params.stop = ("a", "b")
+    assert params.stop == ["a", "b"] and params.stop_strings == ["a", "b"]
+    params.stop = "\n"
+    assert params.stop_strings == ["\n"]
+    params.stop = None
+    assert params.stop_strings == []
+    params.stop_token_ids = None
+    assert params.stop_token_ids == []
+    with pytest.raises(AttributeError, match="stop_strings follows stop"):
+        params.stop_strings = ["y"]
+    assert params.stop_strings == []
+
+
+def test_assigned_min_and_max_tokens_must_agree() -> None:
+    params = SamplingParams(min_tokens=5, max_tokens=10)
+    with pytest.raises(ValueError, match=r"^max_tokens must be >= min_tokens \(5\), got 4$"):
+        params.max_tokens = 4
+    with pytest.raises(ValueError, match=r"^min_tokens must be <= max_tokens \(10\), got 11$"):
+        params.min_tokens = 11
+    assert (params.min_tokens, params.max_tokens) == (5, 10)
+    params.max_tokens = None
+    params.min_tokens = 100  # no limit to be under
+    params.max_tokens = 100
+    assert (params.min_tokens, params.max_tokens) == (100, 100)
 
 
 def test_min_tokens_above_max_tokens() -> None:
@@ -90,6 +135,7 @@ def test_sampling_edges_that_are_allowed() -> None:
     assert SamplingParams(stop_token_ids=None).stop_token_ids == []
     assert SamplingParams(repetition_penalty=1.2).uses_penalties and not SamplingParams().uses_penalties
     assert SamplingParams(stop="é✓😀").stop_strings == ["é✓😀"]
+    assert SamplingParams(n=MAX_N).n == MAX_N
 
 
 # --------------------------------------------------------------- EngineConfig
@@ -106,7 +152,9 @@ def test_sampling_edges_that_are_allowed() -> None:
     ("scheduling_policy", "lifo"), ("scheduling_policy", None), ("kv_cache_dtype", "fp16"),
     ("kv_cache_dtype", "FP8"), ("kv_cache_dtype", None), ("kv_cache_dtype", 8), ("quantization", "int4"),
     ("quantization", 8), ("quantization", ""), ("tensor_parallel_size", 0), ("tensor_parallel_size", 2.0),
-    ("tensor_parallel_size", None),
+    ("tensor_parallel_size", None), ("grammar_compile_workers", 0), ("grammar_compile_workers", 65),
+    ("grammar_compile_workers", 2.5), ("grammar_cache_bytes", -1), ("grammar_cache_bytes", "1G"),
+    ("grammar_cache_bytes", None), ("max_structured_output_bytes", 0), ("max_structured_output_bytes", 1.5),
 ])
 def test_bad_engine_value_is_a_value_error_naming_the_field(field: str, value: object) -> None:
     _raises_naming(EngineConfig, field, **{field: value})
@@ -188,6 +236,8 @@ ENGINE_VALID = {
     "speculative_config": st.none() | _SPEC | _SPEC.map(json.dumps),
     "quantization": st.none() | st.just("q8_0"),
     "tensor_parallel_size": _SIZE,
+    "grammar_compile_workers": st.integers(1, 64), "grammar_cache_bytes": st.integers(0, 2**40),
+    "max_structured_output_bytes": st.integers(1, 2**30), "max_logprobs": st.integers(-1, 2**20),
 }
 
 
@@ -214,7 +264,7 @@ def _is_stop_text(value: object) -> bool:
 
 
 def _check_sampling_invariants(p: SamplingParams) -> None:
-    assert _is_int(p.n, 1)
+    assert _is_int(p.n, 1, MAX_N)
     assert _is_float(p.temperature, 0)
     assert _is_float(p.top_p, 0, 1, lo_open=True)
     assert _is_int(p.top_k, -1)
@@ -250,6 +300,22 @@ def test_fuzz_sampling_params_is_valid_or_a_value_error(kwargs: dict) -> None:
     _check_sampling_invariants(params)
 
 
+@settings(max_examples=400, deadline=None)
+@given(_kwargs(SAMPLING_VALID), st.sampled_from(SAMPLING_FIELDS), _anything())
+def test_fuzz_an_assignment_keeps_sampling_params_valid(kwargs: dict, field: str, value: object) -> None:
+    try:
+        params = SamplingParams(**kwargs)
+    except ValueError:
+        return
+    before = {name: getattr(params, name) for name in SAMPLING_FIELDS}
+    try:
+        setattr(params, field, value)
+    except ValueError as exc:
+        assert str(exc).split(" ")[0] == field and " must be " in str(exc), exc
+        assert {name: getattr(params, name) for name in SAMPLING_FIELDS} == before
+    _check_sampling_invariants(params)
+
+
 def _check_engine_invariants(c: EngineConfig) -> None:
     assert c.model is None or (type(c.model) is str and c.model)
     assert c.dtype in ("auto", "bfloat16", "float16", "float32")
@@ -265,6 +331,8 @@ def _check_engine_invariants(c: EngineConfig) -> None:
     assert all(type(v) is bool for v in (c.enable_prefix_caching, c.static_batching, c.enforce_eager,
                                          c.async_scheduling, c.random_weights))
     assert c.quantization in (None, "q8_0")
+    assert _is_int(c.grammar_compile_workers, 1, 64) and _is_int(c.grammar_cache_bytes, 0)
+    assert _is_int(c.max_structured_output_bytes, 1) and _is_int(c.max_logprobs, -1)
     spec = c.speculative_config
     assert spec is None or (isinstance(spec, SpeculativeConfig) and spec.method == "ngram"
                             and _is_int(spec.num_speculative_tokens, 1, 16) and _is_int(spec.disable_by_batch_size, 1)

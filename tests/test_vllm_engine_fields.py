@@ -31,7 +31,7 @@ def model_dir(tmp_path_factory):
 @pytest.fixture(scope="module")
 def llm(model_dir) -> LLM:
     return LLM(str(model_dir), device="cpu", dtype="float32", max_num_seqs=4, max_num_batched_tokens=64,
-               max_model_len=128)
+               max_model_len=128, max_logprobs=-1)
 
 
 def tokens(llm: LLM, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]) -> list[list[int]]:
@@ -163,6 +163,18 @@ def test_preemption_takes_the_last_in_priority_order(model_dir, llm: LLM, policy
 
 
 # ------------------------------------------------------------- logprobs = -1
+def test_max_logprobs_bounds_what_a_request_may_ask(model_dir) -> None:
+    """vLLM's max_logprobs (default 20): the whole vocabulary only when it is -1."""
+    llm = LLM(str(model_dir), device="cpu", dtype="float32", max_num_seqs=4, max_model_len=64)
+    for params in (SamplingParams(logprobs=-1), SamplingParams(prompt_logprobs=21), SamplingParams(logprobs=21)):
+        with pytest.raises(ValueError, match=r"gives at most 20 logprobs a position \(its max_logprobs"):
+            llm.generate([PROMPT], params, use_tqdm=False)
+    out = llm.generate([PROMPT], SamplingParams(max_tokens=2, logprobs=20, prompt_logprobs=20), use_tqdm=False)[0]
+    assert all(len(entry) >= 20 for entry in out.outputs[0].logprobs)
+    with pytest.raises(ValueError, match="max_logprobs must be >= -1"):
+        LLM(str(model_dir), device="cpu", max_logprobs=-2)
+
+
 def test_logprobs_minus_one_gives_the_whole_vocabulary(llm: LLM) -> None:
     params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True, logprobs=-1, prompt_logprobs=-1)
     out = llm.generate([PROMPT], params, use_tqdm=False)[0]

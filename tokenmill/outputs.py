@@ -62,6 +62,13 @@ class RequestMetrics:
         return self.first_token_time - self.arrival_time
 
 
+# Why the engine could not run a request (``RequestOutput.error_kind``): the engine failed (a failed
+# step, a grammar that raised), the request itself was at fault (its constraint would not compile), or
+# the engine could not serve it in time (its constraint waited too long for a compile worker, or
+# compiled too long): its own limit, not the request's fault, so a retry later may succeed.
+ERROR_ENGINE, ERROR_INVALID, ERROR_UNAVAILABLE = "engine", "invalid", "unavailable"
+
+
 @dataclass
 class RequestOutput:
     request_id: str
@@ -74,4 +81,4 @@ class RequestOutput:
     num_cached_tokens: int = field(default=0)
     # Why the engine could not finish this request (a failed step); None when it ran.
     error: str | None = None
-    error_invalid: bool = False  # the request itself was at fault (its constraint would not compile)
+    error_kind: str = ERROR_ENGINE  # whose fault the error is, when there is one

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from tokenmill.tokenizer import invalid_unicode_at
-from tokenmill.validation import BOOLEAN, REJECT, Rule, check_fields, integer, number, ruled
+from tokenmill.validation import BOOLEAN, REJECT, Rule, field_rules, integer, number, ruled
 
 
 def _is_stop_text(value: Any) -> bool:
@@ -121,15 +121,21 @@ def _structured_outputs(value: Any) -> Any:
 
 _STRUCTURED_OUTPUTS = Rule("None, a StructuredOutputsParams or a dict of its fields", "", _structured_outputs)
 
+# The most sequences one request may ask for. Each is made when the request is queued (its sequence,
+# its detokenizer, a seeded generator), before anything runs, so n = 10**6 offline meant a million of
+# them and gigabytes first. 1024 is far past any best-of-n use (the server takes at most 128, vLLM's
+# benchmarks go to 64) and keeps that work to milliseconds.
+MAX_N = 1024
+
 
 @dataclass
 class SamplingParams:
-    """How to pick tokens and when to stop. Validated on construction so that a bad
-    request fails with a ValueError (naming the field, the rule and the value) before
-    it reaches the engine; every field is then in its normal form (``int``, finite
-    ``float``, ``bool``; ``stop_token_ids`` a list)."""
+    """How to pick tokens and when to stop. Every field is checked as it is set, on construction
+    and by any later assignment, so that a bad value fails with a ValueError (naming the field, the
+    rule and the value) at once, before it reaches the engine; every field is then in its normal
+    form (``int``, finite ``float``, ``bool``; ``stop_token_ids`` a list)."""
 
-    n: int = ruled(1, integer(lo=1))
+    n: int = ruled(1, integer(1, MAX_N))
     temperature: float = ruled(1.0, number(0, _FLOAT32_MAX))
     top_p: float = ruled(1.0, number(0, 1, lo_open=True))
     # Any size is allowed: the engine clamps it to the vocabulary.
@@ -152,16 +158,31 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = ruled(None, _LOGIT_BIAS)
     # Constrained decoding: each step samples only tokens that keep the output valid.
     structured_outputs: StructuredOutputsParams | None = ruled(None, _STRUCTURED_OUTPUTS)
-    stop_strings: list[str] = field(init=False, repr=False)
+    stop_strings: list[str] = field(init=False, repr=False)  # ``stop`` as a list, set with it
 
-    def __post_init__(self) -> None:
-        check_fields(self)
-        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
-            raise ValueError(f"min_tokens must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}")
-        if isinstance(self.stop, str):
-            self.stop_strings = [self.stop]
-        else:
-            self.stop_strings = list(self.stop or [])
+    def __setattr__(self, name: str, value: Any) -> None:
+        """Each field's rule, applied by the constructor's assignments and by any later one alike (an
+        object changed after it was checked, ``sp.n = 0``, once made the engine spin forever); also
+        keeps ``min_tokens`` <= ``max_tokens`` and ``stop_strings`` in step with ``stop``. During the
+        constructor a field not set yet reads as its default. msgspec decodes the engine's messages
+        without calling this: their params were checked where they were made."""
+        rule = _RULES.get(name)
+        if rule is None:
+            if name == "stop_strings":
+                raise AttributeError("stop_strings follows stop: assign stop instead")
+            object.__setattr__(self, name, value)
+            return
+        if value is not _NORMAL_DEFAULTS.get(name, REJECT):  # (most fields of a request keep theirs)
+            value = rule(name, value)
+        if name == "min_tokens":
+            if self.max_tokens is not None and value > self.max_tokens:
+                raise ValueError(f"min_tokens must be <= max_tokens ({self.max_tokens}), got {value}")
+        elif name == "max_tokens":
+            if value is not None and value < self.min_tokens:
+                raise ValueError(f"max_tokens must be >= min_tokens ({self.min_tokens}), got {value}")
+        elif name == "stop":
+            object.__setattr__(self, "stop_strings", [value] if isinstance(value, str) else list(value or []))
+        object.__setattr__(self, name, value)
 
     @property
     def greedy(self) -> bool:
@@ -171,3 +192,11 @@ class SamplingParams:
     def uses_penalties(self) -> bool:
         """Penalties read every output token so far, so the sampler needs them all on the host."""
         return self.repetition_penalty != 1 or self.presence_penalty != 0 or self.frequency_penalty != 0
+
+
+_RULES = field_rules(SamplingParams)
+# The defaults that are their own normal form (not stop_token_ids' None, which becomes []): a field
+# given its default object needs no check, and construction costs what it did before assignments
+# were checked.
+_NORMAL_DEFAULTS = {f.name: f.default for f in fields(SamplingParams)
+                    if f.name in _RULES and _RULES[f.name](f.name, f.default) is f.default}

@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+import sys
+import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import FrameType
 from typing import Any
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
@@ -91,11 +96,49 @@ def _call_with_object_arguments(call: Any) -> Any:
     return {**call, "function": {**function, "arguments": parsed}} if isinstance(parsed, dict) else call
 
 
-def render_chat(tokenizer: Any, messages: list[dict[str, Any]], options: ChatOptions = ChatOptions()) -> str:
-    """``messages`` through the chat template, ready for the reply. The template decides
-    which roles and contents it takes; its refusal is a ValueError."""
-    from jinja2 import TemplateError
+class TemplateTimeout(ValueError):
+    """A chat template ran past its time limit and was stopped."""
 
+
+_TEMPLATE_FILE = "<template>"  # the file name of the code Jinja compiles a template from a string to
+
+
+@contextlib.contextmanager
+def _template_time_limit(seconds: float | None) -> Iterator[None]:
+    """Stop the Jinja templates that this thread renders once they have run ``seconds``: a trace
+    function counts the lines each executes (the compiled template's own code only, so the
+    tokenizer and Jinja's runtime run untraced) and raises inside the template when the time is
+    up. A loop cannot escape it, however it nests; the sandbox already caps each ``range``."""
+    if seconds is None:
+        yield
+        return
+    deadline = time.monotonic() + seconds
+    lines = 0
+
+    def in_template(frame: FrameType, event: str, arg: Any) -> Any:
+        nonlocal lines
+        lines += 1
+        if lines % 256 == 0 and time.monotonic() > deadline:
+            raise TemplateTimeout(f"the chat template took longer than {seconds:g} s to render these messages")
+        return in_template
+
+    def on_call(frame: FrameType, event: str, arg: Any) -> Any:
+        return in_template if frame.f_code.co_filename == _TEMPLATE_FILE else None
+
+    previous = sys.gettrace()
+    sys.settrace(on_call)
+    try:
+        yield
+    finally:
+        sys.settrace(previous)
+
+
+def render_chat(tokenizer: Any, messages: list[dict[str, Any]], options: ChatOptions = ChatOptions(),
+                time_limit: float | None = None, max_chars: int | None = None) -> str:
+    """``messages`` through the chat template, ready for the reply. The template decides
+    which roles and contents it takes; its refusal, or any error it raises, is a ValueError, and
+    so is a rendering stopped after ``time_limit`` seconds (``TemplateTimeout``) or one longer than
+    ``max_chars`` (before it is tokenized)."""
     if tokenizer is None:
         raise ValueError("this model has no tokenizer, so it cannot take chat messages")
     if options.chat_template is None and not getattr(tokenizer, "chat_template", None):
@@ -108,20 +151,28 @@ def render_chat(tokenizer: Any, messages: list[dict[str, Any]], options: ChatOpt
         if isinstance(message.get("content"), str):
             check_text(message["content"], "a message's content")
     try:
-        return tokenizer.apply_chat_template(
-            [_template_message(m) for m in messages], tokenize=False,
-            add_generation_prompt=options.add_generation_prompt,
-            continue_final_message=options.continue_final_message, chat_template=options.chat_template,
-            **{"tools": options.tools, **options.chat_template_kwargs})  # the kwargs win, as in vLLM
-    except (TemplateError, ValueError, TypeError) as exc:
-        raise ValueError(f"the chat template cannot render these messages: {exc}") from None
+        with _template_time_limit(time_limit):
+            text = tokenizer.apply_chat_template(
+                [_template_message(m) for m in messages], tokenize=False,
+                add_generation_prompt=options.add_generation_prompt,
+                continue_final_message=options.continue_final_message, chat_template=options.chat_template,
+                **{"tools": options.tools, **options.chat_template_kwargs})  # the kwargs win, as in vLLM
+    except TemplateTimeout:
+        raise
+    except Exception as exc:  # noqa: BLE001 - a template can raise anything (OverflowError, RecursionError...)
+        raise ValueError(f"the chat template cannot render these messages: {type(exc).__name__}: {exc}") from None
+    if max_chars is not None and len(text) > max_chars:
+        raise ValueError(f"the chat template rendered these messages as {len(text)} characters, more than the "
+                         f"{max_chars} taken")
+    return text
 
 
-def apply_chat_template(tokenizer: Any, messages: list[dict[str, Any]],
-                        options: ChatOptions = ChatOptions()) -> list[int]:
+def apply_chat_template(tokenizer: Any, messages: list[dict[str, Any]], options: ChatOptions = ChatOptions(),
+                        time_limit: float | None = None, max_chars: int | None = None) -> list[int]:
     """Token ids of ``messages`` rendered by the chat template (the template already holds
     any special tokens it wants)."""
-    return encode_prompt(tokenizer, render_chat(tokenizer, messages, options), options.add_special_tokens)
+    text = render_chat(tokenizer, messages, options, time_limit, max_chars)
+    return encode_prompt(tokenizer, text, options.add_special_tokens)
 
 
 class Detokenizer:

@@ -77,6 +77,12 @@ def _rules(cls: type) -> tuple[tuple[str, Rule], ...]:
     return tuple((f.name, f.metadata["rule"]) for f in fields(cls) if "rule" in f.metadata)
 
 
+def field_rules(cls: type) -> dict[str, Rule]:
+    """Each ruled field's rule by name: for a class that checks every assignment (its ``__setattr__``
+    applies them) rather than its fields once after construction (``check_fields``)."""
+    return dict(_rules(cls))
+
+
 def _bounds_text(lo: float | None, hi: float | None, lo_open: bool, hi_open: bool) -> str:
     if lo is not None and hi is not None:
         return f"in {'(' if lo_open else '['}{lo}, {hi}{')' if hi_open else ']'}"

@@ -23,6 +23,7 @@ from fastapi import FastAPI
 from tokenmill.engine.async_llm import AsyncLLM
 from tokenmill.engine.config import EngineConfig
 from tokenmill.entrypoints.openai.server import build_app
+from tokenmill.entrypoints.openai.serving import ServingOptions
 
 from .tiny_model import model_dir_for_tests
 
@@ -31,9 +32,14 @@ MAX_MODEL_LEN = 256
 
 
 def small_engine_config(model_dir: Path) -> EngineConfig:
-    """A small CPU engine: some requests wait (32 slots for up to 74 clients)."""
+    """A small CPU engine: some requests wait (32 slots for up to 74 clients). Whole-vocabulary
+    logprobs are allowed, so the server's own limit on logprob entries is what refuses them."""
     return EngineConfig(model=str(model_dir), device="cpu", dtype="float32", max_num_seqs=32,
-                        max_num_batched_tokens=512, max_model_len=MAX_MODEL_LEN, num_kv_blocks=512)
+                        max_num_batched_tokens=512, max_model_len=MAX_MODEL_LEN, num_kv_blocks=512, max_logprobs=-1)
+
+
+SHARED_OPTIONS = ServingOptions(trust_request_chat_template=True)
+"""The shared server's: it takes the requests' own chat templates, so their tests can run on it."""
 
 
 @dataclass
@@ -82,7 +88,7 @@ def live_server(config: EngineConfig, **app_options: Any) -> Iterator[LiveServer
 
 @pytest.fixture(scope="session")
 def server(model_dir: Path) -> Iterator[LiveServer]:
-    with live_server(small_engine_config(model_dir)) as running:
+    with live_server(small_engine_config(model_dir), options=SHARED_OPTIONS) as running:
         yield running
 
 

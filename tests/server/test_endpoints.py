@@ -126,19 +126,33 @@ def test_models_has_vllms_fields(http: httpx.Client, server: LiveServer) -> None
         "allow_fine_tuning": False, "organization": "*", "group": None, "is_blocking": False}
 
 
-def test_api_key_guards_v1_only_as_in_vllm(engine_in_thread: AsyncLLM) -> None:
+def test_api_key_guards_every_path_that_does_work(engine_in_thread: AsyncLLM) -> None:
+    key = {"Authorization": "Bearer k"}
+
     async def test(client: httpx.AsyncClient) -> None:
         assert (await client.get("/v1/models")).status_code == 401
-        assert (await client.get("/v1/models", headers={"Authorization": "Bearer k"})).status_code == 200
-        assert (await client.post("/tokenize", json={"prompt": "hi"})).status_code == 200
-        assert (await client.post("/detokenize", json={"tokens": [5]})).status_code == 200
+        assert (await client.get("/v1/models", headers=key)).status_code == 200
+        for path, body in (("/tokenize", {"prompt": "hi"}), ("/detokenize", {"tokens": [5]})):
+            assert (await client.post(path, json=body)).status_code == 401, path
+            assert (await client.post(path, json=body, headers=key)).status_code == 200, path
         for path in ("/version", "/health", "/metrics"):
             assert (await client.get(path)).status_code == 200, path
+        two = [("Authorization", "Bearer k"), ("Authorization", "Bearer other")]
+        for path in ("/v1/models", "/health"):
+            response = await client.get(path, headers=two)
+            assert response.status_code == 400 and "more than one Authorization" in response.text, path
 
     with_app(engine_in_thread, test, api_key="k")
 
 
-Sample = tuple[str, frozenset[tuple[str, str]]]
+def test_api_key_for_metrics(engine_in_thread: AsyncLLM) -> None:
+    async def test(client: httpx.AsyncClient) -> None:
+        assert (await client.get("/metrics")).status_code == 401
+        assert (await client.get("/metrics", headers={"Authorization": "Bearer k"})).status_code == 200
+        assert (await client.get("/health")).status_code == 200
+
+    args = cli.parse_args(["serve", "--api-key", "k", "--api-key-for-metrics"])
+    with_app(engine_in_thread, test, api_key=args.api_key, open_metrics=not args.api_key_for_metrics)
 
 
 def test_request_id_headers(engine_in_thread: AsyncLLM) -> None:
@@ -150,6 +164,9 @@ def test_request_id_headers(engine_in_thread: AsyncLLM) -> None:
         assert "x-request-id" in (await client.get("/v1/models")).headers  # a 401 too
 
     with_app(engine_in_thread, test, api_key="k", request_id_headers=True)
+
+
+Sample = tuple[str, frozenset[tuple[str, str]]]
 
 
 def _samples(text: str) -> dict[Sample, float]:
@@ -234,4 +251,4 @@ def test_run_server_passes_the_flags_to_the_app(monkeypatch: pytest.MonkeyPatch)
                            "--enable-request-id-headers", "--api-key", "k"])
     assert server_module.run_server(args) == 0
     assert built == {"api_key": "k", "options": ServingOptions(enable_force_include_usage=True),
-                     "vllm_metrics": True, "request_id_headers": True}
+                     "vllm_metrics": True, "request_id_headers": True, "open_metrics": True}

@@ -21,7 +21,8 @@ import openai
 import pytest
 
 from tokenmill.engine import async_llm
-from tokenmill.engine.async_llm import AsyncLLM
+from tokenmill.engine.async_llm import AsyncLLM, EngineStepError
+from tokenmill.sampling_params import SamplingParams
 
 from .conftest import MAX_MODEL_LEN, MODEL_NAME, LiveServer, small_engine_config, with_app
 
@@ -263,6 +264,31 @@ def test_a_core_that_dies_before_any_request_turns_health_503(model_dir: Path) -
             assert (await client.post("/v1/completions", json=BODY)).status_code == 503
 
         with_app(engine, test)
+    finally:
+        engine.close()
+
+
+def test_a_killed_core_is_reported_by_its_signal_and_reaped(model_dir: Path) -> None:
+    """The core killed mid-request: the request's error and the engine's reason name the signal (the
+    event loop hears of the death from the process's sentinel, which may be readable before the
+    kernel lets the exit status be read), and the dead process is reaped, not left a zombie."""
+    engine = AsyncLLM(small_engine_config(model_dir))
+    process = engine.client.process
+    try:
+        async def kill_mid_request() -> str:
+            stream = await engine.add_request("r", [1, 2, 3], SamplingParams(max_tokens=200, ignore_eos=True))
+            os.kill(process.pid, signal.SIGKILL)
+            with pytest.raises(EngineStepError) as info:
+                async for _ in stream:
+                    pass
+            return str(info.value)
+
+        error = asyncio.run(asyncio.wait_for(kill_mid_request(), timeout=60))
+        reason = "the engine core process died (killed by signal SIGKILL (9))"
+        assert error == engine.dead_reason == reason
+        with pytest.raises(ChildProcessError):  # already reaped: nothing is left to wait for
+            os.waitpid(process.pid, os.WNOHANG)
+        assert not engine.core_alive()
     finally:
         engine.close()
 

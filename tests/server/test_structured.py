@@ -69,7 +69,7 @@ def test_a_constraint_that_fails_in_the_engine_is_a_400(model_dir, monkeypatch) 
 
     from .conftest import small_engine_config, with_app
 
-    monkeypatch.setattr("tokenmill.engine.input_processor.check_constraint", lambda spec: None)
+    monkeypatch.setattr("tokenmill.engine.input_processor.check_constraint", lambda spec, max_bytes: None)
     engine = AsyncLLM(dataclasses.replace(small_engine_config(model_dir), async_scheduling=True))
     try:
         async def test(client: httpx.AsyncClient) -> None:
@@ -81,3 +81,50 @@ def test_a_constraint_that_fails_in_the_engine_is_a_400(model_dir, monkeypatch) 
         with_app(engine, test)
     finally:
         engine.close()
+
+
+def test_a_constraint_that_compiles_too_long_is_a_503(model_dir, monkeypatch) -> None:
+    """A compile past its time limit is the server's limit of the moment, not the request's fault:
+    503 with a code that says so, and the server serves on."""
+    import threading
+
+    from tokenmill.engine import structured_outputs
+    from tokenmill.engine.async_llm import AsyncLLM
+
+    from .conftest import small_engine_config, with_app
+
+    release = threading.Event()
+    compile_ = structured_outputs.GrammarCompiler._compile
+    monkeypatch.setattr(structured_outputs.GrammarCompiler, "_compile",
+                        lambda self, spec: (release.wait(), compile_(self, spec))[1])
+    monkeypatch.setattr(structured_outputs, "GRAMMAR_TIMEOUT_S", 0.0)
+    engine = AsyncLLM(small_engine_config(model_dir), core_in_thread=True)
+    try:
+        async def test(client: httpx.AsyncClient) -> None:
+            body = {"model": MODEL_NAME, "prompt": "x", "max_tokens": 2}
+            response = await client.post("/v1/completions", json={**body, "guided_regex": "[a-z]+"})
+            assert response.status_code == 503, response.text
+            error = response.json()["error"]
+            assert error["code"] == "engine_timeout" and "took longer than 0 s" in error["message"], error
+            response = await client.post("/v1/completions", json=body)
+            assert response.status_code == 200, response.text
+
+        with_app(engine, test)
+    finally:
+        release.set()
+        engine.close()
+
+
+def test_a_constraint_over_the_size_limit_is_a_400(engine_in_thread) -> None:
+    from .conftest import with_app
+
+    limit = engine_in_thread.config.max_structured_output_bytes
+
+    async def test(client: httpx.AsyncClient) -> None:
+        choices = [f"choice {i:06d}" for i in range(limit // 10)]  # 13 bytes each
+        response = await client.post("/v1/completions", json={"model": MODEL_NAME, "prompt": "x",
+                                                               "guided_choice": choices})
+        assert response.status_code == 400, response.text
+        assert "max_structured_output_bytes" in response.json()["error"]["message"]
+
+    with_app(engine_in_thread, test)

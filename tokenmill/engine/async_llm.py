@@ -15,6 +15,7 @@ If the core process dies, every request in flight ends with an error at once,
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -31,13 +32,13 @@ from tokenmill.engine.core_process import CoreClient
 from tokenmill.engine.input_processor import InputProcessor, ModelLimits, ProcessedPrompt, check_priority
 from tokenmill.engine.messages import AbortRequests, AddRequest, CoreOutputs, CoreStats
 from tokenmill.engine.output_processor import OutputProcessor, ProcessedOutputs
-from tokenmill.outputs import OutputKind, RequestOutput
+from tokenmill.outputs import ERROR_INVALID, ERROR_UNAVAILABLE, OutputKind, RequestOutput
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.tokenizer import ChatOptions, apply_chat_template, load_tokenizer
 
 logger = logging.getLogger(__name__)
 
-_INLINE_PROMPT_CHARS = 4096  # longer prompts are tokenized in a worker thread
+_INLINE_PROMPT_CHARS = 4096  # a request's prompts longer than this altogether are tokenized in a worker thread
 
 
 class QueueFull(RuntimeError):
@@ -54,6 +55,16 @@ class EngineStepError(RuntimeError):
 
 class InvalidRequest(ValueError):
     """The engine found the request itself at fault (its constraint would not compile): a 400."""
+
+
+class EngineUnavailable(RuntimeError):
+    """The engine could not serve this request in time (its constraint waited too long for a compile
+    worker, or compiled too long): the server's limit, not the request's fault, so a retry later may
+    succeed (HTTP 503)."""
+
+
+# The exception a request's stream raises for each kind of error the core reports (others: EngineStepError).
+_ERRORS: dict[str, type[Exception]] = {ERROR_INVALID: InvalidRequest, ERROR_UNAVAILABLE: EngineUnavailable}
 
 
 def merge_delta(pending: RequestOutput, new: RequestOutput) -> None:
@@ -73,15 +84,19 @@ def merge_delta(pending: RequestOutput, new: RequestOutput) -> None:
     if new.prompt_logprobs:
         pending.prompt_logprobs = (pending.prompt_logprobs or []) + new.prompt_logprobs
     pending.finished, pending.error, pending.metrics = new.finished, new.error, new.metrics
+    pending.error_kind = new.error_kind
     pending.num_cached_tokens = new.num_cached_tokens
 
 
 class RequestStream:
     """The outputs of one request, in order; iterating it to the end is the normal path,
-    leaving early (a client that disconnects, a cancelled task) aborts the request."""
+    leaving early (a client that disconnects, a cancelled task) aborts the request.
+    ``request_id`` is the caller's label, which its outputs carry; ``key`` is the engine's
+    own id for the request, unique for the life of the engine."""
 
-    def __init__(self, owner: AsyncLLM, request_id: str) -> None:
+    def __init__(self, owner: AsyncLLM, request_id: str, key: str) -> None:
         self.request_id = request_id
+        self.key = key
         self.finished = False
         self._owner = owner
         self._pending: RequestOutput | None = None
@@ -104,7 +119,8 @@ class RequestStream:
                     continue
                 self.finished = output.finished
                 if output.error is not None:
-                    raise (InvalidRequest if output.error_invalid else EngineStepError)(output.error)
+                    raise _ERRORS.get(output.error_kind, EngineStepError)(output.error)
+                output.request_id = self.request_id
                 yield output
         finally:
             self.abort()
@@ -113,7 +129,7 @@ class RequestStream:
         """Stop the request now (its KV blocks are freed by the core); nothing once finished."""
         if not self.finished:
             self.finished = True
-            self._owner.abort(self.request_id)
+            self._owner.abort(self.key)
 
 
 class AsyncLLM:
@@ -136,13 +152,16 @@ class AsyncLLM:
         self.vocab_size = ready.vocab_size
         self.kv_cache_dtype = ready.kv_cache_dtype
         self.kv_capacity_tokens = ready.kv_capacity_tokens
-        self.inputs = InputProcessor(self.tokenizer, ModelLimits(ready.vocab_size, ready.max_model_len))
+        self.inputs = InputProcessor(self.tokenizer, ModelLimits(ready.vocab_size, ready.max_model_len,
+                                                                 config.max_logprobs,
+                                                                 config.max_structured_output_bytes))
         self.outputs = OutputProcessor(self.tokenizer)
         self.stats = CoreStats()
         self.accepting = True
         self.dead_reason: str | None = None
         self.observers: list[Any] = []  # called with each ProcessedOutputs (server metrics)
-        self._streams: dict[str, RequestStream] = {}
+        self._streams: dict[str, RequestStream] = {}  # by the engine's key of each request
+        self._keys = itertools.count()
         self._executor = ThreadPoolExecutor(max_workers=2, thread_name_prefix="tokenmill-tokenize")
         self._reader: asyncio.Task | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -179,25 +198,37 @@ class AsyncLLM:
         if self.num_unfinished + count > self.capacity:
             raise QueueFull(f"too many requests are waiting (max_waiting={self.max_waiting}); retry later")
 
-    async def process_input(self, prompt: str | list[int], params: SamplingParams,
-                            add_special_tokens: bool = True) -> ProcessedPrompt:
-        """Tokenize and validate; long prompts in a worker thread, so other streams go on."""
-        if isinstance(prompt, str) and len(prompt) > _INLINE_PROMPT_CHARS:
-            return await asyncio.get_running_loop().run_in_executor(self._executor, self.inputs.process, prompt,
-                                                                    params, add_special_tokens)
-        return self.inputs.process(prompt, params, add_special_tokens)
+    async def process_inputs(self, prompts: list[str | list[int]], params: SamplingParams,
+                             add_special_tokens: bool = True, truncate: int | None = None) -> list[ProcessedPrompt]:
+        """Tokenize and validate a request's prompts (see ``InputProcessor.process``): in a worker
+        thread unless they are short altogether, so that other streams go on meanwhile (many short
+        prompts add up as much as one long one)."""
+        chars = sum(len(p) if isinstance(p, str) else len(p) // 8 for p in prompts)
 
-    async def render_chat(self, messages: list[dict[str, Any]], options: ChatOptions = ChatOptions()) -> list[int]:
-        """The chat template and tokenizing, in a worker thread (a template may be slow)."""
-        return await asyncio.get_running_loop().run_in_executor(self._executor, apply_chat_template,
-                                                                self.tokenizer, messages, options)
+        def process() -> list[ProcessedPrompt]:
+            return [self.inputs.process(p, params, add_special_tokens, truncate) for p in prompts]
+
+        if chars <= _INLINE_PROMPT_CHARS:
+            return process()
+        return await asyncio.get_running_loop().run_in_executor(self._executor, process)
+
+    async def render_chat(self, messages: list[dict[str, Any]], options: ChatOptions = ChatOptions(),
+                          time_limit: float | None = None, max_chars: int | None = None) -> list[int]:
+        """The chat template and tokenizing, in a worker thread (a template may be slow), the
+        template stopped after ``time_limit`` seconds, its text refused past ``max_chars``."""
+        return await asyncio.get_running_loop().run_in_executor(self._executor, apply_chat_template, self.tokenizer,
+                                                                messages, options, time_limit, max_chars)
 
     async def add_request(self, request_id: str, prompt: str | list[int] | ProcessedPrompt,
                           params: SamplingParams, kind: OutputKind = OutputKind.DELTA,
                           priority: int = 0) -> RequestStream:
         """Queue a request and return its stream. Raises ValueError for bad input (nothing is
         queued; a nonzero ``priority`` needs scheduling_policy "priority"), QueueFull when too
-        many wait, EngineStopped while draining or once the core is gone."""
+        many wait, EngineStopped while draining or once the core is gone.
+
+        ``request_id`` is a label, free for callers to reuse (a client's ``X-Request-Id``): the
+        core and the output processor know the request by a key made here, so an aborted
+        request's tokens still on their way can never reach a newer request of the same label."""
         self.check_admission(1)
         priority = check_priority(priority, self.config.scheduling_policy)
         arrival = time.monotonic()
@@ -205,15 +236,17 @@ class AsyncLLM:
             self.inputs.check(prompt, params)
             processed = prompt
         else:
-            processed = await self.process_input(prompt, params)
+            [processed] = await self.process_inputs([prompt], params)
             self.check_admission(1)  # the state may have changed while tokenizing
+        # Unique, as the number after the last '#' is; the label's head makes the core's logs readable.
+        key = f"{request_id[:64]}#{next(self._keys)}"
         try:  # before anything is registered: a value msgpack cannot hold fails this request alone
-            message = self._encoder.encode(AddRequest(request_id, processed.token_ids, params, arrival, priority))
+            message = self._encoder.encode(AddRequest(key, processed.token_ids, params, arrival, priority))
         except (OverflowError, TypeError) as exc:
             raise ValueError(f"the request holds a value that cannot be sent to the engine: {exc}") from None
         self._start()
-        self.outputs.add_request(request_id, processed.text, processed.token_ids, params, kind, arrival)
-        stream = self._streams[request_id] = RequestStream(self, request_id)
+        self.outputs.add_request(key, processed.text, processed.token_ids, params, kind, arrival)
+        stream = self._streams[key] = RequestStream(self, request_id, key)
         self.client.send_encoded(message)
         return stream
 
@@ -224,15 +257,16 @@ class AsyncLLM:
         async for output in stream:
             yield output
 
-    def abort(self, request_id: str) -> None:
-        """Abort a request (its reader has left); unknown or finished ids are ignored."""
-        self._streams.pop(request_id, None)
-        output = self.outputs.abort_request(request_id)
+    def abort(self, key: str) -> None:
+        """Abort a request (its reader has left) by its key (``RequestStream.key``); unknown or
+        finished keys are ignored."""
+        self._streams.pop(key, None)
+        output = self.outputs.abort_request(key)
         if output is None:
             return
         self._deliver(ProcessedOutputs(outputs=[output]))  # the observers count it
         if self.dead_reason is None and not self._closed:
-            self.client.send(AbortRequests([request_id]))
+            self.client.send(AbortRequests([key]))
 
     def stop_admitting(self) -> None:
         """From now on new requests fail with EngineStopped; running ones go on."""

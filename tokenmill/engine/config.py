@@ -16,6 +16,8 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from tokenmill.engine.spec_decode import SPECULATIVE_CONFIG, SpeculativeConfig
+from tokenmill.engine.structured_outputs import (
+    DEFAULT_CACHE_BYTES, DEFAULT_COMPILE_WORKERS, DEFAULT_MAX_CONSTRAINT_BYTES)
 from tokenmill.validation import BOOLEAN, REJECT, Rule, check_fields, integer, number, one_of, ruled
 
 # Accepted spellings of each dtype, as torch names them.
@@ -99,6 +101,11 @@ class EngineConfig:
         "fcfs", one_of(_POLICIES), choices=tuple(_POLICIES),
         help="order of admission and preemption: fcfs (arrival) or priority (each request's priority, lower "
              "first, then arrival; preemption takes the last in that order)")
+    max_logprobs: int = ruled(
+        20, integer(-1, bounds=">= -1 (-1: no limit)"),
+        help="most logprobs a request may ask for at each position (logprobs, prompt_logprobs; chat's top_logprobs); "
+             "-1 lets a request ask for the whole vocabulary (-1), which costs the engine and the server memory in "
+             "proportion to the vocabulary for each token")
     enforce_eager: bool = ruled(False, BOOLEAN, help="run without CUDA graphs")
     async_scheduling: bool = ruled(
         True, BOOLEAN,
@@ -108,6 +115,20 @@ class EngineConfig:
         help='speculative decoding by prompt lookup, as JSON: {"method": "ngram", "num_speculative_tokens": 4, '
              '"prompt_lookup_max": 4, "prompt_lookup_min": 1} (optional "disable_by_batch_size": no drafts from '
              'that many running sequences on, default 16); outputs are those of plain decoding')
+    grammar_compile_workers: int = ruled(
+        DEFAULT_COMPILE_WORKERS, integer(1, 64),
+        help="threads that compile structured-output constraints (JSON schemas, regexes, grammars) beside the "
+             "step loop; a request whose constraint finds none free for 30 s, or compiles for longer than 30 s, "
+             "fails with HTTP 503")
+    grammar_cache_bytes: int = ruled(
+        DEFAULT_CACHE_BYTES, integer(0),
+        help="most bytes of compiled structured-output grammars kept for reuse (as xgrammar measures them; the "
+             "process holds about 1.3 times that), least recently used dropped first; 0 keeps none")
+    max_structured_output_bytes: int = ruled(
+        DEFAULT_MAX_CONSTRAINT_BYTES, _POSITIVE,
+        help="largest structured-output constraint a request may send: the JSON schema's text, the regex, the "
+             "grammar, or all choices together, in UTF-8 bytes (compile time grows faster than the size: a "
+             "100 KiB JSON schema of 1000 properties takes seconds)")
     tensor_parallel_size: int = ruled(
         1, _POSITIVE,
         help="split every layer over this many GPUs (processes on the CPU), one process each: the model's "
@@ -131,8 +152,8 @@ class EngineConfig:
         return cls(model=model, **options)
 
 
-def _cli_fields() -> list[Any]:
-    return [f for f in fields(EngineConfig) if f.metadata.get("cli", True)]
+def _cli_fields(cls: type) -> list[Any]:
+    return [f for f in fields(cls) if f.metadata.get("cli", True)]
 
 
 def _value_type(hint: Any) -> type:
@@ -142,12 +163,12 @@ def _value_type(hint: Any) -> type:
     return hint
 
 
-def add_engine_args(parser: argparse.ArgumentParser) -> None:
-    """Add the engine options (``--model``, ``--max-num-seqs``, ...) as an argument group,
-    one per ``EngineConfig`` field. A boolean that is on by default also gets ``--no-...``."""
-    group = parser.add_argument_group("engine")
-    hints = typing.get_type_hints(EngineConfig)
-    for f in _cli_fields():
+def add_option_args(parser: argparse.ArgumentParser, cls: type, title: str) -> None:
+    """Add an options dataclass's fields (each ``ruled`` with its ``help``) as an argument group,
+    ``--field-name`` each. A boolean that is on by default also gets ``--no-...``."""
+    group = parser.add_argument_group(title)
+    hints = typing.get_type_hints(cls)
+    for f in _cli_fields(cls):
         flag = "--" + f.name.replace("_", "-")
         help_text = f.metadata["help"]
         if hints[f.name] is bool:
@@ -161,7 +182,17 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                                default=argparse.SUPPRESS, help=f"the same as --no-{flag[2:]}")
 
 
+def options_from_args(cls: type, args: argparse.Namespace) -> Any:
+    """An options dataclass from parsed command-line options (the others are ignored)."""
+    names = {f.name for f in _cli_fields(cls)}
+    return cls(**{name: value for name, value in vars(args).items() if name in names})
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    """The engine options (``--model``, ``--max-num-seqs``, ...), one per ``EngineConfig`` field."""
+    add_option_args(parser, EngineConfig, "engine")
+
+
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     """The ``EngineConfig`` of parsed command-line options (other options are ignored)."""
-    names = {f.name for f in _cli_fields()}
-    return EngineConfig(**{name: value for name, value in vars(args).items() if name in names})
+    return options_from_args(EngineConfig, args)

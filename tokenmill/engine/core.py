@@ -21,7 +21,6 @@ import weakref
 from concurrent.futures import FIRST_COMPLETED, wait
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
 
 import msgspec
 import torch
@@ -45,6 +44,7 @@ from tokenmill.engine.model_runner import InFlightStep, StepResult, build_model
 from tokenmill.engine.rank import (
     RankSetup,
     check_tensor_parallel,
+    context_length,
     kv_cache_blocks,
     make_runner,
     quantize,
@@ -52,15 +52,15 @@ from tokenmill.engine.rank import (
     resolve_device,
     token_budget,
 )
-from tokenmill.engine.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
-from tokenmill.engine.sequence import PENDING, Sequence, SequenceStatus
+from tokenmill.engine.scheduler import ScheduledBatch, Scheduler, SchedulerConfig, StepCost, StepWork
+from tokenmill.engine.sequence import PENDING, Sequence
 from tokenmill.engine.spec_decode import MAX_FAILED_DRAFTS, TokenHistory, accepted_length, propose_ngram
-from tokenmill.engine.structured_outputs import GRAMMAR_TIMEOUT_S, GrammarCompiler
+from tokenmill.engine.structured_outputs import CompileJob, GrammarCompiler, grammar_error_reason
 from tokenmill.engine.tp_workers import COLLECTIVE_TIMEOUT, WorkerError, WorkerGroup
 from tokenmill.layers import ops
 from tokenmill.loader.hf_config import ModelConfig, load_model_config, resolve_dtype
 from tokenmill.loader.kv_layout import is_quantized, resolve_kv_cache_dtype
-from tokenmill.outputs import Logprobs
+from tokenmill.outputs import ERROR_ENGINE, ERROR_INVALID, ERROR_UNAVAILABLE, Logprobs
 from tokenmill.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -113,7 +113,8 @@ class EngineCore:
             ops.watch_compiles(None)
         check_tensor_parallel(config, cfg, self.device, model_dir)
         self.device = rank_device(self.device, 0) if config.tensor_parallel_size > 1 else self.device
-        config = replace(config, max_num_batched_tokens=token_budget(config.max_num_batched_tokens, self.device))
+        config = replace(config, max_num_batched_tokens=token_budget(config.max_num_batched_tokens, self.device),
+                         max_model_len=context_length(config.max_model_len, cfg))
         self.config = config
         self.dtype = resolve_dtype(config.dtype, cfg, self.device)
         self.kv_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, self.dtype, self.device)
@@ -136,7 +137,7 @@ class EngineCore:
 
     def _start(self, config: EngineConfig, cfg: ModelConfig, model_dir: Path) -> None:
         torch.manual_seed(config.seed)
-        max_len = config.max_model_len or cfg.max_position_embeddings
+        max_len = config.max_model_len
         started = time.monotonic()
         model = build_model(cfg, None if config.random_weights else model_dir, self.dtype, self.device,
                             max_len, config.seed, self.tp)
@@ -157,9 +158,10 @@ class EngineCore:
                            max_len, longest, num_blocks, config.block_size)
             max_len = int(longest)
         self.max_model_len = max_len
+        # On the CPU prompt chunks beside decoding sequences are sized from the steps' measured times.
         self.scheduler = Scheduler(
             SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, config.static_batching,
-                            config.scheduling_policy), self.kv)
+                            config.scheduling_policy), self.kv, StepCost() if self.device.type == "cpu" else None)
         started = time.monotonic()
         setup = RankSetup(num_blocks, max_len)
         if self.workers is not None:
@@ -174,9 +176,10 @@ class EngineCore:
         self.requests: dict[str, CoreRequest] = {}
         self.spec = config.speculative_config
         self._histories = TokenHistory()
-        self.grammars = GrammarCompiler(model_dir, cfg.vocab_size, cfg.eos_token_ids)
-        # Requests whose constraint is compiling: (request, priority, future, deadline), in arrival order.
-        self._compiling: list[tuple[CoreRequest, int, Any, float]] = []
+        self.grammars = GrammarCompiler(model_dir, cfg.vocab_size, cfg.eos_token_ids, config.grammar_compile_workers,
+                                        config.grammar_cache_bytes)
+        # Requests whose constraint is compiling: (request, priority, its compile, since when), in arrival order.
+        self._compiling: list[tuple[CoreRequest, int, CompileJob, float]] = []
         self._seq_ids = itertools.count()
         self.stats = CoreStats()
         if self.device.type == "cuda":
@@ -236,8 +239,8 @@ class EngineCore:
                 for i in range(params.n)]
         core_request = self.requests[request.request_id] = CoreRequest(request.request_id, params, seqs)
         if params.structured_outputs is not None:  # scheduled once its grammar is compiled
-            future = self.grammars.submit(params.structured_outputs)
-            self._compiling.append((core_request, request.priority, future, time.monotonic() + GRAMMAR_TIMEOUT_S))
+            job = self.grammars.submit(params.structured_outputs)
+            self._compiling.append((core_request, request.priority, job, time.monotonic()))
             return
         for seq in seqs:
             self.scheduler.add(seq, request.priority)
@@ -245,27 +248,38 @@ class EngineCore:
     def _admit_compiled(self) -> None:
         """Schedule the requests whose constraint has compiled (waiting a moment for the first when
         nothing else can run, so messages are still read between waits); fail those whose constraint
-        does not compile, or takes longer than ``GRAMMAR_TIMEOUT_S``."""
+        does not compile (the request's fault), and those that waited too long for it
+        (``GrammarCompiler.overdue``: the engine's limit, which a retry may find free)."""
         if self._compiling and not self.scheduler.running and not self.scheduler.waiting:
             wait([self._compiling[0][2]], timeout=0.05, return_when=FIRST_COMPLETED)
         still = []
         now = time.monotonic()
-        for request, priority, future, deadline in self._compiling:
+        for entry in self._compiling:
+            request, priority, job, since = entry
             if self.requests.get(request.request_id) is not request:
-                continue  # aborted meanwhile
-            if not future.done() and now < deadline:
-                still.append((request, priority, future, deadline))
+                self.grammars.release(job)  # aborted meanwhile
                 continue
-            error = future.exception() if future.done() else f"it took longer than {GRAMMAR_TIMEOUT_S:.0f} s"
+            if not job.done():
+                reason = self.grammars.overdue(job, since, now)
+                if reason is None:
+                    still.append(entry)
+                else:
+                    self.grammars.release(job)
+                    self._fail_request(request, f"structured_outputs cannot be compiled: {reason}", ERROR_UNAVAILABLE)
+                continue
+            self.grammars.release(job)
+            error = job.exception()
             if error is not None:
-                del self.requests[request.request_id]
-                for seq in request.seqs:
-                    seq.status = SequenceStatus.FINISHED
-                self._fail(request.request_id, f"structured_outputs cannot be compiled: {error}", request.seqs,
-                           invalid=True)
+                self._fail_request(request, f"structured_outputs cannot be compiled: {error}", ERROR_INVALID)
                 continue
-            for seq in request.seqs:
-                seq.matcher = self.grammars.matcher(future.result())
+            try:
+                matchers = [self.grammars.matcher(job.result()) for _ in request.seqs]
+            except Exception as exc:  # noqa: BLE001 - this request's alone
+                self._fail_request(request, "the engine failed while starting this request's structured output: "
+                                   f"{type(exc).__name__}: {grammar_error_reason(exc)}")
+                continue
+            for seq, matcher in zip(request.seqs, matchers):
+                seq.matcher = matcher
                 self.scheduler.add(seq, priority)
         self._compiling = still
 
@@ -362,15 +376,19 @@ class EngineCore:
         touched |= {seq.request_id for seq in self.scheduler.waiting if seq.num_pending}
         self.stats.num_failed_steps += 1
         for request_id in touched:
-            request = self.requests.pop(request_id, None)
+            request = self.requests.get(request_id)
             if request is not None:
-                for seq in request.seqs:
-                    self._end(seq, "abort")
-                self._fail(request_id, message, request.seqs)
+                self._fail_request(request, message)
 
     def _fail_unschedulable(self) -> None:
-        """Nothing runs and nothing could be admitted: the first waiting sequence does not fit
-        the whole KV pool, and never will. End its request rather than wait forever."""
+        """Nothing runs, nothing could be admitted and no step is in flight: a request that is done
+        yet never ended (none of its sequences runs or waits, no token of it is on its way: it never
+        had a sequence) will never end by itself; nor will one whose first waiting sequence does not
+        fit the whole KV pool. End them rather than step on forever."""
+        for request in [request for request in self.requests.values() if self._request_done(request)]:
+            self._retire(request)
+            self._fail(request.request_id, f"the engine has nothing left to run for this request "
+                       f"({len(request.seqs)} sequences, n = {request.params.n}): it could never finish", request.seqs)
         if self.scheduler.running or not self.scheduler.waiting:
             return
         seq = self.scheduler.waiting[0]
@@ -381,11 +399,29 @@ class EngineCore:
                    f"pools hold ({[self.kv.usable_blocks(g) for g in range(self.kv.num_groups)]} blocks of "
                    f"{self.kv.block_size}): it can never run", request.seqs)
 
-    def _fail(self, request_id: str, message: str, seqs: list[Sequence], invalid: bool = False) -> None:
-        """End a request with ``message``; ``invalid``: the request was at fault, not the engine."""
+    def _fail_request(self, request: CoreRequest, message: str, kind: str = ERROR_ENGINE) -> None:
+        """End every sequence of a live request now (their blocks go back, their tokens on the way are
+        dropped) and report ``message`` as its error; the rest of the engine goes on."""
+        del self.requests[request.request_id]
+        for seq in request.seqs:
+            self._end(seq, "abort")
+            seq.matcher = None  # (no later step asks its grammar again)
+        self._fail(request.request_id, message, request.seqs, kind)
+
+    def _fail_grammar(self, seq: Sequence, reason: str) -> None:
+        """``seq``'s grammar raised (filling its mask, taking a token or a draft, rolling back): its
+        request ends with an engine error, and every other request, in the step or not, goes on."""
+        request = self.requests.get(seq.request_id)
+        if request is None or seq not in request.seqs:
+            return  # its request ended already
+        logger.error("request %s: its structured output's grammar failed: %s", seq.request_id, reason)
+        self._fail_request(request, f"the engine failed while running this request's structured output: {reason}")
+
+    def _fail(self, request_id: str, message: str, seqs: list[Sequence], kind: str = ERROR_ENGINE) -> None:
+        """End a request with ``message``; ``kind``: whose fault (``tokenmill.outputs.ERROR_ENGINE``)."""
         self._deltas[request_id] = RequestDelta(
             request_id, [SeqDelta(s.index, [], finish_reason="abort") for s in seqs], finished=True, error=message,
-            error_invalid=invalid)
+            error_kind=kind)
 
     def _can_overlap(self, in_flight: InFlightStep) -> bool:
         """Drafts are proposed from every known token, and a step with drafts decides how many tokens
@@ -446,7 +482,14 @@ class EngineCore:
         self.stats.num_preemptions += batch.num_preempted
         if not batch.seqs:
             return None
-        step = self.runner.launch(batch, previous)
+        step_cost = self.scheduler.step_cost
+        if step_cost is None:
+            step = self.runner.launch(batch, previous)
+        else:  # the CPU: the forward runs inside the launch, and its time sizes the next steps' chunks
+            work = StepWork.of(batch.seqs, batch.num_tokens)
+            started = time.perf_counter()
+            step = self.runner.launch(batch, previous)
+            step_cost.observe(work, time.perf_counter() - started)
         self._advance(batch)
         for rows in step.prompt_rows:  # each prompt position's logprobs are given once
             rows.seq.next_prompt_logprob_position = rows.first + rows.count
@@ -466,6 +509,9 @@ class EngineCore:
         """Read a launched step's tokens, append them, check the token-level stops."""
         result = self.runner.collect(step)
         self.kv.commit_step(step.batch.seqs)
+        if step.failed_seqs:  # their grammars raised as the step sampled: their tokens are void
+            for seq, reason in step.failed_seqs.items():
+                self._fail_grammar(seq, reason)
         for seq, values in result.prompt_logprobs.items():
             if seq.request_id in self.requests and seq.index == 0:
                 delta = self._delta(self.requests[seq.request_id])
@@ -500,8 +546,8 @@ class EngineCore:
                 self.kv.commit_computed_blocks(seq)
         for request in ended.values():
             # A sequence that left the batch at launch (its last token) still awaits that token;
-            # a request ends with the last of its sequences.
-            if self._request_done(request):
+            # a request ends with the last of its sequences (unless a grammar failed it meanwhile).
+            if self.requests.get(request.request_id) is request and self._request_done(request):
                 self._delta(request).finished = True
                 self._retire(request)
 
@@ -569,8 +615,15 @@ class EngineCore:
         params = seq.params
         seq.token_ids[index] = token
         seq.num_pending -= 1
-        if seq.matcher is not None and not seq.matcher.accept_token(token):
-            logger.error("request %s: token %d broke its structured output's grammar", seq.request_id, token)
+        matcher = seq.matcher
+        if matcher is not None and not matcher.is_terminated():  # (past its stop token, under ignore_eos: free)
+            try:
+                accepted = matcher.accept_token(token)
+            except Exception as exc:  # noqa: BLE001 - a matcher's failure is its own request's
+                self._fail_grammar(seq, f"{type(exc).__name__}: {grammar_error_reason(exc)}")
+                return
+            if not accepted:
+                logger.error("request %s: token %d broke its structured output's grammar", seq.request_id, token)
         num_output = index + 1 - seq.num_prompt_tokens
         self.stats.generation_tokens += 1
         out.token_ids.append(token)

@@ -37,6 +37,7 @@ logger = logging.getLogger(__name__)
 
 _IDLE_POLL_MS = 500  # how often an idle core checks that its parent is alive
 _STATS_INTERVAL_S = 0.5  # a busy core sends its gauges at least this often, outputs or not
+_REAP_TIMEOUT_S = 5.0  # how long a core process that is gone may take to leave its exit status
 
 
 class CoreStartupError(RuntimeError):
@@ -220,10 +221,24 @@ class CoreClient:
         return self.thread is not None and self.thread.is_alive()
 
     def exit_description(self) -> str:
-        if self.process is not None and self.process.exitcode is not None:
-            code = self.process.exitcode
-            return f"killed by signal {-code}" if code < 0 else f"exit code {code}"
-        return "stopped"
+        """How the core's process ended ("killed by signal SIGKILL (9)", "exit code 1"), for a core
+        known to be gone (its sentinel readable, or ``is_alive`` false). It reaps the process: the
+        sentinel turns readable as the dying process closes its files, which may be before the kernel
+        lets its exit status be read, so a poll alone could find nothing yet (and then no one would
+        ever reap it). A core in a thread has no status: "stopped"."""
+        if self.process is None:
+            return "stopped"
+        self.process.join(_REAP_TIMEOUT_S)
+        code = self.process.exitcode
+        if code is None:
+            return "still running"
+        if code >= 0:
+            return f"exit code {code}"
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            return f"killed by signal {-code}"
+        return f"killed by signal {name} ({-code})"
 
     def shutdown(self, timeout: float = 10.0) -> None:
         """Ask the core to stop, wait for it, and make sure it is gone."""

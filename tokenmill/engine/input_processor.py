@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from tokenmill.engine.structured_outputs import check_constraint
+from tokenmill.engine.structured_outputs import DEFAULT_MAX_CONSTRAINT_BYTES, check_constraint
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.tokenizer import encode_prompt
 from tokenmill.validation import integer
@@ -27,6 +27,8 @@ class ModelLimits:
 
     vocab_size: int
     max_model_len: int
+    max_logprobs: int = 20  # -1: any number, the whole vocabulary included
+    max_structured_output_bytes: int = DEFAULT_MAX_CONSTRAINT_BYTES  # a constraint's text, at most
 
 
 @dataclass
@@ -86,11 +88,25 @@ class InputProcessor:
             value = getattr(params, name)
             if value is not None and value > limits.vocab_size:
                 raise ValueError(f"{name} must be at most the vocabulary size {limits.vocab_size}, got {value}")
+            if value is not None and limits.max_logprobs != -1 and not 0 <= value <= limits.max_logprobs:
+                asked = "the whole vocabulary (-1)" if value == -1 else value
+                raise ValueError(f"{name} asks for {asked}, but this engine gives at most {limits.max_logprobs} "
+                                 "logprobs a position (its max_logprobs option; -1 lifts the limit)")
         if params.structured_outputs is not None:
-            check_constraint(params.structured_outputs)
+            check_constraint(params.structured_outputs, limits.max_structured_output_bytes)
 
-    def process(self, prompt: Any, params: SamplingParams, add_special_tokens: bool = True) -> ProcessedPrompt:
+    def process(self, prompt: Any, params: SamplingParams, add_special_tokens: bool = True,
+                truncate: int | None = None) -> ProcessedPrompt:
+        """Tokenized and checked. ``truncate`` (vLLM's ``truncate_prompt_tokens``) keeps only the
+        prompt's last ``truncate`` tokens, before the length is checked; -1 keeps as many as leave
+        room for the request's output (``max_tokens``, ``min_tokens``, or one token)."""
         processed = self.tokenize(prompt, add_special_tokens)
+        if truncate is not None:
+            keep = truncate
+            if truncate == -1:
+                keep = self.limits.max_model_len - max(params.max_tokens or 1, params.min_tokens)
+            if 0 < keep < len(processed.token_ids):
+                processed = ProcessedPrompt(None, processed.token_ids[-keep:])
         self.check(processed, params)
         return processed
 

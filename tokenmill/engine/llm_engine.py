@@ -31,7 +31,9 @@ class LLMEngine:
         self.tokenizer = load_tokenizer(model_dir_of(config))
         # Where start-up went: the core's phases, then the tokenizer's load.
         self.startup_seconds = {**self.core.startup_seconds, "tokenizer": time.monotonic() - started}
-        self.inputs = InputProcessor(self.tokenizer, ModelLimits(self.model_config.vocab_size, self.max_model_len))
+        limits = ModelLimits(self.model_config.vocab_size, self.max_model_len, config.max_logprobs,
+                             config.max_structured_output_bytes)
+        self.inputs = InputProcessor(self.tokenizer, limits)
         self.outputs = OutputProcessor(self.tokenizer)
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,

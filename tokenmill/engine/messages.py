@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import msgspec
 
-from tokenmill.outputs import Logprobs
+from tokenmill.outputs import ERROR_ENGINE, Logprobs
 from tokenmill.sampling_params import SamplingParams
 
 
@@ -62,7 +62,7 @@ class RequestDelta(msgspec.Struct, array_like=True, omit_defaults=True, gc=False
     finished: bool = False
     # Set when the core could not run this request (a failed step): the request is over.
     error: str | None = None
-    error_invalid: bool = False  # the request itself was at fault (its constraint would not compile)
+    error_kind: str = ERROR_ENGINE  # whose fault the error is (``tokenmill.outputs.ERROR_ENGINE``)
     prompt_logprobs: list[Logprobs | None] | None = None  # new prompt positions, in order
     num_cached_tokens: int = 0
     num_preemptions: int = 0

@@ -111,6 +111,9 @@ class InFlightStep:
     pending_index: list[int] = field(default_factory=list)  # where each sampled token goes (engine)
     pending_sample: PendingSample | None = None  # set while ``sample`` is still to run
     sampling_flags: int = 0  # every ``sequence_rows`` flag a sampled row sets
+    # Sequences whose grammar raised in ``sample``, with the reason: their samples are void, and the
+    # engine fails their requests alone (None: none did, as in every step without a grammar).
+    failed_seqs: dict[Sequence, str] | None = None
 
 
 # The paths a step's forward takes (every rank takes the one rank 0 chose).
@@ -540,15 +543,19 @@ class ModelRunner:
         pending, step.pending_sample = step.pending_sample, None
         logits, batch, greedy_ids = pending.logits, pending.batch, pending.greedy_ids
         firsts = itertools.accumulate([0, *step.rows_per_seq[:-1]])
-        # (A matcher that took its stop token belongs to a sequence that ended: its row is thrown away.)
-        constrained = []
+        # (A matcher that took its stop token leaves its row free: its sequence ended there, or ignores eos
+        # and goes on unconstrained.)
+        grammar_seqs = []
         if step.sampling_flags & GRAMMAR:
-            constrained = [(row, seq.matcher, seq.draft_token_ids) for row, seq in zip(firsts, step.sampled_seqs)
-                           if seq.matcher is not None and not seq.matcher.is_terminated()]
+            grammar_seqs = [(row, seq) for row, seq in zip(firsts, step.sampled_seqs)
+                            if seq.matcher is not None and not seq.matcher.is_terminated()]
         finish = self.model.finish_logits_
-        if constrained:  # structured outputs: only the tokens each grammar allows next
+        if grammar_seqs:  # structured outputs: only the tokens each grammar allows next
             logits, finish = finish(logits).float(), None  # (a copy of a graph's bf16 output)
-            apply_grammars(logits, constrained, self.host_bitmask)
+            failed = apply_grammars(logits, [(row, seq.matcher, seq.draft_token_ids) for row, seq in grammar_seqs],
+                                    self.host_bitmask)
+            if failed:
+                step.failed_seqs = {grammar_seqs[i][1]: reason for i, reason in failed.items()}
             greedy_ids = None
         penalty_rows = None
         if step.sampling_flags & PENALTIES:

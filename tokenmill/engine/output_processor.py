@@ -10,12 +10,13 @@ kind the caller asked for: everything so far, only what is new, or once at the e
 
 from __future__ import annotations
 
+import re
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
 from tokenmill.engine.messages import AbortRequests, AbortSequence, CoreOutputs, RequestDelta, SeqDelta
-from tokenmill.outputs import CompletionOutput, Logprobs, OutputKind, RequestMetrics, RequestOutput
+from tokenmill.outputs import ERROR_ENGINE, CompletionOutput, Logprobs, OutputKind, RequestMetrics, RequestOutput
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.tokenizer import Detokenizer, make_detokenizer
 
@@ -39,6 +40,22 @@ class SeqState:
         return self.finish_reason is not None
 
 
+@dataclass(frozen=True)
+class StopStrings:
+    """A request's stop strings as one search: a sequence's new text is searched once a token for
+    all of them (one regular expression: the leftmost hit wins and, of those starting there, the
+    first in sorted order), however many there are."""
+
+    pattern: re.Pattern[str]
+    longest: int
+
+    @classmethod
+    def of(cls, strings: list[str]) -> StopStrings | None:
+        if not strings:
+            return None
+        return cls(re.compile("|".join(map(re.escape, sorted(strings)))), max(map(len, strings)))
+
+
 @dataclass(eq=False)
 class RequestState:
     request_id: str
@@ -48,12 +65,13 @@ class RequestState:
     kind: OutputKind
     seqs: list[SeqState]
     metrics: RequestMetrics
+    stops: StopStrings | None = None
     prompt_logprobs: list[Logprobs | None] | None = None
     prompt_logprobs_sent: int = 0
     num_cached_tokens: int = 0
     finished: bool = False
     error: str | None = None
-    error_invalid: bool = False
+    error_kind: str = ERROR_ENGINE
     last_token_time: float | None = None
 
 
@@ -86,7 +104,7 @@ class OutputProcessor:
             seqs.append(SeqState(i, detok, logprobs=[] if params.logprobs is not None else None))
         self.requests[request_id] = RequestState(
             request_id, prompt, prompt_token_ids, params, kind, seqs, RequestMetrics(arrival_time=arrival_time),
-            prompt_logprobs=[None] if params.prompt_logprobs is not None else None)
+            StopStrings.of(params.stop_strings), prompt_logprobs=[None] if params.prompt_logprobs is not None else None)
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """End a request on the caller's side; its final output (finish_reason "abort"), or
@@ -130,7 +148,7 @@ class OutputProcessor:
         """Take one request's news; True if the caller has something new to see."""
         if delta.error is not None:
             self._fail(state, delta.error)
-            state.error_invalid = delta.error_invalid
+            state.error_kind = delta.error_kind
             return True
         metrics = state.metrics
         if metrics.first_scheduled_time is None:
@@ -178,8 +196,8 @@ class OutputProcessor:
     def _apply_tokens(self, state: RequestState, seq: SeqState, delta: SeqDelta) -> bool:
         """Append a sequence's new tokens; True if a stop string ended it here (the core
         does not know yet)."""
-        params = state.params
-        if delta.finish_reason is None and not delta.logprobs and not params.stop_strings:
+        params, stops = state.params, state.stops
+        if delta.finish_reason is None and not delta.logprobs and stops is None:
             # (Most steps: tokens that end nothing and no stop string to look for.)
             seq.token_ids += delta.token_ids
             if seq.detokenizer is not None:
@@ -198,26 +216,22 @@ class OutputProcessor:
                 continue
             old_len = len(seq.text)
             seq.text += seq.detokenizer.add(token)
-            if params.stop_strings and len(seq.token_ids) >= params.min_tokens:
-                if self._check_stop(seq, old_len, params):
+            if stops is not None and len(seq.token_ids) >= params.min_tokens:
+                if self._check_stop(seq, old_len, stops, params.include_stop_str_in_output):
                     return True
         if delta.finish_reason is not None:
             seq.finish_reason, seq.stop_reason = delta.finish_reason, delta.stop_reason
         return False
 
     @staticmethod
-    def _check_stop(seq: SeqState, old_len: int, params: SamplingParams) -> bool:
+    def _check_stop(seq: SeqState, old_len: int, stops: StopStrings, include: bool) -> bool:
         """End at the first stop string that the new text completes; the text ends before it
         (or after it, with ``include_stop_str_in_output``)."""
-        longest = max(len(s) for s in params.stop_strings)
-        search_from = max(0, old_len - longest + 1)
-        hits = [(seq.text.find(s, search_from), s) for s in params.stop_strings]
-        hits = [(i, s) for i, s in hits if i >= 0]
-        if not hits:
+        hit = stops.pattern.search(seq.text, max(0, old_len - stops.longest + 1))
+        if hit is None:
             return False
-        index, stop = min(hits)
-        seq.text = seq.text[:index + len(stop) if params.include_stop_str_in_output else index]
-        seq.finish_reason, seq.stop_reason = "stop", stop
+        seq.text = seq.text[:hit.end() if include else hit.start()]
+        seq.finish_reason, seq.stop_reason = "stop", hit.group()
         return True
 
     @staticmethod
@@ -235,19 +249,19 @@ class OutputProcessor:
         return self._output(state)
 
     @staticmethod
-    def _visible_text(seq: SeqState, params: SamplingParams) -> str:
+    def _visible_text(seq: SeqState, stops: StopStrings | None) -> str:
         """While a sequence runs, hold back the tail that could still become a stop string,
         so a stream never shows text that the stop string will take back."""
-        if seq.finished or not params.stop_strings:
+        if seq.finished or stops is None:
             return seq.text
-        hold = max(len(s) for s in params.stop_strings) - 1
+        hold = stops.longest - 1
         return seq.text[:max(0, len(seq.text) - hold)] if hold else seq.text
 
     def _output(self, state: RequestState) -> RequestOutput:
         delta = state.kind is OutputKind.DELTA
         outputs = []
         for seq in state.seqs:
-            text = self._visible_text(seq, state.params)
+            text = self._visible_text(seq, state.stops)
             if delta:
                 if seq.tokens_sent == len(seq.token_ids) and seq.text_sent == len(text) and seq.finish_reason is None:
                     continue
@@ -272,4 +286,4 @@ class OutputProcessor:
         return RequestOutput(
             request_id=state.request_id, prompt=state.prompt, prompt_token_ids=state.prompt_token_ids,
             outputs=outputs, finished=state.finished, metrics=state.metrics, prompt_logprobs=prompt_logprobs,
-            num_cached_tokens=state.num_cached_tokens, error=state.error, error_invalid=state.error_invalid)
+            num_cached_tokens=state.num_cached_tokens, error=state.error, error_kind=state.error_kind)

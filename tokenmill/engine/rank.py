@@ -61,6 +61,22 @@ def token_budget(requested: int | None, device: torch.device) -> int:
     return 2048
 
 
+def context_length(requested: int | None, cfg: ModelConfig) -> int:
+    """The engine's ``max_model_len`` before the KV pools are sized (which may lower it): ``requested``,
+    else the model's context length (``max_position_embeddings``). More than the model supports is a
+    ValueError, as in vLLM, raised before anything is built: positions past it were never trained,
+    and the rotary tables (``max_model_len`` rows each) would be built for it first, 128 GB for 10**9
+    positions of a 32-wide head."""
+    supported = cfg.max_position_embeddings
+    if requested is None:
+        return supported
+    if requested > supported:
+        raise ValueError(f"max_model_len {requested} is more than this model supports: its "
+                         f"max_position_embeddings {supported} is the longest sequence it knows; "
+                         f"set max_model_len to at most {supported}")
+    return requested
+
+
 def rank_device(device: torch.device, rank: int) -> torch.device:
     """Rank ``rank``'s device under tensor parallelism: GPU ``rank``, or the CPU."""
     return torch.device("cuda", rank) if device.type == "cuda" else device

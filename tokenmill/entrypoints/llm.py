@@ -10,7 +10,7 @@ from tqdm import tqdm
 
 from tokenmill.engine.config import EngineConfig
 from tokenmill.engine.llm_engine import LLMEngine
-from tokenmill.outputs import RequestOutput
+from tokenmill.outputs import ERROR_INVALID, RequestOutput
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.tokenizer import ChatOptions, apply_chat_template
 
@@ -66,7 +66,7 @@ class LLM:
             while self.engine.has_unfinished_requests():
                 for out in self.engine.step():
                     if out.error is not None:
-                        if out.error_invalid:  # the request's own fault, found only in the engine
+                        if out.error_kind == ERROR_INVALID:  # the request's own fault, found only in the engine
                             raise ValueError(f"request {out.request_id}: {out.error}")
                         raise EngineError(f"request {out.request_id}: {out.error}")
                     if out.finished:

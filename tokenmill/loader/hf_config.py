@@ -62,7 +62,8 @@ class ModelConfig:
         return KVLayout.uniform(self.num_layers, self.num_kv_heads, self.head_dim, self.sliding_windows)
 
 
-def _read_json(path: Path) -> dict[str, Any]:
+def read_json(path: Path) -> dict[str, Any]:
+    """A JSON file of the model directory; a ModelLoadError naming it if it is not valid JSON."""
     try:
         return json.loads(path.read_text())
     except json.JSONDecodeError as exc:
@@ -121,7 +122,7 @@ def load_model_config(model_dir: str | Path) -> ModelConfig:
         if not config_path.is_file():
             raise ModelLoadError(f"{model_dir} has no config.json: is it a Hugging Face model directory "
                                  "(or a .gguf file)?")
-        top = _read_json(config_path)
+        top = read_json(config_path)
     archs = top.get("architectures") or []
     arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
     if arch is None:
@@ -137,7 +138,7 @@ def load_model_config(model_dir: str | Path) -> ModelConfig:
     eos = _as_id_list(raw.get("eos_token_id"))
     gen_path = model_dir / "generation_config.json"
     if model_dir.is_dir() and gen_path.is_file():
-        eos = _as_id_list(_read_json(gen_path).get("eos_token_id")) or eos
+        eos = _as_id_list(read_json(gen_path).get("eos_token_id")) or eos
     return replace(cfg, eos_token_ids=tuple(eos))
 
 

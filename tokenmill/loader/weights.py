@@ -2,23 +2,25 @@
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
 from tokenmill.loader.gguf_checkpoint import is_gguf_file, iter_gguf_checkpoint
-from tokenmill.loader.hf_config import ModelLoadError
+from tokenmill.loader.hf_config import ModelLoadError, read_json
 
 
 def checkpoint_files(model_dir: Path) -> list[Path]:
     """The safetensors files of a directory, in the order the index names them."""
     index = model_dir / "model.safetensors.index.json"
     if index.is_file():
-        weight_map = json.loads(index.read_text()).get("weight_map", {})
+        weight_map = read_json(index)
+        weight_map = weight_map.get("weight_map", {}) if isinstance(weight_map, dict) else None
+        if not isinstance(weight_map, dict) or not all(isinstance(n, str) for n in weight_map.values()):
+            raise ModelLoadError(f"{index} must hold a weight_map object of tensor names to shard file names")
         names = sorted(set(weight_map.values()))
         missing = [n for n in names if not (model_dir / n).is_file()]
         if missing:
@@ -38,6 +40,12 @@ def iter_checkpoint(model_dir: Path) -> Iterator[tuple[str, torch.Tensor | Any]]
         yield from iter_gguf_checkpoint(model_dir)
         return
     for path in checkpoint_files(model_dir):
-        with safe_open(str(path), framework="pt") as f:
+        try:  # the library checks the whole header as the file opens: a file cut short, bytes that are no
+            # header, tensors whose offsets do not cover the file or do not fit their shapes and dtypes
+            file = safe_open(str(path), framework="pt")
+        except SafetensorError as exc:
+            raise ModelLoadError(f"{path} is not a safetensors file this engine can read, truncated or corrupt: "
+                                 f"{exc}") from None
+        with file as f:
             for name in f.keys():
                 yield name, f.get_slice(name)

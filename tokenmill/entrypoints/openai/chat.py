@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import Response, StreamingResponse
 
 from tokenmill.entrypoints.openai.errors import APIError
 from tokenmill.entrypoints.openai.protocol import (
@@ -34,7 +34,8 @@ from tokenmill.entrypoints.openai.serving import (
     RequestGroup,
     ServingContext,
     best,
-    chat_options,
+    json_response,
+    off_loop,
     sampling_params,
     sse_stream,
 )
@@ -83,31 +84,32 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
                              prompt_logprobs=req.prompt_logprobs,
                              forced=None if tools.grammar is None else ("tool_choice", {"grammar": tools.grammar}))
     ctx.engine.check_admission(1)
-    try:  # the template decides which roles and contents it takes
-        options = chat_options(req, req.add_special_tokens, tools.template_tools)
-        prompt = await ctx.engine.render_chat([m.for_template() for m in req.messages], options)
-    except ValueError as exc:
-        raise APIError(400, str(exc), param="messages", code="invalid_value") from exc
+    prompt = await ctx.render_chat(req, [m.for_template() for m in req.messages], req.add_special_tokens,
+                                   tools.template_tools)
     request_id = ctx.request_id(req, raw, "chatcmpl")
     group = await ctx.start(request_id, [prompt], params, stream=req.stream, req=req)
     if req.stream:
-        return StreamingResponse(sse_stream(_stream_events(ctx, req, tools, group, request_id, prompt), group),
+        return StreamingResponse(sse_stream(_stream_events(ctx, req, tools, group, request_id, prompt), group,
+                                            offload=req.logprobs),
                                  media_type="text/event-stream")
     [final] = await group.final_outputs(raw)
     ids = req.return_token_ids
-    choices = []
-    for c in final.outputs:
-        message = _message(req, tools, c)
-        choices.append(ChatChoice(
-            index=c.index, message=message, logprobs=_logprobs(ctx, req, c.token_ids, c.logprobs),
-            finish_reason=_finish_reason(c.finish_reason, bool(message.tool_calls)), stop_reason=c.stop_reason,
-            token_ids=list(c.token_ids) if ids else None))
-    response = ChatCompletionResponse(
-        id=request_id, model=ctx.model_name, choices=choices, usage=ctx.final_usage([final]),
-        prompt_logprobs=ctx.prompt_logprobs(req, final.prompt_token_ids, final.prompt_logprobs,
-                                            req.prompt_logprobs),
-        prompt_token_ids=list(final.prompt_token_ids) if ids else None)
-    return JSONResponse(response.model_dump())
+
+    def response() -> ChatCompletionResponse:
+        choices = []
+        for c in final.outputs:
+            message = _message(req, tools, c)
+            choices.append(ChatChoice(
+                index=c.index, message=message, logprobs=_logprobs(ctx, req, c.token_ids, c.logprobs),
+                finish_reason=_finish_reason(c.finish_reason, bool(message.tool_calls)), stop_reason=c.stop_reason,
+                token_ids=list(c.token_ids) if ids else None))
+        return ChatCompletionResponse(
+            id=request_id, model=ctx.model_name, choices=choices, usage=ctx.final_usage([final]),
+            prompt_logprobs=ctx.prompt_logprobs(req, final.prompt_token_ids, final.prompt_logprobs,
+                                                req.prompt_logprobs),
+            prompt_token_ids=list(final.prompt_token_ids) if ids else None)
+
+    return await json_response(response)
 
 
 def _logprobs(ctx: ServingContext, req: ChatCompletionRequest, token_ids: list[int],
@@ -182,7 +184,8 @@ async def _stream_events(ctx: ServingContext, req: ChatCompletionRequest, tools:
             delta = reply.delta(c.text, c.finished)
             if delta.content or delta.tool_calls or c.token_ids:
                 yield chunk(ChatStreamChoice(index=c.index, delta=delta,
-                                             logprobs=_logprobs(ctx, req, c.token_ids, c.logprobs),
+                                             logprobs=await off_loop(req.logprobs, _logprobs, ctx, req,
+                                                                     c.token_ids, c.logprobs),
                                              token_ids=list(c.token_ids) if ids else None))
             if c.finished:
                 yield chunk(ChatStreamChoice(index=c.index, delta=DeltaMessage(),

@@ -7,7 +7,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import Response, StreamingResponse
 
 from tokenmill.entrypoints.openai.errors import APIError
 from tokenmill.entrypoints.openai.protocol import (
@@ -22,7 +22,9 @@ from tokenmill.entrypoints.openai.serving import (
     RequestGroup,
     ServingContext,
     best,
+    json_response,
     merged_logprobs,
+    off_loop,
     sampling_params,
     sse_stream,
 )
@@ -80,14 +82,17 @@ async def create_completion(ctx: ServingContext, req: CompletionRequest, raw: Re
     request_id = ctx.request_id(req, raw, "cmpl")
     group = await ctx.start(request_id, prompts, params, stream=req.stream, req=req)
     if req.stream:
-        return StreamingResponse(sse_stream(_stream_events(ctx, req, group, request_id), group),
+        return StreamingResponse(sse_stream(_stream_events(ctx, req, group, request_id), group,
+                                            offload=req.logprobs is not None),
                                  media_type="text/event-stream")
     finals = await group.final_outputs(raw)
-    choices = [_choice(ctx, req, out, c, i * req.n + c.index, engine_n)
-               for i, out in enumerate(finals) for c in out.outputs]
-    response = CompletionResponse(id=request_id, model=ctx.model_name, choices=choices,
-                                  usage=ctx.final_usage(finals))
-    return JSONResponse(response.model_dump())
+
+    def response() -> CompletionResponse:
+        choices = [_choice(ctx, req, out, c, i * req.n + c.index, engine_n)
+                   for i, out in enumerate(finals) for c in out.outputs]
+        return CompletionResponse(id=request_id, model=ctx.model_name, choices=choices, usage=ctx.final_usage(finals))
+
+    return await json_response(response)
 
 
 @dataclass
@@ -175,8 +180,8 @@ async def _stream_events(ctx: ServingContext, req: CompletionRequest, group: Req
             state.completion_tokens += len(c.token_ids)
             logprobs = None
             if req.logprobs is not None:
-                logprobs = state.logprobs[c.index].build(echo.token_ids + c.token_ids,
-                                                         echo.entries + (c.logprobs or []))
+                logprobs = await off_loop(True, state.logprobs[c.index].build, echo.token_ids + c.token_ids,
+                                          echo.entries + (c.logprobs or []))
             ids = req.return_token_ids
             yield chunk(CompletionChoice(index=i * req.n + c.index, text=echo.text + c.text, logprobs=logprobs,
                                          finish_reason=c.finish_reason, stop_reason=c.stop_reason,

@@ -15,7 +15,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from tokenmill.engine.async_llm import EngineStepError, EngineStopped, QueueFull
+from tokenmill.engine.async_llm import EngineStepError, EngineStopped, EngineUnavailable, QueueFull
 from tokenmill.entrypoints.openai.protocol import (
     UNION_TAGS,
     UNSUPPORTED_PARAMETER,
@@ -31,6 +31,7 @@ _TYPES = {
     401: "authentication_error",
     404: "not_found_error",
     405: "invalid_request_error",
+    413: "invalid_request_error",
     500: "internal_server_error",
     503: "service_unavailable",
 }
@@ -62,6 +63,8 @@ def to_api_error(exc: BaseException) -> APIError:
         return APIError(503, str(exc), code="unavailable")
     if isinstance(exc, EngineStepError):
         return APIError(500, str(exc), code="engine_error")
+    if isinstance(exc, EngineUnavailable):  # the engine's limit of the moment, not the request's fault
+        return APIError(503, str(exc), code="engine_timeout")
     if isinstance(exc, ValueError):
         return APIError(400, str(exc), code="invalid_value")
     logger.exception("unexpected error", exc_info=exc)
@@ -124,7 +127,7 @@ def install_error_handlers(app: FastAPI) -> None:
             phrase = "error"
         return APIError(exc.status_code, str(exc.detail or phrase)).response()
 
-    for exc_type in (APIError, ValueError, QueueFull, EngineStopped, EngineStepError, Exception):
+    for exc_type in (APIError, ValueError, QueueFull, EngineStopped, EngineStepError, EngineUnavailable, Exception):
         app.add_exception_handler(exc_type, _on_error)
 
 

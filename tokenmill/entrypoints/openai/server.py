@@ -31,10 +31,11 @@ from pydantic import BaseModel, Field
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from tokenmill.engine.async_llm import AsyncLLM
-from tokenmill.engine.config import engine_config_from_args
+from tokenmill.engine.config import add_option_args, engine_config_from_args, options_from_args
 from tokenmill.entrypoints.openai.chat import create_chat_completion
 from tokenmill.entrypoints.openai.completions import create_completion
 from tokenmill.entrypoints.openai.errors import APIError, install_error_handlers
+from tokenmill.entrypoints.openai.limits import RequestBodyLimit, ServerLimits
 from tokenmill.entrypoints.openai.metrics import CONTENT_TYPE, ServerMetrics
 from tokenmill.entrypoints.openai.protocol import (
     ChatCompletionRequest,
@@ -60,20 +61,32 @@ logger = logging.getLogger(__name__)
 DEFAULT_MODEL_NAME = "tokenmill-default"
 
 
-class _APIKeyMiddleware:
-    """Requires ``Authorization: Bearer <key>`` on /v1/*, before the body is even read
-    (so a bad key is a 401 whatever the body holds). Every other path stays open, as in
-    vLLM: /health, /metrics, /version, and /tokenize and /detokenize, which run no model."""
+_OPEN_PATHS = frozenset({"/health", "/version", "/docs", "/redoc", "/openapi.json", "/docs/oauth2-redirect"})
+"""What ``--api-key`` leaves open: liveness, the version and the API's own description, none of
+which does work for the caller."""
 
-    def __init__(self, app: ASGIApp, api_key: str) -> None:
+
+class _APIKeyMiddleware:
+    """Requires ``Authorization: Bearer <key>`` on every path that does work (the API, /tokenize,
+    /detokenize, and /metrics unless ``open_metrics``), before the body is even read (so a bad key
+    is a 401 whatever the body holds). A request with two ``Authorization`` headers is a 400:
+    proxies disagree on which one counts."""
+
+    def __init__(self, app: ASGIApp, api_key: str, open_metrics: bool) -> None:
         self.app = app
         self.expected = f"Bearer {api_key}".encode()
+        self.open_paths = _OPEN_PATHS | ({"/metrics"} if open_metrics else set())
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["path"].startswith("/v1"):
-            given = dict(scope["headers"]).get(b"authorization", b"")
-            if not secrets.compare_digest(given, self.expected):
+        if scope["type"] == "http":
+            given = [value for name, value in scope["headers"] if name == b"authorization"]
+            error = None
+            if len(given) > 1:
+                error = APIError(400, "the request has more than one Authorization header", code="invalid_request")
+            elif scope["path"] not in self.open_paths and not secrets.compare_digest(given[0] if given else b"",
+                                                                                      self.expected):
                 error = APIError(401, "invalid or missing API key", code="invalid_api_key")
+            if error is not None:
                 await error.response()(scope, receive, send)
                 return
         await self.app(scope, receive, send)
@@ -132,10 +145,11 @@ class _RequestIdMiddleware:
 
 def build_app(engine: AsyncLLM, served_model_name: str, api_key: str | None = None,
               options: ServingOptions = ServingOptions(), vllm_metrics: bool = False,
-              request_id_headers: bool = False) -> FastAPI:
+              request_id_headers: bool = False, open_metrics: bool = True) -> FastAPI:
     """An app over ``engine``; its shutdown ends whatever still runs and stops the core.
     ``vllm_metrics`` also exports the metrics vLLM has under vLLM's names;
-    ``request_id_headers`` puts an ``X-Request-Id`` on every response."""
+    ``request_id_headers`` puts an ``X-Request-Id`` on every response; ``open_metrics`` leaves
+    /metrics open when an ``api_key`` guards the rest."""
     metrics = ServerMetrics(engine, served_model_name, vllm_names=vllm_metrics)
     ctx = ServingContext(engine, served_model_name, engine.tokenizer, metrics, options)
     model_root = str(engine.config.model or served_model_name)
@@ -148,8 +162,9 @@ def build_app(engine: AsyncLLM, served_model_name: str, api_key: str | None = No
     app = FastAPI(title="tokenmill", lifespan=lifespan)
     app.state.serving = ctx
     install_error_handlers(app)
-    if api_key:
-        app.add_middleware(_APIKeyMiddleware, api_key=api_key)
+    app.add_middleware(RequestBodyLimit, max_bytes=options.limits.max_request_body_bytes)
+    if api_key:  # added after, so it runs before: a request without the key is refused unread
+        app.add_middleware(_APIKeyMiddleware, api_key=api_key, open_metrics=open_metrics)
     if request_id_headers:  # added last, so it is outermost: a 401 gets its id too
         app.add_middleware(_RequestIdMiddleware)
 
@@ -222,7 +237,14 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--host", default="127.0.0.1",
                    help="address to listen on (127.0.0.1: this machine only; 0.0.0.0: every interface)")
     g.add_argument("--port", type=int, default=8000, help="TCP port to listen on")
-    g.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/*")
+    g.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer KEY' on every path but /health, /version and the API's docs "
+                        "(and /metrics, unless --api-key-for-metrics)")
+    g.add_argument("--api-key-for-metrics", action="store_true",
+                   help="with --api-key, require the key on /metrics too (a Prometheus scraper must then send it)")
+    g.add_argument("--trust-request-chat-template", action="store_true",
+                   help="let requests bring their own chat_template (a Jinja program the server runs, within "
+                        "--chat-template-timeout); without it, such a request gets a 400")
     g.add_argument("--served-model-name", default=None,
                    help="the model name clients send (unset: the model path, or tokenmill-default)")
     g.add_argument("--max-waiting", type=int, default=1024,
@@ -252,6 +274,7 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
                    help='with tool_choice "none", leave the tools out of the chat template too')
     g.add_argument("--uvicorn-log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
                    help="log level of the HTTP server (access log at info)")
+    add_option_args(parser, ServerLimits, "limits on one request's work")
 
 
 def serving_options_from_args(args: argparse.Namespace) -> ServingOptions:
@@ -259,7 +282,9 @@ def serving_options_from_args(args: argparse.Namespace) -> ServingOptions:
                           enable_force_include_usage=args.enable_force_include_usage,
                           return_tokens_as_token_ids=args.return_tokens_as_token_ids,
                           tool_call_parser=args.tool_call_parser, enable_auto_tool_choice=args.enable_auto_tool_choice,
-                          exclude_tools_when_tool_choice_none=args.exclude_tools_when_tool_choice_none)
+                          exclude_tools_when_tool_choice_none=args.exclude_tools_when_tool_choice_none,
+                          trust_request_chat_template=args.trust_request_chat_template,
+                          limits=options_from_args(ServerLimits, args))
 
 
 def run_server(args: argparse.Namespace) -> int:
@@ -271,7 +296,7 @@ def run_server(args: argparse.Namespace) -> int:
         name = args.served_model_name or args.model or DEFAULT_MODEL_NAME
         app = build_app(engine, name, api_key=args.api_key, options=serving_options_from_args(args),
                         vllm_metrics=args.vllm_compatible_metrics,
-                        request_id_headers=args.enable_request_id_headers)
+                        request_id_headers=args.enable_request_id_headers, open_metrics=not args.api_key_for_metrics)
         # uvicorn's own deadline comes after ours: by then every stream has ended cleanly.
         config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
                                 timeout_graceful_shutdown=args.grace_period + 10)

@@ -7,16 +7,18 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from collections.abc import AsyncIterator
-from dataclasses import dataclass
-from typing import Any
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
 
 from fastapi import Request
+from fastapi.responses import JSONResponse
 from pydantic import BaseModel
 
 from tokenmill.engine.async_llm import AsyncLLM, RequestStream
 from tokenmill.engine.input_processor import ProcessedPrompt, check_priority
 from tokenmill.entrypoints.openai.errors import APIError, to_api_error
+from tokenmill.entrypoints.openai.limits import ServerLimits, logprob_entries
 from tokenmill.entrypoints.openai.metrics import ServerMetrics
 from tokenmill.entrypoints.openai.protocol import (
     PromptLogprob,
@@ -28,13 +30,14 @@ from tokenmill.entrypoints.openai.protocol import (
 )
 from tokenmill.outputs import Logprobs, OutputKind, RequestOutput
 from tokenmill.sampling_params import SamplingParams
-from tokenmill.tokenizer import ChatOptions
+from tokenmill.tokenizer import ChatOptions, TemplateTimeout
 
 logger = logging.getLogger(__name__)
 
 _OPTIONAL_SAMPLING = ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
                       "repetition_penalty")
 _DISCONNECT_POLL_S = 0.5
+T = TypeVar("T")
 REQUEST_ID_HEADER = "X-Request-Id"
 
 
@@ -48,6 +51,8 @@ class ServingOptions:
     tool_call_parser: str = "hermes"  # how calls are read out of replies (tool_parsers.TOOL_PARSERS)
     enable_auto_tool_choice: bool = False  # tool_choice "auto": the model decides whether to call
     exclude_tools_when_tool_choice_none: bool = False  # tool_choice "none" keeps the tools from the template
+    trust_request_chat_template: bool = False  # a request may bring its own chat template
+    limits: ServerLimits = field(default_factory=ServerLimits)  # the most work one request may ask
 
 
 @dataclass
@@ -125,14 +130,19 @@ class ServingContext:
     async def start(self, request_id: str, prompts: list[str | list[int]], params: SamplingParams,
                     stream: bool, req: SamplingFields) -> RequestGroup:
         """Add one engine request per prompt; if any is refused, none stays queued. A stream
-        gets each prompt's news as it comes; otherwise only each prompt's final output."""
+        gets each prompt's news as it comes; otherwise only each prompt's final output. The
+        request's cost is checked against the server's limits before anything is queued."""
         self.engine.check_admission(len(prompts))
         kind = OutputKind.DELTA if stream else OutputKind.FINAL_ONLY
         try:
             check_priority(req.priority, self.engine.config.scheduling_policy)
         except ValueError as exc:
             raise APIError(400, str(exc), param="priority", code="invalid_value") from None
-        processed = [await self._prepare(prompt, params, req) for prompt in prompts]
+        limits = self.options.limits
+        limits.check_stop_strings(params.stop)
+        special = getattr(req, "add_special_tokens", True)  # (a chat prompt arrives as ids, which it leaves alone)
+        processed = await self.engine.process_inputs(prompts, params, special, req.truncate_prompt_tokens)
+        self._check_logprob_entries(processed, params)
         streams: list[RequestStream] = []
         try:
             for i, prompt in enumerate(processed):
@@ -144,28 +154,48 @@ class ServingContext:
             raise
         return RequestGroup(streams)
 
-    async def _prepare(self, prompt: str | list[int], params: SamplingParams, req: SamplingFields) -> ProcessedPrompt:
-        """Tokenized and checked; with ``truncate_prompt_tokens`` only the last k tokens are
-        kept (-1: up to max_model_len), before the length is checked, as in vLLM. (A chat
-        prompt arrives as ids, which ``add_special_tokens`` leaves alone.)"""
-        truncate, special = req.truncate_prompt_tokens, getattr(req, "add_special_tokens", True)
-        if truncate is None:
-            return await self.engine.process_input(prompt, params, special)
-        full = await asyncio.to_thread(self.engine.inputs.tokenize, prompt, special)
-        keep = self.engine.max_model_len if truncate == -1 else truncate
-        if len(full.token_ids) > keep:
-            full = ProcessedPrompt(None, full.token_ids[-keep:])
-        self.engine.inputs.check(full, params)
-        return full
+    async def render_chat(self, req: Any, messages: list[dict[str, Any]], add_special_tokens: bool,
+                          tools: list[dict[str, Any]] | None) -> list[int]:
+        """The prompt's ids of a conversation as a request (chat completions or ``/tokenize``, which
+        name the fields alike) asks it rendered, with the tools its template lists. A template of
+        the request's own runs only on a server that trusts them; any template is stopped after
+        ``--chat-template-timeout``, and its text may be no longer than a request's body may be.
+        Its failures are the request's: 400s naming ``messages``."""
+        if req.chat_template is not None and not self.options.trust_request_chat_template:
+            raise APIError(400, "this server renders conversations with the model's own chat template only: "
+                           "start it with --trust-request-chat-template to take templates from requests",
+                           param="chat_template", code="invalid_value")
+        options = ChatOptions(add_generation_prompt=req.add_generation_prompt,
+                              continue_final_message=req.continue_final_message, chat_template=req.chat_template,
+                              chat_template_kwargs=dict(req.chat_template_kwargs or {}),
+                              add_special_tokens=add_special_tokens, tools=tools)
+        try:
+            limits = self.options.limits
+            return await self.engine.render_chat(messages, options, limits.chat_template_timeout,
+                                                 limits.max_request_body_bytes)
+        except TemplateTimeout as exc:
+            raise APIError(400, f"{exc} (this server's --chat-template-timeout)", param="messages",
+                           code="template_timeout") from None
+        except ValueError as exc:
+            raise APIError(400, str(exc), param="messages", code="invalid_value") from None
 
-
-def chat_options(req: Any, add_special_tokens: bool, tools: list[dict[str, Any]] | None) -> ChatOptions:
-    """The chat rendering a request asks for (chat completions and ``/tokenize`` name the
-    fields alike), with the tools its template lists."""
-    return ChatOptions(add_generation_prompt=req.add_generation_prompt,
-                       continue_final_message=req.continue_final_message, chat_template=req.chat_template,
-                       chat_template_kwargs=dict(req.chat_template_kwargs or {}),
-                       add_special_tokens=add_special_tokens, tools=tools)
+    def _check_logprob_entries(self, prompts: list[ProcessedPrompt], params: SamplingParams) -> None:
+        """The logprobs the request asks for, over all its prompts, against ``--max-logprob-entries``."""
+        if params.logprobs is None and params.prompt_logprobs is None:
+            return
+        max_len, vocab = self.engine.max_model_len, self.engine.vocab_size
+        entries = 0
+        for prompt in prompts:
+            length = len(prompt.token_ids)
+            rows = params.n * (params.max_tokens if params.max_tokens is not None else max_len - length)
+            entries += logprob_entries(length, rows, params.logprobs, params.prompt_logprobs, vocab)
+        limit = self.options.limits.max_logprob_entries
+        if entries > limit:
+            raise APIError(400, f"the request asks for {entries} logprob entries (its rows times 1 + the logprobs "
+                           f"of each, the vocabulary of {vocab} for -1), but this server gives at most {limit} a "
+                           "request (its --max-logprob-entries): ask for fewer logprobs or fewer tokens",
+                           param="prompt_logprobs" if params.prompt_logprobs is not None else "logprobs",
+                           code="invalid_value")
 
 
 def best(entry: Logprobs, count: int) -> list[tuple[int, float]]:
@@ -320,20 +350,33 @@ class RequestGroup:
         return [finals[i] for i in range(len(self.streams))]
 
 
+async def json_response(build: Callable[[], BaseModel]) -> JSONResponse:
+    """The response ``build`` makes, built and serialized in a worker thread: a whole response
+    with logprobs or many choices takes long enough to hold up every stream on the event loop."""
+    return await asyncio.to_thread(lambda: JSONResponse(build().model_dump()))
+
+
 def sse(data: BaseModel | dict[str, Any] | str) -> str:
     payload = data if isinstance(data, str) else (
         data.model_dump_json() if isinstance(data, BaseModel) else json.dumps(data))
     return f"data: {payload}\n\n"
 
 
-async def sse_stream(events: AsyncIterator[BaseModel], group: RequestGroup) -> AsyncIterator[str]:
+async def off_loop(offload: bool, func: Callable[..., T], *args: Any) -> T:
+    """``func(*args)``, in a worker thread when ``offload``: building a stream's chunks with logprobs
+    (the whole vocabulary, with -1) takes long enough to hold up every other stream."""
+    return await asyncio.to_thread(func, *args) if offload else func(*args)
+
+
+async def sse_stream(events: AsyncIterator[BaseModel], group: RequestGroup, offload: bool = False) -> AsyncIterator[str]:
     """Server-sent events of ``events``, then ``[DONE]``; an error mid-stream becomes an
     error event (the status line is already sent) and the stream still ends with ``[DONE]``.
     A shutdown that cancels the response mid-stream ends it the same way: the client always
-    sees the end of its stream."""
+    sees the end of its stream. ``offload``: serialize each event in a worker thread (see
+    ``off_loop``)."""
     try:
         async for event in events:
-            yield sse(event)
+            yield await off_loop(offload, sse, event)
     except asyncio.CancelledError:
         group.abort()
         raise

@@ -18,7 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool
 
 from tokenmill.entrypoints.openai.errors import APIError
 from tokenmill.entrypoints.openai.protocol import ChatMessage, ChatTool, RequestModel, Text, TokenId
-from tokenmill.entrypoints.openai.serving import ServingContext, chat_options
+from tokenmill.entrypoints.openai.serving import ServingContext
 from tokenmill.entrypoints.openai.tools import template_tools
 from tokenmill.tokenizer import encode_prompt
 
@@ -73,18 +73,10 @@ def _tokenizer(ctx: ServingContext) -> Any:
     return ctx.tokenizer
 
 
-async def _chat_ids(ctx: ServingContext, req: TokenizeRequest, messages: list[ChatMessage]) -> list[int]:
-    """Without extra special tokens these are the very ids a chat request feeds the model."""
-    options = chat_options(req, req.add_special_tokens is True, template_tools(req.tools))
-    try:
-        return await ctx.engine.render_chat([m.for_template() for m in messages], options)
-    except ValueError as exc:
-        raise APIError(400, str(exc), param="messages", code="invalid_value") from exc
-
-
 async def _ids(ctx: ServingContext, req: TokenizeRequest) -> list[int]:
-    if req.messages is not None:
-        return await _chat_ids(ctx, req, req.messages)
+    if req.messages is not None:  # without extra special tokens, the very ids a chat request feeds the model
+        return await ctx.render_chat(req, [m.for_template() for m in req.messages], req.add_special_tokens is True,
+                                     template_tools(req.tools))
     if req.prompt is None:
         raise APIError(400, "give either prompt (the completion form) or messages (the chat form)",
                        param="prompt", code="invalid_value")

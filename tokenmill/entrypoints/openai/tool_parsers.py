@@ -14,7 +14,10 @@ That holds because each decision is taken on the shortest text that settles it:
 - before that, as soon as it cannot be one (JSON that ``partial-json-parser`` finds malformed,
   a name that is no offered tool, arguments that are no object), its text is content;
 - a call's arguments are the JSON text the model wrote, streamed as it comes. They are left
-  unfinished only when the reply is cut short (``max_tokens``), as OpenAI's are.
+  unfinished only when the reply is cut short (``max_tokens``), as OpenAI's are;
+- a reply cut short before a would-be call is decided (or, in hermes, inside its tags) ends in what
+  the parser held back: hermes drops that markup (the model was writing a call), the Llama 3 reader,
+  whose calls are bare JSON, gives it as content.
 
 Whitespace between content and a call belongs to neither: a reply of calls alone has no content.
 """
@@ -187,12 +190,12 @@ class _Call:
         self.arguments: _Brackets | None = None  # None for a call without arguments
         self.sent = 0  # of the arguments' text
 
-    def decide(self, text: str, names: frozenset[str], final: bool) -> bool | None:
+    def decide(self, text: str, names: frozenset[str]) -> bool | None:
         """True: a call; False: none; None: the text does not tell yet. Judged on the text up to
         the point that settles it, so that how the text was chunked cannot change the answer."""
         brace = _skip_whitespace(text, self.start)
         if brace == len(text):
-            return False if final else None
+            return None
         if text[brace] != "{":
             return False
         members, closed = _members(text, brace)
@@ -215,7 +218,7 @@ class _Call:
         if not _well_formed_so_far(text[brace:settled]):
             return False
         if settled is None:
-            return False if final or closed is not None else None
+            return False if closed is not None else None
         self.name = name
         self.object = _Brackets(brace)
         self.arguments = _Brackets(arguments_at) if arguments_at is not None else None
@@ -286,6 +289,11 @@ class ToolParser:
         """The would-be call opening at ``call_at`` is none: its text becomes content."""
         raise NotImplementedError
 
+    def _cut_short(self, out: ReplyDelta) -> None:
+        """The reply ended in what may have been a call (from ``call_at``, or from ``pos`` where its
+        opening was being written) before it could be told from content."""
+        raise NotImplementedError
+
     def _advance(self, final: bool) -> ReplyDelta:
         out = ReplyDelta()
         while True:
@@ -294,6 +302,8 @@ class ToolParser:
                 self._content(out, self.text[self.pos:content_end])
                 self.pos = content_end
                 if call_start is None:
+                    if final and self.pos < len(self.text):
+                        self._cut_short(out)
                     return out
                 self.call_at, self.call = content_end, _Call(call_start)
             if not self._read_call(out, final):
@@ -305,9 +315,13 @@ class ToolParser:
         call = self.call
         assert call is not None
         if call.object is None:
-            decided = call.decide(self.text, self.names, final)
+            decided = call.decide(self.text, self.names)
             if decided is None:
-                return False
+                if not final:
+                    return False
+                self.call = None
+                self._cut_short(out)
+                return True
             if not decided:
                 self.call = None
                 self._refused(out)
@@ -350,21 +364,25 @@ class HermesToolParser(ToolParser):
     def _open(self, final: bool) -> tuple[int, int | None]:
         at = self.text.find(self.OPENER, self.pos)
         if at < 0:
-            held = 0 if final else _partial_marker_at_end(self.text, self.pos, self.OPENER)
-            return len(self.text) - held, None
+            return len(self.text) - _partial_marker_at_end(self.text, self.pos, self.OPENER), None
         return at, at + len(self.OPENER)
 
     def _close(self, end: int, final: bool) -> int | None:
         at = _skip_whitespace(self.text, end)
         if self.text.startswith(self.CLOSER, at):
             return at + len(self.CLOSER)
-        if not final and self.CLOSER.startswith(self.text[at:]):
-            return None
+        if self.CLOSER.startswith(self.text[at:]):  # the closing tag still to come, or cut short
+            return len(self.text) if final else None
         return end
 
     def _refused(self, out: ReplyDelta) -> None:
         self.pos = self.call_at + len(self.OPENER)
         self._content(out, self.OPENER)
+
+    def _cut_short(self, out: ReplyDelta) -> None:
+        """Tags are markup whatever follows them: a reply cut short (``max_tokens``) in a call's
+        opening tag or in a call not decided yet shows none of it, nor the whitespace before it."""
+        self.pos, self._held = len(self.text), ""
 
 
 class Llama3JsonToolParser(ToolParser):
@@ -408,6 +426,10 @@ class Llama3JsonToolParser(ToolParser):
 
     def _refused(self, out: ReplyDelta) -> None:
         self.pos, self.more = self.call_at, False
+
+    def _cut_short(self, out: ReplyDelta) -> None:
+        """A reply that opens as a call may be plain JSON: unfinished, it is content."""
+        self._refused(out)
 
 
 TOOL_PARSERS: dict[str, type[ToolParser]] = {parser.name: parser
