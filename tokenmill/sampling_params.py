@@ -42,7 +42,7 @@ _STOP = Rule("None, a string or a list of strings, each non-empty and valid UTF-
 # Token ids are only known to be >= 0 here; the engine checks them against the vocabulary.
 _STOP_TOKEN_IDS = Rule("None or a list of integers >= 0", "", _token_ids)
 # The range torch's Generator.manual_seed takes.
-_SEED = integer(-2**63, 2**64 - 1, bounds="in [-2**63, 2**64 - 1]").or_none()
+_SEED = integer(-(2**63), 2**64 - 1, bounds="in [-2**63, 2**64 - 1]").or_none()
 # Counts must fit the 64-bit integers of the engine's messages; floats the device's float32.
 _INT64_MAX = 2**63 - 1
 _FLOAT32_MAX, _FLOAT32_MIN = 1e30, 1e-30
@@ -63,8 +63,7 @@ def _logit_bias(value: Any) -> Any:
 
 
 # Token ids are only known to be >= 0 here; the engine checks them against the vocabulary.
-_LOGIT_BIAS = Rule("None or a dict of token ids (integers >= 0) to finite numbers in [-100, 100]", "",
-                   _logit_bias)
+_LOGIT_BIAS = Rule("None or a dict of token ids (integers >= 0) to finite numbers in [-100, 100]", "", _logit_bias)
 
 
 @dataclass
@@ -85,26 +84,41 @@ class StructuredOutputsParams:
         given = [name for name in ("json", "regex", "choice", "grammar") if getattr(self, name) is not None]
         given += ["json_object"] if self.json_object is True else []
         if len(given) != 1:
-            raise ValueError("structured_outputs must be exactly one of json, regex, choice, grammar or json_object, "
-                             f"got {', '.join(given) or 'none'}")
+            raise ValueError(
+                "structured_outputs must be exactly one of json, regex, choice, grammar or json_object, "
+                f"got {', '.join(given) or 'none'}"
+            )
         if self.json is not None and not isinstance(self.json, (dict, str)):
-            raise ValueError(f"structured_outputs must be json: a JSON schema (a dict or its text), got "
-                             f"{type(self.json).__name__}")
+            raise ValueError(
+                f"structured_outputs must be json: a JSON schema (a dict or its text), got {type(self.json).__name__}"
+            )
         for name in ("regex", "grammar"):
             value = getattr(self, name)
             if value is not None and not (isinstance(value, str) and value and invalid_unicode_at(value) is None):
                 raise ValueError(f"structured_outputs must be {name}: a non-empty string, got {value!r}")
         if self.choice is not None:
-            if (not isinstance(self.choice, (list, tuple)) or not self.choice
-                    or not all(_is_stop_text(c) for c in self.choice)):
-                raise ValueError("structured_outputs must be choice: a non-empty list of non-empty strings, got "
-                                 f"{self.choice!r}")
+            if (
+                not isinstance(self.choice, (list, tuple))
+                or not self.choice
+                or not all(_is_stop_text(c) for c in self.choice)
+            ):
+                raise ValueError(
+                    f"structured_outputs must be choice: a non-empty list of non-empty strings, got {self.choice!r}"
+                )
             self.choice = list(self.choice)
 
     def key(self) -> str:
         """One text per distinct constraint (compiled grammars are cached under it)."""
-        return json.dumps({"json": self.json, "regex": self.regex, "choice": self.choice, "grammar": self.grammar,
-                           "json_object": self.json_object}, sort_keys=True)
+        return json.dumps(
+            {
+                "json": self.json,
+                "regex": self.regex,
+                "choice": self.choice,
+                "grammar": self.grammar,
+                "json_object": self.json_object,
+            },
+            sort_keys=True,
+        )
 
 
 def _structured_outputs(value: Any) -> Any:
@@ -113,8 +127,10 @@ def _structured_outputs(value: Any) -> Any:
     if isinstance(value, dict):
         unknown = sorted(map(repr, set(value) - {f.name for f in fields(StructuredOutputsParams)}))
         if unknown:
-            raise ValueError("structured_outputs must be a dict of json, regex, choice, grammar or json_object, got "
-                             f"the unknown field{'s' if len(unknown) > 1 else ''} {', '.join(unknown)}")
+            raise ValueError(
+                "structured_outputs must be a dict of json, regex, choice, grammar or json_object, got "
+                f"the unknown field{'s' if len(unknown) > 1 else ''} {', '.join(unknown)}"
+            )
         return StructuredOutputsParams(**value)  # its own checks raise with the field named
     return REJECT
 
@@ -198,5 +214,8 @@ _RULES = field_rules(SamplingParams)
 # The defaults that are their own normal form (not stop_token_ids' None, which becomes []): a field
 # given its default object needs no check, and construction costs what it did before assignments
 # were checked.
-_NORMAL_DEFAULTS = {f.name: f.default for f in fields(SamplingParams)
-                    if f.name in _RULES and _RULES[f.name](f.name, f.default) is f.default}
+_NORMAL_DEFAULTS = {
+    f.name: f.default
+    for f in fields(SamplingParams)
+    if f.name in _RULES and _RULES[f.name](f.name, f.default) is f.default
+}

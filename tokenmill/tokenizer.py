@@ -51,8 +51,7 @@ def check_text(text: str, what: str = "the prompt") -> None:
     """Refused here rather than failing inside the tokenizer."""
     index = invalid_unicode_at(text)
     if index is not None:
-        raise ValueError(f"{what} is not valid Unicode: a lone surrogate U+{ord(text[index]):04X} "
-                         f"at position {index}")
+        raise ValueError(f"{what} is not valid Unicode: a lone surrogate U+{ord(text[index]):04X} at position {index}")
 
 
 def encode_prompt(tokenizer: Any, text: str, add_special_tokens: bool = True) -> list[int]:
@@ -133,8 +132,13 @@ def _template_time_limit(seconds: float | None) -> Iterator[None]:
         sys.settrace(previous)
 
 
-def render_chat(tokenizer: Any, messages: list[dict[str, Any]], options: ChatOptions = ChatOptions(),
-                time_limit: float | None = None, max_chars: int | None = None) -> str:
+def render_chat(
+    tokenizer: Any,
+    messages: list[dict[str, Any]],
+    options: ChatOptions = ChatOptions(),
+    time_limit: float | None = None,
+    max_chars: int | None = None,
+) -> str:
     """``messages`` through the chat template, ready for the reply. The template decides
     which roles and contents it takes; its refusal, or any error it raises, is a ValueError, and
     so is a rendering stopped after ``time_limit`` seconds (``TemplateTimeout``) or one longer than
@@ -153,22 +157,31 @@ def render_chat(tokenizer: Any, messages: list[dict[str, Any]], options: ChatOpt
     try:
         with _template_time_limit(time_limit):
             text = tokenizer.apply_chat_template(
-                [_template_message(m) for m in messages], tokenize=False,
+                [_template_message(m) for m in messages],
+                tokenize=False,
                 add_generation_prompt=options.add_generation_prompt,
-                continue_final_message=options.continue_final_message, chat_template=options.chat_template,
-                **{"tools": options.tools, **options.chat_template_kwargs})  # the kwargs win, as in vLLM
+                continue_final_message=options.continue_final_message,
+                chat_template=options.chat_template,
+                **{"tools": options.tools, **options.chat_template_kwargs},
+            )  # the kwargs win, as in vLLM
     except TemplateTimeout:
         raise
-    except Exception as exc:  # noqa: BLE001 - a template can raise anything (OverflowError, RecursionError...)
+    except Exception as exc:
         raise ValueError(f"the chat template cannot render these messages: {type(exc).__name__}: {exc}") from None
     if max_chars is not None and len(text) > max_chars:
-        raise ValueError(f"the chat template rendered these messages as {len(text)} characters, more than the "
-                         f"{max_chars} taken")
+        raise ValueError(
+            f"the chat template rendered these messages as {len(text)} characters, more than the {max_chars} taken"
+        )
     return text
 
 
-def apply_chat_template(tokenizer: Any, messages: list[dict[str, Any]], options: ChatOptions = ChatOptions(),
-                        time_limit: float | None = None, max_chars: int | None = None) -> list[int]:
+def apply_chat_template(
+    tokenizer: Any,
+    messages: list[dict[str, Any]],
+    options: ChatOptions = ChatOptions(),
+    time_limit: float | None = None,
+    max_chars: int | None = None,
+) -> list[int]:
     """Token ids of ``messages`` rendered by the chat template (the template already holds
     any special tokens it wants)."""
     text = render_chat(tokenizer, messages, options, time_limit, max_chars)
@@ -193,8 +206,9 @@ class StreamDetokenizer(Detokenizer):
         from tokenizers.decoders import DecodeStream
 
         self.backend = tokenizer._tokenizer
-        self.stream = DecodeStream(ids=list(prompt_token_ids[-_CONTEXT_TOKENS:]),
-                                   skip_special_tokens=skip_special_tokens)
+        self.stream = DecodeStream(
+            ids=list(prompt_token_ids[-_CONTEXT_TOKENS:]), skip_special_tokens=skip_special_tokens
+        )
 
     def add(self, token_id: int) -> str:
         return self.stream.step(self.backend, token_id) or ""
@@ -216,13 +230,13 @@ class WindowDetokenizer(Detokenizer):
 
     def add(self, token_id: int) -> str:
         self.ids.append(token_id)
-        prefix = self._decode(self.ids[self.prefix_offset:self.read_offset])
-        full = self._decode(self.ids[self.prefix_offset:])
+        prefix = self._decode(self.ids[self.prefix_offset : self.read_offset])
+        full = self._decode(self.ids[self.prefix_offset :])
         if len(full) <= len(prefix) or full.endswith("\ufffd"):
             return ""
         self.prefix_offset = self.read_offset
         self.read_offset = len(self.ids)
-        return full[len(prefix):]
+        return full[len(prefix) :]
 
 
 def make_detokenizer(tokenizer: Any, prompt_token_ids: list[int], skip_special_tokens: bool = True) -> Detokenizer:

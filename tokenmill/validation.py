@@ -56,9 +56,12 @@ class Rule:
 
     def or_none(self) -> Rule:
         within = self.within
-        return Rule(f"None or {self.kind}", self.bounds,
-                    lambda v: None if v is None else self.convert(v),
-                    None if within is None else lambda v: v is None or within(v))
+        return Rule(
+            f"None or {self.kind}",
+            self.bounds,
+            lambda v: None if v is None else self.convert(v),
+            None if within is None else lambda v: v is None or within(v),
+        )
 
 
 def ruled(default: Any, rule: Rule, **metadata: Any) -> Any:
@@ -132,15 +135,17 @@ def _as_bool(value: Any) -> Any:
 
 def integer(lo: int | None = None, hi: int | None = None, bounds: str | None = None) -> Rule:
     """An integer in [lo, hi]; ``bounds`` words the range when the numbers alone would not."""
-    return Rule("an integer", _bounds_text(lo, hi, False, False) if bounds is None else bounds,
-                _as_int, _within(lo, hi, False, False))
+    return Rule(
+        "an integer",
+        _bounds_text(lo, hi, False, False) if bounds is None else bounds,
+        _as_int,
+        _within(lo, hi, False, False),
+    )
 
 
-def number(lo: float | None = None, hi: float | None = None, *, lo_open: bool = False,
-           hi_open: bool = False) -> Rule:
+def number(lo: float | None = None, hi: float | None = None, *, lo_open: bool = False, hi_open: bool = False) -> Rule:
     """A finite real number between ``lo`` and ``hi``, each end closed unless said open."""
-    return Rule("a finite number", _bounds_text(lo, hi, lo_open, hi_open), _as_float,
-                _within(lo, hi, lo_open, hi_open))
+    return Rule("a finite number", _bounds_text(lo, hi, lo_open, hi_open), _as_float, _within(lo, hi, lo_open, hi_open))
 
 
 BOOLEAN = Rule("True or False", "", _as_bool)
@@ -148,5 +153,6 @@ BOOLEAN = Rule("True or False", "", _as_bool)
 
 def one_of(spellings: Mapping[str, str]) -> Rule:
     """A string among ``spellings``' keys, normalised to its value (aliases map to one name)."""
-    return Rule(f"one of {', '.join(spellings)}", "",
-                lambda v: spellings.get(v, REJECT) if isinstance(v, str) else REJECT)
+    return Rule(
+        f"one of {', '.join(spellings)}", "", lambda v: spellings.get(v, REJECT) if isinstance(v, str) else REJECT
+    )

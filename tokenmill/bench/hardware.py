@@ -51,7 +51,7 @@ def _matmul_rate() -> float:
     """FLOP/s of an 8192^3 bf16 product on random data (never zeros: they run faster)."""
     a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
     b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
-    return 2 * 8192 ** 3 / time_cuda(lambda: a @ b)
+    return 2 * 8192**3 / time_cuda(lambda: a @ b)
 
 
 def measure_ceilings() -> Ceilings:
@@ -65,8 +65,9 @@ def _git_commit() -> str:
     if os.environ.get("TOKENMILL_COMMIT"):
         return os.environ["TOKENMILL_COMMIT"]
     try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                              check=True).stdout.strip()
+        return subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True
+        ).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
 
@@ -108,5 +109,6 @@ def time_graph(fn, repeat: int = 50) -> float:
 
 def write_rows(path: str, ceilings: Ceilings | None, rows: list[dict]) -> None:
     """A benchmark's result file: its ``environment`` (the command: this process's) and ``rows``."""
-    Path(path).write_text(json.dumps({"environment": environment(ceilings, " ".join(sys.argv)), "rows": rows},
-                                     indent=1))
+    Path(path).write_text(
+        json.dumps({"environment": environment(ceilings, " ".join(sys.argv)), "rows": rows}, indent=1)
+    )

@@ -35,8 +35,14 @@ def decode_ms_per_step(shape: str, batch: int, context: int, new_tokens: int = 3
     def run(n: int) -> float:
         torch.cuda.synchronize()
         t0 = time.perf_counter()
-        model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
-                       do_sample=False, pad_token_id=0)
+        model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=n,
+            min_new_tokens=n,
+            do_sample=False,
+            pad_token_id=0,
+        )
         torch.cuda.synchronize()
         return time.perf_counter() - t0
 
@@ -55,8 +61,7 @@ def generate_batch(shape: str, workload: list[tuple[list[int], int]]) -> dict:
     model = _model(shape)
     prompts = [p for p, _ in workload]
     new_tokens = round(sum(n for _, n in workload) / len(workload))
-    config = GenerationConfig(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
-                              pad_token_id=0)
+    config = GenerationConfig(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
     torch.cuda.synchronize()
     t0 = time.perf_counter()
     outputs = model.generate_batch(inputs=prompts, generation_config=config)
@@ -64,6 +69,10 @@ def generate_batch(shape: str, workload: list[tuple[list[int], int]]) -> dict:
     seconds = time.perf_counter() - t0
     generated = sum(len(out.generated_tokens) for out in outputs.values())
     _free(model)
-    return {"requests": len(prompts), "max_new_tokens": new_tokens, "seconds_including_warmup": seconds,
-            "output_tokens": generated, "output_tok_per_s": generated / seconds}
-
+    return {
+        "requests": len(prompts),
+        "max_new_tokens": new_tokens,
+        "seconds_including_warmup": seconds,
+        "output_tokens": generated,
+        "output_tok_per_s": generated / seconds,
+    }

@@ -18,9 +18,9 @@ import random
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -56,8 +56,9 @@ def release() -> None:
     torch.cuda.empty_cache()
 
 
-def run_metered(engine: LLMEngine, ceilings: Ceilings,
-                cost: StepCostModel | None = None) -> tuple[list[StepRecord], float, int]:
+def run_metered(
+    engine: LLMEngine, ceilings: Ceilings, cost: StepCostModel | None = None
+) -> tuple[list[StepRecord], float, int]:
     """Step the engine until idle, recording each step's time and floor (of ``cost``, by default
     the engine's own model's). Returns (steps, wall seconds, peak KV blocks in use)."""
     cost = cost or StepCostModel.of(engine.core.runner.model, engine.model_config)
@@ -89,8 +90,11 @@ def run_metered(engine: LLMEngine, ceilings: Ceilings,
     for step_seconds, (query_lens, contexts, sampled) in zip(seconds, shapes):
         if query_lens:
             bytes_, flops = cost.step(query_lens, contexts, sampled, kv_dtype=engine.core.kv_dtype)
-            records.append(StepRecord(step_seconds, ceilings.floor(bytes_, flops), max(query_lens) == 1,
-                                      len(query_lens), sum(query_lens)))
+            records.append(
+                StepRecord(
+                    step_seconds, ceilings.floor(bytes_, flops), max(query_lens) == 1, len(query_lens), sum(query_lens)
+                )
+            )
     return records, wall, peak
 
 
@@ -98,8 +102,13 @@ def random_prompt(rng: random.Random, length: int, vocab: int) -> list[int]:
     return [rng.randrange(vocab) for _ in range(length)]
 
 
-def decode_steps(engine: LLMEngine, ceilings: Ceilings, prompts: list[list[int]], new_tokens: int,
-                 sampling: dict[str, Any] | None = None) -> dict:
+def decode_steps(
+    engine: LLMEngine,
+    ceilings: Ceilings,
+    prompts: list[list[int]],
+    new_tokens: int,
+    sampling: dict[str, Any] | None = None,
+) -> dict:
     """Median decode step of ``prompts`` generating ``new_tokens`` each (prefill excluded), greedy
     unless ``sampling`` gives other ``SamplingParams`` fields."""
     params = SamplingParams(**{"temperature": 0, **(sampling or {})}, max_tokens=new_tokens, ignore_eos=True)
@@ -108,12 +117,19 @@ def decode_steps(engine: LLMEngine, ceilings: Ceilings, prompts: list[list[int]]
     records, _, _ = run_metered(engine, ceilings)
     decode = [r for r in records if r.decode and r.batch_size == len(prompts)]
     if not decode:
-        raise ValueError(f"no step decoded all {len(prompts)} prompts at once: generate more than the "
-                         "prefill steps, or give the engine room for every prompt")
+        raise ValueError(
+            f"no step decoded all {len(prompts)} prompts at once: generate more than the "
+            "prefill steps, or give the engine room for every prompt"
+        )
     ms = statistics.median(r.seconds for r in decode) * 1e3
     floor_ms = statistics.median(r.floor for r in decode) * 1e3
-    result = {"ms_per_step": ms, "tok_per_s": len(prompts) / ms * 1e3, "floor_ms": floor_ms,
-              "fraction_of_floor": floor_ms / ms, "steps_timed": len(decode)}
+    result = {
+        "ms_per_step": ms,
+        "tok_per_s": len(prompts) / ms * 1e3,
+        "floor_ms": floor_ms,
+        "fraction_of_floor": floor_ms / ms,
+        "steps_timed": len(decode),
+    }
     graphs = engine.core.runner.graphs
     if graphs is not None and len(prompts) == 1:
         # The step's graph alone on the GPU (decoder, LM head, greedy argmax): what the step
@@ -142,8 +158,9 @@ def bench_latency(ceilings: Ceilings, shapes: list[str], contexts: list[int], pe
     return rows
 
 
-def bench_batch(ceilings: Ceilings, shapes: list[str], sizes: list[int], peer_sizes: list[int],
-                peer: bool) -> list[dict]:
+def bench_batch(
+    ceilings: Ceilings, shapes: list[str], sizes: list[int], peer_sizes: list[int], peer: bool
+) -> list[dict]:
     rows = []
     for shape in shapes:
         engine = make_engine(shape, max_num_seqs=max(sizes))
@@ -152,12 +169,19 @@ def bench_batch(ceilings: Ceilings, shapes: list[str], sizes: list[int], peer_si
         for size in sizes:
             result = decode_steps(engine, ceilings, [prompt] * size, 64)
             base = base or result["tok_per_s"]
-            rows.append({"name": f"batch/{shape}/b{size}", "batch": size, "context": 128, **result,
-                         "speedup_over_one_stream": result["tok_per_s"] / base})
+            rows.append(
+                {
+                    "name": f"batch/{shape}/b{size}",
+                    "batch": size,
+                    "context": 128,
+                    **result,
+                    "speedup_over_one_stream": result["tok_per_s"] / base,
+                }
+            )
         del engine
         release()
         if peer:
-            for row in rows[-len(sizes):]:
+            for row in rows[-len(sizes) :]:
                 if row["batch"] in peer_sizes:
                     ms = hf_peer.decode_ms_per_step(shape, batch=row["batch"], context=128)
                     row["peer_transformers_ms_per_step"] = ms
@@ -165,16 +189,17 @@ def bench_batch(ceilings: Ceilings, shapes: list[str], sizes: list[int], peer_si
     return rows
 
 
-def standard_workload(num_requests: int = 256, low: int = 100, high: int = 1024, seed: int = 0,
-                      vocab: int = 32000) -> list[tuple[list[int], int]]:
+def standard_workload(
+    num_requests: int = 256, low: int = 100, high: int = 1024, seed: int = 0, vocab: int = 32000
+) -> list[tuple[list[int], int]]:
     """nano-vllm's offline workload: prompt and output lengths uniform in [low, high]."""
     rng = random.Random(seed)
-    return [(random_prompt(rng, rng.randint(low, high), vocab), rng.randint(low, high))
-            for _ in range(num_requests)]
+    return [(random_prompt(rng, rng.randint(low, high), vocab), rng.randint(low, high)) for _ in range(num_requests)]
 
 
-def add_workload(engine: LLMEngine, workload: list[tuple[list[int], int]], prefix: str = "w",
-                 sampling: dict[str, Any] | None = None) -> None:
+def add_workload(
+    engine: LLMEngine, workload: list[tuple[list[int], int]], prefix: str = "w", sampling: dict[str, Any] | None = None
+) -> None:
     """Queue (prompt, output length) pairs as ``ignore_eos`` requests, greedy unless ``sampling``
     gives other ``SamplingParams`` fields."""
     for i, (prompt, out_len) in enumerate(workload):
@@ -182,8 +207,13 @@ def add_workload(engine: LLMEngine, workload: list[tuple[list[int], int]], prefi
         engine.add_request(f"{prefix}{i}", prompt, params, stream=False)
 
 
-def run_workload(engine: LLMEngine, ceilings: Ceilings, workload: list[tuple[list[int], int]],
-                 sampling: dict[str, Any] | None = None, cost: StepCostModel | None = None) -> dict:
+def run_workload(
+    engine: LLMEngine,
+    ceilings: Ceilings,
+    workload: list[tuple[list[int], int]],
+    sampling: dict[str, Any] | None = None,
+    cost: StepCostModel | None = None,
+) -> dict:
     add_workload(engine, workload, sampling=sampling)
     compiled, preempted = engine.core.stats.num_compiles_after_startup, engine.core.stats.num_preemptions
     records, wall, peak = run_metered(engine, ceilings, cost)
@@ -191,19 +221,28 @@ def run_workload(engine: LLMEngine, ceilings: Ceilings, workload: list[tuple[lis
     total_tokens = out_tokens + sum(len(p) for p, _ in workload)
     floor = sum(r.floor for r in records)
     running = [r.batch_size for r in records if r.decode]
-    return {"requests": len(workload), "seconds": wall, "output_tok_per_s": out_tokens / wall,
-            "total_tok_per_s": total_tokens / wall, "floor_seconds": floor, "fraction_of_floor": floor / wall,
-            "steps": len(records), "mean_decode_batch": statistics.mean(running) if running else 0.0,
-            # Requests running at once at the busiest step (a cache that holds more runs more together).
-            "peak_batch": max((r.batch_size for r in records), default=0), "peak_kv_blocks": peak,
-            # Kernel variants compiled inside the run's steps (each a wait the warm-up should have taken).
-            "compiles_during_run": engine.core.stats.num_compiles_after_startup - compiled,
-            # Sequences sent back to the queue for want of KV blocks (each recomputes its tokens later).
-            "preemptions": engine.core.stats.num_preemptions - preempted}
+    return {
+        "requests": len(workload),
+        "seconds": wall,
+        "output_tok_per_s": out_tokens / wall,
+        "total_tok_per_s": total_tokens / wall,
+        "floor_seconds": floor,
+        "fraction_of_floor": floor / wall,
+        "steps": len(records),
+        "mean_decode_batch": statistics.mean(running) if running else 0.0,
+        # Requests running at once at the busiest step (a cache that holds more runs more together).
+        "peak_batch": max((r.batch_size for r in records), default=0),
+        "peak_kv_blocks": peak,
+        # Kernel variants compiled inside the run's steps (each a wait the warm-up should have taken).
+        "compiles_during_run": engine.core.stats.num_compiles_after_startup - compiled,
+        # Sequences sent back to the queue for want of KV blocks (each recomputes its tokens later).
+        "preemptions": engine.core.stats.num_preemptions - preempted,
+    }
 
 
-def bench_throughput(ceilings: Ceilings, shapes: list[str], peer: bool, peer_requests: int,
-                     checkpoint: Callable[[list[dict]], None]) -> list[dict]:
+def bench_throughput(
+    ceilings: Ceilings, shapes: list[str], peer: bool, peer_requests: int, checkpoint: Callable[[list[dict]], None]
+) -> list[dict]:
     """tokenmill on every shape first (results saved), then the peers: transformers'
     continuous batching keeps its cache after it returns, so nothing may follow it."""
     rows, workloads = [], []
@@ -244,8 +283,14 @@ def bench_features(ceilings: Ceilings) -> list[dict]:
             per_token = engine.model_config.kv_layout().bytes_per_token(engine.core.dtype)
             paged = result["peak_kv_blocks"] * engine.config.block_size * per_token
             contiguous = 64 * engine.max_model_len * per_token
-            rows.append({"name": "features/paged_kv_memory", "paged_peak_bytes": paged,
-                         "contiguous_max_len_bytes": contiguous, "ratio": contiguous / paged})
+            rows.append(
+                {
+                    "name": "features/paged_kv_memory",
+                    "paged_peak_bytes": paged,
+                    "contiguous_max_len_bytes": contiguous,
+                    "ratio": contiguous / paged,
+                }
+            )
         rows.append({"name": f"features/batching/{mode}", **result})
         del engine
         release()
@@ -265,8 +310,13 @@ def bench_features(ceilings: Ceilings) -> list[dict]:
     return rows
 
 
-def _decode_on_off(ceilings: Ceilings, feature: str, options: Callable[[bool], dict],
-                   sizes: tuple[int, ...], shape: str = "llama3.2-1b") -> list[dict]:
+def _decode_on_off(
+    ceilings: Ceilings,
+    feature: str,
+    options: Callable[[bool], dict],
+    sizes: tuple[int, ...],
+    shape: str = "llama3.2-1b",
+) -> list[dict]:
     """Decode steps of ``shape`` at each batch size, with ``feature`` on, then off."""
     rows = []
     for on in (True, False):
@@ -303,17 +353,33 @@ def _sampling_and_pruning_costs() -> list[dict]:
     all_rows = time_cuda(lambda: rows_all @ head.T)
     pruned = time_cuda(lambda: rows_all[-batch:] @ head.T)
     return [
-        {"name": "features/sampling_on_device", "batch": batch, "bytes_to_host_on_device_sampling": batch * 8,
-         "bytes_to_host_copying_logits": batch * vocab * 4, "ms_copy_ids": device * 1e3,
-         "ms_copy_logits": host * 1e3},
-        {"name": "features/logits_pruning", "prefill_tokens": prefill, "sampled_rows": batch,
-         "ms_lm_head_all_rows": all_rows * 1e3, "ms_lm_head_sampled_rows": pruned * 1e3,
-         "flops_saved": 2.0 * (prefill - batch) * vocab * hidden},
+        {
+            "name": "features/sampling_on_device",
+            "batch": batch,
+            "bytes_to_host_on_device_sampling": batch * 8,
+            "bytes_to_host_copying_logits": batch * vocab * 4,
+            "ms_copy_ids": device * 1e3,
+            "ms_copy_logits": host * 1e3,
+        },
+        {
+            "name": "features/logits_pruning",
+            "prefill_tokens": prefill,
+            "sampled_rows": batch,
+            "ms_lm_head_all_rows": all_rows * 1e3,
+            "ms_lm_head_sampled_rows": pruned * 1e3,
+            "flops_saved": 2.0 * (prefill - batch) * vocab * hidden,
+        },
     ]
 
 
-def bench_models(ceilings: Ceilings, shapes: list[str], sizes: list[int], peer: bool, peer_requests: int,
-                 checkpoint: Callable[[list[dict]], None]) -> list[dict]:
+def bench_models(
+    ceilings: Ceilings,
+    shapes: list[str],
+    sizes: list[int],
+    peer: bool,
+    peer_requests: int,
+    checkpoint: Callable[[list[dict]], None],
+) -> list[dict]:
     """Per model: batch-1 decode at a short and a long context, a batch sweep and the standard
     workload, each beside its floor (sliding layers read at most their window); the KV bytes per
     token against a cache giving every layer its own full-length cache. Then the peers:
@@ -327,10 +393,20 @@ def bench_models(ceilings: Ceilings, shapes: list[str], sizes: list[int], peer: 
         layout = cfg.kv_layout()
         rng = random.Random(0)
         full = layout.full_length_bytes_per_token(dtype)
-        rows.append({"name": f"models/{shape}/kv_bytes", "kv_blocks_per_group": [p.num_blocks for p in engine.core.kv.pools],
-                     **{f"ctx{n}": {"held": layout.bytes_held(n, dtype), "every_layer_full_length": full * n,
-                                    "saving": 1 - layout.bytes_held(n, dtype) / (full * n)}
-                        for n in (4096, 32768, 131072)}})
+        rows.append(
+            {
+                "name": f"models/{shape}/kv_bytes",
+                "kv_blocks_per_group": [p.num_blocks for p in engine.core.kv.pools],
+                **{
+                    f"ctx{n}": {
+                        "held": layout.bytes_held(n, dtype),
+                        "every_layer_full_length": full * n,
+                        "saving": 1 - layout.bytes_held(n, dtype) / (full * n),
+                    }
+                    for n in (4096, 32768, 131072)
+                },
+            }
+        )
         for ctx in (128, 4096):
             result = decode_steps(engine, ceilings, [random_prompt(rng, ctx, cfg.vocab_size)], 64)
             rows.append({"name": f"models/{shape}/latency/ctx{ctx}", "batch": 1, "context": ctx, **result})
@@ -358,16 +434,21 @@ def bench_models(ceilings: Ceilings, shapes: list[str], sizes: list[int], peer: 
     return rows
 
 
-def bench_kv_cache_dtypes(ceilings: Ceilings, shape: str = "llama3-8b", dtypes: tuple[str, ...] = ("auto", "fp8", "int8"),
-                          kv_budget_gib: float = 8.0) -> list[dict]:
+def bench_kv_cache_dtypes(
+    ceilings: Ceilings,
+    shape: str = "llama3-8b",
+    dtypes: tuple[str, ...] = ("auto", "fp8", "int8"),
+    kv_budget_gib: float = 8.0,
+) -> list[dict]:
     """Each ``kv_cache_dtype`` on ``shape``: decode at batch 64 over 8k-token contexts (bound by
     reading the KV cache) and at batch 1 over 128 tokens, each beside its floor; then a KV-bound
     workload (256 requests of 1024 prompt + 512 output tokens) in the same KV memory for every
     dtype (``kv_budget_gib``), where a smaller cache holds more requests at once."""
     rows: list[dict] = []
     for name in dtypes:
-        engine = make_engine(shape, max_num_seqs=64, max_model_len=8192 + 128, max_num_batched_tokens=8192,
-                             kv_cache_dtype=name)
+        engine = make_engine(
+            shape, max_num_seqs=64, max_model_len=8192 + 128, max_num_batched_tokens=8192, kv_cache_dtype=name
+        )
         vocab, rng = engine.model_config.vocab_size, random.Random(4)
         # Chunked prefill takes one step per 8192 prompt tokens; the first requests keep decoding
         # through it, so each generates past it and 32 steps run with all 64 decoding.
@@ -380,15 +461,26 @@ def bench_kv_cache_dtypes(ceilings: Ceilings, shape: str = "llama3-8b", dtypes: 
     for name in dtypes:
         engine, workload = kv_bound_workload(shape, name, kv_budget_gib)
         result = run_workload(engine, ceilings, workload)
-        rows.append({"name": f"kv_cache/{shape}/{name}/kv_bound_workload", "kv_cache_dtype": name,
-                     "kv_budget_gib": kv_budget_gib, "kv_blocks": engine.config.num_kv_blocks, **result})
+        rows.append(
+            {
+                "name": f"kv_cache/{shape}/{name}/kv_bound_workload",
+                "kv_cache_dtype": name,
+                "kv_budget_gib": kv_budget_gib,
+                "kv_blocks": engine.config.num_kv_blocks,
+                **result,
+            }
+        )
         del engine
         release()
     return rows
 
 
-def bench_kv_cache_long(ceilings: Ceilings, shape: str = "llama3-8b", dtypes: tuple[str, ...] = ("auto", "fp8", "int8"),
-                        checkpoint: Callable[[list[dict]], None] | None = None) -> list[dict]:
+def bench_kv_cache_long(
+    ceilings: Ceilings,
+    shape: str = "llama3-8b",
+    dtypes: tuple[str, ...] = ("auto", "fp8", "int8"),
+    checkpoint: Callable[[list[dict]], None] | None = None,
+) -> list[dict]:
     """Each ``kv_cache_dtype`` on ``long_workload``, in the whole GPU's memory: the KV cache alone
     bounds how many requests run together, so a cache of half the bytes a token runs about twice as
     many. Each row gives its output rate against ``auto``'s (where auto ran first)."""
@@ -396,10 +488,16 @@ def bench_kv_cache_long(ceilings: Ceilings, shape: str = "llama3-8b", dtypes: tu
     for name in dtypes:
         engine, workload = long_workload(shape, name)
         result = run_workload(engine, ceilings, workload)
-        rows.append({"name": f"kv_cache/{shape}/{name}/long_workload", "kv_cache_dtype": name,
-                     "prompt_len": len(workload[0][0]), "output_len": workload[0][1],
-                     "kv_tokens": min(pool.num_blocks for pool in engine.core.kv.pools) * engine.core.kv.block_size,
-                     **result})
+        rows.append(
+            {
+                "name": f"kv_cache/{shape}/{name}/long_workload",
+                "kv_cache_dtype": name,
+                "prompt_len": len(workload[0][0]),
+                "output_len": workload[0][1],
+                "kv_tokens": min(pool.num_blocks for pool in engine.core.kv.pools) * engine.core.kv.block_size,
+                **result,
+            }
+        )
         if rows[0]["kv_cache_dtype"] == "auto":
             rows[-1]["output_speedup_vs_auto"] = result["output_tok_per_s"] / rows[0]["output_tok_per_s"]
             rows[-1]["peak_batch_vs_auto"] = result["peak_batch"] / rows[0]["peak_batch"]
@@ -410,27 +508,41 @@ def bench_kv_cache_long(ceilings: Ceilings, shape: str = "llama3-8b", dtypes: tu
     return rows
 
 
-def long_workload(shape: str, kv_cache_dtype: str, num_requests: int = 1024, prompt_len: int = 2048,
-                  output_len: int = 1024) -> tuple[LLMEngine, list[tuple[list[int], int]]]:
+def long_workload(
+    shape: str, kv_cache_dtype: str, num_requests: int = 1024, prompt_len: int = 2048, output_len: int = 1024
+) -> tuple[LLMEngine, list[tuple[list[int], int]]]:
     """An engine with the engine's default memory budget and room for ``num_requests`` sequences in a
     step, and that many requests of ``prompt_len`` prompt and ``output_len`` output tokens (all queued
     at once: more than the KV cache holds in any dtype)."""
-    engine = make_engine(shape, max_num_seqs=num_requests, max_model_len=prompt_len + output_len,
-                         max_num_batched_tokens=8192, kv_cache_dtype=kv_cache_dtype)
+    engine = make_engine(
+        shape,
+        max_num_seqs=num_requests,
+        max_model_len=prompt_len + output_len,
+        max_num_batched_tokens=8192,
+        kv_cache_dtype=kv_cache_dtype,
+    )
     rng = random.Random(6)
-    return engine, [(random_prompt(rng, prompt_len, engine.model_config.vocab_size), output_len)
-                    for _ in range(num_requests)]
+    return engine, [
+        (random_prompt(rng, prompt_len, engine.model_config.vocab_size), output_len) for _ in range(num_requests)
+    ]
 
 
-def kv_bound_workload(shape: str, kv_cache_dtype: str, kv_budget_gib: float = 8.0
-                      ) -> tuple[LLMEngine, list[tuple[list[int], int]]]:
+def kv_bound_workload(
+    shape: str, kv_cache_dtype: str, kv_budget_gib: float = 8.0
+) -> tuple[LLMEngine, list[tuple[list[int], int]]]:
     """An engine whose KV cache holds ``kv_budget_gib`` of ``kv_cache_dtype`` blocks, and 256 requests
     of 1024 prompt + 512 output tokens: more than that cache holds at once in the model's dtype."""
     kv_dtype = QUANTIZED_KV_DTYPES.get(EngineConfig(kv_cache_dtype=kv_cache_dtype).kv_cache_dtype, torch.bfloat16)
     per_block = load_model_config(shape_dir(shape)).kv_layout().bytes_per_token(kv_dtype) * 16
-    engine = make_engine(shape, max_num_seqs=256, max_model_len=2048, max_num_batched_tokens=8192,
-                         kv_cache_dtype=kv_cache_dtype, num_kv_blocks=int(kv_budget_gib * (1 << 30) // per_block),
-                         block_size=16)
+    engine = make_engine(
+        shape,
+        max_num_seqs=256,
+        max_model_len=2048,
+        max_num_batched_tokens=8192,
+        kv_cache_dtype=kv_cache_dtype,
+        num_kv_blocks=int(kv_budget_gib * (1 << 30) // per_block),
+        block_size=16,
+    )
     rng = random.Random(5)
     return engine, [(random_prompt(rng, 1024, engine.model_config.vocab_size), 512) for _ in range(256)]
 
@@ -460,24 +572,35 @@ def bench_startup(ceilings: Ceilings, shape: str = "llama3-8b") -> list[dict]:
     runner = engine.core.runner
     graphs, prefill, mixed = runner.graphs, runner.prefill_graphs, runner.mixed_graphs
     phases = engine.startup_seconds
-    rows = [{"name": f"startup/{shape}", "seconds_total": total, **phases,
-             "max_num_batched_tokens": engine.core.config.max_num_batched_tokens,
-             "unaccounted_seconds": total - sum(phases.values()),
-             "graph_capture_seconds": graphs.capture_seconds if graphs else None,
-             "graph_batch_sizes": graphs.sizes if graphs else None,
-             "prefill_graph_capture_seconds": prefill.capture_seconds if prefill else None,
-             "prefill_graph_tokens": prefill.sizes if prefill else None,
-             "prefill_long_prefix_graph_tokens": sorted(n for n, c in prefill.graphs if c != n) if prefill else None,
-             "mixed_graph_capture_seconds": mixed.capture_seconds if mixed else None,
-             "mixed_graph_tokens": mixed.sizes if mixed else None}]
+    rows = [
+        {
+            "name": f"startup/{shape}",
+            "seconds_total": total,
+            **phases,
+            "max_num_batched_tokens": engine.core.config.max_num_batched_tokens,
+            "unaccounted_seconds": total - sum(phases.values()),
+            "graph_capture_seconds": graphs.capture_seconds if graphs else None,
+            "graph_batch_sizes": graphs.sizes if graphs else None,
+            "prefill_graph_capture_seconds": prefill.capture_seconds if prefill else None,
+            "prefill_graph_tokens": prefill.sizes if prefill else None,
+            "prefill_long_prefix_graph_tokens": sorted(n for n, c in prefill.graphs if c != n) if prefill else None,
+            "mixed_graph_capture_seconds": mixed.capture_seconds if mixed else None,
+            "mixed_graph_tokens": mixed.sizes if mixed else None,
+        }
+    ]
     rng, vocab = random.Random(0), engine.model_config.vocab_size
     cost = StepCostModel.of(engine.core.runner.model, engine.model_config)
 
     def ttft_row(name: str, length: int, sampling: dict[str, Any] | None = None) -> dict:
-        seconds = time_to_first_token(engine, random_prompt(rng, length, vocab), sampling)
+        seconds = time_to_first_token(engine, random_prompt(rng, length, vocab), sampling)  # noqa: F821 (del below)
         floor = ceilings.floor(*cost.step([length], [length], 1))
-        return {"name": f"ttft/{shape}/{name}", "prompt_tokens": length, "ms": seconds * 1e3,
-                "floor_ms": floor * 1e3, "fraction_of_floor": floor / seconds}
+        return {
+            "name": f"ttft/{shape}/{name}",
+            "prompt_tokens": length,
+            "ms": seconds * 1e3,
+            "floor_ms": floor * 1e3,
+            "fraction_of_floor": floor / seconds,
+        }
 
     rows += [ttft_row("first_517", 517), ttft_row("second_517", 517), ttft_row("first_sampled_517", 517, SAMPLED)]
     rows[1]["first_over_second"] = rows[1]["ms"] / rows[2]["ms"]
@@ -490,9 +613,14 @@ def bench_startup(ceilings: Ceilings, shape: str = "llama3-8b") -> list[dict]:
 
 
 # ----------------------------------------------------------------------- output
-def bench_spec_decode(ceilings: Ceilings, shape: str = "llama3-8b", k: int = 4,
-                      batches: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64), context: int = 1024,
-                      tokens_per_forward: float | None = None) -> list[dict]:
+def bench_spec_decode(
+    ceilings: Ceilings,
+    shape: str = "llama3-8b",
+    k: int = 4,
+    batches: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64),
+    context: int = 1024,
+    tokens_per_forward: float | None = None,
+) -> list[dict]:
     """Speculative decoding's costs: the verify step's graph (``k + 1`` query tokens a sequence)
     against the one-token decode graph at each batch size, every sequence over ``context`` tokens of
     its own blocks, beside their floors; with ``tokens_per_forward`` (measured on a workload) the
@@ -500,28 +628,36 @@ def bench_spec_decode(ceilings: Ceilings, shape: str = "llama3-8b", k: int = 4,
     the standard workload with speculation on (its defaults) and off."""
     rows: list[dict] = []
     spec = {"method": "ngram", "num_speculative_tokens": k, "disable_by_batch_size": max(batches) + 1}
-    engine = make_engine(shape, max_num_seqs=max(batches), max_model_len=context + 2 * (k + 1),
-                         speculative_config=spec)
+    engine = make_engine(shape, max_num_seqs=max(batches), max_model_len=context + 2 * (k + 1), speculative_config=spec)
     graphs, block_size = engine.core.runner.graphs, engine.core.kv.block_size
     cost = StepCostModel.of(engine.core.runner.model, engine.model_config)
     per_seq = -(-(context + k + 1) // block_size)
     for batch in batches:
         # Distinct blocks for every sequence (block 0 and up: the KV values do not matter to the time).
-        graphs.block_tables[:, :batch, :per_seq] = torch.arange(batch * per_seq, dtype=torch.int32,
-                                                                device=graphs.block_tables.device).view(batch, per_seq)
+        graphs.block_tables[:, :batch, :per_seq] = torch.arange(
+            batch * per_seq, dtype=torch.int32, device=graphs.block_tables.device
+        ).view(batch, per_seq)
         graphs.slot_mapping.fill_(-1)
         timed = {}
         for q in (1, k + 1):
-            graphs.positions[:batch * q] = (context + torch.arange(q, device=graphs.positions.device)).repeat(batch)
+            graphs.positions[: batch * q] = (context + torch.arange(q, device=graphs.positions.device)).repeat(batch)
             graphs.seq_lens[:batch] = context + q
             seconds = time_cuda(graphs.graph_for(batch, context + q, q).replay, warmup=5, repeat=30)
             bytes_, flops = cost.step([q] * batch, [context + q] * batch, batch * q)
             timed[q] = (seconds, ceilings.floor(bytes_, flops))
         (decode_s, decode_floor), (verify_s, verify_floor) = timed[1], timed[k + 1]
-        row = {"name": f"spec_decode/{shape}/verify_b{batch}", "batch": batch, "context": context,
-               "num_speculative_tokens": k, "decode_ms": decode_s * 1e3, "decode_floor_ms": decode_floor * 1e3,
-               "ms_per_step": verify_s * 1e3, "floor_ms": verify_floor * 1e3,
-               "fraction_of_floor": verify_floor / verify_s, "verify_over_decode": verify_s / decode_s}
+        row = {
+            "name": f"spec_decode/{shape}/verify_b{batch}",
+            "batch": batch,
+            "context": context,
+            "num_speculative_tokens": k,
+            "decode_ms": decode_s * 1e3,
+            "decode_floor_ms": decode_floor * 1e3,
+            "ms_per_step": verify_s * 1e3,
+            "floor_ms": verify_floor * 1e3,
+            "fraction_of_floor": verify_floor / verify_s,
+            "verify_over_decode": verify_s / decode_s,
+        }
         if tokens_per_forward is not None:
             row["tokens_per_forward"] = tokens_per_forward
             row["derived_speedup"] = tokens_per_forward * decode_s / verify_s
@@ -529,12 +665,18 @@ def bench_spec_decode(ceilings: Ceilings, shape: str = "llama3-8b", k: int = 4,
     del engine, graphs
     release()
     for on in (False, True):
-        engine = make_engine(shape, max_num_seqs=256, max_num_batched_tokens=8192,
-                             speculative_config={"method": "ngram", "num_speculative_tokens": k} if on else None)
+        engine = make_engine(
+            shape,
+            max_num_seqs=256,
+            max_num_batched_tokens=8192,
+            speculative_config={"method": "ngram", "num_speculative_tokens": k} if on else None,
+        )
         result = run_workload(engine, ceilings, standard_workload(vocab=engine.model_config.vocab_size))
         stats = engine.core.stats
-        result.update(spec_decode_num_drafts=stats.spec_decode_num_drafts,
-                      spec_decode_num_accepted_tokens=stats.spec_decode_num_accepted_tokens)
+        result.update(
+            spec_decode_num_drafts=stats.spec_decode_num_drafts,
+            spec_decode_num_accepted_tokens=stats.spec_decode_num_accepted_tokens,
+        )
         rows.append({"name": f"spec_decode/{shape}/standard_workload_{'on' if on else 'off'}", **result})
         del engine
         release()
@@ -588,8 +730,19 @@ def print_table(rows: list[dict]) -> None:
         print(f"{row['name']:44s} {measured:>14s} {floor:>10s} {frac:>8s} {peer:>14s}")
 
 
-BENCHMARKS = ("latency", "batch", "throughput", "features", "startup", "models", "kvcache", "kvcache-long", "spec", "q8",
-              "all")
+BENCHMARKS = (
+    "latency",
+    "batch",
+    "throughput",
+    "features",
+    "startup",
+    "models",
+    "kvcache",
+    "kvcache-long",
+    "spec",
+    "q8",
+    "all",
+)
 MODEL_SHAPES = ["gemma3-4b", "gemma3-27b", "gemma4-e4b", "gemma4-31b"]
 LATENCY_SHAPES = ["llama3-8b", "qwen3-8b"]
 
@@ -600,7 +753,9 @@ def shape_list(text: str) -> list[str]:
     names = [name.strip() for name in text.split(",") if name.strip()]
     unknown = [name for name in names if name not in SHAPES]
     if not names or unknown:
-        raise argparse.ArgumentTypeError(f"unknown shape(s) {', '.join(unknown) or repr(text)}; known: {', '.join(SHAPES)}")
+        raise argparse.ArgumentTypeError(
+            f"unknown shape(s) {', '.join(unknown) or repr(text)}; known: {', '.join(SHAPES)}"
+        )
     return names
 
 
@@ -609,28 +764,48 @@ def kv_dtype_list(text: str) -> tuple[str, ...]:
     names = tuple(name.strip() for name in text.split(",") if name.strip())
     unknown = [name for name in names if name not in KV_CACHE_DTYPES]
     if not names or unknown:
-        raise argparse.ArgumentTypeError(f"unknown KV cache dtype(s) {', '.join(unknown) or repr(text)}; "
-                                         f"known: {', '.join(KV_CACHE_DTYPES)}")
+        raise argparse.ArgumentTypeError(
+            f"unknown KV cache dtype(s) {', '.join(unknown) or repr(text)}; known: {', '.join(KV_CACHE_DTYPES)}"
+        )
     return names
 
 
 def add_bench_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", default=None, help="JSON file for the results")
     parser.add_argument("--no-peer", action="store_true", help="skip transformers")
-    parser.add_argument("--peer-requests", type=int, default=32,
-                        help="requests of the standard workload given to transformers' generate_batch")
-    parser.add_argument("--tokens-per-forward", type=float, default=None,
-                        help="spec: tokens per forward measured on a workload (benchmarks/spec_decode_rewrite.py), "
-                             "to derive the speedup at each batch size")
-    parser.add_argument("--throughput-shapes", type=shape_list, default=["qwen3-0.6b", "llama3-8b"],
-                        help="comma-separated shapes for the throughput benchmark")
-    parser.add_argument("--kv-cache-dtypes", type=kv_dtype_list, default=("auto", "fp8", "int8"),
-                        help="comma-separated KV cache dtypes for the kvcache benchmarks (rows against auto's "
-                             "need auto first)")
-    parser.add_argument("--shapes", type=shape_list, default=None,
-                        help="comma-separated shapes for the models benchmark (default: "
-                             f"{', '.join(MODEL_SHAPES)}) and the latency one (default: "
-                             f"{', '.join(LATENCY_SHAPES)}); known: {', '.join(SHAPES)}")
+    parser.add_argument(
+        "--peer-requests",
+        type=int,
+        default=32,
+        help="requests of the standard workload given to transformers' generate_batch",
+    )
+    parser.add_argument(
+        "--tokens-per-forward",
+        type=float,
+        default=None,
+        help="spec: tokens per forward measured on a workload (benchmarks/spec_decode_rewrite.py), "
+        "to derive the speedup at each batch size",
+    )
+    parser.add_argument(
+        "--throughput-shapes",
+        type=shape_list,
+        default=["qwen3-0.6b", "llama3-8b"],
+        help="comma-separated shapes for the throughput benchmark",
+    )
+    parser.add_argument(
+        "--kv-cache-dtypes",
+        type=kv_dtype_list,
+        default=("auto", "fp8", "int8"),
+        help="comma-separated KV cache dtypes for the kvcache benchmarks (rows against auto's need auto first)",
+    )
+    parser.add_argument(
+        "--shapes",
+        type=shape_list,
+        default=None,
+        help="comma-separated shapes for the models benchmark (default: "
+        f"{', '.join(MODEL_SHAPES)}) and the latency one (default: "
+        f"{', '.join(LATENCY_SHAPES)}); known: {', '.join(SHAPES)}",
+    )
 
 
 def run_bench(args: argparse.Namespace) -> int:
@@ -653,17 +828,18 @@ def run_bench(args: argparse.Namespace) -> int:
     sections = {
         "startup": lambda: bench_startup(ceilings),
         "latency": lambda: bench_latency(ceilings, args.shapes or LATENCY_SHAPES, [128, 1024, 4096], peer),
-        "batch": lambda: bench_batch(ceilings, ["llama3.2-1b", "llama3-8b"], [1, 8, 32, 64, 128, 256],
-                                     [1, 32, 128], peer),
-        "throughput": lambda: bench_throughput(ceilings, args.throughput_shapes, peer, args.peer_requests,
-                                               checkpoint),
+        "batch": lambda: bench_batch(
+            ceilings, ["llama3.2-1b", "llama3-8b"], [1, 8, 32, 64, 128, 256], [1, 32, 128], peer
+        ),
+        "throughput": lambda: bench_throughput(ceilings, args.throughput_shapes, peer, args.peer_requests, checkpoint),
         "features": lambda: bench_features(ceilings),
         "kvcache": lambda: bench_kv_cache_dtypes(ceilings, dtypes=args.kv_cache_dtypes),
         "kvcache-long": lambda: bench_kv_cache_long(ceilings, dtypes=args.kv_cache_dtypes, checkpoint=checkpoint),
         "spec": lambda: bench_spec_decode(ceilings, tokens_per_forward=args.tokens_per_forward),
         "q8": lambda: bench_q8_0(ceilings),
-        "models": lambda: bench_models(ceilings, args.shapes or MODEL_SHAPES, [1, 8, 32, 128], peer, args.peer_requests,
-                                       checkpoint),
+        "models": lambda: bench_models(
+            ceilings, args.shapes or MODEL_SHAPES, [1, 8, 32, 128], peer, args.peer_requests, checkpoint
+        ),
     }
     for name, run in sections.items():
         if which in (name, "all"):

@@ -73,19 +73,24 @@ class BenchSetupError(Exception):
 def add_bench_serve_args(parser: argparse.ArgumentParser) -> None:
     """Options of ``tokenmill bench serve``."""
     parser.add_argument("--base-url", default="http://127.0.0.1:8000", help="the server, without /v1")
-    parser.add_argument("--stub", action="store_true",
-                        help="ignore --base-url and run against a stub server that answers instantly, "
-                             "to measure this client's own ceiling")
+    parser.add_argument(
+        "--stub",
+        action="store_true",
+        help="ignore --base-url and run against a stub server that answers instantly, "
+        "to measure this client's own ceiling",
+    )
     parser.add_argument("--model", default=None, help="model name to send (unset: the server's first model)")
     parser.add_argument("--api-key", default=None, help="sent as 'Authorization: Bearer KEY'")
     parser.add_argument("--num-prompts", type=int, default=256, help="requests to send")
     parser.add_argument("--min-input-len", type=int, default=100, help="shortest random prompt, in tokens")
     parser.add_argument("--max-input-len", type=int, default=1024, help="longest random prompt, in tokens")
-    parser.add_argument("--min-output-len", type=int, default=100,
-                        help="fewest tokens a request asks for (max_tokens, with ignore_eos)")
+    parser.add_argument(
+        "--min-output-len", type=int, default=100, help="fewest tokens a request asks for (max_tokens, with ignore_eos)"
+    )
     parser.add_argument("--max-output-len", type=int, default=1024, help="most tokens a request asks for")
-    parser.add_argument("--vocab-size", type=int, default=1000,
-                        help="random prompt token ids are drawn from [0, vocab-size)")
+    parser.add_argument(
+        "--vocab-size", type=int, default=1000, help="random prompt token ids are drawn from [0, vocab-size)"
+    )
     parser.add_argument("--prompt-file", default=None, help="one text prompt per line, instead of random ids")
     parser.add_argument("--request-rate", type=float, default=math.inf, help="requests per second (inf: all at once)")
     parser.add_argument("--max-concurrency", type=int, default=None, help="most requests in flight at once")
@@ -139,9 +144,18 @@ def arrival_offsets(count: int, rate: float, seed: int) -> list[float]:
 
 
 def request_body(model: str, req: BenchRequest) -> bytes:
-    return json.dumps({"model": model, "prompt": req.prompt, "max_tokens": req.max_tokens, "ignore_eos": True,
-                       "temperature": 0.0, "stream": True, "stream_options": {"include_usage": True}},
-                      separators=(",", ":")).encode()
+    return json.dumps(
+        {
+            "model": model,
+            "prompt": req.prompt,
+            "max_tokens": req.max_tokens,
+            "ignore_eos": True,
+            "temperature": 0.0,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        },
+        separators=(",", ":"),
+    ).encode()
 
 
 class SSEStream:
@@ -150,8 +164,18 @@ class SSEStream:
     This is the client's whole per-token cost, so lines are split by hand and only
     ``data:`` payloads are decoded. Events that arrive in one read share its time."""
 
-    __slots__ = ("start", "first_at", "last_at", "done_at", "itls", "text_chunks", "prompt_tokens",
-                 "output_tokens", "error", "_tail")
+    __slots__ = (
+        "_tail",
+        "done_at",
+        "error",
+        "first_at",
+        "itls",
+        "last_at",
+        "output_tokens",
+        "prompt_tokens",
+        "start",
+        "text_chunks",
+    )
 
     def __init__(self, start: float) -> None:
         self.start = start
@@ -199,9 +223,15 @@ class SSEStream:
     def result(self, end: float) -> RequestResult:
         outputs = self.text_chunks if self.output_tokens is None else self.output_tokens
         error = self.error or ("" if self.first_at is not None and outputs > 0 else "no output in the stream")
-        return RequestResult(ok=not error, prompt_tokens=self.prompt_tokens, output_tokens=outputs,
-                             ttft=(self.first_at or end) - self.start, latency=(self.done_at or end) - self.start,
-                             itls=self.itls, error=error)
+        return RequestResult(
+            ok=not error,
+            prompt_tokens=self.prompt_tokens,
+            output_tokens=outputs,
+            ttft=(self.first_at or end) - self.start,
+            latency=(self.done_at or end) - self.start,
+            itls=self.itls,
+            error=error,
+        )
 
 
 async def _send(session: aiohttp.ClientSession, url: str, body: bytes) -> RequestResult:
@@ -238,8 +268,9 @@ class BenchRun:
 
     def begin(self) -> float:
         """Start the clock and the progress bar (not before: a failed preflight prints one clean line)."""
-        self._progress = tqdm(total=self.total, unit="req", file=sys.stderr, disable=not self._show_progress,
-                              leave=False)
+        self._progress = tqdm(
+            total=self.total, unit="req", file=sys.stderr, disable=not self._show_progress, leave=False
+        )
         self.start = time.perf_counter()
         return self.start
 
@@ -289,8 +320,9 @@ async def run_benchmark(args: argparse.Namespace, workload: list[BenchRequest], 
     if args.api_key:
         headers["Authorization"] = f"Bearer {args.api_key}"
     connector = aiohttp.TCPConnector(limit=args.max_concurrency or 0, ttl_dns_cache=None)
-    async with aiohttp.ClientSession(connector=connector, headers=headers,
-                                     timeout=aiohttp.ClientTimeout(total=args.timeout)) as session:
+    async with aiohttp.ClientSession(
+        connector=connector, headers=headers, timeout=aiohttp.ClientTimeout(total=args.timeout)
+    ) as session:
         run.model = await _preflight(session, run.base_url, args.model)
         bodies = [request_body(run.model, req) for req in workload]
         offsets = arrival_offsets(len(bodies), args.request_rate, args.seed)
@@ -325,8 +357,11 @@ def _stats(values: list[float]) -> dict[str, float]:
         return {"mean_ms": 0.0, "median_ms": 0.0, "p99_ms": 0.0}
     ordered = sorted(values)
     p99 = ordered[min(len(ordered) - 1, math.ceil(0.99 * len(ordered)) - 1)]
-    return {"mean_ms": 1000 * statistics.fmean(ordered), "median_ms": 1000 * statistics.median(ordered),
-            "p99_ms": 1000 * p99}
+    return {
+        "mean_ms": 1000 * statistics.fmean(ordered),
+        "median_ms": 1000 * statistics.median(ordered),
+        "p99_ms": 1000 * p99,
+    }
 
 
 def summarize(run: BenchRun, partial: bool = False) -> dict[str, Any]:
@@ -420,6 +455,7 @@ def _bench(args: argparse.Namespace, base_url: str, stub: bool) -> int:
 
 def _jsonable(options: dict[str, Any]) -> dict[str, Any]:
     """Options as JSON can hold them (infinite rates and callables become strings)."""
+
     def plain(v: Any) -> Any:
         if isinstance(v, float) and not math.isfinite(v):
             return str(v)

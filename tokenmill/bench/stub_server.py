@@ -57,6 +57,7 @@ class StubConfig:
 @dataclass(frozen=True)
 class _Completion:
     """What the stub needs from a request body."""
+
     max_tokens: int
     prompt_tokens: int
     stream: bool
@@ -66,13 +67,19 @@ class _Completion:
     def parse(cls, body: dict[str, Any]) -> _Completion:
         prompt = body.get("prompt", "")
         prompt_tokens = len(prompt.split()) if isinstance(prompt, str) else len(prompt)
-        return cls(max_tokens=max(1, int(body.get("max_tokens") or 16)), prompt_tokens=prompt_tokens,
-                   stream=bool(body.get("stream")),
-                   include_usage=bool((body.get("stream_options") or {}).get("include_usage")))
+        return cls(
+            max_tokens=max(1, int(body.get("max_tokens") or 16)),
+            prompt_tokens=prompt_tokens,
+            stream=bool(body.get("stream")),
+            include_usage=bool((body.get("stream_options") or {}).get("include_usage")),
+        )
 
     def usage(self) -> dict[str, int]:
-        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.max_tokens,
-                "total_tokens": self.prompt_tokens + self.max_tokens}
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": self.max_tokens,
+            "total_tokens": self.prompt_tokens + self.max_tokens,
+        }
 
 
 def _dumps(obj: Any) -> bytes:
@@ -88,9 +95,11 @@ def _stream_writes(head: dict[str, Any], req: _Completion, events_per_write: int
 
     Only two token events differ (the last carries the finish reason), so they are
     encoded once and repeated."""
+
     def token(finish_reason: str | None) -> bytes:
-        return _event({**head, "choices": [{"index": 0, "text": " tok", "logprobs": None,
-                                            "finish_reason": finish_reason}]})
+        return _event(
+            {**head, "choices": [{"index": 0, "text": " tok", "logprobs": None, "finish_reason": finish_reason}]}
+        )
 
     full_batch = token(None) * events_per_write
     full_batches, rest = divmod(req.max_tokens - 1, events_per_write)
@@ -107,17 +116,29 @@ def build_app(config: StubConfig) -> web.Application:
     created = int(time.time())
 
     async def models(_: web.Request) -> web.Response:
-        return web.json_response({"object": "list", "data": [
-            {"id": config.model, "object": "model", "created": created, "owned_by": "tokenmill-stub"}]})
+        return web.json_response(
+            {
+                "object": "list",
+                "data": [{"id": config.model, "object": "model", "created": created, "owned_by": "tokenmill-stub"}],
+            }
+        )
 
     async def completions(request: web.Request) -> web.StreamResponse:
         req = _Completion.parse(json.loads(await request.read()))
-        head = {"id": f"cmpl-stub-{next(ids)}", "object": "text_completion", "created": created,
-                "model": config.model}
+        head = {"id": f"cmpl-stub-{next(ids)}", "object": "text_completion", "created": created, "model": config.model}
         if not req.stream:
-            return web.Response(content_type="application/json", body=_dumps({
-                **head, "choices": [{"index": 0, "text": " tok" * req.max_tokens, "logprobs": None,
-                                     "finish_reason": "length"}], "usage": req.usage()}))
+            return web.Response(
+                content_type="application/json",
+                body=_dumps(
+                    {
+                        **head,
+                        "choices": [
+                            {"index": 0, "text": " tok" * req.max_tokens, "logprobs": None, "finish_reason": "length"}
+                        ],
+                        "usage": req.usage(),
+                    }
+                ),
+            )
         return await _stream(request, list(_stream_writes(head, req, config.events_per_write)))
 
     app = web.Application()
@@ -158,8 +179,9 @@ async def serve(host: str, port: int, config: StubConfig, exit_with_parent: bool
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     if exit_with_parent:
-        threading.Thread(target=lambda: (sys.stdin.buffer.read(), loop.call_soon_threadsafe(stop.set)),
-                         daemon=True).start()
+        threading.Thread(
+            target=lambda: (sys.stdin.buffer.read(), loop.call_soon_threadsafe(stop.set)), daemon=True
+        ).start()
     try:
         await stop.wait()
     finally:
@@ -174,9 +196,25 @@ def run_stub_server(config: StubConfig = StubConfig(), host: str = "127.0.0.1") 
     until the benchmark has printed what it measured; it exits when its stdin closes,
     which also happens if this process dies without cleaning up."""
     proc = subprocess.Popen(
-        [sys.executable, "-c", _RUN_THIS_FILE, __file__, "--host", host, "--port", "0", "--model", config.model,
-         "--events-per-write", str(config.events_per_write), "--exit-with-parent"],
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE, start_new_session=True)
+        [
+            sys.executable,
+            "-c",
+            _RUN_THIS_FILE,
+            __file__,
+            "--host",
+            host,
+            "--port",
+            "0",
+            "--model",
+            config.model,
+            "--events-per-write",
+            str(config.events_per_write),
+            "--exit-with-parent",
+        ],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        start_new_session=True,
+    )
     try:
         yield _read_base_url(proc)
     finally:
@@ -202,8 +240,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--host", default="127.0.0.1", help="an IPv4 address")
     parser.add_argument("--port", type=int, default=8001, help="0: any free port (printed on stdout)")
     parser.add_argument("--model", default=DEFAULT_MODEL)
-    parser.add_argument("--events-per-write", type=int, default=DEFAULT_EVENTS_PER_WRITE,
-                        help="token events sent per write (1: the hardest case for a client)")
+    parser.add_argument(
+        "--events-per-write",
+        type=int,
+        default=DEFAULT_EVENTS_PER_WRITE,
+        help="token events sent per write (1: the hardest case for a client)",
+    )
     parser.add_argument("--exit-with-parent", action="store_true", help="stop when stdin closes")
     args = parser.parse_args(argv)
     if args.events_per_write < 1:

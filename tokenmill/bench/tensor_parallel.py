@@ -84,8 +84,15 @@ def _allreduce_rank(rank: int, init_method: str, results: multiprocessing.Queue)
             eager = time_cuda(op, warmup=5, repeat=50)
             dist.barrier()
             graphed = _time_graph(op)
-            rows.append({"name": f"allreduce/{name}/{size // 1024}KB", "implementation": name, "bytes": size,
-                         "eager_us": eager * 1e6, "graph_us": graphed * 1e6})
+            rows.append(
+                {
+                    "name": f"allreduce/{name}/{size // 1024}KB",
+                    "implementation": name,
+                    "bytes": size,
+                    "eager_us": eager * 1e6,
+                    "graph_us": graphed * 1e6,
+                }
+            )
     if rank == 0:
         results.put(rows)
     dist.barrier()
@@ -112,8 +119,9 @@ def _engine_and_cost(shape: str, tensor_parallel_size: int, max_num_seqs: int):
     from tokenmill.bench.offline import make_engine
     from tokenmill.bench.shapes import StepCostModel
 
-    engine = make_engine(shape, max_num_seqs=max_num_seqs, max_num_batched_tokens=8192,
-                         tensor_parallel_size=tensor_parallel_size)
+    engine = make_engine(
+        shape, max_num_seqs=max_num_seqs, max_num_batched_tokens=8192, tensor_parallel_size=tensor_parallel_size
+    )
     shard = StepCostModel.of(engine.core.runner.model, engine.model_config)
     return engine, replace(shard, body_params=shard.body_params * tensor_parallel_size, split=tensor_parallel_size)
 
@@ -125,13 +133,25 @@ def _allreduce_ms_per_step(shape: str, tensor_parallel_size: int, allreduce_us: 
     return 2 * SHAPES[shape]["num_hidden_layers"] * allreduce_us / 1e3 if tensor_parallel_size > 1 else 0.0
 
 
-def bench_decode(ceilings: Ceilings, allreduce_us: float, shape: str = SHAPE, sizes: tuple[int, ...] = (1,),
-                 splits: tuple[int, ...] = (1, 2), workload: bool = False) -> list[dict]:
+def bench_decode(
+    ceilings: Ceilings,
+    allreduce_us: float,
+    shape: str = SHAPE,
+    sizes: tuple[int, ...] = (1,),
+    splits: tuple[int, ...] = (1, 2),
+    workload: bool = False,
+) -> list[dict]:
     """Decode steps of ``sizes`` sequences (128-token prompts, 64 new tokens) with the model split
     over each of ``splits`` GPUs, then (``workload``) the standard workload on the widest split.
     Floors: each GPU's share of the bytes and FLOPs, plus two all-reduces a layer at ``allreduce_us``."""
-    from tokenmill.bench.offline import add_workload, random_prompt, release, run_metered, run_workload
-    from tokenmill.bench.offline import standard_workload
+    from tokenmill.bench.offline import (
+        add_workload,
+        random_prompt,
+        release,
+        run_metered,
+        run_workload,
+        standard_workload,
+    )
     from tokenmill.sampling_params import SamplingParams
 
     rows, by_split = [], {}
@@ -143,16 +163,27 @@ def bench_decode(ceilings: Ceilings, allreduce_us: float, shape: str = SHAPE, si
             for batch in sizes:
                 prompts = [random_prompt(rng, 128, engine.model_config.vocab_size) for _ in range(batch)]
                 for i, prompt in enumerate(prompts):
-                    engine.add_request(f"b{batch}-{i}", prompt,
-                                       SamplingParams(temperature=0, max_tokens=64, ignore_eos=True), stream=False)
+                    engine.add_request(
+                        f"b{batch}-{i}",
+                        prompt,
+                        SamplingParams(temperature=0, max_tokens=64, ignore_eos=True),
+                        stream=False,
+                    )
                 records, _, _ = run_metered(engine, ceilings, cost)
                 decode = [r for r in records if r.decode and r.batch_size == batch]
                 ms = statistics.median(r.seconds for r in decode) * 1e3
                 floor = statistics.median(r.floor for r in decode) * 1e3 + allreduce_ms
                 by_split[(tp, batch)] = ms
-                row = {"name": f"decode/{shape}/tp{tp}/b{batch}", "batch": batch, "context": 128,
-                       "tensor_parallel_size": tp, "ms_per_step": ms, "floor_ms": floor,
-                       "fraction_of_floor": floor / ms, "allreduce_us_in_floor": allreduce_us if tp > 1 else 0.0}
+                row = {
+                    "name": f"decode/{shape}/tp{tp}/b{batch}",
+                    "batch": batch,
+                    "context": 128,
+                    "tensor_parallel_size": tp,
+                    "ms_per_step": ms,
+                    "floor_ms": floor,
+                    "fraction_of_floor": floor / ms,
+                    "allreduce_us_in_floor": allreduce_us if tp > 1 else 0.0,
+                }
                 if (1, batch) in by_split and tp > 1:
                     row["speedup_over_tp1"] = by_split[(1, batch)] / ms
                 rows.append(row)
@@ -173,12 +204,19 @@ def bench_decode(ceilings: Ceilings, allreduce_us: float, shape: str = SHAPE, si
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("part", choices=("allreduce", "decode", "70b", "all"),
-                        help="decode: Llama-3-8B at batch 1 on one GPU and two; 70b: Llama-3-70B on two, "
-                             "a batch sweep and the standard workload; all: the all-reduces, then both")
+    parser.add_argument(
+        "part",
+        choices=("allreduce", "decode", "70b", "all"),
+        help="decode: Llama-3-8B at batch 1 on one GPU and two; 70b: Llama-3-70B on two, "
+        "a batch sweep and the standard workload; all: the all-reduces, then both",
+    )
     parser.add_argument("--out", default=None, help="JSON file for the results")
-    parser.add_argument("--allreduce-us", type=float, default=17.9,
-                        help="8 KB all-reduce time for the decode floor when the allreduce part is not run")
+    parser.add_argument(
+        "--allreduce-us",
+        type=float,
+        default=17.9,
+        help="8 KB all-reduce time for the decode floor when the allreduce part is not run",
+    )
     args = parser.parse_args(argv)
     if not torch.cuda.is_available() or torch.cuda.device_count() < 2:
         print("the tensor-parallel benchmark needs two CUDA devices", file=sys.stderr)
@@ -197,6 +235,7 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(row))
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps({"environment": environment(ceilings, " ".join(sys.argv)),
-                                              "rows": rows}, indent=2))
+        Path(args.out).write_text(
+            json.dumps({"environment": environment(ceilings, " ".join(sys.argv)), "rows": rows}, indent=2)
+        )
     return 0

@@ -18,6 +18,17 @@ from tokenmill.distributed.group import (
 from tokenmill.distributed.sharding import check_divides, first_unit, units_per_rank
 
 __all__ = [
-    "SINGLE", "TPGroup", "all_gather", "all_reduce", "backend_for", "broadcast", "check_divides", "current_group",
-    "destroy_group", "first_unit", "init_group", "sharding_for", "units_per_rank",
+    "SINGLE",
+    "TPGroup",
+    "all_gather",
+    "all_reduce",
+    "backend_for",
+    "broadcast",
+    "check_divides",
+    "current_group",
+    "destroy_group",
+    "first_unit",
+    "init_group",
+    "sharding_for",
+    "units_per_rank",
 ]

@@ -54,12 +54,20 @@ def init_group(device: torch.device, rank: int, size: int, init_method: str, tim
     or a ``tcp://`` address); NCCL on CUDA, gloo on the CPU. Raises ValueError if this process is
     already in a group (one tensor-parallel engine per process)."""
     if dist.is_initialized():
-        raise ValueError("this process already belongs to a torch.distributed process group: a tensor-parallel "
-                         "engine needs one of its own (shut the other engine down first)")
+        raise ValueError(
+            "this process already belongs to a torch.distributed process group: a tensor-parallel "
+            "engine needs one of its own (shut the other engine down first)"
+        )
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    dist.init_process_group(backend_for(device), init_method=init_method, rank=rank, world_size=size,
-                            timeout=timeout, device_id=device if device.type == "cuda" else None)
+    dist.init_process_group(
+        backend_for(device),
+        init_method=init_method,
+        rank=rank,
+        world_size=size,
+        timeout=timeout,
+        device_id=device if device.type == "cuda" else None,
+    )
     return TPGroup(rank, size, dist.group.WORLD)
 
 

@@ -23,5 +23,7 @@ def check_divides(what: str, units: int, size: int) -> None:
     if units >= size and units % size:
         raise ValueError(f"tensor_parallel_size {size} does not divide the model's {units} {what}")
     if units < size and size % units:
-        raise ValueError(f"the model's {units} {what} cannot be replicated evenly over tensor_parallel_size "
-                         f"{size} (it must be a multiple of {units})")
+        raise ValueError(
+            f"the model's {units} {what} cannot be replicated evenly over tensor_parallel_size "
+            f"{size} (it must be a multiple of {units})"
+        )

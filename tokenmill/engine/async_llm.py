@@ -152,9 +152,10 @@ class AsyncLLM:
         self.vocab_size = ready.vocab_size
         self.kv_cache_dtype = ready.kv_cache_dtype
         self.kv_capacity_tokens = ready.kv_capacity_tokens
-        self.inputs = InputProcessor(self.tokenizer, ModelLimits(ready.vocab_size, ready.max_model_len,
-                                                                 config.max_logprobs,
-                                                                 config.max_structured_output_bytes))
+        self.inputs = InputProcessor(
+            self.tokenizer,
+            ModelLimits(ready.vocab_size, ready.max_model_len, config.max_logprobs, config.max_structured_output_bytes),
+        )
         self.outputs = OutputProcessor(self.tokenizer)
         self.stats = CoreStats()
         self.accepting = True
@@ -193,13 +194,20 @@ class AsyncLLM:
         if not self.accepting or self._closed:
             raise EngineStopped("the server is shutting down")
         if count > self.capacity:
-            raise ValueError(f"{count} prompts in one request, but at most {self.capacity} can be queued "
-                             f"(max_num_seqs + max_waiting)")
+            raise ValueError(
+                f"{count} prompts in one request, but at most {self.capacity} can be queued "
+                f"(max_num_seqs + max_waiting)"
+            )
         if self.num_unfinished + count > self.capacity:
             raise QueueFull(f"too many requests are waiting (max_waiting={self.max_waiting}); retry later")
 
-    async def process_inputs(self, prompts: list[str | list[int]], params: SamplingParams,
-                             add_special_tokens: bool = True, truncate: int | None = None) -> list[ProcessedPrompt]:
+    async def process_inputs(
+        self,
+        prompts: list[str | list[int]],
+        params: SamplingParams,
+        add_special_tokens: bool = True,
+        truncate: int | None = None,
+    ) -> list[ProcessedPrompt]:
         """Tokenize and validate a request's prompts (see ``InputProcessor.process``): in a worker
         thread unless they are short altogether, so that other streams go on meanwhile (many short
         prompts add up as much as one long one)."""
@@ -212,16 +220,27 @@ class AsyncLLM:
             return process()
         return await asyncio.get_running_loop().run_in_executor(self._executor, process)
 
-    async def render_chat(self, messages: list[dict[str, Any]], options: ChatOptions = ChatOptions(),
-                          time_limit: float | None = None, max_chars: int | None = None) -> list[int]:
+    async def render_chat(
+        self,
+        messages: list[dict[str, Any]],
+        options: ChatOptions = ChatOptions(),
+        time_limit: float | None = None,
+        max_chars: int | None = None,
+    ) -> list[int]:
         """The chat template and tokenizing, in a worker thread (a template may be slow), the
         template stopped after ``time_limit`` seconds, its text refused past ``max_chars``."""
-        return await asyncio.get_running_loop().run_in_executor(self._executor, apply_chat_template, self.tokenizer,
-                                                                messages, options, time_limit, max_chars)
+        return await asyncio.get_running_loop().run_in_executor(
+            self._executor, apply_chat_template, self.tokenizer, messages, options, time_limit, max_chars
+        )
 
-    async def add_request(self, request_id: str, prompt: str | list[int] | ProcessedPrompt,
-                          params: SamplingParams, kind: OutputKind = OutputKind.DELTA,
-                          priority: int = 0) -> RequestStream:
+    async def add_request(
+        self,
+        request_id: str,
+        prompt: str | list[int] | ProcessedPrompt,
+        params: SamplingParams,
+        kind: OutputKind = OutputKind.DELTA,
+        priority: int = 0,
+    ) -> RequestStream:
         """Queue a request and return its stream. Raises ValueError for bad input (nothing is
         queued; a nonzero ``priority`` needs scheduling_policy "priority"), QueueFull when too
         many wait, EngineStopped while draining or once the core is gone.
@@ -250,9 +269,14 @@ class AsyncLLM:
         self.client.send_encoded(message)
         return stream
 
-    async def generate(self, request_id: str, prompt: str | list[int],
-                       params: SamplingParams, kind: OutputKind = OutputKind.DELTA,
-                       priority: int = 0) -> AsyncIterator[RequestOutput]:
+    async def generate(
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        params: SamplingParams,
+        kind: OutputKind = OutputKind.DELTA,
+        priority: int = 0,
+    ) -> AsyncIterator[RequestOutput]:
         stream = await self.add_request(request_id, prompt, params, kind, priority)
         async for output in stream:
             yield output
@@ -353,4 +377,3 @@ class AsyncLLM:
         self.dead_reason = reason
         self.accepting = False
         self._deliver(ProcessedOutputs(outputs=self.outputs.fail_all(reason)))
-

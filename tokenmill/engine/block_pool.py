@@ -25,7 +25,7 @@ def hash_blocks(parent: BlockHash | None, token_ids: Sequence[int], block_size: 
     data, step = array("q", token_ids).tobytes(), 8 * block_size
     hashes, last = [], parent or b""
     for start in range(0, len(token_ids) // block_size * step, step):
-        last = hashlib.blake2b(last + data[start:start + step], digest_size=16).digest()
+        last = hashlib.blake2b(last + data[start : start + step], digest_size=16).digest()
         hashes.append(last)
     return hashes
 

@@ -17,12 +17,21 @@ from typing import Any
 
 from tokenmill.engine.spec_decode import SPECULATIVE_CONFIG, SpeculativeConfig
 from tokenmill.engine.structured_outputs import (
-    DEFAULT_CACHE_BYTES, DEFAULT_COMPILE_WORKERS, DEFAULT_MAX_CONSTRAINT_BYTES)
+    DEFAULT_CACHE_BYTES,
+    DEFAULT_COMPILE_WORKERS,
+    DEFAULT_MAX_CONSTRAINT_BYTES,
+)
 from tokenmill.validation import BOOLEAN, REJECT, Rule, check_fields, integer, number, one_of, ruled
 
 # Accepted spellings of each dtype, as torch names them.
-_DTYPES = {"auto": "auto", "bfloat16": "bfloat16", "float16": "float16", "half": "float16",
-           "float32": "float32", "float": "float32"}
+_DTYPES = {
+    "auto": "auto",
+    "bfloat16": "bfloat16",
+    "float16": "float16",
+    "half": "float16",
+    "float32": "float32",
+    "float": "float32",
+}
 _POLICIES = {"fcfs": "fcfs", "priority": "priority"}
 # vLLM's names for the KV cache's dtype; fp8 is fp8_e4m3.
 KV_CACHE_DTYPES = {"auto": "auto", "fp8": "fp8_e4m3", "fp8_e4m3": "fp8_e4m3", "fp8_e5m2": "fp8_e5m2", "int8": "int8"}
@@ -52,90 +61,136 @@ class EngineConfig:
     Every field is checked on construction: a bad value is a ValueError that names it."""
 
     model: str | None = ruled(
-        None, Rule("None or a non-empty path (str or os.PathLike)", "", _model),
-        help="directory of a Hugging Face checkpoint; none means the small model shipped with tokenmill")
+        None,
+        Rule("None or a non-empty path (str or os.PathLike)", "", _model),
+        help="directory of a Hugging Face checkpoint; none means the small model shipped with tokenmill",
+    )
     dtype: str = ruled(
-        "auto", one_of(_DTYPES), choices=tuple(_DTYPES),
+        "auto",
+        one_of(_DTYPES),
+        choices=tuple(_DTYPES),
         help="weight and activation dtype; auto keeps the checkpoint's dtype on a GPU and uses float32 on "
-             "the CPU (half is float16, float is float32)")
+        "the CPU (half is float16, float is float32)",
+    )
     device: str = ruled(
-        "auto", Rule("auto, cpu, cuda or cuda:N", "", _device),
-        help="where to run: auto (a GPU if there is one), cpu, cuda or cuda:N")
+        "auto",
+        Rule("auto, cpu, cuda or cuda:N", "", _device),
+        help="where to run: auto (a GPU if there is one), cpu, cuda or cuda:N",
+    )
     seed: int = ruled(
-        0, integer(-2**63, 2**64 - 1, bounds="in [-2**63, 2**64 - 1]"),
+        0,
+        integer(-(2**63), 2**64 - 1, bounds="in [-2**63, 2**64 - 1]"),
         help="seed of the engine's random numbers (random weights); generate and chat also sample with it, "
-             "so the same seed gives the same text")
+        "so the same seed gives the same text",
+    )
     block_size: int = ruled(16, _POSITIVE, help="tokens per KV cache block")
     max_num_seqs: int = ruled(256, _POSITIVE, help="most sequences decoded together in one step")
     max_num_batched_tokens: int | None = ruled(
-        None, _POSITIVE.or_none(),
+        None,
+        _POSITIVE.or_none(),
         help="most tokens one step computes (prompt chunks and decoded tokens together); none means 8192 on a "
-             "GPU of 70 GiB or more, else 2048")
+        "GPU of 70 GiB or more, else 2048",
+    )
     max_model_len: int | None = ruled(
-        None, _POSITIVE.or_none(),
-        help="longest sequence, prompt and output together; none means the model's context length")
+        None,
+        _POSITIVE.or_none(),
+        help="longest sequence, prompt and output together; none means the model's context length",
+    )
     enable_prefix_caching: bool = ruled(
-        True, BOOLEAN, negative_alias="--no-prefix-caching",
-        help="reuse the KV cache of prompt prefixes computed before")
+        True,
+        BOOLEAN,
+        negative_alias="--no-prefix-caching",
+        help="reuse the KV cache of prompt prefixes computed before",
+    )
     kv_cache_dtype: str = ruled(
-        "auto", one_of(KV_CACHE_DTYPES), choices=tuple(KV_CACHE_DTYPES),
+        "auto",
+        one_of(KV_CACHE_DTYPES),
+        choices=tuple(KV_CACHE_DTYPES),
         help="what the KV cache stores: auto (the model's dtype), or fp8 (= fp8_e4m3), fp8_e5m2 or int8 with "
-             "one scale per token and KV head (about half the bytes, so twice the tokens; fp8 e4m3 needs compute "
-             "capability 8.9 or later on a GPU)")
+        "one scale per token and KV head (about half the bytes, so twice the tokens; fp8 e4m3 needs compute "
+        "capability 8.9 or later on a GPU)",
+    )
     quantization: str | None = ruled(
-        None, one_of(_QUANTIZATIONS).or_none(), choices=tuple(_QUANTIZATIONS),
+        None,
+        one_of(_QUANTIZATIONS).or_none(),
+        choices=tuple(_QUANTIZATIONS),
         help="keep the projections' weights quantized: q8_0 (int8 with a scale per 32 values, GGUF's Q8_0: about "
-             "half of bf16's bytes); none keeps them in dtype, except a GGUF file's Q8_0 weights, which stay packed")
+        "half of bf16's bytes); none keeps them in dtype, except a GGUF file's Q8_0 weights, which stay packed",
+    )
     num_kv_blocks: int | None = ruled(
-        None, _POSITIVE.or_none(),
-        help="KV cache blocks to allocate; none sizes the cache from the memory left after the weights")
+        None,
+        _POSITIVE.or_none(),
+        help="KV cache blocks to allocate; none sizes the cache from the memory left after the weights",
+    )
     gpu_memory_utilization: float = ruled(
-        0.9, number(0, 1, lo_open=True),
-        help="fraction of the GPU's memory the engine may use (weights, activations and KV cache)")
+        0.9,
+        number(0, 1, lo_open=True),
+        help="fraction of the GPU's memory the engine may use (weights, activations and KV cache)",
+    )
     cpu_kv_cache_gib: float = ruled(
-        1.0, number(0, lo_open=True), help="KV cache size in GiB when the engine runs on the CPU")
+        1.0, number(0, lo_open=True), help="KV cache size in GiB when the engine runs on the CPU"
+    )
     static_batching: bool = ruled(
-        False, BOOLEAN,
-        help="admit new requests only when the batch is empty, in waves (to compare with continuous batching)")
+        False,
+        BOOLEAN,
+        help="admit new requests only when the batch is empty, in waves (to compare with continuous batching)",
+    )
     scheduling_policy: str = ruled(
-        "fcfs", one_of(_POLICIES), choices=tuple(_POLICIES),
+        "fcfs",
+        one_of(_POLICIES),
+        choices=tuple(_POLICIES),
         help="order of admission and preemption: fcfs (arrival) or priority (each request's priority, lower "
-             "first, then arrival; preemption takes the last in that order)")
+        "first, then arrival; preemption takes the last in that order)",
+    )
     max_logprobs: int = ruled(
-        20, integer(-1, bounds=">= -1 (-1: no limit)"),
+        20,
+        integer(-1, bounds=">= -1 (-1: no limit)"),
         help="most logprobs a request may ask for at each position (logprobs, prompt_logprobs; chat's top_logprobs); "
-             "-1 lets a request ask for the whole vocabulary (-1), which costs the engine and the server memory in "
-             "proportion to the vocabulary for each token")
+        "-1 lets a request ask for the whole vocabulary (-1), which costs the engine and the server memory in "
+        "proportion to the vocabulary for each token",
+    )
     enforce_eager: bool = ruled(False, BOOLEAN, help="run without CUDA graphs")
     async_scheduling: bool = ruled(
-        True, BOOLEAN,
-        help="launch step N+1 before reading step N's tokens, so the GPU never waits for the host")
+        True, BOOLEAN, help="launch step N+1 before reading step N's tokens, so the GPU never waits for the host"
+    )
     speculative_config: SpeculativeConfig | None = ruled(
-        None, SPECULATIVE_CONFIG, cli_type=str,
+        None,
+        SPECULATIVE_CONFIG,
+        cli_type=str,
         help='speculative decoding by prompt lookup, as JSON: {"method": "ngram", "num_speculative_tokens": 4, '
-             '"prompt_lookup_max": 4, "prompt_lookup_min": 1} (optional "disable_by_batch_size": no drafts from '
-             'that many running sequences on, default 16); outputs are those of plain decoding')
+        '"prompt_lookup_max": 4, "prompt_lookup_min": 1} (optional "disable_by_batch_size": no drafts from '
+        "that many running sequences on, default 16); outputs are those of plain decoding",
+    )
     grammar_compile_workers: int = ruled(
-        DEFAULT_COMPILE_WORKERS, integer(1, 64),
+        DEFAULT_COMPILE_WORKERS,
+        integer(1, 64),
         help="threads that compile structured-output constraints (JSON schemas, regexes, grammars) beside the "
-             "step loop; a request whose constraint finds none free for 30 s, or compiles for longer than 30 s, "
-             "fails with HTTP 503")
+        "step loop; a request whose constraint finds none free for 30 s, or compiles for longer than 30 s, "
+        "fails with HTTP 503",
+    )
     grammar_cache_bytes: int = ruled(
-        DEFAULT_CACHE_BYTES, integer(0),
+        DEFAULT_CACHE_BYTES,
+        integer(0),
         help="most bytes of compiled structured-output grammars kept for reuse (as xgrammar measures them; the "
-             "process holds about 1.3 times that), least recently used dropped first; 0 keeps none")
+        "process holds about 1.3 times that), least recently used dropped first; 0 keeps none",
+    )
     max_structured_output_bytes: int = ruled(
-        DEFAULT_MAX_CONSTRAINT_BYTES, _POSITIVE,
+        DEFAULT_MAX_CONSTRAINT_BYTES,
+        _POSITIVE,
         help="largest structured-output constraint a request may send: the JSON schema's text, the regex, the "
-             "grammar, or all choices together, in UTF-8 bytes (compile time grows faster than the size: a "
-             "100 KiB JSON schema of 1000 properties takes seconds)")
+        "grammar, or all choices together, in UTF-8 bytes (compile time grows faster than the size: a "
+        "100 KiB JSON schema of 1000 properties takes seconds)",
+    )
     tensor_parallel_size: int = ruled(
-        1, _POSITIVE,
+        1,
+        _POSITIVE,
         help="split every layer over this many GPUs (processes on the CPU), one process each: the model's "
-             "attention heads (and KV heads, or else it is a multiple of them) must divide evenly; 1 runs in "
-             "one process")
+        "attention heads (and KV heads, or else it is a multiple of them) must divide evenly; 1 runs in "
+        "one process",
+    )
     random_weights: bool = ruled(
-        False, BOOLEAN, cli=False, help="real shapes with random values: for benchmarks, which need no checkpoint")
+        False, BOOLEAN, cli=False, help="real shapes with random values: for benchmarks, which need no checkpoint"
+    )
 
     def __post_init__(self) -> None:
         check_fields(self)
@@ -147,8 +202,10 @@ class EngineConfig:
         valid = [f.name for f in fields(cls) if f.name != "model"]
         unknown = sorted(set(options) - set(valid))
         if unknown:
-            raise ValueError(f"unknown engine option{'s' if len(unknown) > 1 else ''}: {', '.join(unknown)}; "
-                             f"the options are model, {', '.join(valid)}")
+            raise ValueError(
+                f"unknown engine option{'s' if len(unknown) > 1 else ''}: {', '.join(unknown)}; "
+                f"the options are model, {', '.join(valid)}"
+            )
         return cls(model=model, **options)
 
 
@@ -175,11 +232,21 @@ def add_option_args(parser: argparse.ArgumentParser, cls: type, title: str) -> N
             action = argparse.BooleanOptionalAction if f.default else "store_true"
             group.add_argument(flag, action=action, default=f.default, help=help_text)
         else:
-            group.add_argument(flag, type=f.metadata.get("cli_type", _value_type(hints[f.name])), default=f.default,
-                               choices=f.metadata.get("choices"), help=help_text)
+            group.add_argument(
+                flag,
+                type=f.metadata.get("cli_type", _value_type(hints[f.name])),
+                default=f.default,
+                choices=f.metadata.get("choices"),
+                help=help_text,
+            )
         if "negative_alias" in f.metadata:
-            group.add_argument(f.metadata["negative_alias"], dest=f.name, action="store_false",
-                               default=argparse.SUPPRESS, help=f"the same as --no-{flag[2:]}")
+            group.add_argument(
+                f.metadata["negative_alias"],
+                dest=f.name,
+                action="store_false",
+                default=argparse.SUPPRESS,
+                help=f"the same as --no-{flag[2:]}",
+            )
 
 
 def options_from_args(cls: type, args: argparse.Namespace) -> Any:

@@ -94,8 +94,11 @@ class CoreRequest:
 
 
 # The start-up log's words for ``EngineCore.startup_seconds``.
-STARTUP_PHASES = {"load": "weights", "kv_cache_and_graphs": "KV cache and CUDA graphs",
-                  "warm_up": "kernel compilation and warm-up"}
+STARTUP_PHASES = {
+    "load": "weights",
+    "kv_cache_and_graphs": "KV cache and CUDA graphs",
+    "warm_up": "kernel compilation and warm-up",
+}
 
 
 class EngineCore:
@@ -113,8 +116,11 @@ class EngineCore:
             ops.watch_compiles(None)
         check_tensor_parallel(config, cfg, self.device, model_dir)
         self.device = rank_device(self.device, 0) if config.tensor_parallel_size > 1 else self.device
-        config = replace(config, max_num_batched_tokens=token_budget(config.max_num_batched_tokens, self.device),
-                         max_model_len=context_length(config.max_model_len, cfg))
+        config = replace(
+            config,
+            max_num_batched_tokens=token_budget(config.max_num_batched_tokens, self.device),
+            max_model_len=context_length(config.max_model_len, cfg),
+        )
         self.config = config
         self.dtype = resolve_dtype(config.dtype, cfg, self.device)
         self.kv_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, self.dtype, self.device)
@@ -127,8 +133,9 @@ class EngineCore:
         self._stop_workers = weakref.finalize(self, _stop_tensor_parallel, self.workers)
         try:
             self.workers.receive("start-up message")
-            self.tp = init_group(self.device, 0, config.tensor_parallel_size, self.workers.init_method,
-                                 COLLECTIVE_TIMEOUT)
+            self.tp = init_group(
+                self.device, 0, config.tensor_parallel_size, self.workers.init_method, COLLECTIVE_TIMEOUT
+            )
             self._start(config, cfg, model_dir)
             self.workers.receive("ready message")
         except BaseException:
@@ -139,13 +146,16 @@ class EngineCore:
         torch.manual_seed(config.seed)
         max_len = config.max_model_len
         started = time.monotonic()
-        model = build_model(cfg, None if config.random_weights else model_dir, self.dtype, self.device,
-                            max_len, config.seed, self.tp)
+        model = build_model(
+            cfg, None if config.random_weights else model_dir, self.dtype, self.device, max_len, config.seed, self.tp
+        )
         self.quantization = quantize(model, config, model_dir, self.device)
         load_seconds = time.monotonic() - started
         if any(getattr(m, "kv_amax", None) is not None for m in model.modules()):
-            logger.info("the checkpoint's k_scale/v_scale %s", "set the KV cache's scales" if is_quantized(self.kv_dtype)
-                        else "are unused: kv_cache_dtype is auto")
+            logger.info(
+                "the checkpoint's k_scale/v_scale %s",
+                "set the KV cache's scales" if is_quantized(self.kv_dtype) else "are unused: kv_cache_dtype is auto",
+            )
         layout = cfg.kv_layout().sharded(config.tensor_parallel_size)
         num_blocks = kv_cache_blocks(config, cfg, self.device, self.dtype, self.kv_dtype, max_len)
         if self.workers is not None:  # every rank's pools must hold the same blocks: the smallest wins
@@ -154,20 +164,30 @@ class EngineCore:
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching, windows)
         longest = self.kv.longest_sequence(config.max_num_batched_tokens)
         if longest < max_len:
-            logger.warning("max_model_len lowered from %d to %d: the KV pools hold %s blocks of %d",
-                           max_len, longest, num_blocks, config.block_size)
+            logger.warning(
+                "max_model_len lowered from %d to %d: the KV pools hold %s blocks of %d",
+                max_len,
+                longest,
+                num_blocks,
+                config.block_size,
+            )
             max_len = int(longest)
         self.max_model_len = max_len
         # On the CPU prompt chunks beside decoding sequences are sized from the steps' measured times.
         self.scheduler = Scheduler(
-            SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, config.static_batching,
-                            config.scheduling_policy), self.kv, StepCost() if self.device.type == "cpu" else None)
+            SchedulerConfig(
+                config.max_num_seqs, config.max_num_batched_tokens, config.static_batching, config.scheduling_policy
+            ),
+            self.kv,
+            StepCost() if self.device.type == "cpu" else None,
+        )
         started = time.monotonic()
         setup = RankSetup(num_blocks, max_len)
         if self.workers is not None:
             self.workers.send(setup)
-        self.runner = make_runner(config, cfg, model, setup, self.device, self.dtype, self.kv_dtype, self.tp,
-                                  self.workers)
+        self.runner = make_runner(
+            config, cfg, model, setup, self.device, self.dtype, self.kv_dtype, self.tp, self.workers
+        )
         self.startup_seconds = {"load": load_seconds, "kv_cache_and_graphs": time.monotonic() - started}
         if self.device.type == "cuda":  # nothing is compiled on the CPU path
             started = time.monotonic()
@@ -176,8 +196,9 @@ class EngineCore:
         self.requests: dict[str, CoreRequest] = {}
         self.spec = config.speculative_config
         self._histories = TokenHistory()
-        self.grammars = GrammarCompiler(model_dir, cfg.vocab_size, cfg.eos_token_ids, config.grammar_compile_workers,
-                                        config.grammar_cache_bytes)
+        self.grammars = GrammarCompiler(
+            model_dir, cfg.vocab_size, cfg.eos_token_ids, config.grammar_compile_workers, config.grammar_cache_bytes
+        )
         # Requests whose constraint is compiling: (request, priority, its compile, since when), in arrival order.
         self._compiling: list[tuple[CoreRequest, int, CompileJob, float]] = []
         self._seq_ids = itertools.count()
@@ -189,14 +210,24 @@ class EngineCore:
         groups = "; ".join(
             f"{len(layout.owners(g))} layers of {spec.num_kv_heads}x{spec.head_dim}"
             f"{'' if spec.sliding_window is None else f' (window {spec.sliding_window})'}: {n} blocks"
-            for g, (spec, n) in enumerate(zip(layout.groups, num_blocks)))
-        logger.info("engine ready: %s on %s (%s%s), max_model_len %d, KV cache %s in blocks of %d tokens: %s; %d bytes "
-                    "per token (%d if every layer kept its own full-length cache)%s; start-up %s", model_dir,
-                    self.device, str(self.dtype).removeprefix("torch."),
-                    f", tensor parallel over {self.tp.size} ranks" if self.tp.size > 1 else "", max_len,
-                    config.kv_cache_dtype, config.block_size, groups, layout.bytes_per_token(self.kv_dtype),
-                    layout.full_length_bytes_per_token(self.kv_dtype), " on each rank" if self.tp.size > 1 else "",
-                    ", ".join(f"{STARTUP_PHASES[name]} {seconds:.1f} s" for name, seconds in self.startup_seconds.items()))
+            for g, (spec, n) in enumerate(zip(layout.groups, num_blocks))
+        )
+        logger.info(
+            "engine ready: %s on %s (%s%s), max_model_len %d, KV cache %s in blocks of %d tokens: %s; %d bytes "
+            "per token (%d if every layer kept its own full-length cache)%s; start-up %s",
+            model_dir,
+            self.device,
+            str(self.dtype).removeprefix("torch."),
+            f", tensor parallel over {self.tp.size} ranks" if self.tp.size > 1 else "",
+            max_len,
+            config.kv_cache_dtype,
+            config.block_size,
+            groups,
+            layout.bytes_per_token(self.kv_dtype),
+            layout.full_length_bytes_per_token(self.kv_dtype),
+            " on each rank" if self.tp.size > 1 else "",
+            ", ".join(f"{STARTUP_PHASES[name]} {seconds:.1f} s" for name, seconds in self.startup_seconds.items()),
+        )
         started = time.monotonic()
         freeze_startup_objects()
         self.startup_seconds["gc_freeze"] = time.monotonic() - started
@@ -204,8 +235,12 @@ class EngineCore:
     def _compiled_after_startup(self, kernel: str, variant: str) -> None:
         """Triton compiles a kernel variant that start-up did not: the step that needs it waits."""
         self.stats.num_compiles_after_startup += 1
-        logger.warning("Triton compiled a variant of %s after start-up, inside a step that waits for it: the "
-                       "warm-up missed this shape: %s", kernel, variant)
+        logger.warning(
+            "Triton compiled a variant of %s after start-up, inside a step that waits for it: the "
+            "warm-up missed this shape: %s",
+            kernel,
+            variant,
+        )
 
     def shutdown(self, abort: bool = False) -> None:
         """Stop the tensor-parallel workers and leave the process group (nothing to do with one rank).
@@ -217,8 +252,12 @@ class EngineCore:
 
     def ready_message(self) -> CoreReady:
         cfg = self.model_config
-        return CoreReady(max_model_len=self.max_model_len, vocab_size=cfg.vocab_size,
-                         kv_cache_dtype=self.config.kv_cache_dtype, kv_capacity_tokens=self.kv.capacity_tokens)
+        return CoreReady(
+            max_model_len=self.max_model_len,
+            vocab_size=cfg.vocab_size,
+            kv_cache_dtype=self.config.kv_cache_dtype,
+            kv_capacity_tokens=self.kv.capacity_tokens,
+        )
 
     # --------------------------------------------------------------- requests
     def handle(self, message: CoreInput) -> None:
@@ -235,8 +274,7 @@ class EngineCore:
         """Queue a request the front-end validated (and whose id it checked is free)."""
         params = request.params
         ids = tuple(request.prompt_token_ids)  # one tuple for the request's sequences
-        seqs = [self._new_sequence(request.request_id, i, ids, params, request.arrival_time)
-                for i in range(params.n)]
+        seqs = [self._new_sequence(request.request_id, i, ids, params, request.arrival_time) for i in range(params.n)]
         core_request = self.requests[request.request_id] = CoreRequest(request.request_id, params, seqs)
         if params.structured_outputs is not None:  # scheduled once its grammar is compiled
             job = self.grammars.submit(params.structured_outputs)
@@ -274,23 +312,38 @@ class EngineCore:
                 continue
             try:
                 matchers = [self.grammars.matcher(job.result()) for _ in request.seqs]
-            except Exception as exc:  # noqa: BLE001 - this request's alone
-                self._fail_request(request, "the engine failed while starting this request's structured output: "
-                                   f"{type(exc).__name__}: {grammar_error_reason(exc)}")
+            except Exception as exc:
+                self._fail_request(
+                    request,
+                    "the engine failed while starting this request's structured output: "
+                    f"{type(exc).__name__}: {grammar_error_reason(exc)}",
+                )
                 continue
             for seq, matcher in zip(request.seqs, matchers):
                 seq.matcher = matcher
                 self.scheduler.add(seq, priority)
         self._compiling = still
 
-    def _new_sequence(self, request_id: str, index: int, ids: tuple[int, ...], params: SamplingParams,
-                      now: float) -> Sequence:
+    def _new_sequence(
+        self, request_id: str, index: int, ids: tuple[int, ...], params: SamplingParams, now: float
+    ) -> Sequence:
         generator = None
         if params.seed is not None:
             generator = torch.Generator(device=self.device).manual_seed((params.seed * 65537 + index) % (1 << 63))
-        limit = self.max_model_len if params.max_tokens is None else min(self.max_model_len, len(ids) + params.max_tokens)
-        return Sequence(next(self._seq_ids), request_id, index, ids, params, now, generator,
-                        eos_token_ids=self.model_config.eos_token_ids, token_limit=limit)
+        limit = (
+            self.max_model_len if params.max_tokens is None else min(self.max_model_len, len(ids) + params.max_tokens)
+        )
+        return Sequence(
+            next(self._seq_ids),
+            request_id,
+            index,
+            ids,
+            params,
+            now,
+            generator,
+            eos_token_ids=self.model_config.eos_token_ids,
+            token_limit=limit,
+        )
 
     def abort_request(self, request_id: str) -> None:
         """Stop a request now and free its blocks; unknown ids are ignored (it may have
@@ -387,17 +440,25 @@ class EngineCore:
         fit the whole KV pool. End them rather than step on forever."""
         for request in [request for request in self.requests.values() if self._request_done(request)]:
             self._retire(request)
-            self._fail(request.request_id, f"the engine has nothing left to run for this request "
-                       f"({len(request.seqs)} sequences, n = {request.params.n}): it could never finish", request.seqs)
+            self._fail(
+                request.request_id,
+                f"the engine has nothing left to run for this request "
+                f"({len(request.seqs)} sequences, n = {request.params.n}): it could never finish",
+                request.seqs,
+            )
         if self.scheduler.running or not self.scheduler.waiting:
             return
         seq = self.scheduler.waiting[0]
         request = self.requests.pop(seq.request_id)
         for s in request.seqs:
             self._end(s, "abort")
-        self._fail(request.request_id, f"the request's {seq.num_tokens} tokens need more KV blocks than the "
-                   f"pools hold ({[self.kv.usable_blocks(g) for g in range(self.kv.num_groups)]} blocks of "
-                   f"{self.kv.block_size}): it can never run", request.seqs)
+        self._fail(
+            request.request_id,
+            f"the request's {seq.num_tokens} tokens need more KV blocks than the "
+            f"pools hold ({[self.kv.usable_blocks(g) for g in range(self.kv.num_groups)]} blocks of "
+            f"{self.kv.block_size}): it can never run",
+            request.seqs,
+        )
 
     def _fail_request(self, request: CoreRequest, message: str, kind: str = ERROR_ENGINE) -> None:
         """End every sequence of a live request now (their blocks go back, their tokens on the way are
@@ -420,8 +481,12 @@ class EngineCore:
     def _fail(self, request_id: str, message: str, seqs: list[Sequence], kind: str = ERROR_ENGINE) -> None:
         """End a request with ``message``; ``kind``: whose fault (``tokenmill.outputs.ERROR_ENGINE``)."""
         self._deltas[request_id] = RequestDelta(
-            request_id, [SeqDelta(s.index, [], finish_reason="abort") for s in seqs], finished=True, error=message,
-            error_kind=kind)
+            request_id,
+            [SeqDelta(s.index, [], finish_reason="abort") for s in seqs],
+            finished=True,
+            error=message,
+            error_kind=kind,
+        )
 
     def _can_overlap(self, in_flight: InFlightStep) -> bool:
         """Drafts are proposed from every known token, and a step with drafts decides how many tokens
@@ -450,8 +515,9 @@ class EngineCore:
             count = min(spec.num_speculative_tokens, room - 1)
             if count > 0:
                 tokens = self._histories.view(seq.seq_id, seq.token_ids)
-                seq.draft_token_ids = propose_ngram(tokens, count, spec.prompt_lookup_min,
-                                                    spec.prompt_lookup_max).tolist()
+                seq.draft_token_ids = propose_ngram(
+                    tokens, count, spec.prompt_lookup_min, spec.prompt_lookup_max
+                ).tolist()
 
     def _verify_drafts(self, seq: Sequence, samples: list[int]) -> int:
         """How many of ``seq``'s drafts stand against the step's samples; the rejected ones' positions
@@ -521,7 +587,7 @@ class EngineCore:
         rest = self._accept_plain(result, step.pending_index) if plain else range(len(result.sampled_seqs))
         for i in rest:
             seq, index, rows = result.sampled_seqs[i], step.pending_index[i], result.rows(i)
-            tokens = result.token_ids[rows.start:rows.stop]
+            tokens = result.token_ids[rows.start : rows.stop]
             logprobs = result.logprobs.get(i) or [None] * len(tokens)
             if index >= len(seq.token_ids) or seq.token_ids[index] != PENDING:
                 continue  # the sequence ended meanwhile: nobody wants this token
@@ -559,18 +625,30 @@ class EngineCore:
         rest, deltas = [], self._deltas
         for i, (seq, index, token) in enumerate(zip(result.sampled_seqs, pending_index, result.token_ids)):
             token_ids = seq.token_ids
-            if (index + 1 >= seq.token_limit or token in seq.stop_ids or seq.matcher is not None
-                    or seq.params.n != 1 or seq.request_id in deltas or seq.params.logprobs is not None
-                    or index >= len(token_ids) or token_ids[index] != PENDING):
+            if (
+                index + 1 >= seq.token_limit
+                or token in seq.stop_ids
+                or seq.matcher is not None
+                or seq.params.n != 1
+                or seq.request_id in deltas
+                or seq.params.logprobs is not None
+                or index >= len(token_ids)
+                or token_ids[index] != PENDING
+            ):
                 rest.append(i)
                 continue
             token_ids[index] = token
             seq.num_pending -= 1
             deltas[seq.request_id] = RequestDelta(
-                seq.request_id, [SeqDelta(seq.index, [token])], num_cached_tokens=seq.num_cached_tokens,
-                num_preemptions=seq.num_preemptions, first_scheduled_time=seq.first_scheduled_time,
-                spec_drafts=seq.spec_drafts, spec_draft_tokens=seq.spec_draft_tokens,
-                spec_accepted_tokens=seq.spec_accepted_tokens)
+                seq.request_id,
+                [SeqDelta(seq.index, [token])],
+                num_cached_tokens=seq.num_cached_tokens,
+                num_preemptions=seq.num_preemptions,
+                first_scheduled_time=seq.first_scheduled_time,
+                spec_drafts=seq.spec_drafts,
+                spec_draft_tokens=seq.spec_draft_tokens,
+                spec_accepted_tokens=seq.spec_accepted_tokens,
+            )
         self.stats.generation_tokens += len(result.sampled_seqs) - len(rest)
         return rest
 
@@ -595,9 +673,15 @@ class EngineCore:
                 draft_tokens += seq.spec_draft_tokens
                 accepted += seq.spec_accepted_tokens
             delta = self._deltas[request.request_id] = RequestDelta(
-                request.request_id, [], num_cached_tokens=first.num_cached_tokens, num_preemptions=preemptions,
-                first_scheduled_time=first.first_scheduled_time, spec_drafts=drafts, spec_draft_tokens=draft_tokens,
-                spec_accepted_tokens=accepted)
+                request.request_id,
+                [],
+                num_cached_tokens=first.num_cached_tokens,
+                num_preemptions=preemptions,
+                first_scheduled_time=first.first_scheduled_time,
+                spec_drafts=drafts,
+                spec_draft_tokens=draft_tokens,
+                spec_accepted_tokens=accepted,
+            )
         return delta
 
     def _seq_delta(self, request: CoreRequest, seq: Sequence) -> SeqDelta:
@@ -619,7 +703,7 @@ class EngineCore:
         if matcher is not None and not matcher.is_terminated():  # (past its stop token, under ignore_eos: free)
             try:
                 accepted = matcher.accept_token(token)
-            except Exception as exc:  # noqa: BLE001 - a matcher's failure is its own request's
+            except Exception as exc:
                 self._fail_grammar(seq, f"{type(exc).__name__}: {grammar_error_reason(exc)}")
                 return
             if not accepted:

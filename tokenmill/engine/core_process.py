@@ -47,8 +47,9 @@ class CoreStartupError(RuntimeError):
 class CoreLoop:
     """The busy loop over one core: inputs between steps, one output message per step."""
 
-    def __init__(self, core: EngineCore, inputs: zmq.Socket, outputs: zmq.Socket,
-                 parent_pid: int | None = None) -> None:
+    def __init__(
+        self, core: EngineCore, inputs: zmq.Socket, outputs: zmq.Socket, parent_pid: int | None = None
+    ) -> None:
         self.core = core
         self.inputs = inputs
         self.outputs = outputs
@@ -96,8 +97,14 @@ class CoreLoop:
         return self.parent_pid is None or os.getppid() == self.parent_pid
 
 
-def _serve_core(config: EngineConfig, input_address: str, output_address: str, context: zmq.Context,
-                parent_pid: int | None, on_core: list | None = None) -> None:
+def _serve_core(
+    config: EngineConfig,
+    input_address: str,
+    output_address: str,
+    context: zmq.Context,
+    parent_pid: int | None,
+    on_core: list | None = None,
+) -> None:
     """Build the core, report ready (or why not), run the loop; shared by process and thread."""
     inputs = context.socket(zmq.PULL)
     inputs.connect(input_address)
@@ -124,8 +131,9 @@ def _serve_core(config: EngineConfig, input_address: str, output_address: str, c
         outputs.close()
 
 
-def run_core_process(config: EngineConfig, input_address: str, output_address: str, parent_pid: int,
-                     log_level: int) -> None:
+def run_core_process(
+    config: EngineConfig, input_address: str, output_address: str, parent_pid: int, log_level: int
+) -> None:
     """The child process's entry point. The front-end alone decides when the core stops (a
     Shutdown message, or its own death): a terminal's Ctrl-C, or a SIGTERM sent to the whole
     process group, must not end the core before the server has drained its streams."""
@@ -175,14 +183,20 @@ class CoreClient:
         self.thread_core: list[EngineCore] = []  # the core, once a thread built it
         if in_thread:
             self.thread = threading.Thread(
-                target=_serve_core, args=(config, input_address, output_address, self.context, None,
-                                          self.thread_core), name="tokenmill-core", daemon=True)
+                target=_serve_core,
+                args=(config, input_address, output_address, self.context, None, self.thread_core),
+                name="tokenmill-core",
+                daemon=True,
+            )
             self.thread.start()
         else:
             spawn = multiprocessing.get_context("spawn")  # CUDA cannot be forked
             self.process = spawn.Process(
-                target=run_core_process, name="tokenmill-core", daemon=True,
-                args=(config, input_address, output_address, os.getpid(), logging.getLogger().getEffectiveLevel()))
+                target=run_core_process,
+                name="tokenmill-core",
+                daemon=True,
+                args=(config, input_address, output_address, os.getpid(), logging.getLogger().getEffectiveLevel()),
+            )
             self.process.start()
 
     def wait_ready(self) -> CoreReady:

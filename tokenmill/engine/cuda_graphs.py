@@ -50,8 +50,13 @@ def capture_sizes(max_num_seqs: int) -> list[int]:
     return sorted(set(sizes))
 
 
-def capture_graphs(keys: Iterable[K], prepare: Callable[[K], None], forward: Callable[[K], None],
-                   pool: Any = None, eager_each: bool = False) -> tuple[dict[K, torch.cuda.CUDAGraph], Any]:
+def capture_graphs(
+    keys: Iterable[K],
+    prepare: Callable[[K], None],
+    forward: Callable[[K], None],
+    pool: Any = None,
+    eager_each: bool = False,
+) -> tuple[dict[K, torch.cuda.CUDAGraph], Any]:
     """A graph of ``forward(key)`` for every key, in order, after ``prepare(key)`` (which sets the
     static inputs for the capture, and is not captured), all in one memory pool (``pool``, or a new
     one): the graphs never run at once, and their outputs are static buffers outside it. Returns the
@@ -71,15 +76,24 @@ def capture_graphs(keys: Iterable[K], prepare: Callable[[K], None], forward: Cal
     with torch.cuda.stream(stream):
         graphs, retried = capture_each(keys, prepare, forward, capture, eager_each)
     if retried:
-        logger.info("%d of %d graphs captured after an eager run of their shape (a kernel or buffer it first needed "
-                    "could not be made inside a capture)", retried, len(graphs))
+        logger.info(
+            "%d of %d graphs captured after an eager run of their shape (a kernel or buffer it first needed "
+            "could not be made inside a capture)",
+            retried,
+            len(graphs),
+        )
     torch.cuda.current_stream().wait_stream(stream)
     torch.cuda.synchronize()
     return graphs, pool
 
 
-def capture_each(keys: Iterable[K], prepare: Callable[[K], None], forward: Callable[[K], None],
-                 capture: Callable[[K], Any], eager_each: bool = False) -> tuple[dict[K, Any], int]:
+def capture_each(
+    keys: Iterable[K],
+    prepare: Callable[[K], None],
+    forward: Callable[[K], None],
+    capture: Callable[[K], Any],
+    eager_each: bool = False,
+) -> tuple[dict[K, Any], int]:
     """``capture(key)`` for every key after ``prepare(key)``. Only the first key runs eagerly before
     its capture (cuBLAS's workspace on the capture stream, the model's kernels loaded): a start-up
     spends most of its time in the host's work of each forward, and an eager run before every
@@ -103,8 +117,9 @@ def capture_each(keys: Iterable[K], prepare: Callable[[K], None], forward: Calla
     return graphs, retried
 
 
-def stage_step_inputs(static: Any, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-                      padded: int) -> None:
+def stage_step_inputs(
+    static: Any, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, padded: int
+) -> None:
     """Copy a step's ids, positions, slots and block tables into a graph's static buffers (``static``'s
     ``input_ids``, ``positions``, ``slot_mapping`` and ``block_tables``), its rows first; the padding
     rows up to ``padded`` write nowhere (slot -1)."""
@@ -119,9 +134,20 @@ def stage_step_inputs(static: Any, input_ids: torch.Tensor, positions: torch.Ten
 
 
 class DecodeGraphs:
-    def __init__(self, model: torch.nn.Module, kv_caches: list, num_kv_groups: int, max_num_seqs: int,
-                 max_blocks_per_seq: int, block_size: int, vocab_size: int, dtype: torch.dtype,
-                 device: torch.device, verify_len: int = 0, max_verify_seqs: int = 0) -> None:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        kv_caches: list,
+        num_kv_groups: int,
+        max_num_seqs: int,
+        max_blocks_per_seq: int,
+        block_size: int,
+        vocab_size: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        verify_len: int = 0,
+        max_verify_seqs: int = 0,
+    ) -> None:
         """``verify_len`` > 1: also capture verify steps of that many query tokens a sequence, for
         batches of up to ``max_verify_seqs``."""
         self.model = model
@@ -138,8 +164,9 @@ class DecodeGraphs:
         self.seq_lens = torch.ones(n, dtype=torch.int32, device=device)
         self.block_tables = torch.zeros(num_kv_groups, n, max_blocks_per_seq, dtype=torch.int32, device=device)
         # Per query length: where each sequence's rows start (1 a sequence, or verify_len).
-        self.query_start_loc = {q: torch.arange(n + 1, dtype=torch.int32, device=device) * q
-                                for q in {1, self.verify_len} - {0}}
+        self.query_start_loc = {
+            q: torch.arange(n + 1, dtype=torch.int32, device=device) * q for q in {1, self.verify_len} - {0}
+        }
         self.logits = torch.zeros(rows, vocab_size, dtype=dtype, device=device)
         self.greedy_ids = torch.zeros(rows, dtype=torch.int64, device=device)
         self.graphs: dict[tuple[int, int, int], torch.cuda.CUDAGraph] = {}
@@ -153,15 +180,16 @@ class DecodeGraphs:
         keys += [(size, self.max_context, self.verify_len) for size in self.verify_sizes]
         if SHORT_CONTEXT < self.max_context:
             keys += [(size, SHORT_CONTEXT, 1) for size in self.sizes if size <= SHORT_CONTEXT_MAX_BATCH]
-            keys += [(size, SHORT_CONTEXT, self.verify_len) for size in self.verify_sizes
-                     if size <= SHORT_CONTEXT_MAX_BATCH]
+            keys += [
+                (size, SHORT_CONTEXT, self.verify_len) for size in self.verify_sizes if size <= SHORT_CONTEXT_MAX_BATCH
+            ]
         return sorted(keys, key=lambda key: (key[0] * key[2], key[1]), reverse=True)
 
     def _forward(self, size: int, context: int, query_len: int) -> None:
         rows = size * query_len
         meta = AttentionMetadata(
             slot_mapping=tuple(self.slot_mapping[:, :rows]),
-            query_start_loc=self.query_start_loc[query_len][:size + 1],
+            query_start_loc=self.query_start_loc[query_len][: size + 1],
             seq_lens=self.seq_lens[:size],
             block_tables=tuple(self.block_tables[:, :size]),
             max_query_len=query_len,
@@ -180,13 +208,18 @@ class DecodeGraphs:
         def prepare(key: tuple[int, int, int]) -> None:
             self.seq_lens.fill_(key[2])  # every sequence holds its query (a context of 0 before it)
 
-        self.graphs, self.pool = capture_graphs(self._keys(), prepare, lambda key: self._forward(*key),
-                                                 eager_each=eager_each)
+        self.graphs, self.pool = capture_graphs(
+            self._keys(), prepare, lambda key: self._forward(*key), eager_each=eager_each
+        )
         self.seq_lens.fill_(1)
         self.capture_seconds = time.monotonic() - started
-        logger.info("captured %d decode graphs (batch sizes %s%s) in %.1f s", len(self.graphs), self.sizes,
-                    f"; verify steps of {self.verify_len} tokens at {self.verify_sizes}" if self.verify_len else "",
-                    self.capture_seconds)
+        logger.info(
+            "captured %d decode graphs (batch sizes %s%s) in %.1f s",
+            len(self.graphs),
+            self.sizes,
+            f"; verify steps of {self.verify_len} tokens at {self.verify_sizes}" if self.verify_len else "",
+            self.capture_seconds,
+        )
 
     def padded_size(self, batch_size: int, query_len: int = 1) -> int | None:
         sizes = self.sizes if query_len == 1 else self.verify_sizes
@@ -204,8 +237,9 @@ class DecodeGraphs:
             return self.graphs[short]
         return self.graphs[(size, self.max_context, query_len)]
 
-    def run(self, input_ids: torch.Tensor, positions: torch.Tensor,
-            meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+    def run(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Copy the step's inputs into the static buffers, replay; returns the real rows'
         logits and greedy token ids (views of static buffers: read before the next replay)."""
         batch = input_ids.shape[0]
@@ -217,8 +251,9 @@ class DecodeGraphs:
         self.graph_for(batch, meta.max_seq_len).replay()
         return self.logits[:batch], self.greedy_ids[:batch]
 
-    def run_verify(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                   meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+    def run_verify(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """A step whose sequences each have 1 … ``verify_len`` query tokens, every one sampled (the
         known token and its drafts): padded to ``verify_len`` a sequence and replayed; returns the
         real rows' logits and greedy ids in the step's order. No host reads: the padding is placed

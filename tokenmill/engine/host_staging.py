@@ -62,20 +62,20 @@ class HostStaging:
             self._pinned = torch.empty(2 * total, dtype=torch.uint8, pin_memory=True)
         host_bytes = self._pinned.numpy()
         host: dict[np.dtype, np.ndarray] = {}
-        for name, a, count, each, padded, at in layout:
+        for _, a, count, each, padded, at in layout:
             view = host.get(a.dtype)
             if view is None:
                 view = host[a.dtype] = host_bytes[:total].view(a.dtype)
             if count == 1 or padded == each:
-                view[at:at + count * each] = a.reshape(-1)
+                view[at : at + count * each] = a.reshape(-1)
             else:
-                view[at:at + count * padded].reshape(count, padded)[:, :each] = a.reshape(count, each)
+                view[at : at + count * padded].reshape(count, padded)[:, :each] = a.reshape(count, each)
         on_device = self._pinned[:total].to(self.device, non_blocking=True)
         self._copied = torch.cuda.Event()
         self._copied.record()
         typed: dict[np.dtype, torch.Tensor] = {}
         out = {}
-        for name, a, count, each, padded, at in layout:
+        for name, a, _, _, padded, at in layout:
             region = typed.get(a.dtype)
             if region is None:
                 region = typed[a.dtype] = on_device.view(_torch_dtype(a.dtype))

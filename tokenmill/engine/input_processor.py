@@ -18,7 +18,7 @@ from tokenmill.tokenizer import encode_prompt
 from tokenmill.validation import integer
 
 # A priority travels to the core as a 64-bit integer.
-_PRIORITY = integer(-2**63, 2**63 - 1)
+_PRIORITY = integer(-(2**63), 2**63 - 1)
 
 
 @dataclass(frozen=True)
@@ -54,8 +54,9 @@ class InputProcessor:
             vocab = self.limits.vocab_size
             bad = [t for t in ids if type(t) is not int or not 0 <= t < vocab]
             if bad:
-                raise ValueError(f"the prompt has token ids outside the vocabulary [0, {vocab}): "
-                                 f"{[repr(t) for t in bad[:5]]}")
+                raise ValueError(
+                    f"the prompt has token ids outside the vocabulary [0, {vocab}): {[repr(t) for t in bad[:5]]}"
+                )
             return ProcessedPrompt(None, ids)
         raise ValueError(f"a prompt must be a string or a list of token ids, not {type(prompt).__name__}")
 
@@ -68,16 +69,22 @@ class InputProcessor:
         if num_prompt == 0:
             raise ValueError("the prompt is empty")
         if num_prompt >= limits.max_model_len:
-            raise ValueError(f"the prompt has {num_prompt} tokens, but this model's maximum context length "
-                             f"(max_model_len) is {limits.max_model_len}: it must be shorter to leave room for "
-                             "at least one new token")
+            raise ValueError(
+                f"the prompt has {num_prompt} tokens, but this model's maximum context length "
+                f"(max_model_len) is {limits.max_model_len}: it must be shorter to leave room for "
+                "at least one new token"
+            )
         if params.max_tokens is not None and num_prompt + params.max_tokens > limits.max_model_len:
-            raise ValueError(f"this model's maximum context length is {limits.max_model_len} tokens, but "
-                             f"{num_prompt + params.max_tokens} were asked for ({num_prompt} in the prompt, "
-                             f"max_tokens {params.max_tokens}): lower max_tokens or shorten the prompt")
+            raise ValueError(
+                f"this model's maximum context length is {limits.max_model_len} tokens, but "
+                f"{num_prompt + params.max_tokens} were asked for ({num_prompt} in the prompt, "
+                f"max_tokens {params.max_tokens}): lower max_tokens or shorten the prompt"
+            )
         if num_prompt + params.min_tokens > limits.max_model_len:
-            raise ValueError(f"min_tokens {params.min_tokens} does not fit: the prompt has {num_prompt} tokens and "
-                             f"this model's maximum context length is {limits.max_model_len}")
+            raise ValueError(
+                f"min_tokens {params.min_tokens} does not fit: the prompt has {num_prompt} tokens and "
+                f"this model's maximum context length is {limits.max_model_len}"
+            )
         bad = [t for t in params.stop_token_ids if t >= limits.vocab_size]
         if bad:
             raise ValueError(f"stop_token_ids {bad[:5]} are not in the vocabulary [0, {limits.vocab_size})")
@@ -90,13 +97,16 @@ class InputProcessor:
                 raise ValueError(f"{name} must be at most the vocabulary size {limits.vocab_size}, got {value}")
             if value is not None and limits.max_logprobs != -1 and not 0 <= value <= limits.max_logprobs:
                 asked = "the whole vocabulary (-1)" if value == -1 else value
-                raise ValueError(f"{name} asks for {asked}, but this engine gives at most {limits.max_logprobs} "
-                                 "logprobs a position (its max_logprobs option; -1 lifts the limit)")
+                raise ValueError(
+                    f"{name} asks for {asked}, but this engine gives at most {limits.max_logprobs} "
+                    "logprobs a position (its max_logprobs option; -1 lifts the limit)"
+                )
         if params.structured_outputs is not None:
             check_constraint(params.structured_outputs, limits.max_structured_output_bytes)
 
-    def process(self, prompt: Any, params: SamplingParams, add_special_tokens: bool = True,
-                truncate: int | None = None) -> ProcessedPrompt:
+    def process(
+        self, prompt: Any, params: SamplingParams, add_special_tokens: bool = True, truncate: int | None = None
+    ) -> ProcessedPrompt:
         """Tokenized and checked. ``truncate`` (vLLM's ``truncate_prompt_tokens``) keeps only the
         prompt's last ``truncate`` tokens, before the length is checked; -1 keeps as many as leave
         room for the request's output (``max_tokens``, ``min_tokens``, or one token)."""
@@ -116,6 +126,7 @@ def check_priority(priority: Any, scheduling_policy: str) -> int:
     the priority policy takes a nonzero one (fcfs would silently ignore it)."""
     priority = _PRIORITY("priority", priority)
     if priority != 0 and scheduling_policy != "priority":
-        raise ValueError(f"priority needs scheduling_policy='priority' (this engine's is "
-                         f"{scheduling_policy!r}), got {priority}")
+        raise ValueError(
+            f"priority needs scheduling_policy='priority' (this engine's is {scheduling_policy!r}), got {priority}"
+        )
     return priority

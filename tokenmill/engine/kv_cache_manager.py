@@ -22,8 +22,13 @@ from tokenmill.loader.kv_layout import KVLayout
 
 
 class KVCacheManager:
-    def __init__(self, num_blocks: int | Seq[int], block_size: int, enable_prefix_caching: bool = True,
-                 windows: Seq[int | None] = (None,)) -> None:
+    def __init__(
+        self,
+        num_blocks: int | Seq[int],
+        block_size: int,
+        enable_prefix_caching: bool = True,
+        windows: Seq[int | None] = (None,),
+    ) -> None:
         """``num_blocks`` (one count per group, or one int for a single group) and ``windows`` (each
         group's sliding window, None for full attention): a sliding group's first block is its null block."""
         counts = [num_blocks] if isinstance(num_blocks, int) else list(num_blocks)
@@ -85,14 +90,18 @@ class KVCacheManager:
         none) that ``_is_hit`` accepts. A full-attention group needs every block before the hit, so
         none lies past its first miss: a new prompt (every block a miss) is answered at once, not by
         trying each length from the longest down, each a scan of the blocks before it."""
-        usable = min(blocks.index(None) if window is None and None in blocks else len(blocks)
-                     for blocks, window in zip(found, self.windows))
+        usable = min(
+            blocks.index(None) if window is None and None in blocks else len(blocks)
+            for blocks, window in zip(found, self.windows)
+        )
         return next((n for n in range(usable, 0, -1) if self._is_hit(found, n)), 0)
 
     def _is_hit(self, found: list[list[int | None]], num_blocks: int) -> bool:
         """Whether every group holds what computing on from ``num_blocks`` cached blocks needs."""
-        return all(None not in found[g][self._first_visible_block(g, num_blocks * self.block_size):num_blocks]
-                   for g in range(self.num_groups))
+        return all(
+            None not in found[g][self._first_visible_block(g, num_blocks * self.block_size) : num_blocks]
+            for g in range(self.num_groups)
+        )
 
     def _cacheable_blocks(self, seq: Sequence) -> int:
         """Full blocks a new sequence may take from the cache (never its last token; none when
@@ -111,8 +120,11 @@ class KVCacheManager:
     def allocate(self, seq: Sequence, num_new_tokens: int) -> bool:
         """Grow the block tables to hold ``num_new_tokens`` more (after freeing what sliding windows
         have passed); False, with nothing taken, if a pool is short."""
-        if (seq.block_tables and self.windows_none
-                and seq.num_computed_tokens + num_new_tokens <= len(seq.block_tables[0]) * self.block_size):
+        if (
+            seq.block_tables
+            and self.windows_none
+            and seq.num_computed_tokens + num_new_tokens <= len(seq.block_tables[0]) * self.block_size
+        ):
             return True  # (most decode steps: the last block has room, and no window frees anything)
         if not seq.block_tables:
             seq.block_tables = [[] for _ in self.pools]
@@ -161,7 +173,7 @@ class KVCacheManager:
             return
         hashes = seq.full_block_hashes(self.block_size)
         for i in range(seq.num_committed_blocks, full):
-            tokens = seq.token_ids[i * self.block_size:(i + 1) * self.block_size]
+            tokens = seq.token_ids[i * self.block_size : (i + 1) * self.block_size]
             for pool, table, null in zip(self.pools, seq.block_tables, self.null_blocks):
                 if table[i] != null:
                     pool.commit(table[i], hashes[i], tokens)
@@ -229,8 +241,16 @@ class KVCacheManager:
         return max((self.usable_blocks(g) - pool.num_free) / self.usable_blocks(g) for g, pool in enumerate(self.pools))
 
 
-def kv_block_counts(layout: KVLayout, dtype: torch.dtype, block_size: int, budget_bytes: int | None,
-                    num_blocks: int | None, max_num_seqs: int, max_num_batched_tokens: int, max_len: int) -> list[int]:
+def kv_block_counts(
+    layout: KVLayout,
+    dtype: torch.dtype,
+    block_size: int,
+    budget_bytes: int | None,
+    num_blocks: int | None,
+    max_num_seqs: int,
+    max_num_batched_tokens: int,
+    max_len: int,
+) -> list[int]:
     """Each KV group's block count, from a memory budget or a fixed count (``num_blocks``, the full
     groups' count). A full group never needs more than every sequence at full length; a sliding
     group never more than every sequence's window plus a step's chunk, and one null block. Memory is
@@ -239,10 +259,16 @@ def kv_block_counts(layout: KVLayout, dtype: torch.dtype, block_size: int, budge
     groups = layout.groups
     per_block = [layout.group_bytes_per_token(g, dtype) * block_size for g in range(len(groups))]
     full_cap = max_num_seqs * -(-max_len // block_size)
-    caps = [full_cap if spec.sliding_window is None else
-            min(full_cap, max_num_seqs * (-(-(spec.sliding_window - 1) // block_size) + 2)
-                + -(-max_num_batched_tokens // block_size)) + 1
-            for spec in groups]
+    caps = [
+        full_cap
+        if spec.sliding_window is None
+        else min(
+            full_cap,
+            max_num_seqs * (-(-(spec.sliding_window - 1) // block_size) + 2) + -(-max_num_batched_tokens // block_size),
+        )
+        + 1
+        for spec in groups
+    ]
     if num_blocks is not None:
         return [min(num_blocks + (spec.sliding_window is not None), cap) for spec, cap in zip(groups, caps)]
     assert budget_bytes is not None

@@ -31,14 +31,22 @@ class LLMEngine:
         self.tokenizer = load_tokenizer(model_dir_of(config))
         # Where start-up went: the core's phases, then the tokenizer's load.
         self.startup_seconds = {**self.core.startup_seconds, "tokenizer": time.monotonic() - started}
-        limits = ModelLimits(self.model_config.vocab_size, self.max_model_len, config.max_logprobs,
-                             config.max_structured_output_bytes)
+        limits = ModelLimits(
+            self.model_config.vocab_size, self.max_model_len, config.max_logprobs, config.max_structured_output_bytes
+        )
         self.inputs = InputProcessor(self.tokenizer, limits)
         self.outputs = OutputProcessor(self.tokenizer)
 
-    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
-                    arrival_time: float | None = None, stream: bool = True,
-                    output_kind: OutputKind | None = None, priority: int = 0) -> None:
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        params: SamplingParams,
+        arrival_time: float | None = None,
+        stream: bool = True,
+        output_kind: OutputKind | None = None,
+        priority: int = 0,
+    ) -> None:
         """Validate and queue a request; raises ValueError for bad input, leaving the engine as
         it was. ``stream=False`` reports the request only once it is finished (the offline API
         wants only the end); ``output_kind`` overrides it. ``priority`` (lower first, as in

@@ -30,13 +30,22 @@ import torch
 from tokenmill.distributed import SINGLE, TPGroup, broadcast, sharding_for
 from tokenmill.engine.cuda_graphs import DecodeGraphs
 from tokenmill.engine.host_staging import HostStaging, to_device
+from tokenmill.engine.penalty_counts import PenaltyCounts
 from tokenmill.engine.prefill_graphs import PrefillGraphs
 from tokenmill.engine.scheduler import ScheduledBatch
 from tokenmill.engine.sequence import PENDING, Sequence, SequenceStatus
 from tokenmill.engine.sequence_rows import (
-    FLOAT_COLUMNS, GRAMMAR, LOGIT_BIAS, LOGPROBS, MIN_TOKENS, PENALTIES, PROMPT_LOGPROBS, SEEDED, SamplingColumns,
-    SequenceRows)
-from tokenmill.engine.penalty_counts import PenaltyCounts
+    FLOAT_COLUMNS,
+    GRAMMAR,
+    LOGIT_BIAS,
+    LOGPROBS,
+    MIN_TOKENS,
+    PENALTIES,
+    PROMPT_LOGPROBS,
+    SEEDED,
+    SamplingColumns,
+    SequenceRows,
+)
 from tokenmill.engine.structured_outputs import HostBitmask, apply_grammars
 from tokenmill.layers.attention import AttentionMetadata, KVCache
 from tokenmill.layers.sampler import Sampler, SamplingBatch, gather_logprobs
@@ -118,7 +127,12 @@ class InFlightStep:
 
 # The paths a step's forward takes (every rank takes the one rank 0 chose).
 DECODE_GRAPH, VERIFY_GRAPH, PREFILL_GRAPH, MIXED_GRAPH, EAGER = (
-    "decode_graph", "verify_graph", "prefill_graph", "mixed_graph", "eager")
+    "decode_graph",
+    "verify_graph",
+    "prefill_graph",
+    "mixed_graph",
+    "eager",
+)
 
 
 @dataclass
@@ -167,8 +181,15 @@ class StepInputs:
     sampling_flags: int  # every ``sequence_rows`` flag a sampled row sets
 
 
-def build_model(cfg: ModelConfig, model_dir: Path | None, dtype: torch.dtype, device: torch.device,
-                max_positions: int, seed: int = 0, tp: TPGroup = SINGLE) -> torch.nn.Module:
+def build_model(
+    cfg: ModelConfig,
+    model_dir: Path | None,
+    dtype: torch.dtype,
+    device: torch.device,
+    max_positions: int,
+    seed: int = 0,
+    tp: TPGroup = SINGLE,
+) -> torch.nn.Module:
     """The model (``tp.rank``'s share of it) on ``device`` in ``dtype``, with the checkpoint's weights, or
     random ones (std 0.02) when ``model_dir`` is None (benchmarks in real shapes)."""
     previous = torch.get_default_dtype()
@@ -190,8 +211,9 @@ def build_model(cfg: ModelConfig, model_dir: Path | None, dtype: torch.dtype, de
     return model.eval()
 
 
-def allocate_kv_caches(layout: KVLayout, num_blocks: list[int], block_size: int, dtype: torch.dtype,
-                       device: torch.device) -> tuple[list[torch.Tensor], list[KVCache]]:
+def allocate_kv_caches(
+    layout: KVLayout, num_blocks: list[int], block_size: int, dtype: torch.dtype, device: torch.device
+) -> tuple[list[torch.Tensor], list[KVCache]]:
     """One zeroed tensor per KV group, ``[owners, 2, blocks, block_size, kv_heads, head_dim]`` in ``dtype``
     (with, where it is quantized, one of scales ``[owners, 2, blocks, block_size, kv_heads]``), and each
     layer's ``KVCache``: views of its own slice, or of its source layer's when it shares KV. Returns the
@@ -205,7 +227,9 @@ def allocate_kv_caches(layout: KVLayout, num_blocks: list[int], block_size: int,
         scales = torch.zeros(shape, dtype=kv_scale_dtype(spec.head_dim), device=device) if is_quantized(dtype) else None
         tensors += [cache] if scales is None else [cache, scales]
         for j, layer in enumerate(owners):
-            own[layer] = KVCache(cache[j, 0], cache[j, 1], *((scales[j, 0], scales[j, 1]) if scales is not None else ()))
+            own[layer] = KVCache(
+                cache[j, 0], cache[j, 1], *((scales[j, 0], scales[j, 1]) if scales is not None else ())
+            )
     return tensors, [own[src] for src in layout.source]
 
 
@@ -234,11 +258,24 @@ def warm_up_shapes(max_num_batched_tokens: int, max_model_len: int, max_num_seqs
 
 
 class ModelRunner:
-    def __init__(self, cfg: ModelConfig, model: torch.nn.Module, num_blocks: list[int], block_size: int,
-                 device: torch.device, dtype: torch.dtype, max_num_seqs: int = 256, max_model_len: int = 2048,
-                 cuda_graphs: bool = True, kv_cache_dtype: torch.dtype | None = None, verify_len: int = 0,
-                 max_verify_seqs: int = 0, max_num_batched_tokens: int = 8192, tp: TPGroup = SINGLE,
-                 peers: Peers | None = None) -> None:
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        model: torch.nn.Module,
+        num_blocks: list[int],
+        block_size: int,
+        device: torch.device,
+        dtype: torch.dtype,
+        max_num_seqs: int = 256,
+        max_model_len: int = 2048,
+        cuda_graphs: bool = True,
+        kv_cache_dtype: torch.dtype | None = None,
+        verify_len: int = 0,
+        max_verify_seqs: int = 0,
+        max_num_batched_tokens: int = 8192,
+        tp: TPGroup = SINGLE,
+        peers: Peers | None = None,
+    ) -> None:
         """``num_blocks``: the block count of each KV group (``cfg.kv_layout().groups``);
         ``kv_cache_dtype``: what K and V are stored in (None: ``dtype``); ``verify_len``: query tokens
         a sequence of the speculative verify steps captured as graphs, for up to ``max_verify_seqs``;
@@ -254,8 +291,9 @@ class ModelRunner:
         self._followed_ids: torch.Tensor | None = None  # a following rank's last broadcast ids
         self.num_kv_groups = len(num_blocks)
         self.max_num_seqs = max_num_seqs
-        self.kv_tensors, self.kv_caches = allocate_kv_caches(cfg.kv_layout().sharded(tp.size), num_blocks,
-                                                             block_size, kv_cache_dtype or dtype, device)
+        self.kv_tensors, self.kv_caches = allocate_kv_caches(
+            cfg.kv_layout().sharded(tp.size), num_blocks, block_size, kv_cache_dtype or dtype, device
+        )
         self.sampler = Sampler()
         self.host_bitmask = HostBitmask()  # structured outputs: the grammars' masks
         self.penalties = PenaltyCounts(cfg.vocab_size, device, max_num_seqs)
@@ -266,17 +304,38 @@ class ModelRunner:
         self.mixed_graphs: PrefillGraphs | None = None  # short steps of several sequences carrying prefill
         if cuda_graphs and device.type == "cuda":
             max_blocks = -(-max_model_len // block_size)
-            self.graphs = DecodeGraphs(model, self.kv_caches, len(num_blocks), max_num_seqs, max_blocks, block_size,
-                                       cfg.vocab_size, dtype, device, verify_len, max_verify_seqs)
+            self.graphs = DecodeGraphs(
+                model,
+                self.kv_caches,
+                len(num_blocks),
+                max_num_seqs,
+                max_blocks,
+                block_size,
+                cfg.vocab_size,
+                dtype,
+                device,
+                verify_len,
+                max_verify_seqs,
+            )
             eager_each = tp.size > 1  # every rank must launch the same collectives
             self.graphs.capture(eager_each)
             budget = min(max_num_batched_tokens, max_model_len)
-            self.prefill_graphs = PrefillGraphs(model, self.kv_caches, len(num_blocks), budget, max_blocks,
-                                                cfg.vocab_size, dtype, device)
+            self.prefill_graphs = PrefillGraphs(
+                model, self.kv_caches, len(num_blocks), budget, max_blocks, cfg.vocab_size, dtype, device
+            )
             self.prefill_graphs.capture(self.graphs.pool, eager_each)
             if max_num_seqs > 1:
-                self.mixed_graphs = PrefillGraphs(model, self.kv_caches, len(num_blocks), budget, max_blocks,
-                                                  cfg.vocab_size, dtype, device, max_seqs=max_num_seqs)
+                self.mixed_graphs = PrefillGraphs(
+                    model,
+                    self.kv_caches,
+                    len(num_blocks),
+                    budget,
+                    max_blocks,
+                    cfg.vocab_size,
+                    dtype,
+                    device,
+                    max_seqs=max_num_seqs,
+                )
                 self.mixed_graphs.capture(self.graphs.pool, eager_each)
 
     @torch.inference_mode()
@@ -296,13 +355,17 @@ class ModelRunner:
                 slot_mapping=(torch.full((total,), -1, dtype=torch.int64, device=dev),) * groups,
                 query_start_loc=torch.tensor([0, *range(query_len, total + 1)], dtype=torch.int32, device=dev),
                 seq_lens=torch.tensor([context] + [1] * rows, dtype=torch.int32, device=dev),
-                block_tables=(torch.zeros((1 + rows, -(-context // self.block_size)), dtype=torch.int32,
-                                          device=dev),) * groups,
-                max_query_len=query_len, max_seq_len=context)
+                block_tables=(torch.zeros((1 + rows, -(-context // self.block_size)), dtype=torch.int32, device=dev),)
+                * groups,
+                max_query_len=query_len,
+                max_seq_len=context,
+            )
             # As one ragged launch (as a step of several chunks takes them), then, beside one-token
             # queries, in a launch for each kind (as a step of both kinds takes them).
             metas = [meta] + ([meta.split_one_token_queries(1, query_len)] if rows and query_len > 1 else [])
-            positions = torch.cat([torch.arange(context - query_len, context), torch.zeros(rows, dtype=torch.int64)]).to(dev)
+            positions = torch.cat(
+                [torch.arange(context - query_len, context), torch.zeros(rows, dtype=torch.int64)]
+            ).to(dev)
             for meta in metas:
                 hidden = self.model(torch.zeros(total, dtype=torch.int64, device=dev), positions, self.kv_caches, meta)
             logits = self.model.compute_logits(hidden[[query_len - 1, total - 1]])
@@ -327,12 +390,25 @@ class ModelRunner:
         zero = full(1, 0, torch.int64)  # row 0's token 0: banned, and biased
         for rows, top_k, num_logprobs in ((1, 50, -1), (min(2, logits.shape[0]), 2, 2)):
             read, add = self.penalties.rows([seq] * rows)
-            out = self.sampler(logits[:rows], SamplingBatch(
-                temperature=full(rows, 1.0), inv_temperature=full(rows, 1.0), top_k=full(rows, top_k, torch.int64),
-                top_p=full(rows, 0.5), min_p=full(rows, 0.1), repetition_penalty=full(rows, 1.1),
-                presence_penalty=full(rows, 0.5), frequency_penalty=full(rows, 0.5), generators=[None] * rows,
-                num_logprobs=num_logprobs, penalties=(self.penalties.counts, self.penalties.prompt, read),
-                banned=(zero, zero), logit_bias=(zero, zero, full(1, 0.5)), max_top_k=top_k))
+            out = self.sampler(
+                logits[:rows],
+                SamplingBatch(
+                    temperature=full(rows, 1.0),
+                    inv_temperature=full(rows, 1.0),
+                    top_k=full(rows, top_k, torch.int64),
+                    top_p=full(rows, 0.5),
+                    min_p=full(rows, 0.1),
+                    repetition_penalty=full(rows, 1.1),
+                    presence_penalty=full(rows, 0.5),
+                    frequency_penalty=full(rows, 0.5),
+                    generators=[None] * rows,
+                    num_logprobs=num_logprobs,
+                    penalties=(self.penalties.counts, self.penalties.prompt, read),
+                    banned=(zero, zero),
+                    logit_bias=(zero, zero, full(1, 0.5)),
+                    max_top_k=top_k,
+                ),
+            )
             self.penalties.add(add, out.token_ids)
         seq.status = SequenceStatus.FINISHED  # its row goes back at the next step's rows()
 
@@ -363,12 +439,17 @@ class ModelRunner:
         positions = np.arange(total) - np.repeat(query_start[:-1].astype(np.int64) - starts, counts)
         slots = tables[:, owner, positions // bs].astype(np.int64) * bs + positions % bs
         if total == len(seqs):  # one token a sequence (every decode step): a known one, never a draft
-            ids = np.fromiter(map(list.__getitem__, map(attrgetter("token_ids"), seqs), starts.tolist()),
-                              dtype=np.int64, count=total)
+            ids = np.fromiter(
+                map(list.__getitem__, map(attrgetter("token_ids"), seqs), starts.tolist()), dtype=np.int64, count=total
+            )
         else:
-            ids = np.fromiter(itertools.chain.from_iterable(
-                s.scheduled_token_ids(st, n) for s, st, n in zip(seqs, starts.tolist(), counts.tolist())),
-                dtype=np.int64, count=total)
+            ids = np.fromiter(
+                itertools.chain.from_iterable(
+                    s.scheduled_token_ids(st, n) for s, st, n in zip(seqs, starts.tolist(), counts.tolist())
+                ),
+                dtype=np.int64,
+                count=total,
+            )
         ends = starts + counts
         # A sequence samples when the step reaches its last known token (or its last draft).
         all_drafts = np.fromiter(map(len, map(attrgetter("draft_token_ids"), seqs)), dtype=np.int64, count=len(seqs))
@@ -407,8 +488,9 @@ class ModelRunner:
             pending_sources = np.arange(total)
         else:
             row_of = {seq: i for i, seq in enumerate(previous.sampled_seqs)} if len(pending_rows) else {}
-            pending_sources = np.fromiter((row_of[seqs[b]] for b in owner[pending_rows].tolist()),
-                                          dtype=np.int64, count=len(pending_rows))
+            pending_sources = np.fromiter(
+                (row_of[seqs[b]] for b in owner[pending_rows].tolist()), dtype=np.int64, count=len(pending_rows)
+            )
         sampling = self.rows.sampling_columns(sampling_rows)
         max_query_len = int(counts.max())
         path, picks_rows = EAGER, False
@@ -416,31 +498,71 @@ class ModelRunner:
             # The graph runs the LM head on every row; a row that does not sample (a one-token
             # prefill chunk mid-prompt) or gives prompt logprobs is picked out afterwards.
             path, picks_rows = DECODE_GRAPH, bool(prompt_rows) or len(logits_rows) != len(seqs)
-        elif (self.graphs is not None and self.graphs.can_verify(len(seqs), max_query_len)
-              and not prompt_rows and len(logits_rows) == total):
+        elif (
+            self.graphs is not None
+            and self.graphs.can_verify(len(seqs), max_query_len)
+            and not prompt_rows
+            and len(logits_rows) == total
+        ):
             path = VERIFY_GRAPH  # every row is a known token or a draft, and every row samples
-        elif (self.prefill_graphs is not None and len(seqs) == 1 and self.prefill_graphs.padded_size(total)
-              and not prompt_rows and rows_per_seq in ([], [1])):
+        elif (
+            self.prefill_graphs is not None
+            and len(seqs) == 1
+            and self.prefill_graphs.padded_size(total)
+            and not prompt_rows
+            and rows_per_seq in ([], [1])
+        ):
             path = PREFILL_GRAPH  # one sequence's prompt or chunk: the LM head on its last row, if any
-        elif (self.mixed_graphs is not None and self.mixed_graphs.padded_size(total, len(seqs))
-              and not prompt_rows and len(logits_rows) == len(sampled)):
+        elif (
+            self.mixed_graphs is not None
+            and self.mixed_graphs.padded_size(total, len(seqs))
+            and not prompt_rows
+            and len(logits_rows) == len(sampled)
+        ):
             path = MIXED_GRAPH  # chunks beside decode rows, each sampling sequence one row (no drafts)
-        plan = StepPlan({"input_ids": ids, "positions": positions, "slot_mapping": slots,
-                         "query_start_loc": query_start, "seq_lens": seq_lens, "block_tables": tables,
-                         "logits_rows": logits_rows,
-                         "pending_rows": pending_rows.astype(np.int64), "pending_sources": pending_sources},
-                        max_query_len, int(seq_lens.max()), path, picks_rows, sum(rows_per_seq), in_order,
-                        num_chunk_seqs)
+        plan = StepPlan(
+            {
+                "input_ids": ids,
+                "positions": positions,
+                "slot_mapping": slots,
+                "query_start_loc": query_start,
+                "seq_lens": seq_lens,
+                "block_tables": tables,
+                "logits_rows": logits_rows,
+                "pending_rows": pending_rows.astype(np.int64),
+                "pending_sources": pending_sources,
+            },
+            max_query_len,
+            int(seq_lens.max()),
+            path,
+            picks_rows,
+            sum(rows_per_seq),
+            in_order,
+            num_chunk_seqs,
+        )
         if self.peers is not None:
             self.peers.send(plan)
-        t = self._stage(plan, previous.token_ids if len(pending_rows) else None,
-                        {"sampling_floats": sampling.floats, "sampling_top_k": sampling.top_k})
+        t = self._stage(
+            plan,
+            previous.token_ids if len(pending_rows) else None,
+            {"sampling_floats": sampling.floats, "sampling_top_k": sampling.top_k},
+        )
         columns = dict(zip(FLOAT_COLUMNS, t["sampling_floats"].unbind(0)), top_k=t["sampling_top_k"])
-        return StepInputs(plan, t, logits_rows, sampled, rows_per_seq, columns, prompt_rows, sampling,
-                          self.rows.union_flags(sampling_rows))
+        return StepInputs(
+            plan,
+            t,
+            logits_rows,
+            sampled,
+            rows_per_seq,
+            columns,
+            prompt_rows,
+            sampling,
+            self.rows.union_flags(sampling_rows),
+        )
 
-    def _stage(self, plan: StepPlan, previous_ids: torch.Tensor | None,
-               extra: dict[str, np.ndarray] | None = None) -> dict[str, torch.Tensor]:
+    def _stage(
+        self, plan: StepPlan, previous_ids: torch.Tensor | None, extra: dict[str, np.ndarray] | None = None
+    ) -> dict[str, torch.Tensor]:
         """The plan's arrays (and ``extra``) on the device in one copy, pending ids filled in from
         ``previous_ids`` (the step before's samples, on the device; taken whole as the input ids
         when every row is pending in their order)."""
@@ -455,9 +577,14 @@ class ModelRunner:
         """The step's forward on the path ``plan`` names (the same on every rank): the head logits of its
         logits rows (None if it has none; ``finish_logits_`` is the reader's), and their greedy ids where a
         graph computed them."""
-        meta = AttentionMetadata(slot_mapping=tuple(t["slot_mapping"]), query_start_loc=t["query_start_loc"],
-                                 seq_lens=t["seq_lens"], block_tables=tuple(t["block_tables"]),
-                                 max_query_len=plan.max_query_len, max_seq_len=plan.max_seq_len)
+        meta = AttentionMetadata(
+            slot_mapping=tuple(t["slot_mapping"]),
+            query_start_loc=t["query_start_loc"],
+            seq_lens=t["seq_lens"],
+            block_tables=tuple(t["block_tables"]),
+            max_query_len=plan.max_query_len,
+            max_seq_len=plan.max_seq_len,
+        )
         if plan.path == DECODE_GRAPH:
             logits, greedy_ids = self.graphs.run(t["input_ids"], t["positions"], meta)
             return (logits[t["logits_rows"]], None) if plan.picks_rows else (logits, greedy_ids)
@@ -469,7 +596,8 @@ class ModelRunner:
             return (logits, greedy_ids) if len(plan.arrays["logits_rows"]) else (None, None)
         if plan.num_chunk_seqs:
             meta = meta.split_one_token_queries(
-                plan.num_chunk_seqs, int(plan.arrays["query_start_loc"][plan.num_chunk_seqs]))
+                plan.num_chunk_seqs, int(plan.arrays["query_start_loc"][plan.num_chunk_seqs])
+            )
         hidden = self.model(t["input_ids"], t["positions"], self.kv_caches, meta)
         if not len(plan.arrays["logits_rows"]):
             return None, None  # pure prefill chunks: no LM-head work at all
@@ -482,9 +610,12 @@ class ModelRunner:
         short of ``min_tokens``). The penalties' token counts are left to ``sample``."""
         host, flags = inputs.host_sampling, inputs.sampling_flags
         batch = SamplingBatch(
-            **inputs.sampling_columns, generators=[None] * len(host["temperature"]), num_logprobs=-1,
+            **inputs.sampling_columns,
+            generators=[None] * len(host["temperature"]),
+            num_logprobs=-1,
             all_greedy=bool((host["temperature"] == 0).all()),
-            max_top_k=max_top_k(host["temperature"], host["top_k"], self.cfg.vocab_size))
+            max_top_k=max_top_k(host["temperature"], host["top_k"], self.cfg.vocab_size),
+        )
         if not flags & (LOGPROBS | MIN_TOKENS | LOGIT_BIAS | SEEDED):
             return batch  # (most steps: nothing is read from the sequences one by one)
         owners = [(s, offset) for s, n in zip(seqs, inputs.rows_per_seq) for offset in range(n)]
@@ -499,16 +630,18 @@ class ModelRunner:
         nums = [num_top_logprobs(p.logprobs, self.cfg.vocab_size) for p in params if p.logprobs is not None]
         batch.num_logprobs = max(nums) if nums else -1
         batch.generators = [s.generator for s, _ in owners]
-        batch.keep_generator_states = frozenset(row for row, (s, _) in enumerate(owners)
-                                                if s.generator is not None and s.draft_token_ids)
+        batch.keep_generator_states = frozenset(
+            row for row, (s, _) in enumerate(owners) if s.generator is not None and s.draft_token_ids
+        )
         banned = []
         for row in [row for row, p in enumerate(params) if p.min_tokens]:
             seq, offset = owners[row]
             if seq.num_output_tokens + offset < seq.params.min_tokens:
                 banned += [(row, tok) for tok in seq.stop_ids]
         batch.banned = sparse(banned, torch.int64, torch.int64)
-        biased = [(row, tok, value) for row, p in enumerate(params) if p.logit_bias
-                  for tok, value in p.logit_bias.items()]
+        biased = [
+            (row, tok, value) for row, p in enumerate(params) if p.logit_bias for tok, value in p.logit_bias.items()
+        ]
         batch.logit_bias = sparse(biased, torch.int64, torch.int64, torch.float32)
         return batch
 
@@ -519,8 +652,13 @@ class ModelRunner:
         pending on the host (``PENDING``) are the sampled ids of ``previous``, taken on the device."""
         inputs = self._prepare(batch, previous)
         logits_rows, sampled, prompt_rows = inputs.logits_rows, inputs.sampled, inputs.prompt_rows
-        step = InFlightStep(batch, sampled_seqs=sampled, rows_per_seq=inputs.rows_per_seq, prompt_rows=prompt_rows,
-                            sampling_flags=inputs.sampling_flags)
+        step = InFlightStep(
+            batch,
+            sampled_seqs=sampled,
+            rows_per_seq=inputs.rows_per_seq,
+            prompt_rows=prompt_rows,
+            sampling_flags=inputs.sampling_flags,
+        )
         logits, greedy_ids = self._forward(inputs.plan, inputs.tensors)
         if logits is None:
             return step
@@ -547,20 +685,25 @@ class ModelRunner:
         # and goes on unconstrained.)
         grammar_seqs = []
         if step.sampling_flags & GRAMMAR:
-            grammar_seqs = [(row, seq) for row, seq in zip(firsts, step.sampled_seqs)
-                            if seq.matcher is not None and not seq.matcher.is_terminated()]
+            grammar_seqs = [
+                (row, seq)
+                for row, seq in zip(firsts, step.sampled_seqs)
+                if seq.matcher is not None and not seq.matcher.is_terminated()
+            ]
         finish = self.model.finish_logits_
         if grammar_seqs:  # structured outputs: only the tokens each grammar allows next
             logits, finish = finish(logits).float(), None  # (a copy of a graph's bf16 output)
-            failed = apply_grammars(logits, [(row, seq.matcher, seq.draft_token_ids) for row, seq in grammar_seqs],
-                                    self.host_bitmask)
+            failed = apply_grammars(
+                logits, [(row, seq.matcher, seq.draft_token_ids) for row, seq in grammar_seqs], self.host_bitmask
+            )
             if failed:
                 step.failed_seqs = {grammar_seqs[i][1]: reason for i, reason in failed.items()}
             greedy_ids = None
         penalty_rows = None
         if step.sampling_flags & PENALTIES:
             read, penalty_rows = self.penalties.rows(
-                [s for s, n in zip(step.sampled_seqs, step.rows_per_seq) for _ in range(n)])
+                [s for s, n in zip(step.sampled_seqs, step.rows_per_seq) for _ in range(n)]
+            )
             batch.penalties = (self.penalties.counts, self.penalties.prompt, read)
         out = self.sampler(logits, batch, greedy_ids, finish)
         if penalty_rows is not None:
@@ -569,8 +712,10 @@ class ModelRunner:
         # ``collect``. Copied now, before another replay can overwrite a graph's static output.
         step.token_ids = broadcast(out.token_ids, self.tp)
         step.generator_states = out.generator_states
-        step.host = [t.to("cpu", non_blocking=True) if t is not None else None
-                     for t in (out.token_ids, out.logprobs, out.logprob_token_ids)]
+        step.host = [
+            t.to("cpu", non_blocking=True) if t is not None else None
+            for t in (out.token_ids, out.logprobs, out.logprob_token_ids)
+        ]
         if self.device.type == "cuda":
             step.done = torch.cuda.Event()
             step.done.record()
@@ -626,11 +771,12 @@ class ModelRunner:
         row = 0
         for rows in step.prompt_rows:
             seq, first, count = rows.seq, rows.first, rows.count
-            targets = to_device(seq.prompt_token_ids[first + 1:first + 1 + count], torch.int64, self.device)
+            targets = to_device(seq.prompt_token_ids[first + 1 : first + 1 + count], torch.int64, self.device)
             num_top = num_top_logprobs(seq.params.prompt_logprobs, self.cfg.vocab_size)
-            values, ids = gather_logprobs(logprobs[row:row + count], targets, num_top)
-            step.prompt_logprobs.append((seq, 1 + num_top, values.to("cpu", non_blocking=True),
-                                         ids.to("cpu", non_blocking=True)))
+            values, ids = gather_logprobs(logprobs[row : row + count], targets, num_top)
+            step.prompt_logprobs.append(
+                (seq, 1 + num_top, values.to("cpu", non_blocking=True), ids.to("cpu", non_blocking=True))
+            )
             row += count
         if self.device.type == "cuda":
             step.prompt_logprobs_done = torch.cuda.Event()

@@ -92,8 +92,15 @@ class OutputProcessor:
         self.tokenizer = tokenizer
         self.requests: dict[str, RequestState] = {}
 
-    def add_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
-                    params: SamplingParams, kind: OutputKind, arrival_time: float) -> None:
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | None,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        kind: OutputKind,
+        arrival_time: float,
+    ) -> None:
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         seqs = []
@@ -103,8 +110,16 @@ class OutputProcessor:
                 detok = make_detokenizer(self.tokenizer, prompt_token_ids, params.skip_special_tokens)
             seqs.append(SeqState(i, detok, logprobs=[] if params.logprobs is not None else None))
         self.requests[request_id] = RequestState(
-            request_id, prompt, prompt_token_ids, params, kind, seqs, RequestMetrics(arrival_time=arrival_time),
-            StopStrings.of(params.stop_strings), prompt_logprobs=[None] if params.prompt_logprobs is not None else None)
+            request_id,
+            prompt,
+            prompt_token_ids,
+            params,
+            kind,
+            seqs,
+            RequestMetrics(arrival_time=arrival_time),
+            StopStrings.of(params.stop_strings),
+            prompt_logprobs=[None] if params.prompt_logprobs is not None else None,
+        )
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """End a request on the caller's side; its final output (finish_reason "abort"), or
@@ -230,7 +245,7 @@ class OutputProcessor:
         hit = stops.pattern.search(seq.text, max(0, old_len - stops.longest + 1))
         if hit is None:
             return False
-        seq.text = seq.text[:hit.end() if include else hit.start()]
+        seq.text = seq.text[: hit.end() if include else hit.start()]
         seq.finish_reason, seq.stop_reason = "stop", hit.group()
         return True
 
@@ -255,7 +270,7 @@ class OutputProcessor:
         if seq.finished or stops is None:
             return seq.text
         hold = stops.longest - 1
-        return seq.text[:max(0, len(seq.text) - hold)] if hold else seq.text
+        return seq.text[: max(0, len(seq.text) - hold)] if hold else seq.text
 
     def _output(self, state: RequestState) -> RequestOutput:
         delta = state.kind is OutputKind.DELTA
@@ -266,24 +281,41 @@ class OutputProcessor:
                 if seq.tokens_sent == len(seq.token_ids) and seq.text_sent == len(text) and seq.finish_reason is None:
                     continue
                 start = seq.tokens_sent
-                out_text, out_ids = text[seq.text_sent:], seq.token_ids[start:]
+                out_text, out_ids = text[seq.text_sent :], seq.token_ids[start:]
                 out_logprobs = seq.logprobs[start:] if seq.logprobs is not None else None
                 seq.tokens_sent, seq.text_sent = len(seq.token_ids), len(text)
             else:
                 out_text, out_ids = text, list(seq.token_ids)
                 out_logprobs = list(seq.logprobs) if seq.logprobs is not None else None
-            outputs.append(CompletionOutput(
-                index=seq.index, text=out_text, token_ids=out_ids,
-                cumulative_logprob=seq.cumulative_logprob if seq.logprobs is not None else None,
-                logprobs=out_logprobs, finish_reason=seq.finish_reason, stop_reason=seq.stop_reason))
+            outputs.append(
+                CompletionOutput(
+                    index=seq.index,
+                    text=out_text,
+                    token_ids=out_ids,
+                    cumulative_logprob=seq.cumulative_logprob if seq.logprobs is not None else None,
+                    logprobs=out_logprobs,
+                    finish_reason=seq.finish_reason,
+                    stop_reason=seq.stop_reason,
+                )
+            )
         prompt_logprobs = state.prompt_logprobs
         if prompt_logprobs is not None:
             if delta:
-                prompt_logprobs, state.prompt_logprobs_sent = (prompt_logprobs[state.prompt_logprobs_sent:],
-                                                               len(prompt_logprobs))
+                prompt_logprobs, state.prompt_logprobs_sent = (
+                    prompt_logprobs[state.prompt_logprobs_sent :],
+                    len(prompt_logprobs),
+                )
             else:
                 prompt_logprobs = list(prompt_logprobs)
         return RequestOutput(
-            request_id=state.request_id, prompt=state.prompt, prompt_token_ids=state.prompt_token_ids,
-            outputs=outputs, finished=state.finished, metrics=state.metrics, prompt_logprobs=prompt_logprobs,
-            num_cached_tokens=state.num_cached_tokens, error=state.error, error_kind=state.error_kind)
+            request_id=state.request_id,
+            prompt=state.prompt,
+            prompt_token_ids=state.prompt_token_ids,
+            outputs=outputs,
+            finished=state.finished,
+            metrics=state.metrics,
+            prompt_logprobs=prompt_logprobs,
+            num_cached_tokens=state.num_cached_tokens,
+            error=state.error,
+            error_kind=state.error_kind,
+        )

@@ -71,6 +71,6 @@ class PenaltyCounts:
         rows = max(min(2 * len(self.counts), self.max_rows), len(self.counts) + at_least)
         counts = torch.zeros((rows, self.vocab_size), dtype=torch.float32, device=self.device)
         prompt = torch.zeros((rows, self.vocab_size), dtype=torch.bool, device=self.device)
-        counts[:len(self.counts)] = self.counts
-        prompt[:len(self.prompt)] = self.prompt
+        counts[: len(self.counts)] = self.counts
+        prompt[: len(self.prompt)] = self.prompt
         self.counts, self.prompt = counts, prompt

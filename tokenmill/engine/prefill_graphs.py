@@ -64,9 +64,18 @@ def capture_sizes(max_tokens: int, max_seqs: int) -> list[int]:
 
 
 class PrefillGraphs:
-    def __init__(self, model: torch.nn.Module, kv_caches: list, num_kv_groups: int, max_tokens: int,
-                 max_blocks_per_seq: int, vocab_size: int, dtype: torch.dtype, device: torch.device,
-                 max_seqs: int = 1) -> None:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        kv_caches: list,
+        num_kv_groups: int,
+        max_tokens: int,
+        max_blocks_per_seq: int,
+        vocab_size: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        max_seqs: int = 1,
+    ) -> None:
         """Graphs for steps of up to ``max_seqs`` sequences, for every count of ``TOKEN_COUNTS`` up to
         ``max_tokens`` (a step's token budget, the model's length; ``MIXED_MAX_TOKENS`` for several
         sequences), and one of ``max_tokens`` itself below the largest count."""
@@ -97,9 +106,16 @@ class PrefillGraphs:
         keys = [(size, size) for size in self.sizes]
         if self.max_seqs == 1:
             layers = [m for m in self.model.modules() if isinstance(m, PagedAttention)]
-            keys += [(size, self.max_context) for size in self.sizes if self.max_context > size and max(
-                ops.paged_attention_kv_splits(cache.k, layer.num_heads, size, size, self.max_context)
-                for layer, cache in zip(layers, self.kv_caches)) > 1]
+            keys += [
+                (size, self.max_context)
+                for size in self.sizes
+                if self.max_context > size
+                and max(
+                    ops.paged_attention_kv_splits(cache.k, layer.num_heads, size, size, self.max_context)
+                    for layer, cache in zip(layers, self.kv_caches)
+                )
+                > 1
+            ]
         return sorted(keys, reverse=True)
 
     def _forward(self, size: int, context: int) -> None:
@@ -131,14 +147,18 @@ class PrefillGraphs:
             self.seq_lens[0] = size
             self.logits_rows.fill_(size - 1)
 
-        self.graphs, _ = capture_graphs(self._keys(), prepare, lambda key: self._forward(*key), pool,
-                                        eager_each)
+        self.graphs, _ = capture_graphs(self._keys(), prepare, lambda key: self._forward(*key), pool, eager_each)
         self.capture_seconds = time.monotonic() - started
         if self.graphs:
             split = sorted(size for size, context in self.graphs if context != size)
-            logger.info("captured %d prefill graphs (%s, %s tokens%s) in %.1f s", len(self.graphs),
-                        "one sequence" if self.max_seqs == 1 else f"up to {self.max_seqs} sequences", self.sizes,
-                        f"; after a long prefix, split: {split}" if split else "", self.capture_seconds)
+            logger.info(
+                "captured %d prefill graphs (%s, %s tokens%s) in %.1f s",
+                len(self.graphs),
+                "one sequence" if self.max_seqs == 1 else f"up to {self.max_seqs} sequences",
+                self.sizes,
+                f"; after a long prefix, split: {split}" if split else "",
+                self.capture_seconds,
+            )
 
     def padded_size(self, num_tokens: int, num_seqs: int = 1) -> int | None:
         """The captured token count a step of ``num_tokens`` in ``num_seqs`` sequences pads to; None if
@@ -147,18 +167,19 @@ class PrefillGraphs:
         fits = i < len(self.sizes) and num_tokens >= 2 and num_seqs <= self.max_seqs
         return self.sizes[i] if fits else None
 
-    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-            logits_rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def run(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, logits_rows: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Copy the step's inputs into the static buffers and replay; returns the logits ``[rows,
         vocab]`` and greedy ids of its ``logits_rows`` (views of static buffers: read before the next
         replay)."""
         total, seqs, rows = input_ids.shape[0], meta.seq_lens.shape[0], logits_rows.shape[0]
         size = self.padded_size(total, seqs)
         stage_step_inputs(self, input_ids, positions, meta, size)
-        self.query_start_loc[:seqs + 1].copy_(meta.query_start_loc)
+        self.query_start_loc[: seqs + 1].copy_(meta.query_start_loc)
         self.seq_lens[:seqs].copy_(meta.seq_lens)
         if seqs < self.max_seqs:  # (each torch call costs the host microseconds: none for nothing)
-            self.query_start_loc[seqs + 1:] = meta.query_start_loc[-1]  # the missing sequences: empty queries
+            self.query_start_loc[seqs + 1 :] = meta.query_start_loc[-1]  # the missing sequences: empty queries
             self.seq_lens[seqs:].zero_()
         if rows < self.max_seqs:
             self.logits_rows.zero_()  # (every index stays within the rows this graph computes)

@@ -71,9 +71,11 @@ def context_length(requested: int | None, cfg: ModelConfig) -> int:
     if requested is None:
         return supported
     if requested > supported:
-        raise ValueError(f"max_model_len {requested} is more than this model supports: its "
-                         f"max_position_embeddings {supported} is the longest sequence it knows; "
-                         f"set max_model_len to at most {supported}")
+        raise ValueError(
+            f"max_model_len {requested} is more than this model supports: its "
+            f"max_position_embeddings {supported} is the longest sequence it knows; "
+            f"set max_model_len to at most {supported}"
+        )
     return requested
 
 
@@ -89,12 +91,16 @@ def check_tensor_parallel(config: EngineConfig, cfg: ModelConfig, device: torch.
         return
     if device.type == "cuda":
         if device.index is not None:
-            raise ValueError(f"device {config.device!r} names one GPU, but tensor_parallel_size {size} runs on GPUs "
-                             f"0 to {size - 1}: use device 'cuda' (CUDA_VISIBLE_DEVICES picks which GPUs)")
+            raise ValueError(
+                f"device {config.device!r} names one GPU, but tensor_parallel_size {size} runs on GPUs "
+                f"0 to {size - 1}: use device 'cuda' (CUDA_VISIBLE_DEVICES picks which GPUs)"
+            )
         visible = torch.cuda.device_count()
         if size > visible:
-            raise ValueError(f"tensor_parallel_size {size} needs {size} GPUs, but {visible} "
-                             f"{'is' if visible == 1 else 'are'} visible")
+            raise ValueError(
+                f"tensor_parallel_size {size} needs {size} GPUs, but {visible} "
+                f"{'is' if visible == 1 else 'are'} visible"
+            )
     check_divides("attention heads", cfg.num_heads, size)
     for kv_heads in sorted({spec.num_kv_heads for spec in cfg.kv_layout().groups}, reverse=True):
         check_divides("KV heads", kv_heads, size)
@@ -113,8 +119,14 @@ def quantize(model: torch.nn.Module, config: EngineConfig, model_dir: Path, devi
     return scheme
 
 
-def kv_cache_blocks(config: EngineConfig, cfg: ModelConfig, device: torch.device, dtype: torch.dtype,
-                    kv_dtype: torch.dtype, max_len: int) -> list[int]:
+def kv_cache_blocks(
+    config: EngineConfig,
+    cfg: ModelConfig,
+    device: torch.device,
+    dtype: torch.dtype,
+    kv_dtype: torch.dtype,
+    max_len: int,
+) -> list[int]:
     """Each KV group's block count on this rank: ``num_kv_blocks`` if set, else what its memory left allows
     for its share of the KV heads."""
     layout = cfg.kv_layout().sharded(config.tensor_parallel_size)
@@ -124,20 +136,31 @@ def kv_cache_blocks(config: EngineConfig, cfg: ModelConfig, device: torch.device
         used_elsewhere = total - free
         elem = torch.tensor([], dtype=dtype).element_size()
         tokens = config.max_num_batched_tokens
-        activations = tokens * elem * (6 * cfg.hidden_size + 4 * cfg.intermediate_size
-                                       + 3 * cfg.num_heads * cfg.head_dim)
+        activations = (
+            tokens * elem * (6 * cfg.hidden_size + 4 * cfg.intermediate_size + 3 * cfg.num_heads * cfg.head_dim)
+        )
         logits = config.max_num_seqs * cfg.vocab_size * 4 * 4
         budget = total * config.gpu_memory_utilization - used_elsewhere - activations - logits - (1 << 30)
     elif config.num_kv_blocks is None:
         budget = config.cpu_kv_cache_gib * (1 << 30)
-    counts = kv_block_counts(layout, kv_dtype, config.block_size, budget, config.num_kv_blocks,
-                             config.max_num_seqs, config.max_num_batched_tokens, max_len)
+    counts = kv_block_counts(
+        layout,
+        kv_dtype,
+        config.block_size,
+        budget,
+        config.num_kv_blocks,
+        config.max_num_seqs,
+        config.max_num_batched_tokens,
+        max_len,
+    )
     for spec, count in zip(layout.groups, counts):
         if count < 1 + (spec.sliding_window is not None):
             where = "gpu_memory_utilization" if device.type == "cuda" else "cpu_kv_cache_gib"
-            raise ValueError(f"no memory is left for the KV cache (one block of {config.block_size} tokens takes "
-                             f"{layout.bytes_per_token(kv_dtype) * config.block_size} bytes): raise {where}, "
-                             "or lower max_num_batched_tokens")
+            raise ValueError(
+                f"no memory is left for the KV cache (one block of {config.block_size} tokens takes "
+                f"{layout.bytes_per_token(kv_dtype) * config.block_size} bytes): raise {where}, "
+                "or lower max_num_batched_tokens"
+            )
     return counts
 
 
@@ -147,16 +170,38 @@ def verify_graph_shape(config: EngineConfig) -> dict[str, int]:
     spec = config.speculative_config
     if spec is None:
         return {}
-    return {"verify_len": spec.num_speculative_tokens + 1,
-            "max_verify_seqs": min(config.max_num_seqs, spec.disable_by_batch_size - 1)}
+    return {
+        "verify_len": spec.num_speculative_tokens + 1,
+        "max_verify_seqs": min(config.max_num_seqs, spec.disable_by_batch_size - 1),
+    }
 
 
-def make_runner(config: EngineConfig, cfg: ModelConfig, model: torch.nn.Module, setup: RankSetup,
-                device: torch.device, dtype: torch.dtype, kv_dtype: torch.dtype, tp: TPGroup = SINGLE,
-                peers: Peers | None = None) -> ModelRunner:
+def make_runner(
+    config: EngineConfig,
+    cfg: ModelConfig,
+    model: torch.nn.Module,
+    setup: RankSetup,
+    device: torch.device,
+    dtype: torch.dtype,
+    kv_dtype: torch.dtype,
+    tp: TPGroup = SINGLE,
+    peers: Peers | None = None,
+) -> ModelRunner:
     """The rank's runner: its KV cache shard and, on the GPU, its captured graphs (every rank captures
     the same graphs in the same order, since their collectives must meet)."""
-    return ModelRunner(cfg, model, setup.num_blocks, config.block_size, device, dtype,
-                       max_num_seqs=config.max_num_seqs, max_model_len=setup.max_model_len,
-                       cuda_graphs=not config.enforce_eager, kv_cache_dtype=kv_dtype, **verify_graph_shape(config),
-                       max_num_batched_tokens=config.max_num_batched_tokens, tp=tp, peers=peers)
+    return ModelRunner(
+        cfg,
+        model,
+        setup.num_blocks,
+        config.block_size,
+        device,
+        dtype,
+        max_num_seqs=config.max_num_seqs,
+        max_model_len=setup.max_model_len,
+        cuda_graphs=not config.enforce_eager,
+        kv_cache_dtype=kv_dtype,
+        **verify_graph_shape(config),
+        max_num_batched_tokens=config.max_num_batched_tokens,
+        tp=tp,
+        peers=peers,
+    )

@@ -76,8 +76,9 @@ def _solve(m: list[list[float]], v: list[float]) -> list[float] | None:
     det = _det(m)
     if det <= 1e-9 * math.prod(m[i][i] for i in range(len(m))):
         return None
-    return [_det([[v[r] if c == j else m[r][c] for c in range(len(m))] for r in range(len(m))]) / det
-            for j in range(len(m))]
+    return [
+        _det([[v[r] if c == j else m[r][c] for c in range(len(m))] for r in range(len(m))]) / det for j in range(len(m))
+    ]
 
 
 @dataclass(frozen=True)
@@ -140,8 +141,11 @@ class StepCost:
             if coef is None or min(coef) < 0:
                 continue
             # Σ w (t - x·c)² = Σ w t² - 2 c·Σ w x t + cᵀ (Σ w x xᵀ) c
-            residual = (self._tt - 2 * sum(c * v for c, v in zip(coef, xt))
-                        + sum(coef[a] * xx[a][b] * coef[b] for a in range(len(terms)) for b in range(len(terms))))
+            residual = (
+                self._tt
+                - 2 * sum(c * v for c, v in zip(coef, xt))
+                + sum(coef[a] * xx[a][b] * coef[b] for a in range(len(terms)) for b in range(len(terms)))
+            )
             if residual < best_residual - 1e-9 * self._tt:
                 best, best_residual = dict(zip(terms, coef)), residual
         if best is None:  # every step took no tokens: nothing to go on
@@ -286,7 +290,7 @@ class Scheduler:
             seq = running[i]
             drafts = seq.draft_token_ids
             if drafts:  # drafts take what is left of the budget after the known token
-                del drafts[max(0, budget - (len(seq.token_ids) - seq.num_computed_tokens)):]
+                del drafts[max(0, budget - (len(seq.token_ids) - seq.num_computed_tokens)) :]
             num_new = len(seq.token_ids) + len(drafts) - seq.num_computed_tokens
             if num_new > budget:
                 num_new = budget

@@ -24,7 +24,6 @@ import torch
 from tokenmill.engine.block_pool import BlockHash, hash_blocks
 from tokenmill.sampling_params import SamplingParams
 
-
 PENDING = -1  # placeholder for a sampled token still on the device
 
 
@@ -98,7 +97,7 @@ class Sequence:
     @property
     def output_token_ids(self) -> list[int]:
         """The generated tokens known so far (pending placeholders excluded)."""
-        return self.token_ids[self.num_prompt_tokens:self.num_tokens - self.num_pending]
+        return self.token_ids[self.num_prompt_tokens : self.num_tokens - self.num_pending]
 
     @property
     def num_output_tokens(self) -> int:
@@ -112,15 +111,15 @@ class Sequence:
 
     def scheduled_token_ids(self, start: int, count: int) -> list[int]:
         """Tokens ``start`` … ``start + count`` of the known tokens followed by the drafts."""
-        known = self.token_ids[start:start + count]
+        known = self.token_ids[start : start + count]
         if len(known) == count:
             return known
-        return known + self.draft_token_ids[max(0, start - len(self.token_ids)):][:count - len(known)]
+        return known + self.draft_token_ids[max(0, start - len(self.token_ids)) :][: count - len(known)]
 
     def drop_pending(self) -> None:
         """Forget placeholders whose tokens will never be wanted (the sequence ended)."""
         if self.num_pending:
-            del self.token_ids[-self.num_pending:]
+            del self.token_ids[-self.num_pending :]
             self.num_pending = 0
 
     @property
@@ -131,6 +130,7 @@ class Sequence:
         """Hashes of every full block of known tokens, extended as the sequence grows."""
         done, known = len(self.block_hashes) * block_size, self.num_tokens - self.num_pending
         if known - done >= block_size:
-            self.block_hashes += hash_blocks(self.block_hashes[-1] if self.block_hashes else None,
-                                             self.token_ids[done:known], block_size)
+            self.block_hashes += hash_blocks(
+                self.block_hashes[-1] if self.block_hashes else None, self.token_ids[done:known], block_size
+            )
         return self.block_hashes

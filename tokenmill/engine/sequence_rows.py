@@ -25,8 +25,15 @@ from tokenmill.sampling_params import SamplingParams
 # A row's float32 sampling parameters, in their order as the rows of one array (the inverse
 # temperature the sampler takes is computed once, when the sequence takes its row); its top-k is kept
 # apart as int64 (0 is off; larger than the vocabulary means all of it).
-FLOAT_COLUMNS = ("temperature", "inv_temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty",
-                 "frequency_penalty")
+FLOAT_COLUMNS = (
+    "temperature",
+    "inv_temperature",
+    "top_p",
+    "min_p",
+    "repetition_penalty",
+    "presence_penalty",
+    "frequency_penalty",
+)
 
 
 # What a row needs besides its numeric sampling columns, one bit each: a step whose rows set none
@@ -37,16 +44,28 @@ PROMPT_LOGPROBS, LOGPROBS, MIN_TOKENS, LOGIT_BIAS, SEEDED, PENALTIES, GRAMMAR = 
 def row_flags(seq: Sequence) -> int:
     """``seq``'s bits of the flags above (a grammar is attached before a sequence is first scheduled)."""
     params = seq.params
-    return ((PROMPT_LOGPROBS if params.prompt_logprobs is not None else 0)
-            | (LOGPROBS if params.logprobs is not None else 0) | (MIN_TOKENS if params.min_tokens else 0)
-            | (LOGIT_BIAS if params.logit_bias else 0) | (SEEDED if seq.generator is not None else 0)
-            | (PENALTIES if params.uses_penalties else 0) | (GRAMMAR if seq.matcher is not None else 0))
+    return (
+        (PROMPT_LOGPROBS if params.prompt_logprobs is not None else 0)
+        | (LOGPROBS if params.logprobs is not None else 0)
+        | (MIN_TOKENS if params.min_tokens else 0)
+        | (LOGIT_BIAS if params.logit_bias else 0)
+        | (SEEDED if seq.generator is not None else 0)
+        | (PENALTIES if params.uses_penalties else 0)
+        | (GRAMMAR if seq.matcher is not None else 0)
+    )
 
 
 def float_row(params: SamplingParams) -> tuple[float, ...]:
     """``params``' values in ``FLOAT_COLUMNS``' order."""
-    return (params.temperature, inverse_temperature(params.temperature), params.top_p, params.min_p,
-            params.repetition_penalty, params.presence_penalty, params.frequency_penalty)
+    return (
+        params.temperature,
+        inverse_temperature(params.temperature),
+        params.top_p,
+        params.min_p,
+        params.repetition_penalty,
+        params.presence_penalty,
+        params.frequency_penalty,
+    )
 
 
 def clamped_top_k(params: SamplingParams, vocab_size: int) -> int:
@@ -90,7 +109,7 @@ class SequenceRows:
 
     def block_tables(self, rows: np.ndarray) -> np.ndarray:
         """``[groups, len(rows), longest table]`` int32, zero past each sequence's table."""
-        return self.tables[:, rows, :max(1, int(self.table_lens[rows].max(initial=0)))]
+        return self.tables[:, rows, : max(1, int(self.table_lens[rows].max(initial=0)))]
 
     def sampling_columns(self, rows: np.ndarray) -> SamplingColumns:
         """The sampling parameters of ``rows`` (a sequence's row once for each of its sampled rows)."""
@@ -114,18 +133,19 @@ class SequenceRows:
         length = len(seq.block_tables[0]) if seq.block_tables else 0
         if length > self.tables.shape[2]:
             grown = np.zeros((*self.tables.shape[:2], max(length, 2 * self.tables.shape[2])), dtype=np.int32)
-            grown[:, :, :self.tables.shape[2]] = self.tables
+            grown[:, :, : self.tables.shape[2]] = self.tables
             self.tables = grown
         if length:
             self.tables[:, row, :length] = seq.block_tables
-        self.tables[:, row, length:self.table_lens[row]] = 0
+        self.tables[:, row, length : self.table_lens[row]] = 0
         self.table_lens[row] = length
         seq.tables_stale = False
 
     def _reclaim(self) -> None:
         """Free the rows of sequences that no longer run; double the arrays if that frees none."""
-        self.free = [row for row, seq in enumerate(self.owners)
-                     if seq is None or seq.status is not SequenceStatus.RUNNING]
+        self.free = [
+            row for row, seq in enumerate(self.owners) if seq is None or seq.status is not SequenceStatus.RUNNING
+        ]
         for row in self.free:
             self.owners[row] = None
         if self.free:

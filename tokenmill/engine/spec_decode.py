@@ -34,23 +34,30 @@ MAX_FAILED_DRAFTS = 4
 class SpeculativeConfig:
     """vLLM's ``speculative_config`` for prompt lookup (``method="ngram"``)."""
 
-    num_speculative_tokens: int = ruled(
-        None, integer(1, 16), help="draft tokens proposed for each sequence each step")
-    method: str = ruled("ngram", one_of({"ngram": "ngram", "prompt_lookup": "ngram"}),
-                        help="how drafts are proposed: ngram (prompt lookup)")
+    num_speculative_tokens: int = ruled(None, integer(1, 16), help="draft tokens proposed for each sequence each step")
+    method: str = ruled(
+        "ngram",
+        one_of({"ngram": "ngram", "prompt_lookup": "ngram"}),
+        help="how drafts are proposed: ngram (prompt lookup)",
+    )
     prompt_lookup_max: int = ruled(4, integer(1, 64), help="longest n-gram matched")
     prompt_lookup_min: int = ruled(1, integer(1, 64), help="shortest n-gram matched")
     # 16: on the H200 a verify step of 5 tokens a sequence costs 1.03-1.15x a one-token step up to 16
     # sequences, 1.27x at 32 and 1.59x at 64 (Llama-3-8B, docs/PERFORMANCE.md).
     disable_by_batch_size: int = ruled(
-        16, integer(1), help="no drafts while this many sequences or more are running: the batch alone keeps "
-                             "the GPU busy, and a draft rejected costs more than it saves")
+        16,
+        integer(1),
+        help="no drafts while this many sequences or more are running: the batch alone keeps "
+        "the GPU busy, and a draft rejected costs more than it saves",
+    )
 
     def __post_init__(self) -> None:
         check_fields(self)
         if self.prompt_lookup_min > self.prompt_lookup_max:
-            raise ValueError(f"prompt_lookup_min ({self.prompt_lookup_min}) must not exceed "
-                             f"prompt_lookup_max ({self.prompt_lookup_max})")
+            raise ValueError(
+                f"prompt_lookup_min ({self.prompt_lookup_min}) must not exceed "
+                f"prompt_lookup_max ({self.prompt_lookup_max})"
+            )
 
     @classmethod
     def parse(cls, value: Any) -> SpeculativeConfig | None:
@@ -67,8 +74,10 @@ class SpeculativeConfig:
         known = {f.name for f in fields(cls)}
         unknown = sorted(map(repr, set(value) - known))
         if unknown:
-            raise ValueError(f"speculative_config: unknown key{'s' if len(unknown) > 1 else ''} "
-                             f"{', '.join(unknown)}; the keys are {', '.join(sorted(known))}")
+            raise ValueError(
+                f"speculative_config: unknown key{'s' if len(unknown) > 1 else ''} "
+                f"{', '.join(unknown)}; the keys are {', '.join(sorted(known))}"
+            )
         if "num_speculative_tokens" not in value:
             raise ValueError("speculative_config needs num_speculative_tokens")
         try:
@@ -107,7 +116,7 @@ def propose_ngram(tokens: np.ndarray, num_tokens: int, min_n: int, max_n: int) -
     if best < min_n:
         return tokens[:0]
     start = ends[np.flatnonzero(match == best)[-1]] + 1  # the most recent of the longest
-    return tokens[start:start + num_tokens]
+    return tokens[start : start + num_tokens]
 
 
 def accepted_length(drafts: list[int], samples: list[int]) -> int:

@@ -72,8 +72,10 @@ def check_constraint(spec: StructuredOutputsParams, max_bytes: int) -> None:
 
     kind, size = constraint_bytes(spec)
     if size > max_bytes:
-        raise ValueError(f"structured_outputs.{kind} is {size} bytes, more than this engine's limit of {max_bytes} "
-                         "(the max_structured_output_bytes option)")
+        raise ValueError(
+            f"structured_outputs.{kind} is {size} bytes, more than this engine's limit of {max_bytes} "
+            "(the max_structured_output_bytes option)"
+        )
     try:
         if spec.json is not None:
             xgrammar.Grammar.from_json_schema(spec.json if isinstance(spec.json, str) else json.dumps(spec.json))
@@ -81,7 +83,7 @@ def check_constraint(spec: StructuredOutputsParams, max_bytes: int) -> None:
             xgrammar.Grammar.from_regex(spec.regex)
         elif spec.grammar is not None:
             xgrammar.Grammar.from_ebnf(spec.grammar)
-    except Exception as exc:  # noqa: BLE001 - xgrammar raises several kinds; all mean a bad constraint
+    except Exception as exc:
         kind = "json" if spec.json is not None else "regex" if spec.regex is not None else "grammar"
         raise ValueError(f"structured_outputs.{kind} is not valid: {grammar_error_reason(exc)}") from None
 
@@ -111,8 +113,14 @@ class GrammarCompiler:
     xgrammar measures each), so a stream of distinct schemas cannot grow the process without end;
     xgrammar's own cache is off, as it would keep what this one lets go."""
 
-    def __init__(self, model_dir: Path, vocab_size: int, stop_token_ids: tuple[int, ...],
-                 workers: int = DEFAULT_COMPILE_WORKERS, cache_bytes: int = DEFAULT_CACHE_BYTES) -> None:
+    def __init__(
+        self,
+        model_dir: Path,
+        vocab_size: int,
+        stop_token_ids: tuple[int, ...],
+        workers: int = DEFAULT_COMPILE_WORKERS,
+        cache_bytes: int = DEFAULT_CACHE_BYTES,
+    ) -> None:
         self.model_dir = model_dir
         self.vocab_size = vocab_size
         self.stop_token_ids = list(stop_token_ids)
@@ -162,11 +170,13 @@ class GrammarCompiler:
         started = job.started
         if started is None:
             if now - waiting_since > self.queue_timeout_s:
-                return (f"no grammar compile worker was free for {self.queue_timeout_s:.0f} s (all {self.workers} "
-                        "were compiling other constraints); retry later")
+                return (
+                    f"no grammar compile worker was free for {self.queue_timeout_s:.0f} s (all {self.workers} "
+                    "were compiling other constraints); retry later"
+                )
             return None
         if now - max(started, waiting_since) > self.timeout_s:
-            return (f"it took longer than {self.timeout_s:.0f} s; retry later, or simplify the constraint")
+            return f"it took longer than {self.timeout_s:.0f} s; retry later, or simplify the constraint"
         return None
 
     def _run(self, job: CompileJob, spec: StructuredOutputsParams) -> None:
@@ -176,7 +186,7 @@ class GrammarCompiler:
         job.started = time.monotonic()
         try:
             compiled = self._compile(spec)
-        except Exception as exc:  # noqa: BLE001 - the waiting requests fail with it
+        except Exception as exc:
             with self._lock:
                 del self._jobs[job.key]
             job.set_exception(exc)
@@ -222,8 +232,9 @@ class GrammarCompiler:
                 tokenizer = load_tokenizer(self.model_dir)
                 if tokenizer is None:
                     raise ValueError("structured outputs need the model's tokenizer, and this model ships none")
-                info = xgrammar.TokenizerInfo.from_huggingface(tokenizer, vocab_size=self.vocab_size,
-                                                               stop_token_ids=self.stop_token_ids or None)
+                info = xgrammar.TokenizerInfo.from_huggingface(
+                    tokenizer, vocab_size=self.vocab_size, stop_token_ids=self.stop_token_ids or None
+                )
                 self._compiler = xgrammar.GrammarCompiler(info, cache_enabled=False)
             return self._compiler
 
@@ -265,11 +276,11 @@ def fill_masks(bitmask: torch.Tensor, rows: list[tuple[int, Any]]) -> dict[int, 
             try:
                 _thread_pool().batch_fill_next_token_bitmask([m for _, m in rest], bitmask, [r for r, _ in rest])
                 return failed
-            except Exception:  # noqa: BLE001 - one of them raised: found below, row by row
+            except Exception:
                 pass
         try:
             matcher.fill_next_token_bitmask(bitmask, row)
-        except Exception as exc:  # noqa: BLE001 - a matcher's failure is its own sequence's
+        except Exception as exc:
             failed[i] = exc
     return failed
 
@@ -303,8 +314,9 @@ class HostBitmask:
         return on_device
 
 
-def apply_grammars(logits: torch.Tensor, constrained: list[tuple[int, Any, list[int]]],
-                   host: HostBitmask) -> dict[int, str]:
+def apply_grammars(
+    logits: torch.Tensor, constrained: list[tuple[int, Any, list[int]]], host: HostBitmask
+) -> dict[int, str]:
     """Set to -inf, in place, every token that a grammar forbids next (xgrammar's packed bitmask, one
     row of bits per row of logits). Each ``(row, matcher, drafts)`` masks ``row`` and, with drafts
     (speculative decoding), the rows after them (``mask_drafts``).
@@ -321,7 +333,7 @@ def apply_grammars(logits: torch.Tensor, constrained: list[tuple[int, Any, list[
         if drafts:
             try:
                 masked += mask_drafts(bitmask, row, matcher, drafts)
-            except Exception as exc:  # noqa: BLE001 - a matcher's failure is its own sequence's
+            except Exception as exc:
                 errors[i] = exc
                 continue
         masked.append(row)
@@ -362,4 +374,4 @@ def mask_logits(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
     """``logits[i, t] = -inf`` where bit ``t % 32`` of ``bitmask[i, t // 32]`` is 0, in plain torch:
     xgrammar's Triton kernel compiles again for each new batch-size class, on the request path."""
     bits = (bitmask.unsqueeze(-1) >> _bit_shifts(bitmask.device)) & 1
-    logits.masked_fill_(bits.view(bitmask.shape[0], -1)[:, :logits.shape[-1]] == 0, float("-inf"))
+    logits.masked_fill_(bits.view(bitmask.shape[0], -1)[:, : logits.shape[-1]] == 0, float("-inf"))

@@ -68,8 +68,11 @@ class WorkerGroup:
             for rank in range(1, self.size):
                 ours, theirs = context.Pipe()
                 process = context.Process(
-                    target=run_worker, name=f"tokenmill-tp{rank}", daemon=True,
-                    args=(config, model_dir, rank, self.init_method, theirs, logging.getLogger().getEffectiveLevel()))
+                    target=run_worker,
+                    name=f"tokenmill-tp{rank}",
+                    daemon=True,
+                    args=(config, model_dir, rank, self.init_method, theirs, logging.getLogger().getEffectiveLevel()),
+                )
                 process.start()
                 theirs.close()
                 self.processes.append(process)
@@ -144,16 +147,20 @@ class WorkerGroup:
             if killed:
                 process = self.processes[killed[0] - 1]
                 process.join(1.0)
-                return WorkerError(f"tensor-parallel worker rank {killed[0]} died ({_exit_description(process)}); "
-                                   "the engine has stopped")
+                return WorkerError(
+                    f"tensor-parallel worker rank {killed[0]} died ({_exit_description(process)}); "
+                    "the engine has stopped"
+                )
             if self._errors:
                 rank = min(self._errors)
                 return WorkerError(f"tensor-parallel worker rank {rank} failed: {self._errors[rank]}")
             if time.monotonic() > deadline:
                 if cause is None:
                     return WorkerError("the tensor-parallel workers stopped answering; the engine has stopped")
-                return WorkerError(f"rank 0 of the tensor-parallel engine failed ({type(cause).__name__}: {cause}); "
-                                   "the engine has stopped")
+                return WorkerError(
+                    f"rank 0 of the tensor-parallel engine failed ({type(cause).__name__}: {cause}); "
+                    "the engine has stopped"
+                )
             time.sleep(_POLL_S)
 
     def close(self, timeout: float = 10.0) -> None:
@@ -176,12 +183,12 @@ def _may_have_children() -> Any:
     must die with the server). The workers are bound to it all the same: each exits when its pipe
     to rank 0 closes, and is daemonic itself."""
     current = multiprocessing.current_process()
-    daemon = current._config.get("daemon", False)  # noqa: SLF001 - no public way to lift the rule
-    current._config["daemon"] = False  # noqa: SLF001
+    daemon = current._config.get("daemon", False)
+    current._config["daemon"] = False
     try:
         yield
     finally:
-        current._config["daemon"] = daemon  # noqa: SLF001
+        current._config["daemon"] = daemon
 
 
 def _exit_description(process: BaseProcess) -> str:
@@ -191,8 +198,9 @@ def _exit_description(process: BaseProcess) -> str:
     return f"killed by signal {-code}" if code < 0 else f"exit code {code}"
 
 
-def run_worker(config: EngineConfig, model_dir: Path, rank: int, init_method: str, pipe: Connection,
-               log_level: int) -> None:
+def run_worker(
+    config: EngineConfig, model_dir: Path, rank: int, init_method: str, pipe: Connection, log_level: int
+) -> None:
     """A worker process's entry point. Rank 0 alone decides when it stops (a None message, or its pipe
     closing when rank 0's process ends): signals sent to the whole process group are ignored."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -234,4 +242,3 @@ def run_worker(config: EngineConfig, model_dir: Path, rank: int, init_method: st
 
 def _reply(pipe: Connection, kind: str, value: Any) -> None:
     pipe.send_bytes(pickle.dumps((kind, value), protocol=pickle.HIGHEST_PROTOCOL))
-

@@ -28,8 +28,9 @@ class _CommandParser(argparse.ArgumentParser):
     """A subcommand's parser that adds its options (``populate``) the first time it is
     used: parsing the command or printing its help."""
 
-    def __init__(self, *args: Any, populate: Callable[[argparse.ArgumentParser], None] | None = None,
-                 **kwargs: Any) -> None:
+    def __init__(
+        self, *args: Any, populate: Callable[[argparse.ArgumentParser], None] | None = None, **kwargs: Any
+    ) -> None:
         super().__init__(*args, **kwargs)
         self._populate = populate
 
@@ -54,13 +55,18 @@ def _log_level(value: str) -> str:
     return level
 
 
-def _add_command(commands: Any, name: str, help_text: str,
-                 populate: Callable[[argparse.ArgumentParser], None]) -> None:
-    parser = commands.add_parser(name, help=help_text, description=help_text, formatter_class=_FORMATTER,
-                                 populate=populate)
+def _add_command(commands: Any, name: str, help_text: str, populate: Callable[[argparse.ArgumentParser], None]) -> None:
+    parser = commands.add_parser(
+        name, help=help_text, description=help_text, formatter_class=_FORMATTER, populate=populate
+    )
     # SUPPRESS: when absent here, a --log-level given before the command stands.
-    parser.add_argument("--log-level", type=_log_level, default=argparse.SUPPRESS, metavar="LEVEL",
-                        help="logging level, also accepted before the command (default: warning)")
+    parser.add_argument(
+        "--log-level",
+        type=_log_level,
+        default=argparse.SUPPRESS,
+        metavar="LEVEL",
+        help="logging level, also accepted before the command (default: warning)",
+    )
 
 
 def _version() -> str:
@@ -76,14 +82,19 @@ def _add_sampling_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("sampling")
     g.add_argument("--max-tokens", type=int, default=128, help="most tokens to generate")
     g.add_argument("--temperature", type=float, default=0.7, help="randomness of sampling; 0 is greedy")
-    g.add_argument("--top-p", type=float, default=0.95,
-                   help="sample from the smallest set of tokens whose probabilities add up to this")
+    g.add_argument(
+        "--top-p",
+        type=float,
+        default=0.95,
+        help="sample from the smallest set of tokens whose probabilities add up to this",
+    )
     g.add_argument("--top-k", type=int, default=0, help="sample from the k most likely tokens; 0 or -1: all")
 
 
 def _sampling_params(args: argparse.Namespace) -> SamplingParams:
-    return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-                          top_k=args.top_k, seed=args.seed)
+    return SamplingParams(
+        max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed
+    )
 
 
 def stream_text(engine: LLMEngine, prompt: str | list[int], params: SamplingParams) -> Iterator[str]:
@@ -169,8 +180,13 @@ def _chat_args(parser: argparse.ArgumentParser) -> None:
 def _serve_args(parser: argparse.ArgumentParser) -> None:
     from tokenmill.entrypoints.openai.server import add_serve_args, run_server
 
-    parser.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
-                        help="model directory, as with --model (give one or the other)")
+    parser.add_argument(
+        "model_tag",
+        nargs="?",
+        default=None,
+        metavar="MODEL",
+        help="model directory, as with --model (give one or the other)",
+    )
     add_engine_args(parser)
     add_serve_args(parser)
     parser.set_defaults(func=run_server)
@@ -190,11 +206,13 @@ def _merge_model_tag(parser: argparse.ArgumentParser, args: argparse.Namespace) 
 def _bench_args(parser: argparse.ArgumentParser) -> None:
     from tokenmill.bench.offline import BENCHMARKS
 
-    benchmarks = parser.add_subparsers(dest="bench_command", required=True, metavar="BENCHMARK",
-                                       parser_class=_CommandParser)
+    benchmarks = parser.add_subparsers(
+        dest="bench_command", required=True, metavar="BENCHMARK", parser_class=_CommandParser
+    )
     for name in BENCHMARKS:
-        _add_command(benchmarks, name, f"engine benchmark '{name}' on a GPU (random weights, real shapes)",
-                     _engine_bench_args)
+        _add_command(
+            benchmarks, name, f"engine benchmark '{name}' on a GPU (random weights, real shapes)", _engine_bench_args
+        )
     _add_command(benchmarks, "serve", "load generator against an OpenAI-compatible server", _serve_bench_args)
 
 
@@ -214,13 +232,18 @@ def _serve_bench_args(parser: argparse.ArgumentParser) -> None:
 
 # ----------------------------------------------------------------------- main
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="tokenmill", description="LLM inference and serving engine",
-                                     formatter_class=_FORMATTER)
+    parser = argparse.ArgumentParser(
+        prog="tokenmill", description="LLM inference and serving engine", formatter_class=_FORMATTER
+    )
     parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
-    parser.add_argument("--log-level", type=_log_level, default="warning", metavar="LEVEL",
-                        help="logging level: " + ", ".join(LOG_LEVELS))
-    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND",
-                                     parser_class=_CommandParser)
+    parser.add_argument(
+        "--log-level",
+        type=_log_level,
+        default="warning",
+        metavar="LEVEL",
+        help="logging level: " + ", ".join(LOG_LEVELS),
+    )
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND", parser_class=_CommandParser)
     _add_command(commands, "generate", "complete one prompt, streaming to stdout", _generate_args)
     _add_command(commands, "chat", "chat on stdin/stdout through the model's chat template", _chat_args)
     _add_command(commands, "serve", "OpenAI-compatible HTTP server", _serve_args)

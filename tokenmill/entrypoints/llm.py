@@ -34,9 +34,13 @@ class LLM:
     def get_tokenizer(self) -> Any:
         return self.engine.tokenizer
 
-    def generate(self, prompts: Prompt | Sequence[Prompt],
-                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = True, priority: list[int] | None = None) -> list[RequestOutput]:
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        priority: list[int] | None = None,
+    ) -> list[RequestOutput]:
         """Outputs in the order of ``prompts``. A single prompt may be a string or a list of
         ids. ``priority`` gives one per prompt (lower first; needs scheduling_policy "priority").
         Bad input raises ValueError before anything runs; the engine is left as it was."""
@@ -46,8 +50,11 @@ class LLM:
             params = [params] * len(prompts)
         else:
             params = _one_per_prompt("sampling_params", params, len(prompts), "a SamplingParams or a list of them")
-        priorities = [0] * len(prompts) if priority is None else _one_per_prompt(
-            "priority", priority, len(prompts), "None or a list of integers")
+        priorities = (
+            [0] * len(prompts)
+            if priority is None
+            else _one_per_prompt("priority", priority, len(prompts), "None or a list of integers")
+        )
         ids = []
         try:
             for prompt, p, rank in zip(prompts, params, priorities):
@@ -73,9 +80,14 @@ class LLM:
                         bar.update(1)
                         yield out
 
-    def chat(self, messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
-             sampling_params: SamplingParams | None = None, use_tqdm: bool = True, *,
-             tools: list[dict[str, Any]] | None = None) -> list[RequestOutput]:
+    def chat(
+        self,
+        messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
+        sampling_params: SamplingParams | None = None,
+        use_tqdm: bool = True,
+        *,
+        tools: list[dict[str, Any]] | None = None,
+    ) -> list[RequestOutput]:
         """Apply the model's chat template to one conversation or a list of them, and generate.
         ``tools`` (OpenAI's function tools) go to the template, which tells the model how to call
         them; the output is the model's raw text, as in vLLM: reading calls out of it is the
@@ -95,8 +107,9 @@ def _prompt_list(prompts: Any) -> list[Prompt]:
     if isinstance(prompts, list | tuple) and prompts and all(type(t) is int for t in prompts):
         return [list(prompts)]
     if not isinstance(prompts, list | tuple):
-        raise ValueError(f"prompts must be a string, a list of token ids, or a list of those, "
-                         f"not {type(prompts).__name__}")
+        raise ValueError(
+            f"prompts must be a string, a list of token ids, or a list of those, not {type(prompts).__name__}"
+        )
     if not prompts:
         raise ValueError("no prompts were given")
     return list(prompts)

@@ -26,11 +26,14 @@ class Q8Weight:
     def __post_init__(self) -> None:
         n, k = self.qweight.shape
         if self.qweight.dtype != torch.int8 or k % BLOCK:
-            raise ValueError(f"a Q8_0 matrix is int8 with rows a multiple of {BLOCK} long, got "
-                             f"{self.qweight.dtype} {tuple(self.qweight.shape)}")
+            raise ValueError(
+                f"a Q8_0 matrix is int8 with rows a multiple of {BLOCK} long, got "
+                f"{self.qweight.dtype} {tuple(self.qweight.shape)}"
+            )
         if self.scales.shape != (n, k // BLOCK) or self.scales.dtype != torch.float16:
-            raise ValueError(f"Q8_0 scales must be float16 {(n, k // BLOCK)}, got {self.scales.dtype} "
-                             f"{tuple(self.scales.shape)}")
+            raise ValueError(
+                f"Q8_0 scales must be float16 {(n, k // BLOCK)}, got {self.scales.dtype} {tuple(self.scales.shape)}"
+            )
 
     @property
     def shape(self) -> torch.Size:

@@ -32,8 +32,9 @@ def kv_qmax(cache_dtype: torch.dtype) -> float:
     return float(torch.iinfo(cache_dtype).max if cache_dtype == torch.int8 else torch.finfo(cache_dtype).max)
 
 
-def quantize_kv(x: torch.Tensor, cache_dtype: torch.dtype,
-                static_amax: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_kv(
+    x: torch.Tensor, cache_dtype: torch.dtype, static_amax: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``x`` ``[T, H, D]`` in ``cache_dtype`` (int8 or a float8) with one scale per token and head
     (``[T, H]``, bfloat16), so that ``q * scale`` dequantizes it. The scale is the head's largest
     magnitude (or ``static_amax``, a checkpoint's calibrated one for the whole tensor, beyond which
@@ -77,8 +78,9 @@ def write_kv_cache(
         scales.view(num_blocks * block_size, -1)[slots] = scale.to(scales.dtype)  # bfloat16 values, held exactly
 
 
-def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, length: int,
-              scales: torch.Tensor | None = None) -> torch.Tensor:
+def gather_kv(
+    cache: torch.Tensor, block_table: torch.Tensor, length: int, scales: torch.Tensor | None = None
+) -> torch.Tensor:
     """The first ``length`` tokens of one sequence's cache, ``[length, Hkv, D]``; dequantized to
     float32 with ``scales`` (a quantized cache's)."""
     block_size = cache.shape[1]
@@ -101,8 +103,9 @@ def quantize_query_int8(q: torch.Tensor) -> torch.Tensor:
     return torch.floor(q * torch.reciprocal(step) + 0.5) * step
 
 
-def kv_splits(k_cache: torch.Tensor, num_q_heads: int, num_tokens: int, max_query_len: int, max_seq_len: int,
-              batch: int = 1) -> int:
+def kv_splits(
+    k_cache: torch.Tensor, num_q_heads: int, num_tokens: int, max_query_len: int, max_seq_len: int, batch: int = 1
+) -> int:
     """The KV ranges ``paged_attention`` splits a context into: the reference attends over each whole."""
     return 1
 
@@ -127,9 +130,9 @@ def paged_attention(
 ) -> torch.Tensor:
     """Causal attention of ``query`` ``[T, Hq, D]`` over the paged cache, in float32; returns ``[T, Hq, D]``
     (in ``out`` where given). ``max_query_len``, ``max_seq_len`` and ``num_splits`` are launch hints for
-    kernels; the reference reads the lengths itself and never splits a context. ``softcap`` bounds the scaled scores to ``(-softcap, softcap)``
-    by ``tanh(s / cap) * cap`` before the mask, as Gemma does. A quantized cache is read through its
-    scales (``gather_kv``)."""
+    kernels; the reference reads the lengths itself and never splits a context. ``softcap`` bounds the
+    scaled scores to ``(-softcap, softcap)`` by ``tanh(s / cap) * cap`` before the mask, as Gemma does. A
+    quantized cache is read through its scales (``gather_kv``)."""
     if out is None:
         out = torch.empty_like(query)
     num_q_heads = query.shape[1]
@@ -175,15 +178,17 @@ def rms_norm(
     return _rms_norm(x, weight, eps, residual, offset=False)
 
 
-def offset_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
-                    residual: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+def offset_rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Gemma's RMSNorm: the weight is an offset from one (``1 + w``, so zeros are the identity)
     and multiplies in float32 before the cast back, unlike ``rms_norm``. ``residual`` as there."""
     return _rms_norm(x, weight, eps, residual, offset=True)
 
 
-def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None,
-              offset: bool) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+def _rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None, offset: bool
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     if residual is not None:
         x = x + residual
         residual = x
@@ -234,9 +239,14 @@ def rotary_embedding(
     return rotate(query), rotate(key)
 
 
-def rotary_embedding_query(positions: torch.Tensor, query: torch.Tensor, cos_sin_cache: torch.Tensor,
-                           q_norm_weight: torch.Tensor | None = None, eps: float = 1e-6,
-                           norm_weighting: str = "llama") -> torch.Tensor:
+def rotary_embedding_query(
+    positions: torch.Tensor,
+    query: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    q_norm_weight: torch.Tensor | None = None,
+    eps: float = 1e-6,
+    norm_weighting: str = "llama",
+) -> torch.Tensor:
     """(Each head normed first, as in ``rotary_embedding_and_write_kv``, then) RoPE on ``query`` alone,
     for layers that read another layer's cache (Gemma 4's KV-shared layers) and so have no key to
     rotate or write; the key given to ``rotary_embedding`` has no heads."""
@@ -286,8 +296,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor | Q8Weight, bias: torch.Tensor 
     return torch.nn.functional.linear(x, q8_0.dense(weight, x.dtype), bias)
 
 
-def linear_residual(x: torch.Tensor, weight: torch.Tensor | Q8Weight, bias: torch.Tensor | None,
-                    residual: torch.Tensor) -> torch.Tensor:
+def linear_residual(
+    x: torch.Tensor, weight: torch.Tensor | Q8Weight, bias: torch.Tensor | None, residual: torch.Tensor
+) -> torch.Tensor:
     """``residual + x @ weight.T (+ bias)``, the projection rounded before the add (a Q8_0 weight
     dequantized to x's dtype first)."""
     return torch.nn.functional.linear(x, q8_0.dense(weight, x.dtype), bias) + residual
@@ -299,9 +310,16 @@ def linear_gelu_mul(x: torch.Tensor, weight: torch.Tensor | Q8Weight, up: torch.
     return gelu_tanh_mul(linear(x, weight, None), up)
 
 
-def norm_linear(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight: torch.Tensor | Q8Weight,
-                bias: torch.Tensor | None, gated: bool = False, weighting: str = "llama",
-                activation: str = "silu") -> torch.Tensor:
+def norm_linear(
+    x: torch.Tensor,
+    norm_weight: torch.Tensor,
+    eps: float,
+    weight: torch.Tensor | Q8Weight,
+    bias: torch.Tensor | None,
+    gated: bool = False,
+    weighting: str = "llama",
+    activation: str = "silu",
+) -> torch.Tensor:
     """``norm(x) @ weight.T (+ bias)`` (the norm ``NORMS[weighting]``), then with ``gated`` the gate
     half's ``activation`` (``silu`` or ``gelu_tanh``) times the up half (a Q8_0 weight dequantized to
     x's dtype first)."""
@@ -309,16 +327,23 @@ def norm_linear(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight: 
     return GATED_ACTIVATIONS[activation](out) if gated else out
 
 
-def add_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor,
-                 weighting: str, scale: torch.Tensor | None = None) -> torch.Tensor:
+def add_rms_norm(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    residual: torch.Tensor,
+    weighting: str,
+    scale: torch.Tensor | None = None,
+) -> torch.Tensor:
     """``residual + norm(x)`` (the norm ``NORMS[weighting]``): a Gemma block's output, normed,
     joining the stream; then times ``scale`` where given (Gemma 4's layer scalar)."""
     out = residual + NORMS[weighting](x, weight, eps)
     return out if scale is None else out * scale
 
 
-def join_and_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor,
-                  next_weight: torch.Tensor, weighting: str) -> tuple[torch.Tensor, torch.Tensor]:
+def join_and_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor, next_weight: torch.Tensor, weighting: str
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``add_rms_norm`` (no scale), then the new stream normed by ``next_weight`` (the same
     ``NORMS[weighting]`` and eps): returns ``(normed, new stream)``."""
     stream = add_rms_norm(x, weight, eps, residual, weighting)
@@ -347,8 +372,9 @@ GATED_ACTIVATIONS = {"silu": silu_and_mul, "gelu_tanh": gelu_tanh_and_mul}
 NORMS = {"llama": rms_norm, "offset": offset_rms_norm, "fp32": fp32_weight_rms_norm}
 
 
-def sampling_candidates(logits: torch.Tensor, inv_temperature: torch.Tensor, kth: torch.Tensor,
-                        top_p: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+def sampling_candidates(
+    logits: torch.Tensor, inv_temperature: torch.Tensor, kth: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor
+) -> torch.Tensor:
     """The tokens each row may sample (``[N, V]`` bool), with ``x = logits * inv_temperature`` and
     ``w = exp(x - max x)``: a token is in the top-k when its logit is at least ``kth`` (the row's
     k-th largest, ties kept whole; -inf: no top-k); in the top-p when the top-k tokens with a larger
@@ -386,8 +412,16 @@ def kth_largest(top_k: torch.Tensor, top_values: torch.Tensor) -> torch.Tensor:
     return torch.where((top_k > 0) & (top_k <= m), kth, float("-inf"))
 
 
-def sample(logits: torch.Tensor, noise: torch.Tensor, inv_temperature: torch.Tensor, top_k: torch.Tensor,
-           top_values: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor, greedy_ids: torch.Tensor) -> torch.Tensor:
+def sample(
+    logits: torch.Tensor,
+    noise: torch.Tensor,
+    inv_temperature: torch.Tensor,
+    top_k: torch.Tensor,
+    top_values: torch.Tensor,
+    top_p: torch.Tensor,
+    min_p: torch.Tensor,
+    greedy_ids: torch.Tensor,
+) -> torch.Tensor:
     """One token per row of float32 ``logits`` ``[N, V]``: the candidate (``sampling_candidates``, the
     top-k threshold from ``kth_largest(top_k, top_values)``) with the largest ``x - log(noise)``, the
     first on ties. With ``noise ~ Exp(1)`` that is an exact
@@ -400,8 +434,15 @@ def sample(logits: torch.Tensor, noise: torch.Tensor, inv_temperature: torch.Ten
     return torch.where(sampled_rows, key.argmax(dim=-1), greedy_ids)
 
 
-def apply_penalties(logits: torch.Tensor, counts: torch.Tensor, prompt: torch.Tensor, rows: torch.Tensor,
-                    repetition: torch.Tensor, presence: torch.Tensor, frequency: torch.Tensor) -> torch.Tensor:
+def apply_penalties(
+    logits: torch.Tensor,
+    counts: torch.Tensor,
+    prompt: torch.Tensor,
+    rows: torch.Tensor,
+    repetition: torch.Tensor,
+    presence: torch.Tensor,
+    frequency: torch.Tensor,
+) -> torch.Tensor:
     """Row ``i`` of float32 ``logits`` penalised by row ``rows[i]`` of the token tables (``counts``:
     each token's count in the output, ``prompt``: whether it is in the prompt, both ``[R, V]``):
     the repetition penalty over prompt and output (transformers' rule: divide positive logits,

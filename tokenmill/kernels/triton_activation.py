@@ -48,8 +48,18 @@ def gate_activation(g, GELU_TANH: tl.constexpr):
 
 
 @triton.jit
-def _act_and_mul_kernel(gate_ptr, up_ptr, out_ptr, gate_stride, up_stride, out_stride, d, GELU_TANH: tl.constexpr,
-                        PDL: tl.constexpr, BLOCK: tl.constexpr):
+def _act_and_mul_kernel(
+    gate_ptr,
+    up_ptr,
+    out_ptr,
+    gate_stride,
+    up_stride,
+    out_stride,
+    d,
+    GELU_TANH: tl.constexpr,
+    PDL: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
     wait_for_previous_kernel(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -85,8 +95,17 @@ def _act_and_mul(gate: torch.Tensor, up: torch.Tensor, out: torch.Tensor | None,
     if rows and d:
         grid, block, num_warps = _row_launch(rows, d)
         _act_and_mul_kernel[grid](
-            gate2, up2, out2, gate2.stride(0), up2.stride(0), out2.stride(0), d, GELU_TANH=gelu_tanh, BLOCK=block,
-            num_warps=num_warps, **pdl_launch_args(gate.device),
+            gate2,
+            up2,
+            out2,
+            gate2.stride(0),
+            up2.stride(0),
+            out2.stride(0),
+            d,
+            GELU_TANH=gelu_tanh,
+            BLOCK=block,
+            num_warps=num_warps,
+            **pdl_launch_args(gate.device),
         )
     return out
 
@@ -128,12 +147,14 @@ def softcap_(x: torch.Tensor, cap: float) -> torch.Tensor:
     One pass over the logits where the reference's three in-place ops take three: Gemma's final
     softcap over a 262k vocabulary, at 128 rows 67 MB of bf16 logits, read and written once."""
     if x.dim() != 2 or x.stride(-1) != 1:
-        raise ValueError(f"softcap_ takes rows with a contiguous last dimension, got {tuple(x.shape)} "
-                         f"strides {x.stride()}")
+        raise ValueError(
+            f"softcap_ takes rows with a contiguous last dimension, got {tuple(x.shape)} strides {x.stride()}"
+        )
     rows, d = x.shape
     if rows and d:
         grid, block, num_warps = _row_launch(rows, d)
         inv_cap = float(np.float32(1) / np.float32(cap))  # float32's 1 / cap, as torch's
-        _softcap_kernel[grid](x, x.stride(0), d, float(cap), inv_cap, BLOCK=block, num_warps=num_warps,
-                              **pdl_launch_args(x.device))
+        _softcap_kernel[grid](
+            x, x.stride(0), d, float(cap), inv_cap, BLOCK=block, num_warps=num_warps, **pdl_launch_args(x.device)
+        )
     return x

@@ -46,8 +46,9 @@ def _first_best(values, tokens, no_token):
 # a value of 1) compiled a variant for every few-rows class the first time a step's sampler met it,
 # inside that step (Llama-3-8B's 1,024-request workload: five of them). One variant a logits dtype.
 @triton.jit(do_not_specialize=["span", "spans"])
-def _argmax_spans_kernel(logits_ptr, out_ptr, part_value_ptr, part_token_ptr, stride, vocab, span, spans,
-                         BLOCK: tl.constexpr):
+def _argmax_spans_kernel(
+    logits_ptr, out_ptr, part_value_ptr, part_token_ptr, stride, vocab, span, spans, BLOCK: tl.constexpr
+):
     """Program ``(row, s)``: tokens ``s * span`` … of the row. With one span a row it writes the token
     itself; otherwise its span's best value and token."""
     row = tl.program_id(0).to(tl.int64)
@@ -66,8 +67,9 @@ def _argmax_spans_kernel(logits_ptr, out_ptr, part_value_ptr, part_token_ptr, st
         # A lane's first NaN kept apart: folded into ``best``'s comparisons it lengthened the loop's
         # dependency chain (262,208 tokens at 128 rows 65.4 against 43.1 µs).
         first_nan = tl.minimum(first_nan, tl.where(x != x, tokens, vocab))
-    value, token = _first_best(tl.where(first_nan < vocab, float("nan"), best),
-                               tl.where(first_nan < vocab, first_nan, best_token), vocab)
+    value, token = _first_best(
+        tl.where(first_nan < vocab, float("nan"), best), tl.where(first_nan < vocab, first_nan, best_token), vocab
+    )
     if spans == 1:
         tl.store(out_ptr + row, token.to(tl.int64))
     else:
@@ -111,8 +113,9 @@ def argmax_rows(logits: torch.Tensor, spans: int | None = None) -> torch.Tensor:
     # Each span's best value and token, where a row has several (one span writes ``out`` itself; its
     # parts go unused, but typed as the others are: one kernel signature for every span count).
     parts = [torch.empty((rows, spans), dtype=dtype, device=logits.device) for dtype in (torch.float32, torch.int32)]
-    _argmax_spans_kernel[(rows, spans)](logits, out, *parts, logits.stride(0), vocab, span, spans, _BLOCK,
-                                        num_warps=_NUM_WARPS)
+    _argmax_spans_kernel[(rows, spans)](
+        logits, out, *parts, logits.stride(0), vocab, span, spans, _BLOCK, num_warps=_NUM_WARPS
+    )
     if spans > 1:
         _argmax_pick_kernel[(rows,)](*parts, out, vocab, spans, _MAX_SPANS)
     return out

@@ -75,15 +75,25 @@ def _tile_scales(scales, block, start, end, kv_head, block_size, BLOCK_N: tl.con
     """The K and V scales (float32) of tokens ``start`` … ``start + BLOCK_N``, held in ``block``s (0 from
     ``end`` on); ``scales``: each cache's scale pointer and strides (block, slot, head), K's then V's;
     ``layout`` and ``SAME`` as ``_tile_blocks`` takes them."""
-    k_scale_ptr, ks_stride_block, ks_stride_slot, ks_stride_head, v_scale_ptr, vs_stride_block, vs_stride_slot, \
-        vs_stride_head = scales
+    (
+        k_scale_ptr,
+        ks_stride_block,
+        ks_stride_slot,
+        ks_stride_head,
+        v_scale_ptr,
+        vs_stride_block,
+        vs_stride_slot,
+        vs_stride_head,
+    ) = scales
     n = start + tl.arange(0, BLOCK_N)
     valid = n < end
     slot = layout[1] if SAME else n % block_size
-    ks = tl.load(k_scale_ptr + block * ks_stride_block + slot * ks_stride_slot + kv_head * ks_stride_head,
-                 mask=valid, other=0.0).to(tl.float32)
-    vs = tl.load(v_scale_ptr + block * vs_stride_block + slot * vs_stride_slot + kv_head * vs_stride_head,
-                 mask=valid, other=0.0).to(tl.float32)
+    ks = tl.load(
+        k_scale_ptr + block * ks_stride_block + slot * ks_stride_slot + kv_head * ks_stride_head, mask=valid, other=0.0
+    ).to(tl.float32)
+    vs = tl.load(
+        v_scale_ptr + block * vs_stride_block + slot * vs_stride_slot + kv_head * vs_stride_head, mask=valid, other=0.0
+    ).to(tl.float32)
     return ks, vs
 
 
@@ -110,19 +120,54 @@ def _flat_tile(query_start_loc_ptr, f, batch, BLOCK_Q: tl.constexpr):
 
 
 @triton.jit
-def _attend_tiles(acc, m_i, l_i, v_inv, q, q_step, q_pos, lo, hi, split_hi, bt_row, kv_head, cache, scales, qk_scale,
-                  softcap_log2, window, dims, dim_valid, block_size: tl.constexpr, MASKED: tl.constexpr,
-                  KV_SCALED: tl.constexpr, PIPELINED_SCALES: tl.constexpr, DOT_F16: tl.constexpr, PTX: tl.constexpr,
-                  BLOCK_N: tl.constexpr, USE_WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, IEEE_DOT: tl.constexpr,
-                  ONE_TOKEN: tl.constexpr):
+def _attend_tiles(
+    acc,
+    m_i,
+    l_i,
+    v_inv,
+    q,
+    q_step,
+    q_pos,
+    lo,
+    hi,
+    split_hi,
+    bt_row,
+    kv_head,
+    cache,
+    scales,
+    qk_scale,
+    softcap_log2,
+    window,
+    dims,
+    dim_valid,
+    block_size: tl.constexpr,
+    MASKED: tl.constexpr,
+    KV_SCALED: tl.constexpr,
+    PIPELINED_SCALES: tl.constexpr,
+    DOT_F16: tl.constexpr,
+    PTX: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    USE_WINDOW: tl.constexpr,
+    SOFTCAP: tl.constexpr,
+    IEEE_DOT: tl.constexpr,
+    ONE_TOKEN: tl.constexpr,
+):
     """The online softmax over the key tiles ``lo`` … ``hi`` (of a split ending at ``split_hi``) folded
     into ``acc``, ``m_i``, ``l_i``; without ``MASKED`` every row may see every key of every tile; with
     ``ONE_TOKEN`` (every sequence's query is one token) a masked tile masks only the keys past the
     split. Over a quantized cache ``acc`` is in units of ``1 / v_inv``, the program's (``_paged_attention_kernel``).
     ``cache``: the K and V caches' pointers and strides (block, slot, head); ``scales``: theirs.
     Over an int8 cache ``q`` is int8 and ``q_step`` each row's scale (float32; otherwise unused)."""
-    k_cache_ptr, kc_stride_block, kc_stride_slot, kc_stride_head, v_cache_ptr, vc_stride_block, vc_stride_slot, \
-        vc_stride_head = cache
+    (
+        k_cache_ptr,
+        kc_stride_block,
+        kc_stride_slot,
+        kc_stride_head,
+        v_cache_ptr,
+        vc_stride_block,
+        vc_stride_slot,
+        vc_stride_head,
+    ) = cache
     BLOCK_M: tl.constexpr = q.shape[0]
     # A quantized cache's scales. With ``PIPELINED_SCALES`` (``_pipelined_scales``) they are read in
     # their tile's iteration: the pipeline copies them asynchronously with the K/V tiles, and they reach
@@ -138,8 +183,17 @@ def _attend_tiles(acc, m_i, l_i, v_inv, q, q_step, q_pos, lo, hi, split_hi, bt_r
     SAME: tl.constexpr = BLOCK_N % block_size == 0 and (BLOCK_M < 64 or not KV_SCALED)
     layout = _key_layout(lo, block_size, BLOCK_N)
     if KV_SCALED and not PIPELINED_SCALES:
-        ks_next, vs_next = _tile_scales(scales, _tile_blocks(bt_row, lo, split_hi, block_size, BLOCK_N, layout, SAME),
-                                        lo, split_hi, kv_head, block_size, BLOCK_N, layout, SAME)
+        ks_next, vs_next = _tile_scales(
+            scales,
+            _tile_blocks(bt_row, lo, split_hi, block_size, BLOCK_N, layout, SAME),
+            lo,
+            split_hi,
+            kv_head,
+            block_size,
+            BLOCK_N,
+            layout,
+            SAME,
+        )
         blocks_next = _tile_blocks(bt_row, lo + BLOCK_N, split_hi, block_size, BLOCK_N, layout, SAME)
     # Decode tiles (under 64 rows) spread a tile's keys over the warps: a row's sum over them would
     # cross warps every tile, so each key column keeps its own running sum, added up once at the end.
@@ -159,8 +213,9 @@ def _attend_tiles(acc, m_i, l_i, v_inv, q, q_step, q_pos, lo, hi, split_hi, bt_r
             ks, vs = _tile_scales(scales, block, start, split_hi, kv_head, block_size, BLOCK_N, layout, SAME)
         elif KV_SCALED:
             ks, vs = ks_next, vs_next
-            ks_next, vs_next = _tile_scales(scales, blocks_next, start + BLOCK_N, split_hi, kv_head, block_size,
-                                            BLOCK_N, layout, SAME)
+            ks_next, vs_next = _tile_scales(
+                scales, blocks_next, start + BLOCK_N, split_hi, kv_head, block_size, BLOCK_N, layout, SAME
+            )
             blocks_next = _tile_blocks(bt_row, start + 2 * BLOCK_N, split_hi, block_size, BLOCK_N, layout, SAME)
         k_off = block * kc_stride_block + slot * kc_stride_slot + kv_head * kc_stride_head
         k = tl.load(
@@ -377,10 +432,26 @@ def _paged_attention_kernel(
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     bt_row = block_tables_ptr + seq.to(tl.int64) * bt_stride
-    cache = (k_cache_ptr, kc_stride_block, kc_stride_slot, kc_stride_head,
-             v_cache_ptr, vc_stride_block, vc_stride_slot, vc_stride_head)
-    scales = (k_scale_ptr, ks_stride_block, ks_stride_slot, ks_stride_head,
-              v_scale_ptr, vs_stride_block, vs_stride_slot, vs_stride_head)
+    cache = (
+        k_cache_ptr,
+        kc_stride_block,
+        kc_stride_slot,
+        kc_stride_head,
+        v_cache_ptr,
+        vc_stride_block,
+        vc_stride_slot,
+        vc_stride_head,
+    )
+    scales = (
+        k_scale_ptr,
+        ks_stride_block,
+        ks_stride_slot,
+        ks_stride_head,
+        v_scale_ptr,
+        vs_stride_block,
+        vs_stride_slot,
+        vs_stride_head,
+    )
     # Over a quantized cache, acc's unit: the largest value scale of the split's first tile (1 where
     # those values are all zero), in which every tile's scales weigh its probabilities in float16. One
     # unit for every tile, where each tile took its own, spares each a maximum across the warps and a
@@ -389,8 +460,17 @@ def _paged_attention_kernel(
     # times the unit (float16's largest value) weighs as if it were 65504 times.
     v_unit = 1.0
     if KV_SCALED:
-        first = _tile_scales(scales, _tile_blocks(bt_row, split_lo, split_hi, block_size, BLOCK_N, None, False),
-                             split_lo, split_hi, kv_head, block_size, BLOCK_N, None, False)[1]
+        first = _tile_scales(
+            scales,
+            _tile_blocks(bt_row, split_lo, split_hi, block_size, BLOCK_N, None, False),
+            split_lo,
+            split_hi,
+            kv_head,
+            block_size,
+            BLOCK_N,
+            None,
+            False,
+        )[1]
         v_unit = tl.max(first, axis=0)
         v_unit = tl.where(v_unit > 0.0, v_unit, 1.0)
     v_inv = 1.0 / v_unit
@@ -402,23 +482,108 @@ def _paged_attention_kernel(
         if USE_WINDOW:
             edge = tl.maximum(kv_hi - window, split_lo)
         full_lo = split_lo + tl.cdiv(edge - split_lo, BLOCK_N) * BLOCK_N
-        full_hi = tl.maximum(split_lo + (tl.minimum(context + tile_lo + 1, split_hi) - split_lo) // BLOCK_N * BLOCK_N,
-                             full_lo)
-        acc, m_i, l_i = _attend_tiles(acc, m_i, l_i, v_inv, q, q_step, q_pos, split_lo, tl.minimum(full_lo, split_hi),
-                                      split_hi, bt_row, kv_head, cache, scales, qk_scale, softcap_log2, window, dims,
-                                      dim_valid, block_size, True, KV_SCALED, PIPELINED_SCALES, DOT_F16, PTX, BLOCK_N,
-                                      USE_WINDOW, SOFTCAP, IEEE_DOT, ONE_TOKEN)
-        acc, m_i, l_i = _attend_tiles(acc, m_i, l_i, v_inv, q, q_step, q_pos, full_lo, full_hi, split_hi,
-                                      bt_row, kv_head, cache, scales, qk_scale, softcap_log2, window, dims,
-                                      dim_valid, block_size, False, KV_SCALED, PIPELINED_SCALES, DOT_F16, PTX, BLOCK_N,
-                                      USE_WINDOW, SOFTCAP, IEEE_DOT, ONE_TOKEN)
+        full_hi = tl.maximum(
+            split_lo + (tl.minimum(context + tile_lo + 1, split_hi) - split_lo) // BLOCK_N * BLOCK_N, full_lo
+        )
+        acc, m_i, l_i = _attend_tiles(
+            acc,
+            m_i,
+            l_i,
+            v_inv,
+            q,
+            q_step,
+            q_pos,
+            split_lo,
+            tl.minimum(full_lo, split_hi),
+            split_hi,
+            bt_row,
+            kv_head,
+            cache,
+            scales,
+            qk_scale,
+            softcap_log2,
+            window,
+            dims,
+            dim_valid,
+            block_size,
+            True,
+            KV_SCALED,
+            PIPELINED_SCALES,
+            DOT_F16,
+            PTX,
+            BLOCK_N,
+            USE_WINDOW,
+            SOFTCAP,
+            IEEE_DOT,
+            ONE_TOKEN,
+        )
+        acc, m_i, l_i = _attend_tiles(
+            acc,
+            m_i,
+            l_i,
+            v_inv,
+            q,
+            q_step,
+            q_pos,
+            full_lo,
+            full_hi,
+            split_hi,
+            bt_row,
+            kv_head,
+            cache,
+            scales,
+            qk_scale,
+            softcap_log2,
+            window,
+            dims,
+            dim_valid,
+            block_size,
+            False,
+            KV_SCALED,
+            PIPELINED_SCALES,
+            DOT_F16,
+            PTX,
+            BLOCK_N,
+            USE_WINDOW,
+            SOFTCAP,
+            IEEE_DOT,
+            ONE_TOKEN,
+        )
         masked_lo = full_hi
     else:
         masked_lo = split_lo
-    acc, m_i, l_i = _attend_tiles(acc, m_i, l_i, v_inv, q, q_step, q_pos, masked_lo, split_hi, split_hi,
-                                  bt_row, kv_head, cache, scales, qk_scale, softcap_log2, window, dims, dim_valid,
-                                  block_size, True, KV_SCALED, PIPELINED_SCALES, DOT_F16, PTX, BLOCK_N, USE_WINDOW,
-                                  SOFTCAP, IEEE_DOT, ONE_TOKEN)
+    acc, m_i, l_i = _attend_tiles(
+        acc,
+        m_i,
+        l_i,
+        v_inv,
+        q,
+        q_step,
+        q_pos,
+        masked_lo,
+        split_hi,
+        split_hi,
+        bt_row,
+        kv_head,
+        cache,
+        scales,
+        qk_scale,
+        softcap_log2,
+        window,
+        dims,
+        dim_valid,
+        block_size,
+        True,
+        KV_SCALED,
+        PIPELINED_SCALES,
+        DOT_F16,
+        PTX,
+        BLOCK_N,
+        USE_WINDOW,
+        SOFTCAP,
+        IEEE_DOT,
+        ONE_TOKEN,
+    )
 
     if KV_SCALED:
         acc = acc * v_unit
@@ -465,10 +630,10 @@ def _merge_splits_kernel(
     dim_valid = dims < head_dim
     part = (t * num_q_heads + h) * num_splits + splits
     m = tl.load(part_ml_ptr + part * 2, mask=split_valid, other=_NEG_BIG)
-    l = tl.load(part_ml_ptr + part * 2 + 1, mask=split_valid, other=0.0)
+    sums = tl.load(part_ml_ptr + part * 2 + 1, mask=split_valid, other=0.0)
     m_max = tl.max(m, axis=0)
     w = tl.exp2(m - m_max)
-    denom = tl.sum(w * l, axis=0)
+    denom = tl.sum(w * sums, axis=0)
     acc = tl.load(
         part_acc_ptr + part[:, None] * head_dim + dims[None, :],
         mask=split_valid[:, None] & dim_valid[None, :],
@@ -478,8 +643,7 @@ def _merge_splits_kernel(
     tl.store(out_ptr + t * o_stride_t + h * o_stride_h + dims, out.to(out_ptr.dtype.element_ty), mask=dim_valid)
 
 
-def _choose_num_splits(work_units: int, max_context: int, device: torch.device, block_d: int,
-                       block_m: int) -> int:
+def _choose_num_splits(work_units: int, max_context: int, device: torch.device, block_d: int, block_m: int) -> int:
     """Split until a decode grid holds ~2 programs an SM (a prompt's ~4), never past it.
 
     Every decode tile takes most of an SM's shared memory (one program at a time), and two of them
@@ -547,8 +711,9 @@ def _block_rows(block_d: int, group: int, max_query_len: int, elem_bytes: int) -
     return max(16, triton.next_power_of_2(group), min(most, triton.next_power_of_2(max_query_len * group)))
 
 
-def _tile_config(block_d: int, block_m: int, elem_bytes: int, program_keys: int,
-                 num_splits: int) -> tuple[int, int, int, int, int]:
+def _tile_config(
+    block_d: int, block_m: int, elem_bytes: int, program_keys: int, num_splits: int
+) -> tuple[int, int, int, int, int]:
     """``(BLOCK_M, BLOCK_N, num_warps, num_stages, max_registers)`` for a head-dim tile ``block_d``,
     ``block_m`` query rows (``_block_rows``), K/V elements of ``elem_bytes``, at most ``program_keys``
     keys a program streams (its KV range) over ``num_splits`` ranges a sequence; ``max_registers``
@@ -642,9 +807,18 @@ def query_tiles(batch: int, num_tokens: int, max_query_len: int, block_q: int) -
     return q_tiles, batch, False
 
 
-def launch_plan(block_d: int, group: int, num_kv_heads: int, batch: int, num_tokens: int, max_query_len: int,
-                max_context: int, elem_bytes: int, device: torch.device, num_splits: int | None = None
-                ) -> tuple[tuple[int, int, int, int, int], int, tuple[int, int, bool]]:
+def launch_plan(
+    block_d: int,
+    group: int,
+    num_kv_heads: int,
+    batch: int,
+    num_tokens: int,
+    max_query_len: int,
+    max_context: int,
+    elem_bytes: int,
+    device: torch.device,
+    num_splits: int | None = None,
+) -> tuple[tuple[int, int, int, int, int], int, tuple[int, int, bool]]:
     """The tile (``_tile_config``), the KV split count (``num_splits`` forces it) and the query tiles
     (``query_tiles``) a launch takes."""
     block_m = _block_rows(block_d, group, max_query_len, elem_bytes)
@@ -656,13 +830,23 @@ def launch_plan(block_d: int, group: int, num_kv_heads: int, batch: int, num_tok
     return tile, num_splits, grid
 
 
-def kv_splits(k_cache: torch.Tensor, num_q_heads: int, num_tokens: int, max_query_len: int, max_seq_len: int,
-              batch: int = 1) -> int:
+def kv_splits(
+    k_cache: torch.Tensor, num_q_heads: int, num_tokens: int, max_query_len: int, max_seq_len: int, batch: int = 1
+) -> int:
     """The KV ranges a launch over ``k_cache`` splits each sequence's context into, for ``num_q_heads``
     query heads and these lengths (``paged_attention``'s choice when no split count is forced)."""
     num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
-    return launch_plan(triton.next_power_of_2(head_dim), num_q_heads // num_kv_heads, num_kv_heads, batch,
-                       num_tokens, max_query_len, max_seq_len, k_cache.element_size(), k_cache.device)[1]
+    return launch_plan(
+        triton.next_power_of_2(head_dim),
+        num_q_heads // num_kv_heads,
+        num_kv_heads,
+        batch,
+        num_tokens,
+        max_query_len,
+        max_seq_len,
+        k_cache.element_size(),
+        k_cache.device,
+    )[1]
 
 
 def paged_attention(
@@ -726,8 +910,16 @@ def paged_attention(
     block_d = triton.next_power_of_2(head_dim)
     max_context = block_tables.shape[1] * block_size if max_seq_len is None else max_seq_len
     (block_m, block_n, num_warps, num_stages, max_registers), num_splits, (tiles, seqs, flat) = launch_plan(
-        block_d, group, num_kv_heads, batch, num_tokens, max_query_len, max_context, k_cache.element_size(),
-        query.device, num_splits,
+        block_d,
+        group,
+        num_kv_heads,
+        batch,
+        num_tokens,
+        max_query_len,
+        max_context,
+        k_cache.element_size(),
+        query.device,
+        num_splits,
     )
     block_q = block_m // group
     write_partials = num_splits > 1

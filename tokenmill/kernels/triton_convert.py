@@ -26,14 +26,17 @@ import triton.language as tl
 from tokenmill.kernels.triton_launch import interpreted
 
 # Four one-byte values (one 32-bit register) in, four float16 (two registers) out.
-_E4M3_TO_F16 = tl.constexpr("{ .reg .b16 lo, hi; mov.b32 {lo, hi}, $2; cvt.rn.f16x2.e4m3x2 $0, lo; "
-                            "cvt.rn.f16x2.e4m3x2 $1, hi; }")
+_E4M3_TO_F16 = tl.constexpr(
+    "{ .reg .b16 lo, hi; mov.b32 {lo, hi}, $2; cvt.rn.f16x2.e4m3x2 $0, lo; cvt.rn.f16x2.e4m3x2 $1, hi; }"
+)
 # float8 e5m2 is the high byte of the float16 of the same value: two byte permutes (no conversion
 # instruction, so any GPU; float8 e4m3 caches need compute capability 8.9, checked at start-up).
 _E5M2_TO_F16 = tl.constexpr("prmt.b32 $0, $2, 0, 0x1404; prmt.b32 $1, $2, 0, 0x3424;")
 # int8: four bytes of ``{src}`` to float16 pairs ``{lo}`` (bytes 0, 1) and ``{hi}`` (bytes 2, 3).
-_INT8_PAIRS = ("xor.b32 t, {src}, 0x80808080; prmt.b32 lo, t, 0x64646464, 0x4140; prmt.b32 hi, t, 0x64646464, 0x4342; "
-               "mov.b32 bias, 0x64806480; sub.f16x2 {lo}, lo, bias; sub.f16x2 {hi}, hi, bias;")
+_INT8_PAIRS = (
+    "xor.b32 t, {src}, 0x80808080; prmt.b32 lo, t, 0x64646464, 0x4140; prmt.b32 hi, t, 0x64646464, 0x4342; "
+    "mov.b32 bias, 0x64806480; sub.f16x2 {lo}, lo, bias; sub.f16x2 {hi}, hi, bias;"
+)
 _INT8_TO_F16 = tl.constexpr("{ .reg .b32 t, lo, hi, bias; " + _INT8_PAIRS.format(src="$2", lo="$0", hi="$1") + " }")
 
 
@@ -61,8 +64,9 @@ def mul_rn(x, y, PTX: tl.constexpr):
     """``x * y`` (float32) rounded on its own: the compiler fuses a product with the sum it feeds (one
     rounding of both), which PTX's ``mul.rn`` keeps apart. The interpreter (``PTX`` false) fuses nothing."""
     if PTX:
-        product = tl.inline_asm_elementwise("mul.rn.f32 $0, $1, $2;", "=f,f,f", [x, y], dtype=tl.float32,
-                                            is_pure=True, pack=1)
+        product = tl.inline_asm_elementwise(
+            "mul.rn.f32 $0, $1, $2;", "=f,f,f", [x, y], dtype=tl.float32, is_pure=True, pack=1
+        )
     else:
         product = x * y
     return product
@@ -70,15 +74,18 @@ def mul_rn(x, y, PTX: tl.constexpr):
 
 @triton.jit
 def _ptx_to_f16(x, ASM: tl.constexpr, MOVABLE: tl.constexpr):
-    return tl.inline_asm_elementwise(ASM, "=r,=r,r", [x.to(tl.uint8, bitcast=True)], dtype=tl.float16,
-                                     is_pure=MOVABLE, pack=4)
+    return tl.inline_asm_elementwise(
+        ASM, "=r,=r,r", [x.to(tl.uint8, bitcast=True)], dtype=tl.float16, is_pure=MOVABLE, pack=4
+    )
 
 
 # One 32-bit word of four int8 (the first in its low byte) in, the four values in float32 out.
-_INT8X4_TO_F32 = tl.constexpr("{ .reg .b32 t, lo, hi, bias; .reg .b16 a, b, c, d; "
-                              + _INT8_PAIRS.format(src="$4", lo="lo", hi="hi")
-                              + " mov.b32 {a, b}, lo; mov.b32 {c, d}, hi; cvt.f32.f16 $0, a; cvt.f32.f16 $1, b;"
-                              " cvt.f32.f16 $2, c; cvt.f32.f16 $3, d; }")
+_INT8X4_TO_F32 = tl.constexpr(
+    "{ .reg .b32 t, lo, hi, bias; .reg .b16 a, b, c, d; "
+    + _INT8_PAIRS.format(src="$4", lo="lo", hi="hi")
+    + " mov.b32 {a, b}, lo; mov.b32 {c, d}, hi; cvt.f32.f16 $0, a; cvt.f32.f16 $1, b;"
+    " cvt.f32.f16 $2, c; cvt.f32.f16 $3, d; }"
+)
 
 
 @triton.jit
@@ -88,9 +95,14 @@ def int8x4_to_f32(words, PTX: tl.constexpr):
     compiler has taken every byte out of its load and packed them again (sm_90, Triton 3.6: about
     three instructions a value in the Q8_0 GEMV); loaded as words, the bytes stay where they came."""
     if PTX:
-        v0, v1, v2, v3 = tl.inline_asm_elementwise(_INT8X4_TO_F32, "=f,=f,=f,=f,r", [words],
-                                                   dtype=(tl.float32, tl.float32, tl.float32, tl.float32),
-                                                   is_pure=True, pack=1)
+        v0, v1, v2, v3 = tl.inline_asm_elementwise(
+            _INT8X4_TO_F32,
+            "=f,=f,=f,=f,r",
+            [words],
+            dtype=(tl.float32, tl.float32, tl.float32, tl.float32),
+            is_pure=True,
+            pack=1,
+        )
     else:  # each byte sign-extended by shifts
         v0 = ((words << 24) >> 24).to(tl.float32)
         v1 = ((words << 16) >> 24).to(tl.float32)

@@ -56,24 +56,32 @@ Q8_TILES = {"plain": (4, 2048, 4), "norm": (8, 1024, 4), "gated": (8, 1024, 4)}
 # qkv 29.79 -> 26.22, gate|up 117.97 -> 116.47, o 15.81 -> 13.62, down 75.55 -> 59.57; Llama-3-8B
 # (o and down with the residual add): o 10.80 -> 10.30, down 32.10 -> 30.13.
 SHAPE_TILES = {
-    ("norm", 4096, 2560): (16, 512, 8), ("plain", 2560, 2048): (8, 2048, 4), ("plain", 2560, 10240): (4, 2048, 4),
-    ("norm", 8192, 5376): (8, 1024, 4), ("gated", 43008, 5376): (4, 512, 4), ("plain", 5376, 4096): (8, 2048, 4),
+    ("norm", 4096, 2560): (16, 512, 8),
+    ("plain", 2560, 2048): (8, 2048, 4),
+    ("plain", 2560, 10240): (4, 2048, 4),
+    ("norm", 8192, 5376): (8, 1024, 4),
+    ("gated", 43008, 5376): (4, 512, 4),
+    ("plain", 5376, 4096): (8, 2048, 4),
     ("plain", 5376, 21504): (8, 2048, 4),
-    ("plain", 4096, 4096): (4, 1024, 4), ("plain", 4096, 14336): (4, 2048, 8),
+    ("plain", 4096, 4096): (4, 1024, 4),
+    ("plain", 4096, 14336): (4, 2048, 8),
 }
 
 
 @triton.jit
-def _row_dots(w, xf, s_rows, k0, n_ok, K, Q8: tl.constexpr, PTX: tl.constexpr, BLOCK_N: tl.constexpr,
-              BLOCK_K: tl.constexpr):
+def _row_dots(
+    w, xf, s_rows, k0, n_ok, K, Q8: tl.constexpr, PTX: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr
+):
     """The tile's ``BLOCK_N`` partial dot products with the row ``xf`` ``[1, BLOCK_K]`` (float32). With
     Q8, each block of 32 int8 values is summed against ``x`` first and times its scale once: the
     scales, a row's ``BLOCK_K / 32`` consecutive float16s, cost one load and one multiply a block;
     the values, read four to a word, reach float32 through float16 (``int8x4_to_f32``), not the
     conversion unit."""
     if Q8:
-        sums = tl.sum(tl.reshape(int8x4_to_f32(w, PTX), (BLOCK_N, BLOCK_K // 32, 32))
-                      * tl.reshape(xf, (1, BLOCK_K // 32, 32)), axis=2)
+        sums = tl.sum(
+            tl.reshape(int8x4_to_f32(w, PTX), (BLOCK_N, BLOCK_K // 32, 32)) * tl.reshape(xf, (1, BLOCK_K // 32, 32)),
+            axis=2,
+        )
         kb = k0 // 32 + tl.arange(0, BLOCK_K // 32)
         scale = tl.load(s_rows + kb[None, :], mask=n_ok[:, None] & (kb[None, :] < K // 32), other=0.0)
         dots = tl.sum(sums * scale.to(tl.float32), axis=1)
@@ -83,12 +91,33 @@ def _row_dots(w, xf, s_rows, k0, n_ok, K, Q8: tl.constexpr, PTX: tl.constexpr, B
 
 
 @triton.jit
-def _gemv_kernel(x_ptr, norm_w_ptr, w_ptr, w_scale_ptr, bias_ptr, res_ptr, out_ptr,
-                 N, K, stride_w, stride_s, eps,
-                 NORM: tl.constexpr, WEIGHTING: tl.constexpr, GATED: tl.constexpr, GELU: tl.constexpr,
-                 ADD_RES: tl.constexpr, ACT_MUL: tl.constexpr, HAS_BIAS: tl.constexpr, Q8: tl.constexpr,
-                 PTX: tl.constexpr, PDL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 ROW_TILES: tl.constexpr):
+def _gemv_kernel(
+    x_ptr,
+    norm_w_ptr,
+    w_ptr,
+    w_scale_ptr,
+    bias_ptr,
+    res_ptr,
+    out_ptr,
+    N,
+    K,
+    stride_w,
+    stride_s,
+    eps,
+    NORM: tl.constexpr,
+    WEIGHTING: tl.constexpr,
+    GATED: tl.constexpr,
+    GELU: tl.constexpr,
+    ADD_RES: tl.constexpr,
+    ACT_MUL: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    Q8: tl.constexpr,
+    PTX: tl.constexpr,
+    PDL: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    ROW_TILES: tl.constexpr,
+):
     """A program owns ``ROW_TILES`` consecutive tiles of ``BLOCK_N`` rows: with more than one, the row's
     statistics are computed once for them all, and the last weight load of a tile fetches the next
     tile's first, so the stream runs on across tiles. ``res_ptr``: the row added to the projection
@@ -179,10 +208,20 @@ def _gemv_kernel(x_ptr, norm_w_ptr, w_ptr, w_scale_ptr, bias_ptr, res_ptr, out_p
         tl.store(out_ptr + ns, acc.to(out_ty), mask=n_ok)
 
 
-def _gemv(x: torch.Tensor, weight: torch.Tensor | Q8Weight, bias: torch.Tensor | None, *,
-          norm_weight: torch.Tensor | None = None, eps: float = 0.0, gated: bool = False,
-          residual: torch.Tensor | None = None, up: torch.Tensor | None = None, weighting: str = "llama",
-          activation: str = "silu", tiles: tuple[int, ...] | None = None) -> torch.Tensor:
+def _gemv(
+    x: torch.Tensor,
+    weight: torch.Tensor | Q8Weight,
+    bias: torch.Tensor | None,
+    *,
+    norm_weight: torch.Tensor | None = None,
+    eps: float = 0.0,
+    gated: bool = False,
+    residual: torch.Tensor | None = None,
+    up: torch.Tensor | None = None,
+    weighting: str = "llama",
+    activation: str = "silu",
+    tiles: tuple[int, ...] | None = None,
+) -> torch.Tensor:
     """``up``: the projection's ``activation`` times this row (a gate whose other half is an input).
     ``tiles``: force ``(BLOCK_N, BLOCK_K, num_warps[, ROW_TILES])`` (the tile study); default by the
     kind and shape."""
@@ -196,8 +235,11 @@ def _gemv(x: torch.Tensor, weight: torch.Tensor | Q8Weight, bias: torch.Tensor |
     if residual is not None and up is not None:
         raise ValueError("the fused GEMV adds a residual or multiplies by a row, not both")
     if weight.shape[1] != k or (row is not None and row.shape != (m, n)):
-        raise ValueError(f"shapes x {tuple(x.shape)}, weight {tuple(weight.shape)}"
-                         + ("" if row is None else f", row {tuple(row.shape)}") + " do not match")
+        raise ValueError(
+            f"shapes x {tuple(x.shape)}, weight {tuple(weight.shape)}"
+            + ("" if row is None else f", row {tuple(row.shape)}")
+            + " do not match"
+        )
     for t in (x, weight, scales, bias, norm_weight, row):
         if t is not None and t.stride(-1) != 1:
             raise ValueError("the fused GEMV needs contiguous rows")
@@ -213,13 +255,31 @@ def _gemv(x: torch.Tensor, weight: torch.Tensor | Q8Weight, bias: torch.Tensor |
     block_n, block_k, num_warps, row_tiles = (*tiles, 1) if len(tiles) == 3 else tiles
     words = weight if scales is None else weight.view(torch.int32)  # Q8_0: int8 values read four a word
     _gemv_kernel[(triton.cdiv(triton.cdiv(n, block_n), row_tiles),)](
-        x, norm_weight if norm_weight is not None else x, words, scales if scales is not None else weight,
-        bias if bias is not None else weight, row if row is not None else out, out,
-        n, k, words.stride(0), scales.stride(0) if scales is not None else 0, float(eps),
-        NORM=norm_weight is not None, WEIGHTING=WEIGHTINGS[weighting], GATED=gated, GELU=activation == "gelu_tanh",
-        ADD_RES=residual is not None, ACT_MUL=up is not None, HAS_BIAS=bias is not None, Q8=scales is not None,
+        x,
+        norm_weight if norm_weight is not None else x,
+        words,
+        scales if scales is not None else weight,
+        bias if bias is not None else weight,
+        row if row is not None else out,
+        out,
+        n,
+        k,
+        words.stride(0),
+        scales.stride(0) if scales is not None else 0,
+        float(eps),
+        NORM=norm_weight is not None,
+        WEIGHTING=WEIGHTINGS[weighting],
+        GATED=gated,
+        GELU=activation == "gelu_tanh",
+        ADD_RES=residual is not None,
+        ACT_MUL=up is not None,
+        HAS_BIAS=bias is not None,
+        Q8=scales is not None,
         PTX=ptx_conversions(),
-        BLOCK_N=block_n, BLOCK_K=block_k, ROW_TILES=row_tiles, num_warps=num_warps,
+        BLOCK_N=block_n,
+        BLOCK_K=block_k,
+        ROW_TILES=row_tiles,
+        num_warps=num_warps,
         **pdl_launch_args(x.device),
     )
     return out
@@ -230,8 +290,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor | Q8Weight, bias: torch.Tensor 
     return _gemv(x, weight, bias)
 
 
-def linear_residual(x: torch.Tensor, weight: torch.Tensor | Q8Weight, bias: torch.Tensor | None,
-                    residual: torch.Tensor) -> torch.Tensor:
+def linear_residual(
+    x: torch.Tensor, weight: torch.Tensor | Q8Weight, bias: torch.Tensor | None, residual: torch.Tensor
+) -> torch.Tensor:
     """``residual + x @ weight.T (+ bias)`` for one row ``x`` ``[1, K]``."""
     return _gemv(x, weight, bias, residual=residual)
 
@@ -241,11 +302,19 @@ def linear_gelu_mul(x: torch.Tensor, weight: torch.Tensor | Q8Weight, up: torch.
     return _gemv(x, weight, None, up=up, activation="gelu_tanh")
 
 
-def norm_linear(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight: torch.Tensor | Q8Weight,
-                bias: torch.Tensor | None, gated: bool = False, weighting: str = "llama",
-                activation: str = "silu") -> torch.Tensor:
+def norm_linear(
+    x: torch.Tensor,
+    norm_weight: torch.Tensor,
+    eps: float,
+    weight: torch.Tensor | Q8Weight,
+    bias: torch.Tensor | None,
+    gated: bool = False,
+    weighting: str = "llama",
+    activation: str = "silu",
+) -> torch.Tensor:
     """``rms_norm(x) @ weight.T (+ bias)`` for one row (the norm's weight applied as ``weighting``
     says: see ``reference.NORMS``), then the gate's ``activation`` (silu or gelu_tanh) times the up
     half with ``gated``."""
-    return _gemv(x, weight, bias, norm_weight=norm_weight, eps=eps, gated=gated, weighting=weighting,
-                 activation=activation)
+    return _gemv(
+        x, weight, bias, norm_weight=norm_weight, eps=eps, gated=gated, weighting=weighting, activation=activation
+    )

@@ -39,8 +39,9 @@ def pdl_supported(device_index: int) -> bool:
 
 def pdl_launch_args(device: torch.device) -> dict[str, Any]:
     """The kernel's ``PDL`` flag and, when on, the launch option that goes with it."""
-    if device.type == "cuda" and pdl_supported(device.index if device.index is not None
-                                               else torch.cuda.current_device()):
+    if device.type == "cuda" and pdl_supported(
+        device.index if device.index is not None else torch.cuda.current_device()
+    ):
         return {"PDL": True, "launch_pdl": True}
     return {"PDL": False}
 

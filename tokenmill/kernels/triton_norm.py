@@ -121,57 +121,109 @@ def fp32_weight_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> t
     return _rms_norm(x, weight, eps, None, FP32)
 
 
-def add_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor,
-                 weighting: str, scale: torch.Tensor | None = None) -> torch.Tensor:
+def add_rms_norm(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    residual: torch.Tensor,
+    weighting: str,
+    scale: torch.Tensor | None = None,
+) -> torch.Tensor:
     """``residual + norm(x)`` in one pass, for Gemma's ``offset`` or ``fp32`` weighting (a block's
     normed output joining the stream), times ``scale`` (one value) where given."""
     return _join(x, weight, eps, residual, weighting, scale=scale)[1]
 
 
-def join_and_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor,
-                  next_weight: torch.Tensor, weighting: str) -> tuple[torch.Tensor, torch.Tensor]:
+def join_and_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor, next_weight: torch.Tensor, weighting: str
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``add_rms_norm`` (no scale), then the new stream normed by ``next_weight`` with the same
     weighting and eps, in one pass: returns ``(normed, new stream)``. A Gemma layer's two joins each
     meet the next block's input norm; one kernel where there were two."""
     return _join(x, weight, eps, residual, weighting, next_weight=next_weight)
 
 
-def _join(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor, weighting: str, *,
-          scale: torch.Tensor | None = None, next_weight: torch.Tensor | None = None
-          ) -> tuple[torch.Tensor, torch.Tensor]:
+def _join(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    residual: torch.Tensor,
+    weighting: str,
+    *,
+    scale: torch.Tensor | None = None,
+    next_weight: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Gemma's post-norm join (``add_rms_norm``); with ``next_weight`` the new stream normed again.
     Returns ``(normed, new stream)``: the stream twice where nothing is normed after the join."""
     hidden = x.shape[-1]
     x2, r2 = x.reshape(-1, hidden), residual.reshape(-1, hidden)
     weights = (weight,) if next_weight is None else (weight, next_weight)
-    if (x.shape != residual.shape or x2.stride(-1) != 1 or r2.stride(-1) != 1
-            or any(w.stride(-1) != 1 for w in weights)):
+    if x.shape != residual.shape or x2.stride(-1) != 1 or r2.stride(-1) != 1 or any(w.stride(-1) != 1 for w in weights):
         raise ValueError("Gemma's post-norm needs x and residual of one shape, contiguous last dimensions")
     if weighting == "llama":
         raise ValueError("Gemma's post-norm takes offset or fp32 weighting")
     stream = torch.empty(x.shape, dtype=torch.promote_types(x.dtype, residual.dtype), device=x.device)
     normed = stream if next_weight is None else torch.empty_like(stream)
     if x2.shape[0]:
-        _launch(x2, r2, weight, normed.view(-1, hidden), stream.view(-1, hidden), eps, has_residual=True,
-                add_after=True, weighting=WEIGHTINGS[weighting], scale=scale, next_weight=next_weight)
+        _launch(
+            x2,
+            r2,
+            weight,
+            normed.view(-1, hidden),
+            stream.view(-1, hidden),
+            eps,
+            has_residual=True,
+            add_after=True,
+            weighting=WEIGHTINGS[weighting],
+            scale=scale,
+            next_weight=next_weight,
+        )
     return normed, stream
 
 
-def _launch(x2: torch.Tensor, r2: torch.Tensor, weight: torch.Tensor, out2: torch.Tensor, nr2: torch.Tensor,
-            eps: float, *, has_residual: bool, add_after: bool, weighting: int,
-            scale: torch.Tensor | None = None, next_weight: torch.Tensor | None = None) -> None:
+def _launch(
+    x2: torch.Tensor,
+    r2: torch.Tensor,
+    weight: torch.Tensor,
+    out2: torch.Tensor,
+    nr2: torch.Tensor,
+    eps: float,
+    *,
+    has_residual: bool,
+    add_after: bool,
+    weighting: int,
+    scale: torch.Tensor | None = None,
+    next_weight: torch.Tensor | None = None,
+) -> None:
     block = triton.next_power_of_2(x2.shape[-1])
     _rms_norm_kernel[(x2.shape[0],)](
-        x2, r2, weight, next_weight if next_weight is not None else weight, out2, nr2,
-        scale if scale is not None else x2, x2.stride(0), r2.stride(0), out2.stride(0), nr2.stride(0), x2.shape[-1],
-        float(eps), HAS_RESIDUAL=has_residual, ADD_AFTER=add_after, SCALE_AFTER=scale is not None,
-        NORM_AGAIN=next_weight is not None, WEIGHTING=weighting, BLOCK=block,
-        num_warps=max(1, min(16, block // 256)), **pdl_launch_args(x2.device),
+        x2,
+        r2,
+        weight,
+        next_weight if next_weight is not None else weight,
+        out2,
+        nr2,
+        scale if scale is not None else x2,
+        x2.stride(0),
+        r2.stride(0),
+        out2.stride(0),
+        nr2.stride(0),
+        x2.shape[-1],
+        float(eps),
+        HAS_RESIDUAL=has_residual,
+        ADD_AFTER=add_after,
+        SCALE_AFTER=scale is not None,
+        NORM_AGAIN=next_weight is not None,
+        WEIGHTING=weighting,
+        BLOCK=block,
+        num_warps=max(1, min(16, block // 256)),
+        **pdl_launch_args(x2.device),
     )
 
 
-def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None,
-              weighting: int) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+def _rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None, weighting: int
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     hidden = x.shape[-1]
     x2 = x.reshape(-1, hidden)
     sum_dtype = x.dtype if residual is None else torch.promote_types(x.dtype, residual.dtype)
@@ -187,6 +239,5 @@ def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch
     if x2.stride(-1) != 1 or r2.stride(-1) != 1 or weight.stride(-1) != 1:
         raise ValueError("rms_norm needs a contiguous last dimension")
     if x2.shape[0]:
-        _launch(x2, r2, weight, out2, nr2, eps, has_residual=residual is not None, add_after=False,
-                weighting=weighting)
+        _launch(x2, r2, weight, out2, nr2, eps, has_residual=residual is not None, add_after=False, weighting=weighting)
     return out if residual is None else (out, new_residual)

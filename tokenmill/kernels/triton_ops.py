@@ -8,9 +8,9 @@ keyword-only and optional).
 import torch
 
 from tokenmill.kernels.q8_0 import Q8Weight
-from tokenmill.kernels.triton_activation import gelu_tanh_and_mul, gelu_tanh_mul, silu_and_mul, softcap_
+from tokenmill.kernels.triton_activation import gelu_tanh_and_mul, gelu_tanh_mul, silu_and_mul
 from tokenmill.kernels.triton_argmax import argmax_rows
-from tokenmill.kernels.triton_attention import kv_splits, paged_attention
+from tokenmill.kernels.triton_attention import paged_attention
 from tokenmill.kernels.triton_gemv import MAX_ROWS as GEMV_MAX_ROWS
 from tokenmill.kernels.triton_gemv import linear as gemv_linear
 from tokenmill.kernels.triton_gemv import linear_gelu_mul as gemv_linear_gelu_mul
@@ -19,7 +19,8 @@ from tokenmill.kernels.triton_norm import add_rms_norm, fp32_weight_rms_norm, jo
 from tokenmill.kernels.triton_penalties import apply_penalties
 from tokenmill.kernels.triton_rotary import rotary_embedding_and_write_kv, rotary_embedding_query
 from tokenmill.kernels.triton_sampling import sample
-from tokenmill.kernels.triton_skinny_matmul import skinny_matmul, takes as skinny_takes
+from tokenmill.kernels.triton_skinny_matmul import skinny_matmul
+from tokenmill.kernels.triton_skinny_matmul import takes as skinny_takes
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor | Q8Weight, bias: torch.Tensor | None) -> torch.Tensor:
@@ -35,6 +36,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor | Q8Weight, bias: torch.Tensor 
         raise ValueError("a Q8_0 projection needs its rows contiguous")
     return torch.nn.functional.linear(x, weight, bias)
 
+
 def linear_gelu_mul(x: torch.Tensor, weight: torch.Tensor | Q8Weight, up: torch.Tensor) -> torch.Tensor:
     """``reference.linear_gelu_mul`` on the GPU: one row in one GEMV, the activation and product in its
     epilogue; more rows through ``linear``, then the activation and product in one kernel."""
@@ -43,7 +45,23 @@ def linear_gelu_mul(x: torch.Tensor, weight: torch.Tensor | Q8Weight, up: torch.
     return gelu_tanh_mul(linear(x, weight, None), up)
 
 
-__all__ = ["GEMV_MAX_ROWS", "add_rms_norm", "argmax_rows", "apply_penalties", "fp32_weight_rms_norm", "gelu_tanh_and_mul",
-           "join_and_norm", "linear", "linear_gelu_mul", "linear_residual", "norm_linear", "offset_rms_norm",
-           "paged_attention", "rms_norm", "rotary_embedding_and_write_kv", "rotary_embedding_query", "sample",
-           "silu_and_mul"]
+__all__ = [
+    "GEMV_MAX_ROWS",
+    "add_rms_norm",
+    "apply_penalties",
+    "argmax_rows",
+    "fp32_weight_rms_norm",
+    "gelu_tanh_and_mul",
+    "join_and_norm",
+    "linear",
+    "linear_gelu_mul",
+    "linear_residual",
+    "norm_linear",
+    "offset_rms_norm",
+    "paged_attention",
+    "rms_norm",
+    "rotary_embedding_and_write_kv",
+    "rotary_embedding_query",
+    "sample",
+    "silu_and_mul",
+]

@@ -15,8 +15,21 @@ _BLOCK = 2048
 
 
 @triton.jit
-def _penalties_kernel(logits_ptr, counts_ptr, prompt_ptr, rows_ptr, rep_ptr, presence_ptr, frequency_ptr, out_ptr,
-                      logits_stride, table_stride, out_stride, vocab, BLOCK: tl.constexpr):
+def _penalties_kernel(
+    logits_ptr,
+    counts_ptr,
+    prompt_ptr,
+    rows_ptr,
+    rep_ptr,
+    presence_ptr,
+    frequency_ptr,
+    out_ptr,
+    logits_stride,
+    table_stride,
+    out_stride,
+    vocab,
+    BLOCK: tl.constexpr,
+):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     valid = cols < vocab
@@ -37,8 +50,15 @@ def _penalties_kernel(logits_ptr, counts_ptr, prompt_ptr, rows_ptr, rep_ptr, pre
     tl.store(out_ptr + row * out_stride + cols, x, mask=valid)
 
 
-def apply_penalties(logits: torch.Tensor, counts: torch.Tensor, prompt: torch.Tensor, rows: torch.Tensor,
-                    repetition: torch.Tensor, presence: torch.Tensor, frequency: torch.Tensor) -> torch.Tensor:
+def apply_penalties(
+    logits: torch.Tensor,
+    counts: torch.Tensor,
+    prompt: torch.Tensor,
+    rows: torch.Tensor,
+    repetition: torch.Tensor,
+    presence: torch.Tensor,
+    frequency: torch.Tensor,
+) -> torch.Tensor:
     """``reference.apply_penalties`` on the GPU."""
     n, vocab = logits.shape
     if logits.dtype != torch.float32 or counts.dtype != torch.float32 or prompt.dtype != torch.bool:
@@ -48,7 +68,20 @@ def apply_penalties(logits: torch.Tensor, counts: torch.Tensor, prompt: torch.Te
     out = torch.empty_like(logits)
     if n and vocab:
         _penalties_kernel[(n, triton.cdiv(vocab, _BLOCK))](
-            logits, counts, prompt, rows.to(torch.int64).contiguous(), repetition.float().contiguous(),
-            presence.float().contiguous(), frequency.float().contiguous(), out, logits.stride(0), counts.stride(0),
-            out.stride(0), vocab, BLOCK=_BLOCK, num_warps=4, enable_fp_fusion=False)
+            logits,
+            counts,
+            prompt,
+            rows.to(torch.int64).contiguous(),
+            repetition.float().contiguous(),
+            presence.float().contiguous(),
+            frequency.float().contiguous(),
+            out,
+            logits.stride(0),
+            counts.stride(0),
+            out.stride(0),
+            vocab,
+            BLOCK=_BLOCK,
+            num_warps=4,
+            enable_fp_fusion=False,
+        )
     return out

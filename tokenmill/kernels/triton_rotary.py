@@ -27,8 +27,20 @@ _MAX_TILE = 4096
 
 
 @triton.jit
-def _rotate(x_ptr, stride_h, num_heads, cos, sin, half, norm_ptr, eps,
-            HAS_NORM: tl.constexpr, WEIGHTING: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr):
+def _rotate(
+    x_ptr,
+    stride_h,
+    num_heads,
+    cos,
+    sin,
+    half,
+    norm_ptr,
+    eps,
+    HAS_NORM: tl.constexpr,
+    WEIGHTING: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_HALF: tl.constexpr,
+):
     """Both rotated halves of ``num_heads`` heads, in x's dtype; each head RMS-normed first
     (with weight ``norm_ptr``, applied as ``WEIGHTING`` says, see triton_norm) when ``HAS_NORM``."""
     heads = tl.arange(0, BLOCK_H)[:, None]
@@ -95,17 +107,56 @@ def _quantize(x, inv_scale, QMAX: tl.constexpr, dtype: tl.constexpr, PTX: tl.con
 
 @triton.jit
 def _rope_write_kv_kernel(
-    positions_ptr, q_ptr, k_ptr, v_ptr, cos_sin_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_ptr,
-    q_norm_ptr, k_norm_ptr, eps,
-    q_stride_t, q_stride_h, k_stride_t, k_stride_h, v_stride_t, v_stride_h, cos_sin_stride,
-    kc_stride_block, kc_stride_slot, kc_stride_head, vc_stride_block, vc_stride_slot, vc_stride_head,
-    k_scale_ptr, v_scale_ptr, ks_stride_block, ks_stride_slot, ks_stride_head,
-    vs_stride_block, vs_stride_slot, vs_stride_head, kv_amax_ptr,
-    block_size, num_q_heads, num_kv_heads, half, head_dim,
-    HAS_NORM: tl.constexpr, WEIGHTING: tl.constexpr, V_NORM: tl.constexpr, QUANTIZED: tl.constexpr,
-    QMAX: tl.constexpr, STATIC_AMAX: tl.constexpr, PTX: tl.constexpr,
+    positions_ptr,
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    cos_sin_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    slot_mapping_ptr,
+    q_norm_ptr,
+    k_norm_ptr,
+    eps,
+    q_stride_t,
+    q_stride_h,
+    k_stride_t,
+    k_stride_h,
+    v_stride_t,
+    v_stride_h,
+    cos_sin_stride,
+    kc_stride_block,
+    kc_stride_slot,
+    kc_stride_head,
+    vc_stride_block,
+    vc_stride_slot,
+    vc_stride_head,
+    k_scale_ptr,
+    v_scale_ptr,
+    ks_stride_block,
+    ks_stride_slot,
+    ks_stride_head,
+    vs_stride_block,
+    vs_stride_slot,
+    vs_stride_head,
+    kv_amax_ptr,
+    block_size,
+    num_q_heads,
+    num_kv_heads,
+    half,
+    head_dim,
+    HAS_NORM: tl.constexpr,
+    WEIGHTING: tl.constexpr,
+    V_NORM: tl.constexpr,
+    QUANTIZED: tl.constexpr,
+    QMAX: tl.constexpr,
+    STATIC_AMAX: tl.constexpr,
+    PTX: tl.constexpr,
     PDL: tl.constexpr,
-    BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_HQ: tl.constexpr,
+    BLOCK_HK: tl.constexpr,
+    BLOCK_HALF: tl.constexpr,
+    BLOCK_D: tl.constexpr,
 ):
     wait_for_previous_kernel(PDL)
     # Two programs per token: one rotates its q heads, the other its k heads and writes k and v (a
@@ -124,8 +175,20 @@ def _rope_write_kv_kernel(
         qh = tl.arange(0, BLOCK_HQ)[:, None]
         for h0 in range(0, num_q_heads, BLOCK_HQ):
             q_heads = q_row + h0 * q_stride_h
-            q1, q2 = _rotate(q_heads, q_stride_h, num_q_heads - h0, cos, sin, half, q_norm_ptr, eps, HAS_NORM,
-                             WEIGHTING, BLOCK_HQ, BLOCK_HALF)
+            q1, q2 = _rotate(
+                q_heads,
+                q_stride_h,
+                num_q_heads - h0,
+                cos,
+                sin,
+                half,
+                q_norm_ptr,
+                eps,
+                HAS_NORM,
+                WEIGHTING,
+                BLOCK_HQ,
+                BLOCK_HALF,
+            )
             qmask = (qh < num_q_heads - h0) & (idx[None, :] < half)
             tl.store(q_heads + qh * q_stride_h + idx[None, :], q1, mask=qmask)
             tl.store(q_heads + qh * q_stride_h + half + idx[None, :], q2, mask=qmask)
@@ -144,8 +207,20 @@ def _rope_write_kv_kernel(
         k_slot = k_cache_ptr + block * kc_stride_block + offset * kc_stride_slot
         v_slot = v_cache_ptr + block * vc_stride_block + offset * vc_stride_slot
         for h0 in range(0, num_kv_heads, BLOCK_HK):
-            k1, k2 = _rotate(k_row + h0 * k_stride_h, k_stride_h, num_kv_heads - h0, cos, sin, half, k_norm_ptr, eps,
-                             HAS_NORM, WEIGHTING, BLOCK_HK, BLOCK_HALF)
+            k1, k2 = _rotate(
+                k_row + h0 * k_stride_h,
+                k_stride_h,
+                num_kv_heads - h0,
+                cos,
+                sin,
+                half,
+                k_norm_ptr,
+                eps,
+                HAS_NORM,
+                WEIGHTING,
+                BLOCK_HK,
+                BLOCK_HALF,
+            )
             kmask = (kh < live_heads - h0) & (idx[None, :] < half)
             k_dst = k_slot + (h0 + kh) * kc_stride_head + idx[None, :]
             vmask = (kh < live_heads - h0) & (dims < head_dim)
@@ -166,15 +241,20 @@ def _rope_write_kv_kernel(
                     v_amax = tl.zeros_like(v_amax) + tl.load(kv_amax_ptr + 1)
                 k_s = _kv_scale(k_amax, QMAX)
                 v_s = _kv_scale(v_amax, QMAX)
-                tl.store(k_scale_ptr + block * ks_stride_block + offset * ks_stride_slot + heads * ks_stride_head,
-                         k_s.to(k_scale_ptr.dtype.element_ty), mask=live)
-                tl.store(v_scale_ptr + block * vs_stride_block + offset * vs_stride_slot + heads * vs_stride_head,
-                         v_s.to(v_scale_ptr.dtype.element_ty), mask=live)
+                tl.store(
+                    k_scale_ptr + block * ks_stride_block + offset * ks_stride_slot + heads * ks_stride_head,
+                    k_s.to(k_scale_ptr.dtype.element_ty),
+                    mask=live,
+                )
+                tl.store(
+                    v_scale_ptr + block * vs_stride_block + offset * vs_stride_slot + heads * vs_stride_head,
+                    v_s.to(v_scale_ptr.dtype.element_ty),
+                    mask=live,
+                )
                 k_inv = tl.math.div_rn(1.0, k_s)[:, None]
                 v_inv = tl.math.div_rn(1.0, v_s)[:, None]
                 tl.store(k_dst, _quantize(k1f, k_inv, QMAX, k_cache_ptr.dtype.element_ty, PTX), mask=kmask)
-                tl.store(k_dst + half, _quantize(k2f, k_inv, QMAX, k_cache_ptr.dtype.element_ty, PTX),
-                         mask=kmask)
+                tl.store(k_dst + half, _quantize(k2f, k_inv, QMAX, k_cache_ptr.dtype.element_ty, PTX), mask=kmask)
                 tl.store(v_dst, _quantize(vf, v_inv, QMAX, v_cache_ptr.dtype.element_ty, PTX), mask=vmask)
             else:
                 tl.store(k_dst, k1.to(k_cache_ptr.dtype.element_ty), mask=kmask)
@@ -230,17 +310,40 @@ def rotary_embedding_and_write_kv(
         block_hq = min(triton.next_power_of_2(num_q_heads), max_heads)
         block_hk = min(triton.next_power_of_2(max(num_kv_heads, 1)), max_heads)  # no KV heads: q alone
         _rope_write_kv_kernel[(num_tokens, 2)](
-            positions, query, key, value, cos_sin_cache, k_cache, v_cache, slot_mapping,
-            q_norm_weight if q_norm_weight is not None else query, k_norm_weight if k_norm_weight is not None else key,
+            positions,
+            query,
+            key,
+            value,
+            cos_sin_cache,
+            k_cache,
+            v_cache,
+            slot_mapping,
+            q_norm_weight if q_norm_weight is not None else query,
+            k_norm_weight if k_norm_weight is not None else key,
             eps,
-            query.stride(0), query.stride(1), key.stride(0), key.stride(1), value.stride(0), value.stride(1),
+            query.stride(0),
+            query.stride(1),
+            key.stride(0),
+            key.stride(1),
+            value.stride(0),
+            value.stride(1),
             cos_sin_cache.stride(0),
-            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-            v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-            k_scale if quantized else query, v_scale if quantized else query,  # unused when not QUANTIZED
-            *(k_scale.stride() if quantized else (0, 0, 0)), *(v_scale.stride() if quantized else (0, 0, 0)),
+            k_cache.stride(0),
+            k_cache.stride(1),
+            k_cache.stride(2),
+            v_cache.stride(0),
+            v_cache.stride(1),
+            v_cache.stride(2),
+            k_scale if quantized else query,
+            v_scale if quantized else query,  # unused when not QUANTIZED
+            *(k_scale.stride() if quantized else (0, 0, 0)),
+            *(v_scale.stride() if quantized else (0, 0, 0)),
             kv_amax if kv_amax is not None else query,
-            k_cache.shape[1], num_q_heads, num_kv_heads, half, head_dim,
+            k_cache.shape[1],
+            num_q_heads,
+            num_kv_heads,
+            half,
+            head_dim,
             HAS_NORM=q_norm_weight is not None,
             WEIGHTING=WEIGHTINGS[norm_weighting],
             V_NORM=v_norm,
@@ -258,12 +361,29 @@ def rotary_embedding_and_write_kv(
     return query
 
 
-def rotary_embedding_query(positions: torch.Tensor, query: torch.Tensor, cos_sin_cache: torch.Tensor,
-                           q_norm_weight: torch.Tensor | None = None, eps: float = 1e-6,
-                           norm_weighting: str = "llama") -> torch.Tensor:
+def rotary_embedding_query(
+    positions: torch.Tensor,
+    query: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    q_norm_weight: torch.Tensor | None = None,
+    eps: float = 1e-6,
+    norm_weighting: str = "llama",
+) -> torch.Tensor:
     """(The q norm, then) RoPE on ``query`` alone, IN PLACE, nothing written: the same kernel with no
     KV heads, for a layer reading another layer's cache (Gemma 4's KV-shared layers)."""
     no_heads = query[:, :0]
     unused_cache = query.unsqueeze(1)  # [T, 1, Hq, D]: a cache-shaped view that no KV head writes
-    return rotary_embedding_and_write_kv(positions, query, no_heads, no_heads, cos_sin_cache, unused_cache,
-                                         unused_cache, positions, q_norm_weight, q_norm_weight, eps, norm_weighting)
+    return rotary_embedding_and_write_kv(
+        positions,
+        query,
+        no_heads,
+        no_heads,
+        cos_sin_cache,
+        unused_cache,
+        unused_cache,
+        positions,
+        q_norm_weight,
+        q_norm_weight,
+        eps,
+        norm_weighting,
+    )

@@ -70,9 +70,24 @@ def _race(logits_row, noise_row, inv_t, kth, start, end, BLOCK: tl.constexpr):
 
 
 @triton.jit(do_not_specialize=["top_values_stride", "max_top_k", "span"])
-def _race_parts_kernel(logits_ptr, noise_ptr, inv_temp_ptr, top_k_ptr, top_values_ptr, part_max_ptr, part_key_ptr,
-                       part_idx_ptr, logits_stride, noise_stride, top_values_stride, max_top_k, vocab, span,
-                       MAX_SPLITS: tl.constexpr, BLOCK: tl.constexpr):
+def _race_parts_kernel(
+    logits_ptr,
+    noise_ptr,
+    inv_temp_ptr,
+    top_k_ptr,
+    top_values_ptr,
+    part_max_ptr,
+    part_key_ptr,
+    part_idx_ptr,
+    logits_stride,
+    noise_stride,
+    top_values_stride,
+    max_top_k,
+    vocab,
+    span,
+    MAX_SPLITS: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
     """The first pass of ``_sample_kernel`` spread over programs: each races one span of a row."""
     row = tl.program_id(0).to(tl.int64)
     split = tl.program_id(1)
@@ -80,17 +95,43 @@ def _race_parts_kernel(logits_ptr, noise_ptr, inv_temp_ptr, top_k_ptr, top_value
     if inv_t > 0:
         kth = _threshold(top_k_ptr, top_values_ptr, top_values_stride, max_top_k, row)
         start = split * span
-        part_max, key, winner = _race(logits_ptr + row * logits_stride, noise_ptr + row * noise_stride, inv_t, kth,
-                                      start, tl.minimum(start + span, vocab), BLOCK)
+        part_max, key, winner = _race(
+            logits_ptr + row * logits_stride,
+            noise_ptr + row * noise_stride,
+            inv_t,
+            kth,
+            start,
+            tl.minimum(start + span, vocab),
+            BLOCK,
+        )
         tl.store(part_max_ptr + row * MAX_SPLITS + split, part_max)
         tl.store(part_key_ptr + row * MAX_SPLITS + split, key)
         tl.store(part_idx_ptr + row * MAX_SPLITS + split, winner)
 
 
 @triton.jit(do_not_specialize=["top_values_stride", "max_top_k", "num_splits"])
-def _sample_kernel(logits_ptr, noise_ptr, inv_temp_ptr, top_k_ptr, top_values_ptr, top_p_ptr, min_p_ptr, greedy_ptr,
-                   part_max_ptr, part_key_ptr, part_idx_ptr, out_ptr, logits_stride, noise_stride, top_values_stride,
-                   max_top_k, vocab, num_splits, MAX_SPLITS: tl.constexpr, BLOCK: tl.constexpr):
+def _sample_kernel(
+    logits_ptr,
+    noise_ptr,
+    inv_temp_ptr,
+    top_k_ptr,
+    top_values_ptr,
+    top_p_ptr,
+    min_p_ptr,
+    greedy_ptr,
+    part_max_ptr,
+    part_key_ptr,
+    part_idx_ptr,
+    out_ptr,
+    logits_stride,
+    noise_stride,
+    top_values_stride,
+    max_top_k,
+    vocab,
+    num_splits,
+    MAX_SPLITS: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
     row = tl.program_id(0).to(tl.int64)
     inv_t = tl.load(inv_temp_ptr + row)
     token = tl.load(greedy_ptr + row)
@@ -109,7 +150,9 @@ def _sample_kernel(logits_ptr, noise_ptr, inv_temp_ptr, top_k_ptr, top_values_pt
             row_max = tl.max(tl.load(part_max_ptr + row * MAX_SPLITS + splits, mask=done, other=float("-inf")), axis=0)
             _, winner = first_of_best(
                 tl.load(part_key_ptr + row * MAX_SPLITS + splits, mask=done, other=float("-inf")),
-                tl.load(part_idx_ptr + row * MAX_SPLITS + splits, mask=done, other=vocab), vocab)
+                tl.load(part_idx_ptr + row * MAX_SPLITS + splits, mask=done, other=vocab),
+                vocab,
+            )
         else:
             row_max, _, winner = _race(logits_row, noise_row, inv_t, kth, 0, vocab, BLOCK)
         x_win = tl.load(logits_row + winner) * inv_t
@@ -154,9 +197,20 @@ def _default_splits(rows: int, vocab: int, device: torch.device) -> int:
     return max(1, min(MAX_SPLITS, 2 * num_sms(device) // max(rows, 1), triton.cdiv(vocab, _PART_BLOCK)))
 
 
-def sample(logits: torch.Tensor, noise: torch.Tensor, inv_temperature: torch.Tensor, top_k: torch.Tensor,
-           top_values: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor, greedy_ids: torch.Tensor, *,
-           block: int = _BLOCK, num_warps: int = _NUM_WARPS, splits: int | None = None) -> torch.Tensor:
+def sample(
+    logits: torch.Tensor,
+    noise: torch.Tensor,
+    inv_temperature: torch.Tensor,
+    top_k: torch.Tensor,
+    top_values: torch.Tensor,
+    top_p: torch.Tensor,
+    min_p: torch.Tensor,
+    greedy_ids: torch.Tensor,
+    *,
+    block: int = _BLOCK,
+    num_warps: int = _NUM_WARPS,
+    splits: int | None = None,
+) -> torch.Tensor:
     """``reference.sample`` on the GPU: a program per row, its first pass spread over ``splits``
     programs a row (by default as many as fill the GPU: small batches); tiles of ``block`` tokens
     (``benchmarks/study_sampling_tiles.py`` compares tiles)."""
@@ -183,13 +237,46 @@ def sample(logits: torch.Tensor, noise: torch.Tensor, inv_temperature: torch.Ten
     parts = [torch.empty(part_shape, dtype=torch.float32, device=logits.device) for _ in range(2)]
     part_idx = torch.empty(part_shape, dtype=torch.int32, device=logits.device)
     if splits > 1:
-        _race_parts_kernel[(rows, splits)](logits, noise, inv_temperature, top_k, top_values, parts[0], parts[1],
-                                           part_idx, logits.stride(0), noise.stride(0), top_values.stride(0),
-                                           max_top_k, vocab, span, MAX_SPLITS=MAX_SPLITS, BLOCK=_PART_BLOCK,
-                                           num_warps=_PART_WARPS)
-    _sample_kernel[(rows,)](logits, noise, inv_temperature, top_k, top_values, top_p.float().contiguous(),
-                            min_p.float().contiguous(), greedy_ids.to(torch.int64).contiguous(), parts[0], parts[1],
-                            part_idx, out, logits.stride(0), noise.stride(0), top_values.stride(0), max_top_k, vocab,
-                            splits, MAX_SPLITS=MAX_SPLITS, BLOCK=min(block, triton.next_power_of_2(vocab)),
-                            num_warps=num_warps)
+        _race_parts_kernel[(rows, splits)](
+            logits,
+            noise,
+            inv_temperature,
+            top_k,
+            top_values,
+            parts[0],
+            parts[1],
+            part_idx,
+            logits.stride(0),
+            noise.stride(0),
+            top_values.stride(0),
+            max_top_k,
+            vocab,
+            span,
+            MAX_SPLITS=MAX_SPLITS,
+            BLOCK=_PART_BLOCK,
+            num_warps=_PART_WARPS,
+        )
+    _sample_kernel[(rows,)](
+        logits,
+        noise,
+        inv_temperature,
+        top_k,
+        top_values,
+        top_p.float().contiguous(),
+        min_p.float().contiguous(),
+        greedy_ids.to(torch.int64).contiguous(),
+        parts[0],
+        parts[1],
+        part_idx,
+        out,
+        logits.stride(0),
+        noise.stride(0),
+        top_values.stride(0),
+        max_top_k,
+        vocab,
+        splits,
+        MAX_SPLITS=MAX_SPLITS,
+        BLOCK=min(block, triton.next_power_of_2(vocab)),
+        num_warps=num_warps,
+    )
     return out

@@ -46,11 +46,32 @@ _counters: dict[torch.device, list[torch.Tensor]] = {}
 
 
 @triton.jit(do_not_specialize=["M"])  # the row count changes with every batch
-def _skinny_matmul_kernel(x_ptr, w_ptr, s_ptr, bias_ptr, out_ptr, part_ptr, count_ptr, M, N, K,
-                          stride_xm, stride_wn, stride_sn, stride_om,
-                          QUANTIZED: tl.constexpr, HAS_BIAS: tl.constexpr, IEEE_DOT: tl.constexpr,
-                          PTX: tl.constexpr, PDL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                          BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr, SPLIT_K: tl.constexpr):
+def _skinny_matmul_kernel(
+    x_ptr,
+    w_ptr,
+    s_ptr,
+    bias_ptr,
+    out_ptr,
+    part_ptr,
+    count_ptr,
+    M,
+    N,
+    K,
+    stride_xm,
+    stride_wn,
+    stride_sn,
+    stride_om,
+    QUANTIZED: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    IEEE_DOT: tl.constexpr,
+    PTX: tl.constexpr,
+    PDL: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    NUM_STAGES: tl.constexpr,
+    SPLIT_K: tl.constexpr,
+):
     """Program ``(j, i, s)``: output columns ``j``, rows ``i``, the ``s``-th of ``SPLIT_K`` parts of K
     (whole ``BLOCK_K`` steps; a part may be empty)."""
     wait_for_previous_kernel(PDL)
@@ -87,8 +108,9 @@ def _skinny_matmul_kernel(x_ptr, w_ptr, s_ptr, bias_ptr, out_ptr, part_ptr, coun
         tl.store(count_ptr + tile, 0)
     if HAS_BIAS:  # into the float32 sum, rounded once with it, as addmm does
         acc += tl.load(bias_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[:, None]
-    tl.store(out_ptr + rows.to(tl.int64)[None, :] * stride_om + cols[:, None], acc.to(out_ptr.dtype.element_ty),
-             mask=mask)
+    tl.store(
+        out_ptr + rows.to(tl.int64)[None, :] * stride_om + cols[:, None], acc.to(out_ptr.dtype.element_ty), mask=mask
+    )
 
 
 def takes(x: torch.Tensor, weight: torch.Tensor | Q8Weight) -> bool:
@@ -99,8 +121,9 @@ def takes(x: torch.Tensor, weight: torch.Tensor | Q8Weight) -> bool:
     return x.shape[0] <= MAX_DENSE_ROWS and x.stride(-1) == 1 and weight.stride(-1) == 1
 
 
-def default_tiles(m: int, n: int, k: int, quantized: bool, device: torch.device,
-                  float32: bool = False) -> tuple[int, ...]:
+def default_tiles(
+    m: int, n: int, k: int, quantized: bool, device: torch.device, float32: bool = False
+) -> tuple[int, ...]:
     """``(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages, split_k)``: rows in tiles of 16, 32 or 64
     (one compiled variant for each), K split in a power of two of parts up to ``_MAX_SPLIT`` so that
     about ``_PROGRAMS_PER_SM`` programs share an SM; more rows in ``LARGE_TILE``s, one program an SM
@@ -129,14 +152,16 @@ def _tile_counters(device: torch.device, tiles: int) -> torch.Tensor:
     if not made or made[-1].numel() < tiles:
         if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
             # Made inside a capture, they would be zeroed only when that graph replays.
-            raise RuntimeError("the split-K tile counters must be made outside a CUDA graph capture: "
-                               "run this shape eagerly first")
+            raise RuntimeError(
+                "the split-K tile counters must be made outside a CUDA graph capture: run this shape eagerly first"
+            )
         made.append(torch.zeros(max(1 << 12, tiles), dtype=torch.int32, device=device))
     return made[-1]
 
 
-def skinny_matmul(x: torch.Tensor, weight: torch.Tensor | Q8Weight, bias: torch.Tensor | None,
-                  tiles: tuple[int, ...] | None = None) -> torch.Tensor:
+def skinny_matmul(
+    x: torch.Tensor, weight: torch.Tensor | Q8Weight, bias: torch.Tensor | None, tiles: tuple[int, ...] | None = None
+) -> torch.Tensor:
     """``x @ weight.T (+ bias)`` in x's dtype. ``tiles``: force ``default_tiles``' choice (the study)."""
     m, k = x.shape
     quantized = isinstance(weight, Q8Weight)
@@ -150,16 +175,36 @@ def skinny_matmul(x: torch.Tensor, weight: torch.Tensor | Q8Weight, bias: torch.
     if m == 0:
         return out
     block_m, block_n, block_k, num_warps, num_stages, split_k = tiles or default_tiles(
-        m, n, k, quantized, x.device, x.dtype == torch.float32)
+        m, n, k, quantized, x.device, x.dtype == torch.float32
+    )
     split_k = min(split_k, triton.cdiv(k, block_k))
     grid = (triton.cdiv(n, block_n), triton.cdiv(m, block_m), split_k)
     partials = torch.empty((split_k, m, n), dtype=torch.float32, device=x.device) if split_k > 1 else out
     _skinny_matmul_kernel[grid](
-        x, w, weight.scales if quantized else w, bias if bias is not None else x, out, partials,
-        _tile_counters(x.device, grid[0] * grid[1]) if split_k > 1 else out, m, n, k, x.stride(0), w.stride(0),
-        weight.scales.stride(0) if quantized else 0, out.stride(0),
-        QUANTIZED=quantized, HAS_BIAS=bias is not None, IEEE_DOT=x.dtype == torch.float32, PTX=ptx_conversions(),
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, NUM_STAGES=num_stages, SPLIT_K=split_k,
-        num_warps=num_warps, **pdl_launch_args(x.device),
+        x,
+        w,
+        weight.scales if quantized else w,
+        bias if bias is not None else x,
+        out,
+        partials,
+        _tile_counters(x.device, grid[0] * grid[1]) if split_k > 1 else out,
+        m,
+        n,
+        k,
+        x.stride(0),
+        w.stride(0),
+        weight.scales.stride(0) if quantized else 0,
+        out.stride(0),
+        QUANTIZED=quantized,
+        HAS_BIAS=bias is not None,
+        IEEE_DOT=x.dtype == torch.float32,
+        PTX=ptx_conversions(),
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        BLOCK_K=block_k,
+        NUM_STAGES=num_stages,
+        SPLIT_K=split_k,
+        num_warps=num_warps,
+        **pdl_launch_args(x.device),
     )
     return out

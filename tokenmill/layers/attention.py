@@ -15,6 +15,7 @@ from torch import nn
 from tokenmill.layers import ops
 from tokenmill.layers.rotary import RotaryEmbedding
 
+
 @dataclass(frozen=True)
 class KVCache:
     """One layer's cache ``[num_blocks, block_size, kv_heads, head_dim]`` for K and for V, and where
@@ -52,13 +53,21 @@ class AttentionMetadata:
         tables are copies, so that they start on the 16-byte boundary every compiled kernel variant
         assumes (its slots are not read: the step's K/V are written before)."""
         chunks = AttentionMetadata(
-            tuple(s[:num_tokens] for s in self.slot_mapping), self.query_start_loc[:num_seqs + 1],
-            self.seq_lens[:num_seqs], tuple(t[:num_seqs] for t in self.block_tables), self.max_query_len,
-            self.max_seq_len)
+            tuple(s[:num_tokens] for s in self.slot_mapping),
+            self.query_start_loc[: num_seqs + 1],
+            self.seq_lens[:num_seqs],
+            tuple(t[:num_seqs] for t in self.block_tables),
+            self.max_query_len,
+            self.max_seq_len,
+        )
         ones = AttentionMetadata(
-            tuple(s[num_tokens:] for s in self.slot_mapping), self.query_start_loc[num_seqs:] - num_tokens,
-            self.seq_lens[num_seqs:].clone(), tuple(t[num_seqs:].clone() for t in self.block_tables), 1,
-            self.max_seq_len)
+            tuple(s[num_tokens:] for s in self.slot_mapping),
+            self.query_start_loc[num_seqs:] - num_tokens,
+            self.seq_lens[num_seqs:].clone(),
+            tuple(t[num_seqs:].clone() for t in self.block_tables),
+            1,
+            self.max_seq_len,
+        )
         return replace(self, parts=(num_tokens, chunks, ones))
 
 
@@ -69,9 +78,17 @@ class PagedAttention(nn.Module):
     defaults to ``head_dim ** -0.5``; ``softcap`` caps the scores (Gemma); ``kv_group`` picks
     the slot mapping and block table of the layer's KV group."""
 
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int,
-                 sliding_window: int | None, rotary: RotaryEmbedding, scale: float | None = None,
-                 softcap: float | None = None, kv_group: int = 0) -> None:
+    def __init__(
+        self,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        sliding_window: int | None,
+        rotary: RotaryEmbedding,
+        scale: float | None = None,
+        softcap: float | None = None,
+        kv_group: int = 0,
+    ) -> None:
         super().__init__()
         self.kv_group = kv_group
         # A checkpoint's calibrated largest magnitudes of K and V (``k_scale``/``v_scale`` tensors, for a
@@ -81,21 +98,41 @@ class PagedAttention(nn.Module):
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
-        self.scale = head_dim ** -0.5 if scale is None else scale
+        self.scale = head_dim**-0.5 if scale is None else scale
         self.softcap = softcap
         self.sliding_window = sliding_window
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                kv_cache: KVCache, meta: AttentionMetadata,
-                q_norm: nn.Module | None = None, k_norm: nn.Module | None = None,
-                v_norm: bool = False) -> torch.Tensor:
+    def forward(
+        self,
+        positions: torch.Tensor,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: KVCache,
+        meta: AttentionMetadata,
+        q_norm: nn.Module | None = None,
+        k_norm: nn.Module | None = None,
+        v_norm: bool = False,
+    ) -> torch.Tensor:
         """``v_norm``: each v head RMS-normed, weightless, on its way to the cache (Gemma 4)."""
         q = ops.rotary_embedding_and_write_kv(
-            positions, q, k, v, self.rotary.cos_sin_cache, kv_cache.k, kv_cache.v, meta.slot_mapping[self.kv_group],
-            q_norm.weight if q_norm is not None else None, k_norm.weight if k_norm is not None else None,
+            positions,
+            q,
+            k,
+            v,
+            self.rotary.cos_sin_cache,
+            kv_cache.k,
+            kv_cache.v,
+            meta.slot_mapping[self.kv_group],
+            q_norm.weight if q_norm is not None else None,
+            k_norm.weight if k_norm is not None else None,
             q_norm.eps if q_norm is not None else 1e-6,
             norm_weighting=q_norm.weighting if q_norm is not None else "llama",
-            k_scale=kv_cache.k_scale, v_scale=kv_cache.v_scale, kv_amax=self.kv_amax, v_norm=v_norm)
+            k_scale=kv_cache.k_scale,
+            v_scale=kv_cache.v_scale,
+            kv_amax=self.kv_amax,
+            v_norm=v_norm,
+        )
         return self.attend(q, kv_cache, meta)
 
     def load_checkpoint_scale(self, which: str, scale: torch.Tensor) -> None:
@@ -109,8 +146,9 @@ class PagedAttention(nn.Module):
             self.kv_amax = torch.full((2,), float("nan"), dtype=torch.float32, device=self.rotary.cos_sin_cache.device)
         self.kv_amax[0 if which == "k_scale" else 1] = float(scale) * torch.finfo(torch.float8_e4m3fn).max
 
-    def attend(self, q: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata,
-               out: torch.Tensor | None = None) -> torch.Tensor:
+    def attend(
+        self, q: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata, out: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """Attention of the rotated ``q`` over the layer's cache (written before), into ``out`` if given."""
         if meta.parts is not None:
             first, chunks, ones = meta.parts
@@ -118,8 +156,20 @@ class PagedAttention(nn.Module):
             self.attend(q[:first], kv_cache, chunks, out[:first])
             self.attend(q[first:], kv_cache, ones, out[first:])
             return out
-        return ops.paged_attention(q, kv_cache.k, kv_cache.v, meta.query_start_loc, meta.seq_lens,
-                                   meta.block_tables[self.kv_group], self.scale, self.sliding_window,
-                                   max_query_len=meta.max_query_len, max_seq_len=meta.max_seq_len,
-                                   softcap=self.softcap, k_scale=kv_cache.k_scale, v_scale=kv_cache.v_scale,
-                                   num_splits=meta.kv_splits, out=out)
+        return ops.paged_attention(
+            q,
+            kv_cache.k,
+            kv_cache.v,
+            meta.query_start_loc,
+            meta.seq_lens,
+            meta.block_tables[self.kv_group],
+            self.scale,
+            self.sliding_window,
+            max_query_len=meta.max_query_len,
+            max_seq_len=meta.max_seq_len,
+            softcap=self.softcap,
+            k_scale=kv_cache.k_scale,
+            v_scale=kv_cache.v_scale,
+            num_splits=meta.kv_splits,
+            out=out,
+        )

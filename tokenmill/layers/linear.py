@@ -132,8 +132,12 @@ class RowParallelLinear(nn.Linear, Sharded):
     def shard(self, param: str, part: int | None) -> ShardRead:
         if param == "bias":
             return whole(self.bias)
-        return ShardRead(self.weight.data, (self.out_features, self.split.size),
-                         (slice(None), self.split.local_slice(self.tp)), self.out_features)
+        return ShardRead(
+            self.weight.data,
+            (self.out_features, self.split.size),
+            (slice(None), self.split.local_slice(self.tp)),
+            self.out_features,
+        )
 
 
 class ReplicatedLinear(nn.Linear):
@@ -169,15 +173,20 @@ class VocabParallelEmbedding(nn.Embedding, Sharded):
     def logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """``[rows, vocab]`` scores of ``hidden``; ``out``: a preallocated buffer (a CUDA graph's static output)."""
         if self.tp.size == 1:
-            return nn.functional.linear(hidden, self.weight) if out is None else torch.mm(hidden, self.weight.t(),
-                                                                                          out=out)
-        logits = all_gather(nn.functional.linear(hidden, self.weight), self.tp)[:, :self.vocab_size]
+            return (
+                nn.functional.linear(hidden, self.weight) if out is None else torch.mm(hidden, self.weight.t(), out=out)
+            )
+        logits = all_gather(nn.functional.linear(hidden, self.weight), self.tp)[:, : self.vocab_size]
         return logits if out is None else out.copy_(logits)
 
     def shard(self, param: str, part: int | None) -> ShardRead:
-        dest = self.weight.data[:self.num_valid]
-        return ShardRead(dest, (self.vocab_size, self.embedding_dim),
-                         (slice(self.vocab_start, self.vocab_start + self.num_valid),), self.num_embeddings)
+        dest = self.weight.data[: self.num_valid]
+        return ShardRead(
+            dest,
+            (self.vocab_size, self.embedding_dim),
+            (slice(self.vocab_start, self.vocab_start + self.num_valid),),
+            self.num_embeddings,
+        )
 
 
 def shard_read(module: nn.Module, param: str, part: int | None) -> ShardRead:

@@ -34,8 +34,9 @@ class OffsetRMSNorm(RMSNorm):
         super().__init__(dim, eps)
         nn.init.zeros_(self.weight)
 
-    def forward(self, x: torch.Tensor,
-                residual: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         return ops.offset_rms_norm(x, self.weight, self.eps, residual)
 
     def add_to(self, x: torch.Tensor, stream: torch.Tensor) -> torch.Tensor:

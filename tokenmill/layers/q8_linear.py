@@ -75,8 +75,13 @@ def quantize_linears(model: nn.Module, keep: tuple[str, ...] = ("lm_head",)) -> 
     for name, module in list(model.named_modules()):
         for child_name, child in list(module.named_children()):
             full = f"{name}.{child_name}" if name else child_name
-            if (not isinstance(child, nn.Linear) or isinstance(child, Q8Weights) or child_name in keep or full in keep
-                    or child.in_features % q8_0.BLOCK):
+            if (
+                not isinstance(child, nn.Linear)
+                or isinstance(child, Q8Weights)
+                or child_name in keep
+                or full in keep
+                or child.in_features % q8_0.BLOCK
+            ):
                 continue
             packed = q8_0.quantize(child.weight.data.float())
             if type(child) in _PACKED:

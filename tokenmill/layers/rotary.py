@@ -24,7 +24,7 @@ def inverse_frequencies(head_dim: int, theta: float, scaling: dict[str, Any] | N
     if scaling is not None and scaling["rope_type"] == "proportional":
         return proportional_inverse_frequencies(head_dim, theta, scaling)
     exponents = torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float() / head_dim
-    inv_freq = 1.0 / (theta ** exponents)
+    inv_freq = 1.0 / (theta**exponents)
     if scaling is None:
         return inv_freq
     factor = float(scaling["factor"])
@@ -52,15 +52,14 @@ def proportional_inverse_frequencies(head_dim: int, theta: float, scaling: dict[
     rotated_pairs = int(float(scaling.get("partial_rotary_factor", 1.0)) * head_dim // 2)
     exponents = torch.arange(0, 2 * rotated_pairs, 2, dtype=torch.int64, device="cpu").float() / head_dim
     unrotated = torch.zeros(head_dim // 2 - rotated_pairs, dtype=torch.float32, device="cpu")
-    inv_freq = torch.cat([1.0 / (theta ** exponents), unrotated])
+    inv_freq = torch.cat([1.0 / (theta**exponents), unrotated])
     return inv_freq / float(scaling.get("factor", 1.0))
 
 
 class RotaryEmbedding(nn.Module):
     """Holds the cos/sin table; attention applies it (fused with the KV-cache write)."""
 
-    def __init__(self, head_dim: int, max_positions: int, theta: float,
-                 scaling: dict[str, Any] | None) -> None:
+    def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: dict[str, Any] | None) -> None:
         super().__init__()
         # Computed on the CPU whatever the model's device, so every device sees the same table.
         table = rotary_cos_sin(inverse_frequencies(head_dim, theta, scaling), max_positions)

@@ -79,9 +79,13 @@ def largest_logits(logits: torch.Tensor, max_top_k: int) -> torch.Tensor:
     return logits.topk(max_top_k, dim=-1).values
 
 
-def exponential_noise(shape: tuple[int, int], generators: list[torch.Generator | None], device: torch.device,
-                      keep_states: frozenset[int] = frozenset(),
-                      states: dict[int, torch.Tensor] | None = None) -> torch.Tensor:
+def exponential_noise(
+    shape: tuple[int, int],
+    generators: list[torch.Generator | None],
+    device: torch.device,
+    keep_states: frozenset[int] = frozenset(),
+    states: dict[int, torch.Tensor] | None = None,
+) -> torch.Tensor:
     """Exp(1) noise, each seeded row from its own generator, the rest in one draw; the generator
     state after the draw of each row in ``keep_states`` goes into ``states``."""
     noise = torch.empty(shape, device=device).exponential_()
@@ -93,8 +97,7 @@ def exponential_noise(shape: tuple[int, int], generators: list[torch.Generator |
     return noise
 
 
-def gather_logprobs(logprobs: torch.Tensor, token_ids: torch.Tensor,
-                    num_top: int) -> tuple[torch.Tensor, torch.Tensor]:
+def gather_logprobs(logprobs: torch.Tensor, token_ids: torch.Tensor, num_top: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Each row's logprob of ``token_ids`` followed by its ``num_top`` best: ``[N, 1 + num_top]``."""
     chosen = logprobs.gather(-1, token_ids[:, None])
     if num_top <= 0:
@@ -104,8 +107,13 @@ def gather_logprobs(logprobs: torch.Tensor, token_ids: torch.Tensor,
 
 
 class Sampler:
-    def __call__(self, logits: torch.Tensor, batch: SamplingBatch, greedy_ids: torch.Tensor | None = None,
-                 finish: Callable[[torch.Tensor], torch.Tensor] | None = None) -> SamplerOutput:
+    def __call__(
+        self,
+        logits: torch.Tensor,
+        batch: SamplingBatch,
+        greedy_ids: torch.Tensor | None = None,
+        finish: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    ) -> SamplerOutput:
         """``greedy_ids``: the argmax of ``logits`` if already taken (inside a CUDA graph);
         used unless a logit bias, penalties or banned tokens change the logits first. ``finish``: an
         increasing map of ``logits`` to the model's logits, in place (the model's ``finish_logits_``),
@@ -125,8 +133,9 @@ class Sampler:
             logits = logits.reshape(-1).scatter_add(0, rows * logits.shape[-1] + token_ids, bias).view_as(logits)
         if batch.penalties is not None:
             counts, prompt, rows = batch.penalties
-            logits = ops.apply_penalties(logits, counts, prompt, rows, batch.repetition_penalty,
-                                         batch.presence_penalty, batch.frequency_penalty)
+            logits = ops.apply_penalties(
+                logits, counts, prompt, rows, batch.repetition_penalty, batch.presence_penalty, batch.frequency_penalty
+            )
         if batch.banned is not None:
             # The value made on the device: an item assignment (``logits[banned] = -inf``) copies it
             # there synchronously, and the host would wait for the step in flight.
@@ -137,10 +146,19 @@ class Sampler:
         if batch.all_greedy:
             token_ids = greedy_ids
         else:
-            noise = exponential_noise(tuple(logits.shape), batch.generators, logits.device,
-                                      batch.keep_generator_states, states)
-            token_ids = ops.sample(logits, noise, batch.inv_temperature, batch.top_k,
-                                   largest_logits(logits, batch.max_top_k), batch.top_p, batch.min_p, greedy_ids)
+            noise = exponential_noise(
+                tuple(logits.shape), batch.generators, logits.device, batch.keep_generator_states, states
+            )
+            token_ids = ops.sample(
+                logits,
+                noise,
+                batch.inv_temperature,
+                batch.top_k,
+                largest_logits(logits, batch.max_top_k),
+                batch.top_p,
+                batch.min_p,
+                greedy_ids,
+            )
         if raw_logprobs is None:
             return SamplerOutput(token_ids, None, None, states or None)
         values, ids = gather_logprobs(raw_logprobs, token_ids, batch.num_logprobs)

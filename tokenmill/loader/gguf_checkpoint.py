@@ -28,9 +28,12 @@ logger = logging.getLogger(__name__)
 # model_type transformers reads from them: llama.cpp writes Mistral models as "llama" (transformers reads
 # one as Mistral only where its ``general.name`` is "mistral"), and a "gemma3" file holds Gemma 3's text
 # model alone.
-ARCHITECTURES = {"llama": {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM"},
-                 "qwen2": {"qwen2": "Qwen2ForCausalLM"}, "qwen3": {"qwen3": "Qwen3ForCausalLM"},
-                 "gemma3": {"gemma3_text": "Gemma3ForCausalLM"}}
+ARCHITECTURES = {
+    "llama": {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM"},
+    "qwen2": {"qwen2": "Qwen2ForCausalLM"},
+    "qwen3": {"qwen3": "Qwen3ForCausalLM"},
+    "gemma3": {"gemma3_text": "Gemma3ForCausalLM"},
+}
 
 
 def is_gguf_file(path: str | Path) -> bool:
@@ -93,8 +96,9 @@ def read_gguf_config(path: str | Path) -> dict[str, Any]:
     reader = _open(path)
     architecture = _field(reader, "general.architecture")
     if architecture not in ARCHITECTURES:
-        raise ModelLoadError(f"{path}: GGUF architecture {architecture!r} is not supported "
-                             f"(supported: {', '.join(ARCHITECTURES)})")
+        raise ModelLoadError(
+            f"{path}: GGUF architecture {architecture!r} is not supported (supported: {', '.join(ARCHITECTURES)})"
+        )
     transformers_config = _transformers_config(path)
     config = transformers_config.to_dict()
     config["architectures"] = [ARCHITECTURES[architecture][transformers_config.model_type]]
@@ -127,16 +131,18 @@ def _gemma3_as_llama_cpp_runs_it(reader: GGUFReader, config: dict[str, Any]) -> 
         rope["full_attention"] = {**rope.get("full_attention", {}), "rope_type": "linear", "factor": float(factor)}
         config["rope_parameters"] = rope
     heads = config["num_attention_heads"]
-    config["query_pre_attn_scalar"] = (config["hidden_size"] // heads if config["num_hidden_layers"] == _GEMMA3_27B_LAYERS
-                                       else config["head_dim"])
+    config["query_pre_attn_scalar"] = (
+        config["hidden_size"] // heads if config["num_hidden_layers"] == _GEMMA3_27B_LAYERS else config["head_dim"]
+    )
 
 
 def packs_q8_0(path: str | Path) -> bool:
     """Whether the file's layer matrices are Q8_0 (the engine then keeps them packed)."""
     from gguf import GGMLQuantizationType
 
-    return any(t.name.startswith("blk.") and t.tensor_type == GGMLQuantizationType.Q8_0
-               for t in _open(Path(path)).tensors)
+    return any(
+        t.name.startswith("blk.") and t.tensor_type == GGMLQuantizationType.Q8_0 for t in _open(Path(path)).tensors
+    )
 
 
 def iter_gguf_checkpoint(path: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
@@ -162,8 +168,12 @@ def iter_gguf_checkpoint(path: str | Path) -> Iterator[tuple[str, torch.Tensor]]
     architecture = _field(reader, "general.architecture")
     processor = TENSOR_PROCESSORS.get(architecture, TensorProcessor)(config=parsed["config"])
     types = Counter(tensor.tensor_type.name for tensor in reader.tensors)
-    logger.info("%s: %d tensors (%s), each dequantized to the model's dtype as it loads", path.name,
-                len(reader.tensors), ", ".join(f"{n} {name}" for name, n in types.most_common()))
+    logger.info(
+        "%s: %d tensors (%s), each dequantized to the model's dtype as it loads",
+        path.name,
+        len(reader.tensors),
+        ", ".join(f"{n} {name}" for name, n in types.most_common()),
+    )
     # The tensor names of the file's own architecture: transformers would ask gguf for those of its config's
     # model_type, and gguf has no "mistral" (a file read as Mistral holds llama's tensors).
     names = get_gguf_hf_weights_map(skeleton, processor, model_type=architecture)
@@ -171,9 +181,11 @@ def iter_gguf_checkpoint(path: str | Path) -> Iterator[tuple[str, torch.Tensor]]
         try:
             weights = dequantize(tensor.data, tensor.tensor_type)
         except (NotImplementedError, ValueError) as exc:
-            raise ModelLoadError(f"{path}: tensor {tensor.name!r} of type {tensor.tensor_type.name} cannot be "
-                                 f"read: {exc}") from None
-        result = processor.process(weights=weights, name=tensor.name, tensor_key_mapping=names,
-                                   parsed_parameters=parsed)
+            raise ModelLoadError(
+                f"{path}: tensor {tensor.name!r} of type {tensor.tensor_type.name} cannot be read: {exc}"
+            ) from None
+        result = processor.process(
+            weights=weights, name=tensor.name, tensor_key_mapping=names, parsed_parameters=parsed
+        )
         if result.name in names:
             yield names[result.name], torch.from_numpy(np.array(result.weights))  # a copy: the file is read-only

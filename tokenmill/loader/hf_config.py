@@ -93,8 +93,9 @@ def rope_parameters(raw: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
         if kind == "default":
             return theta, None
         if kind not in ("linear", "llama3", "proportional"):
-            raise ModelLoadError(f"rope type {kind!r} is not supported "
-                                 "(supported: default, linear, llama3, proportional)")
+            raise ModelLoadError(
+                f"rope type {kind!r} is not supported (supported: default, linear, llama3, proportional)"
+            )
         scaling["rope_type"] = kind
     return theta, scaling
 
@@ -108,9 +109,8 @@ def load_model_config(model_dir: str | Path) -> ModelConfig:
     """Parse ``config.json`` (its ``text_config`` when it nests one, as multimodal
     checkpoints do) and ``generation_config.json`` for eos ids, whose list wins."""
     # Imported here: the registry imports this module (ModelConfig) through the families.
-    from tokenmill.models.registry import SUPPORTED_ARCHITECTURES, config_parser
-
     from tokenmill.loader.gguf_checkpoint import is_gguf_file, read_gguf_config
+    from tokenmill.models.registry import SUPPORTED_ARCHITECTURES, config_parser
 
     model_dir = Path(model_dir)
     if is_gguf_file(model_dir):  # a single GGUF file: its metadata, as a config.json
@@ -120,8 +120,9 @@ def load_model_config(model_dir: str | Path) -> ModelConfig:
             raise ModelLoadError(f"model directory {str(model_dir)!r} does not exist")
         config_path = model_dir / "config.json"
         if not config_path.is_file():
-            raise ModelLoadError(f"{model_dir} has no config.json: is it a Hugging Face model directory "
-                                 "(or a .gguf file)?")
+            raise ModelLoadError(
+                f"{model_dir} has no config.json: is it a Hugging Face model directory (or a .gguf file)?"
+            )
         top = read_json(config_path)
     archs = top.get("architectures") or []
     arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)

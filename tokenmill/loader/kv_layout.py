@@ -17,7 +17,6 @@ import torch
 
 from tokenmill.distributed import units_per_rank
 
-
 # ``kv_cache_dtype`` names (vLLM's) → the dtype K and V are stored in; ``auto`` is the model's dtype.
 QUANTIZED_KV_DTYPES = {"int8": torch.int8, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
 
@@ -65,8 +64,9 @@ class KVLayout:
                 raise ValueError(f"layer {i} cannot read the cache of layer {src}")
 
     @classmethod
-    def uniform(cls, num_layers: int, num_kv_heads: int, head_dim: int,
-                sliding_windows: Sequence[int | None]) -> KVLayout:
+    def uniform(
+        cls, num_layers: int, num_kv_heads: int, head_dim: int, sliding_windows: Sequence[int | None]
+    ) -> KVLayout:
         """Every layer owns its cache, all of one head shape (windows may differ per layer)."""
         return cls(tuple(KVSpec(num_kv_heads, head_dim, w) for w in sliding_windows), tuple(range(num_layers)))
 
@@ -75,11 +75,15 @@ class KVLayout:
         rank holds (one, replicated, where a spec has fewer heads than ranks), the groups unchanged."""
         if size == 1:
             return self
-        local = KVLayout(tuple(replace(spec, num_kv_heads=units_per_rank(spec.num_kv_heads, size))
-                               for spec in self.layers), self.source)
+        local = KVLayout(
+            tuple(replace(spec, num_kv_heads=units_per_rank(spec.num_kv_heads, size)) for spec in self.layers),
+            self.source,
+        )
         if len(local.groups) != len(self.groups):
-            raise ValueError(f"KV cache groups {self.groups} would merge when split over {size} ranks: "
-                             "tensor parallelism does not support this layout")
+            raise ValueError(
+                f"KV cache groups {self.groups} would merge when split over {size} ranks: "
+                "tensor parallelism does not support this layout"
+            )
         return local
 
     @property
@@ -108,9 +112,12 @@ class KVLayout:
     def bytes_held(self, context: int, dtype: torch.dtype) -> int:
         """What one sequence of ``context`` tokens keeps: each cache-owning layer the tokens its
         window can still see (block rounding aside)."""
-        return sum(spec.bytes_per_token(dtype) * (context if spec.sliding_window is None
-                                                  else min(context, spec.sliding_window))
-                   for i, spec in enumerate(self.layers) if self.source[i] == i)
+        return sum(
+            spec.bytes_per_token(dtype)
+            * (context if spec.sliding_window is None else min(context, spec.sliding_window))
+            for i, spec in enumerate(self.layers)
+            if self.source[i] == i
+        )
 
     def full_length_bytes_per_token(self, dtype: torch.dtype) -> int:
         """What one token would take if every layer kept its own full-length cache (the
@@ -128,6 +135,8 @@ def resolve_kv_cache_dtype(name: str, model_dtype: torch.dtype, device: torch.de
     if device.type == "cuda" and dtype == torch.float8_e4m3fn:
         capability = torch.cuda.get_device_capability(device)
         if capability < (8, 9):
-            raise ValueError(f"kv_cache_dtype {name!r} needs a GPU of compute capability 8.9 or later "
-                             f"(this one is {capability[0]}.{capability[1]}): use 'int8' or 'fp8_e5m2'")
+            raise ValueError(
+                f"kv_cache_dtype {name!r} needs a GPU of compute capability 8.9 or later "
+                f"(this one is {capability[0]}.{capability[1]}): use 'int8' or 'fp8_e5m2'"
+            )
     return dtype

@@ -44,8 +44,9 @@ def iter_checkpoint(model_dir: Path) -> Iterator[tuple[str, torch.Tensor | Any]]
             # header, tensors whose offsets do not cover the file or do not fit their shapes and dtypes
             file = safe_open(str(path), framework="pt")
         except SafetensorError as exc:
-            raise ModelLoadError(f"{path} is not a safetensors file this engine can read, truncated or corrupt: "
-                                 f"{exc}") from None
+            raise ModelLoadError(
+                f"{path} is not a safetensors file this engine can read, truncated or corrupt: {exc}"
+            ) from None
         with file as f:
             for name in f.keys():
                 yield name, f.get_slice(name)

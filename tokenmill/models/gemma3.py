@@ -39,8 +39,11 @@ logger = logging.getLogger(__name__)
 _DEFAULT_GLOBAL_THETA = 1_000_000.0
 _DEFAULT_LOCAL_THETA = 10_000.0
 # Checkpoint prefixes of Gemma3ForConditionalGeneration's language model (transformers 5, then 4).
-_LANGUAGE_MODEL_PREFIXES = {"model.language_model.": "model.", "language_model.model.": "model.",
-                            "language_model.lm_head.": "lm_head."}
+_LANGUAGE_MODEL_PREFIXES = {
+    "model.language_model.": "model.",
+    "language_model.model.": "model.",
+    "language_model.lm_head.": "lm_head.",
+}
 _VISION_PREFIXES = ("model.vision_tower.", "model.multi_modal_projector.", "vision_tower.", "multi_modal_projector.")
 
 
@@ -59,7 +62,9 @@ def layer_types(raw: dict[str, Any], pattern: int) -> list[str]:
     """``layer_types``, or else every ``pattern``-th layer global and the others sliding."""
     if raw.get("layer_types") is not None:
         return list(raw["layer_types"])
-    return ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(int(raw["num_hidden_layers"]))]
+    return [
+        "sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(int(raw["num_hidden_layers"]))
+    ]
 
 
 def parse_config(raw: dict[str, Any], arch: str) -> Gemma3Config:
@@ -79,10 +84,16 @@ def parse_config(raw: dict[str, Any], arch: str) -> Gemma3Config:
     local_theta, local_scaling = rope_parameters({"rope_parameters": local})
     types = layer_types(raw, int(raw.get("sliding_window_pattern", 6)))  # the older spelling of layer_types
     bias = bool(raw.get("attention_bias", False))
-    text = {**raw, "rope_parameters": full, "rope_scaling": None, "layer_types": types,
-            "tie_word_embeddings": raw.get("tie_word_embeddings", True)}
-    base = decoder_config(text, arch, qkv_bias=bias, o_bias=bias, qk_norm=True,
-                          windows=sliding_windows(text, raw.get("sliding_window")))
+    text = {
+        **raw,
+        "rope_parameters": full,
+        "rope_scaling": None,
+        "layer_types": types,
+        "tie_word_embeddings": raw.get("tie_word_embeddings", True),
+    }
+    base = decoder_config(
+        text, arch, qkv_bias=bias, o_bias=bias, qk_norm=True, windows=sliding_windows(text, raw.get("sliding_window"))
+    )
     return Gemma3Config(
         **{f.name: getattr(base, f.name) for f in fields(ModelConfig)},
         attn_scale=float(raw.get("query_pre_attn_scalar", 256)) ** -0.5,
@@ -101,13 +112,15 @@ class Gemma3Attention(DecoderAttention):
     def __init__(self, cfg: Gemma3Config, layer: int, rotary: RotaryEmbedding) -> None:
         super().__init__(cfg, layer, rotary, OffsetRMSNorm, cfg.attn_scale, cfg.attn_softcap)
 
-    def forward(self, positions: torch.Tensor, qkv: torch.Tensor, kv_cache: KVCache,
-                meta: AttentionMetadata) -> torch.Tensor:
+    def forward(
+        self, positions: torch.Tensor, qkv: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata
+    ) -> torch.Tensor:
         """``qkv``: ``qkv_proj`` of the normed input (fused with the norm by the layer); the q/k norms
         run in the RoPE pass. Returns the output projection, to be normed before it joins the stream."""
         tokens = qkv.shape[0]
-        q, k, v = (t.reshape(tokens, -1, self.head_dim)
-                   for t in qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1))
+        q, k, v = (
+            t.reshape(tokens, -1, self.head_dim) for t in qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        )
         out = self.attn(positions, q, k, v, kv_cache, meta, self.q_norm, self.k_norm)
         return self.o_proj(out.reshape(tokens, self.q_size))
 
@@ -132,8 +145,14 @@ class Gemma3DecoderLayer(nn.Module):
         self.pre_feedforward_layernorm = OffsetRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_feedforward_layernorm = OffsetRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, positions: torch.Tensor, stream: torch.Tensor, pending: PendingOutput | None,
-                kv_cache: KVCache, meta: AttentionMetadata) -> tuple[torch.Tensor, PendingOutput]:
+    def forward(
+        self,
+        positions: torch.Tensor,
+        stream: torch.Tensor,
+        pending: PendingOutput | None,
+        kv_cache: KVCache,
+        meta: AttentionMetadata,
+    ) -> tuple[torch.Tensor, PendingOutput]:
         """Each block's output is normed and added into the stream by the kernel that norms the stream
         for the next block's projection (one kernel for one-token decode on the GPU): the MLP's output
         is handed on as ``pending``, to join the stream in the next layer (or the final norm)."""
@@ -142,8 +161,9 @@ class Gemma3DecoderLayer(nn.Module):
         else:
             qkv, stream = add_norm_linear(pending, stream, self.input_layernorm, self.self_attn.qkv_proj)
         attn = PendingOutput(self.self_attn(positions, qkv, kv_cache, meta), self.post_attention_layernorm)
-        activation, stream = add_norm_linear(attn, stream, self.pre_feedforward_layernorm, self.mlp.gate_up_proj,
-                                             gated=True, activation="gelu_tanh")
+        activation, stream = add_norm_linear(
+            attn, stream, self.pre_feedforward_layernorm, self.mlp.gate_up_proj, gated=True, activation="gelu_tanh"
+        )
         return stream, PendingOutput(self.mlp.down_proj(activation), self.post_feedforward_layernorm)
 
 
@@ -158,12 +178,28 @@ class PendingOutput:
         return self.norm.add_to(self.x, stream)
 
 
-def add_norm_linear(pending: PendingOutput, stream: torch.Tensor, norm: nn.Module, linear: nn.Linear,
-                    gated: bool = False, activation: str = "silu") -> tuple[torch.Tensor, torch.Tensor]:
+def add_norm_linear(
+    pending: PendingOutput,
+    stream: torch.Tensor,
+    norm: nn.Module,
+    linear: nn.Linear,
+    gated: bool = False,
+    activation: str = "silu",
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``pending`` joins ``stream``; the new stream is normed by ``norm`` and projected by ``linear``
     (``ops.add_norm_linear``); returns ``(projection, new stream)``."""
-    return ops.add_norm_linear(pending.x, stream, pending.norm.weight, norm.weight, norm.eps, linear.weight,
-                               linear.bias, gated, norm.weighting, activation)
+    return ops.add_norm_linear(
+        pending.x,
+        stream,
+        pending.norm.weight,
+        norm.weight,
+        norm.eps,
+        linear.weight,
+        linear.bias,
+        gated,
+        norm.weighting,
+        activation,
+    )
 
 
 class Gemma3Model(nn.Module):
@@ -171,16 +207,18 @@ class Gemma3Model(nn.Module):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
         # Held in the model's dtype: transformers rounds sqrt(hidden_size) to it before the multiply.
-        self.register_buffer("embed_scale", torch.tensor(cfg.hidden_size ** 0.5), persistent=False)
+        self.register_buffer("embed_scale", torch.tensor(cfg.hidden_size**0.5), persistent=False)
         global_rotary = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling)
         local_rotary = RotaryEmbedding(cfg.head_dim, max_positions, cfg.local_rope_theta, cfg.local_rope_scaling)
         self.layers = nn.ModuleList(
             Gemma3DecoderLayer(cfg, i, global_rotary if window is None else local_rotary)
-            for i, window in enumerate(cfg.sliding_windows))
+            for i, window in enumerate(cfg.sliding_windows)
+        )
         self.norm = OffsetRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],
-                meta: AttentionMetadata) -> torch.Tensor:
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache], meta: AttentionMetadata
+    ) -> torch.Tensor:
         stream, pending = self.embed_tokens(input_ids) * self.embed_scale, None
         for layer, kv_cache in zip(self.layers, kv_caches):
             stream, pending = layer(positions, stream, pending, kv_cache, meta)
@@ -211,8 +249,9 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
         super().load_weights(language_model_weights(weights, *self.towers))
 
 
-def language_model_weights(weights: Iterable[tuple[str, Any]], towers: str,
-                           tower_prefixes: tuple[str, ...]) -> Iterator[tuple[str, Any]]:
+def language_model_weights(
+    weights: Iterable[tuple[str, Any]], towers: str, tower_prefixes: tuple[str, ...]
+) -> Iterator[tuple[str, Any]]:
     """A ...ForConditionalGeneration checkpoint's tensors renamed as its ...ForCausalLM's; the
     towers' (``tower_prefixes``) dropped, with one log line naming them ``towers``."""
     skipped = 0
@@ -221,6 +260,6 @@ def language_model_weights(weights: Iterable[tuple[str, Any]], towers: str,
             skipped += 1
             continue
         prefix = next((p for p in _LANGUAGE_MODEL_PREFIXES if name.startswith(p)), None)
-        yield (name if prefix is None else _LANGUAGE_MODEL_PREFIXES[prefix] + name[len(prefix):]), tensor
+        yield (name if prefix is None else _LANGUAGE_MODEL_PREFIXES[prefix] + name[len(prefix) :]), tensor
     if skipped:
         logger.info("skipped %d %s tensors: only the language model is loaded", skipped, towers)

@@ -30,8 +30,13 @@ from torch import nn
 
 from tokenmill.layers import ops
 from tokenmill.layers.attention import AttentionMetadata, KVCache, PagedAttention
-from tokenmill.layers.linear import (ColumnParallelLinear, ReplicatedLinear, RowParallelLinear, Split,
-                                     VocabParallelEmbedding)
+from tokenmill.layers.linear import (
+    ColumnParallelLinear,
+    ReplicatedLinear,
+    RowParallelLinear,
+    Split,
+    VocabParallelEmbedding,
+)
 from tokenmill.layers.rotary import RotaryEmbedding
 from tokenmill.loader.hf_config import ModelConfig, ModelLoadError, rope_parameters
 from tokenmill.loader.kv_layout import KVLayout, KVSpec
@@ -40,11 +45,13 @@ from tokenmill.models.llama import decoder_config, norm_linear, sliding_windows
 
 SLIDING, FULL = "sliding_attention", "full_attention"
 # transformers' Gemma4TextConfig defaults, for keys a config.json leaves out.
-_DEFAULT_ROPE = {SLIDING: {"rope_type": "default", "rope_theta": 10_000.0},
-                 FULL: {"rope_type": "proportional", "partial_rotary_factor": 0.25, "rope_theta": 1_000_000.0}}
+_DEFAULT_ROPE = {
+    SLIDING: {"rope_type": "default", "rope_theta": 10_000.0},
+    FULL: {"rope_type": "proportional", "partial_rotary_factor": 0.25, "rope_theta": 1_000_000.0},
+}
 _DEFAULT_GLOBAL_HEAD_DIM = 512
 _LAYER_TYPE_PATTERN = 6  # without layer_types: every 6th layer global
-_PER_LAYER_INPUT_SCALE = 2.0 ** -0.5  # the PLE sum of two parts, rescaled
+_PER_LAYER_INPUT_SCALE = 2.0**-0.5  # the PLE sum of two parts, rescaled
 _TOWER_PREFIXES = ("model.vision_tower.", "model.embed_vision.", "model.audio_tower.", "model.embed_audio.")
 # A decoder layer's k/v tensors (under either checkpoint prefix), which a KV-shared layer does not use.
 _LAYER_KV_TENSOR = re.compile(r"model\.(?:language_model\.)?layers\.(\d+)\.self_attn\.[kv]_(?:proj|norm)\.")
@@ -68,8 +75,10 @@ class Gemma4Config(ModelConfig):
     per_layer_vocab_size: int = 0
 
     def kv_layout(self) -> KVLayout:
-        specs = tuple(KVSpec(heads, dim, window) for heads, dim, window
-                      in zip(self.layer_kv_heads, self.layer_head_dims, self.sliding_windows))
+        specs = tuple(
+            KVSpec(heads, dim, window)
+            for heads, dim, window in zip(self.layer_kv_heads, self.layer_head_dims, self.sliding_windows)
+        )
         return KVLayout(specs, self.kv_sources)
 
     def is_global(self, layer: int) -> bool:
@@ -98,12 +107,17 @@ def parse_config(raw: dict[str, Any], arch: str) -> Gemma4Config:
         raise ModelLoadError(f"Gemma 4 rope_parameters must give each layer type its own entry, got {rope}")
     local_theta, local_scaling = rope_parameters({"rope_parameters": rope[SLIDING]})
     bias = bool(raw.get("attention_bias", False))
-    text = {**raw, "rope_parameters": rope[FULL], "rope_scaling": None, "layer_types": types,
-            "head_dim": head_dims[0], "num_key_value_heads": kv_heads[0],
-            "max_position_embeddings": raw.get("max_position_embeddings", 131_072),
-            "tie_word_embeddings": raw.get("tie_word_embeddings", True)}
-    base = decoder_config(text, arch, qkv_bias=bias, o_bias=bias, qk_norm=True,
-                          windows=sliding_windows(text, window))
+    text = {
+        **raw,
+        "rope_parameters": rope[FULL],
+        "rope_scaling": None,
+        "layer_types": types,
+        "head_dim": head_dims[0],
+        "num_key_value_heads": kv_heads[0],
+        "max_position_embeddings": raw.get("max_position_embeddings", 131_072),
+        "tie_word_embeddings": raw.get("tie_word_embeddings", True),
+    }
+    base = decoder_config(text, arch, qkv_bias=bias, o_bias=bias, qk_norm=True, windows=sliding_windows(text, window))
     per_layer_input_size = int(raw.get("hidden_size_per_layer_input", 256) or 0)
     return Gemma4Config(
         **{f.name: getattr(base, f.name) for f in fields(ModelConfig)},
@@ -126,8 +140,10 @@ def _refuse_unsupported(raw: dict[str, Any]) -> None:
     if raw.get("enable_moe_block"):
         raise ModelLoadError("Gemma 4 MoE (enable_moe_block) is not supported yet: only the dense models are")
     if raw.get("use_bidirectional_attention") not in (None, False, "vision"):
-        raise ModelLoadError(f"Gemma 4 with use_bidirectional_attention={raw['use_bidirectional_attention']!r} "
-                             "is not supported (not a causal LM)")
+        raise ModelLoadError(
+            f"Gemma 4 with use_bidirectional_attention={raw['use_bidirectional_attention']!r} "
+            "is not supported (not a causal LM)"
+        )
     activation = raw.get("hidden_activation", "gelu_pytorch_tanh")
     if activation != "gelu_pytorch_tanh":
         raise ModelLoadError(f"Gemma 4 hidden_activation {activation!r} is not supported (gelu_pytorch_tanh)")
@@ -139,7 +155,7 @@ def _layer_types(raw: dict[str, Any]) -> list[str]:
     unknown = set(types) - {SLIDING, FULL}
     if unknown:
         raise ModelLoadError(f"Gemma 4 layer types {sorted(unknown)} are not supported ({SLIDING}, {FULL})")
-    return types[:-1] + [FULL]
+    return [*types[:-1], FULL]
 
 
 def _layer_head_shapes(raw: dict[str, Any], types: list[str]) -> tuple[tuple[int, ...], tuple[int, ...]]:
@@ -207,10 +223,17 @@ class SharedKVAttention(PagedAttention):
     """Attention of a KV-shared layer over the cache it is given (its source layer's): only q is
     normed and rotated (one pass), and nothing is written."""
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata,
-                q_norm: Gemma4RMSNorm) -> torch.Tensor:
-        q = ops.rotary_embedding_query(positions, q, self.rotary.cos_sin_cache, q_norm.weight, q_norm.eps,
-                                       q_norm.weighting)
+    def forward(
+        self,
+        positions: torch.Tensor,
+        q: torch.Tensor,
+        kv_cache: KVCache,
+        meta: AttentionMetadata,
+        q_norm: Gemma4RMSNorm,
+    ) -> torch.Tensor:
+        q = ops.rotary_embedding_query(
+            positions, q, self.rotary.cos_sin_cache, q_norm.weight, q_norm.eps, q_norm.weighting
+        )
         return self.attend(q, kv_cache, meta)
 
 
@@ -230,9 +253,15 @@ class Gemma4Attention(nn.Module):
         projection = ColumnParallelLinear(cfg.hidden_size, parts, bias=cfg.qkv_bias)
         self.q_size, self.kv_size = projection.part_sizes[0], kv_heads.local_size(projection.tp)  # this rank's
         attention = SharedKVAttention if self.shared else PagedAttention
-        self.attn = attention(self.q_size // self.head_dim, self.kv_size // self.head_dim, self.head_dim,
-                              cfg.sliding_windows[layer], rotary, scale=1.0,
-                              kv_group=cfg.kv_layout().layer_group[layer])
+        self.attn = attention(
+            self.q_size // self.head_dim,
+            self.kv_size // self.head_dim,
+            self.head_dim,
+            cfg.sliding_windows[layer],
+            rotary,
+            scale=1.0,
+            kv_group=cfg.kv_layout().layer_group[layer],
+        )
         if self.shared:
             self.q_proj = projection
             return
@@ -244,8 +273,9 @@ class Gemma4Attention(nn.Module):
         """The layer's one input projection: ``q_proj`` on a KV-shared layer, else ``qkv_proj``."""
         return self.q_proj if self.shared else self.qkv_proj
 
-    def forward(self, positions: torch.Tensor, projected: torch.Tensor, kv_cache: KVCache,
-                meta: AttentionMetadata) -> torch.Tensor:
+    def forward(
+        self, positions: torch.Tensor, projected: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata
+    ) -> torch.Tensor:
         """``projected``: ``in_proj`` of the normed input (fused with the norm by the layer). The q/k
         norms and the weightless v norm (of the raw k where k = v) run in the RoPE pass."""
         tokens = projected.shape[0]
@@ -254,8 +284,9 @@ class Gemma4Attention(nn.Module):
         else:
             sizes = [self.q_size, self.kv_size] + ([] if self.k_eq_v else [self.kv_size])
             q, k, *v = (t.reshape(tokens, -1, self.head_dim) for t in projected.split(sizes, dim=-1))
-            out = self.attn(positions, q, k, k if self.k_eq_v else v[0], kv_cache, meta, self.q_norm, self.k_norm,
-                            v_norm=True)
+            out = self.attn(
+                positions, q, k, k if self.k_eq_v else v[0], kv_cache, meta, self.q_norm, self.k_norm, v_norm=True
+            )
         return self.o_proj(out.reshape(tokens, self.q_size))
 
 
@@ -278,15 +309,22 @@ class Gemma4DecoderLayer(nn.Module):
             self.per_layer_projection = ReplicatedLinear(cfg.per_layer_input_size, hidden, bias=False)
             self.post_per_layer_input_norm = Gemma4RMSNorm(hidden, eps)
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor, per_layer_input: torch.Tensor | None,
-                kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
+    def forward(
+        self,
+        positions: torch.Tensor,
+        x: torch.Tensor,
+        per_layer_input: torch.Tensor | None,
+        kv_cache: KVCache,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
         """The stream in, the stream out, whole: the attention's normed output joins the stream in the
         kernel that norms it for the MLP's projection (one kernel for one-token decode on the GPU);
         the MLP's and the per-layer input's join it before the layer scalar multiplies it."""
         projected, _ = norm_linear(self.input_layernorm, x, None, self.self_attn.in_proj)
         attn = PendingOutput(self.self_attn(positions, projected, kv_cache, meta), self.post_attention_layernorm)
-        activation, x = add_norm_linear(attn, x, self.pre_feedforward_layernorm, self.mlp.gate_up_proj, gated=True,
-                                        activation="gelu_tanh")
+        activation, x = add_norm_linear(
+            attn, x, self.pre_feedforward_layernorm, self.mlp.gate_up_proj, gated=True, activation="gelu_tanh"
+        )
         mlp = self.mlp.down_proj(activation)
         if per_layer_input is None:
             return self.post_feedforward_layernorm.add_to(mlp, x, self.layer_scalar)
@@ -301,16 +339,14 @@ class Gemma4Model(nn.Module):
         self.config = cfg
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
         # Held in the model's dtype: transformers rounds sqrt(hidden_size) to it before the multiply.
-        self.register_buffer("embed_scale", torch.tensor(cfg.hidden_size ** 0.5), persistent=False)
+        self.register_buffer("embed_scale", torch.tensor(cfg.hidden_size**0.5), persistent=False)
         rotary = self._rotary_by_type(cfg, max_positions)
-        self.layers = nn.ModuleList(Gemma4DecoderLayer(cfg, i, rotary[cfg.is_global(i)])
-                                    for i in range(cfg.num_layers))
+        self.layers = nn.ModuleList(Gemma4DecoderLayer(cfg, i, rotary[cfg.is_global(i)]) for i in range(cfg.num_layers))
         self.norm = Gemma4RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         if cfg.per_layer_input_size:
             packed = cfg.num_layers * cfg.per_layer_input_size
             self.embed_tokens_per_layer = VocabParallelEmbedding(cfg.per_layer_vocab_size, packed)
-            self.register_buffer("per_layer_embed_scale", torch.tensor(cfg.per_layer_input_size ** 0.5),
-                                 persistent=False)
+            self.register_buffer("per_layer_embed_scale", torch.tensor(cfg.per_layer_input_size**0.5), persistent=False)
             self.per_layer_model_projection = ReplicatedLinear(cfg.hidden_size, packed, bias=False)
             self.per_layer_projection_norm = Gemma4RMSNorm(cfg.per_layer_input_size, cfg.rms_norm_eps)
 
@@ -320,13 +356,15 @@ class Gemma4Model(nn.Module):
         tables = {}
         for is_global in {cfg.is_global(i) for i in range(cfg.num_layers)}:
             dim = next(cfg.layer_head_dims[i] for i in range(cfg.num_layers) if cfg.is_global(i) == is_global)
-            theta, scaling = ((cfg.rope_theta, cfg.rope_scaling) if is_global
-                              else (cfg.local_rope_theta, cfg.local_rope_scaling))
+            theta, scaling = (
+                (cfg.rope_theta, cfg.rope_scaling) if is_global else (cfg.local_rope_theta, cfg.local_rope_scaling)
+            )
             tables[is_global] = RotaryEmbedding(dim, max_positions, theta, scaling)
         return tables
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],
-                meta: AttentionMetadata) -> torch.Tensor:
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache], meta: AttentionMetadata
+    ) -> torch.Tensor:
         x = self.embed_tokens(input_ids) * self.embed_scale
         per_layer = self._per_layer_inputs(input_ids, x) if self.config.per_layer_input_size else None
         for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches)):
@@ -339,7 +377,7 @@ class Gemma4Model(nn.Module):
         divided by sqrt(2)."""
         shape = (input_ids.shape[0], self.config.num_layers, self.config.per_layer_input_size)
         identity = (self.embed_tokens_per_layer(input_ids) * self.per_layer_embed_scale).reshape(shape)
-        context = self.per_layer_model_projection(embeds) * (self.config.hidden_size ** -0.5)
+        context = self.per_layer_model_projection(embeds) * (self.config.hidden_size**-0.5)
         context = self.per_layer_projection_norm(context.reshape(shape))
         return (context + identity) * _PER_LAYER_INPUT_SCALE
 
@@ -374,4 +412,3 @@ class Gemma4ForCausalLM(Gemma3ForCausalLM):
             match = _LAYER_KV_TENSOR.match(name)
             if match is None or not self.config.is_kv_shared(int(match.group(1))):
                 yield name, tensor
-

@@ -45,8 +45,9 @@ def sliding_windows(raw: dict[str, Any], window: int | None, first_sliding: int 
     return tuple(int(window) if t == "sliding_attention" else None for t in layer_types)
 
 
-def decoder_config(raw: dict[str, Any], arch: str, *, qkv_bias: bool, o_bias: bool, qk_norm: bool,
-                   windows: tuple[int | None, ...]) -> ModelConfig:
+def decoder_config(
+    raw: dict[str, Any], arch: str, *, qkv_bias: bool, o_bias: bool, qk_norm: bool, windows: tuple[int | None, ...]
+) -> ModelConfig:
     """The fields every Llama-layout config names alike; the family passes the switches
     its config spells its own way. A missing required field raises KeyError."""
     hidden = int(raw["hidden_size"])
@@ -79,14 +80,21 @@ def parse_config(raw: dict[str, Any], arch: str) -> ModelConfig:
     """LlamaForCausalLM and MistralForCausalLM: ``attention_bias`` on q/k/v and o alike;
     Mistral's ``sliding_window`` applies to every layer."""
     bias = bool(raw.get("attention_bias", False))
-    return decoder_config(raw, arch, qkv_bias=bias, o_bias=bias, qk_norm=False,
-                          windows=sliding_windows(raw, raw.get("sliding_window")))
+    return decoder_config(
+        raw, arch, qkv_bias=bias, o_bias=bias, qk_norm=False, windows=sliding_windows(raw, raw.get("sliding_window"))
+    )
 
 
 class DecoderAttention(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer: int, rotary: RotaryEmbedding,
-                 norm: Callable[[int, float], nn.Module] = RMSNorm, scale: float | None = None,
-                 softcap: float | None = None) -> None:
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        layer: int,
+        rotary: RotaryEmbedding,
+        norm: Callable[[int, float], nn.Module] = RMSNorm,
+        scale: float | None = None,
+        softcap: float | None = None,
+    ) -> None:
         """``norm`` (the per-head q/k norm's class), ``scale`` and ``softcap``: where a family
         (Gemma 3) departs from Llama's RMSNorm and ``head_dim ** -0.5``, uncapped."""
         super().__init__()
@@ -97,12 +105,25 @@ class DecoderAttention(nn.Module):
         self.o_proj = RowParallelLinear(heads, cfg.hidden_size, bias=cfg.o_bias)
         self.q_norm = norm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = norm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
-        self.attn = PagedAttention(self.q_size // cfg.head_dim, self.kv_size // cfg.head_dim, cfg.head_dim,
-                                   cfg.sliding_windows[layer], rotary, scale, softcap,
-                                   kv_group=cfg.kv_layout().layer_group[layer])
+        self.attn = PagedAttention(
+            self.q_size // cfg.head_dim,
+            self.kv_size // cfg.head_dim,
+            cfg.head_dim,
+            cfg.sliding_windows[layer],
+            rotary,
+            scale,
+            softcap,
+            kv_group=cfg.kv_layout().layer_group[layer],
+        )
 
-    def forward(self, positions: torch.Tensor, qkv: torch.Tensor, residual: torch.Tensor, kv_cache: KVCache,
-                meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def forward(
+        self,
+        positions: torch.Tensor,
+        qkv: torch.Tensor,
+        residual: torch.Tensor,
+        kv_cache: KVCache,
+        meta: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``qkv``: ``qkv_proj`` of the normed input, which the layer runs fused with the norm. Returns
         the block's output folded into the residual stream (see ``ops.linear_into_stream``)."""
         tokens = qkv.shape[0]
@@ -127,11 +148,26 @@ class GatedMLP(nn.Module):
         return self.down_proj.into_stream(activation, residual)
 
 
-def norm_linear(norm: RMSNorm | OffsetRMSNorm, x: torch.Tensor, residual: torch.Tensor | None, linear: nn.Linear,
-                gated: bool = False, activation: str = "silu") -> tuple[torch.Tensor, torch.Tensor]:
+def norm_linear(
+    norm: RMSNorm | OffsetRMSNorm,
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    linear: nn.Linear,
+    gated: bool = False,
+    activation: str = "silu",
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``linear`` of ``norm``'s output (``ops.norm_linear``: one kernel for one-token decode on the GPU)."""
-    return ops.norm_linear(x, residual, norm.weight, norm.eps, linear.weight, linear.bias, gated,
-                           weighting=norm.weighting, activation=activation)
+    return ops.norm_linear(
+        x,
+        residual,
+        norm.weight,
+        norm.eps,
+        linear.weight,
+        linear.bias,
+        gated,
+        weighting=norm.weighting,
+        activation=activation,
+    )
 
 
 class DecoderLayer(nn.Module):
@@ -142,12 +178,19 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None,
-                kv_cache: KVCache, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def forward(
+        self,
+        positions: torch.Tensor,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        kv_cache: KVCache,
+        meta: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         qkv, residual = norm_linear(self.input_layernorm, x, residual, self.self_attn.qkv_proj)
         x, residual = self.self_attn(positions, qkv, residual, kv_cache, meta)
-        activation, residual = norm_linear(self.post_attention_layernorm, x, residual, self.mlp.gate_up_proj,
-                                           gated=True)
+        activation, residual = norm_linear(
+            self.post_attention_layernorm, x, residual, self.mlp.gate_up_proj, gated=True
+        )
         return self.mlp(activation, residual)
 
 
@@ -159,8 +202,9 @@ class DecoderModel(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(cfg, i, rotary) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],
-                meta: AttentionMetadata) -> torch.Tensor:
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache], meta: AttentionMetadata
+    ) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
         residual = None
         for layer, kv_cache in zip(self.layers, kv_caches):
@@ -178,8 +222,9 @@ class LlamaForCausalLM(nn.Module):
         self.model = DecoderModel(cfg, max_positions)
         self.lm_head = None if cfg.tie_word_embeddings else VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],
-                meta: AttentionMetadata) -> torch.Tensor:
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache], meta: AttentionMetadata
+    ) -> torch.Tensor:
         return self.model(input_ids, positions, kv_caches, meta)
 
     def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -202,8 +247,13 @@ class LlamaForCausalLM(nn.Module):
         """Which fused parameter, and which of its parts, each of decoder layer ``layer``'s checkpoint
         projections fills: ``name -> (fused name, part)``. The same for every layer here; families whose
         layers differ (Gemma 4) override this."""
-        return {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
-                "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
+        return {
+            "q_proj": ("qkv_proj", 0),
+            "k_proj": ("qkv_proj", 1),
+            "v_proj": ("qkv_proj", 2),
+            "gate_proj": ("gate_up_proj", 0),
+            "up_proj": ("gate_up_proj", 1),
+        }
 
     def load_weights(self, weights: Iterable[tuple[str, Any]]) -> None:
         """Copy checkpoint tensors (tensors, or safetensors slices, of which only this rank's share is
@@ -228,7 +278,7 @@ class LlamaForCausalLM(nn.Module):
             slot = self.fused_projections(int(parts[2])).get(parts[-2]) if parts[1:2] == ["layers"] else None
             if slot is not None:
                 fused_name, part = slot
-                target = ".".join(parts[:-2] + [fused_name, parts[-1]])
+                target = ".".join([*parts[:-2], fused_name, parts[-1]])
             if target not in params:
                 raise ModelLoadError(f"checkpoint tensor {name!r} has no place in {cfg.architecture}")
             module_name, _, param_name = target.rpartition(".")
@@ -239,7 +289,10 @@ class LlamaForCausalLM(nn.Module):
             read.dest.copy_(read.read(tensor))
             filled[target] = filled.get(target, 0) + read.rows
         missing = [n for n, p in params.items() if filled.get(n, 0) < p.shape[0]]
-        missing += [f"{n}: k_scale or v_scale" for n, m in modules.items()
-                    if isinstance(m, PagedAttention) and m.kv_amax is not None and m.kv_amax.isnan().any()]
+        missing += [
+            f"{n}: k_scale or v_scale"
+            for n, m in modules.items()
+            if isinstance(m, PagedAttention) and m.kv_amax is not None and m.kv_amax.isnan().any()
+        ]
         if missing:
             raise ModelLoadError(f"checkpoint lacks {len(missing)} tensors, e.g. {missing[:3]}")

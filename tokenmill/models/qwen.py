@@ -24,5 +24,11 @@ def parse_config(raw: dict[str, Any], arch: str) -> ModelConfig:
     attention_bias = bool(raw.get("attention_bias", False))
     window = raw.get("sliding_window") if raw.get("use_sliding_window", False) else None
     first_sliding = int(raw.get("max_window_layers", raw["num_hidden_layers"]))
-    return decoder_config(raw, arch, qkv_bias=qwen2 or attention_bias, o_bias=not qwen2 and attention_bias,
-                          qk_norm=arch == "Qwen3ForCausalLM", windows=sliding_windows(raw, window, first_sliding))
+    return decoder_config(
+        raw,
+        arch,
+        qkv_bias=qwen2 or attention_bias,
+        o_bias=not qwen2 and attention_bias,
+        qk_norm=arch == "Qwen3ForCausalLM",
+        windows=sliding_windows(raw, window, first_sliding),
+    )

@@ -80,18 +80,24 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
         raise APIError(400, "top_logprobs needs logprobs set to true", param="top_logprobs")
     tools = plan_tools(req, ctx.options)
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-    params = sampling_params(req, max_tokens, (req.top_logprobs or 0) if req.logprobs else None,
-                             prompt_logprobs=req.prompt_logprobs,
-                             forced=None if tools.grammar is None else ("tool_choice", {"grammar": tools.grammar}))
+    params = sampling_params(
+        req,
+        max_tokens,
+        (req.top_logprobs or 0) if req.logprobs else None,
+        prompt_logprobs=req.prompt_logprobs,
+        forced=None if tools.grammar is None else ("tool_choice", {"grammar": tools.grammar}),
+    )
     ctx.engine.check_admission(1)
-    prompt = await ctx.render_chat(req, [m.for_template() for m in req.messages], req.add_special_tokens,
-                                   tools.template_tools)
+    prompt = await ctx.render_chat(
+        req, [m.for_template() for m in req.messages], req.add_special_tokens, tools.template_tools
+    )
     request_id = ctx.request_id(req, raw, "chatcmpl")
     group = await ctx.start(request_id, [prompt], params, stream=req.stream, req=req)
     if req.stream:
-        return StreamingResponse(sse_stream(_stream_events(ctx, req, tools, group, request_id, prompt), group,
-                                            offload=req.logprobs),
-                                 media_type="text/event-stream")
+        return StreamingResponse(
+            sse_stream(_stream_events(ctx, req, tools, group, request_id, prompt), group, offload=req.logprobs),
+            media_type="text/event-stream",
+        )
     [final] = await group.final_outputs(raw)
     ids = req.return_token_ids
 
@@ -99,21 +105,33 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
         choices = []
         for c in final.outputs:
             message = _message(req, tools, c)
-            choices.append(ChatChoice(
-                index=c.index, message=message, logprobs=_logprobs(ctx, req, c.token_ids, c.logprobs),
-                finish_reason=_finish_reason(c.finish_reason, bool(message.tool_calls)), stop_reason=c.stop_reason,
-                token_ids=list(c.token_ids) if ids else None))
+            choices.append(
+                ChatChoice(
+                    index=c.index,
+                    message=message,
+                    logprobs=_logprobs(ctx, req, c.token_ids, c.logprobs),
+                    finish_reason=_finish_reason(c.finish_reason, bool(message.tool_calls)),
+                    stop_reason=c.stop_reason,
+                    token_ids=list(c.token_ids) if ids else None,
+                )
+            )
         return ChatCompletionResponse(
-            id=request_id, model=ctx.model_name, choices=choices, usage=ctx.final_usage([final]),
-            prompt_logprobs=ctx.prompt_logprobs(req, final.prompt_token_ids, final.prompt_logprobs,
-                                                req.prompt_logprobs),
-            prompt_token_ids=list(final.prompt_token_ids) if ids else None)
+            id=request_id,
+            model=ctx.model_name,
+            choices=choices,
+            usage=ctx.final_usage([final]),
+            prompt_logprobs=ctx.prompt_logprobs(
+                req, final.prompt_token_ids, final.prompt_logprobs, req.prompt_logprobs
+            ),
+            prompt_token_ids=list(final.prompt_token_ids) if ids else None,
+        )
 
     return await json_response(response)
 
 
-def _logprobs(ctx: ServingContext, req: ChatCompletionRequest, token_ids: list[int],
-              entries: list[Logprobs] | None) -> ChatLogprobs | None:
+def _logprobs(
+    ctx: ServingContext, req: ChatCompletionRequest, token_ids: list[int], entries: list[Logprobs] | None
+) -> ChatLogprobs | None:
     """The chat format: per token its text, bytes, logprob and the ``top_logprobs`` best
     (-1: every token of the vocabulary)."""
     if not req.logprobs:
@@ -128,8 +146,9 @@ def _logprobs(ctx: ServingContext, req: ChatCompletionRequest, token_ids: list[i
     content = []
     for token_id, entry in zip(token_ids, entries or []):
         head = item(token_id, entry[token_id])
-        content.append(ChatTokenLogprob(**head.model_dump(),
-                                        top_logprobs=[item(t, lp) for t, lp in best(entry, top_n)]))
+        content.append(
+            ChatTokenLogprob(**head.model_dump(), top_logprobs=[item(t, lp) for t, lp in best(entry, top_n)])
+        )
     return ChatLogprobs(content=content)
 
 
@@ -145,16 +164,27 @@ class _StreamedReply:
         if self.reader is None:
             return DeltaMessage(content=text)
         read = self.reader.feed(text, last)
-        calls = [DeltaToolCall(index=c.index, id=new_tool_call_id() if c.name is not None else None,
-                               type="function" if c.name is not None else None,
-                               function=DeltaFunctionCall(name=c.name, arguments=c.arguments))
-                 for c in read.calls]
+        calls = [
+            DeltaToolCall(
+                index=c.index,
+                id=new_tool_call_id() if c.name is not None else None,
+                type="function" if c.name is not None else None,
+                function=DeltaFunctionCall(name=c.name, arguments=c.arguments),
+            )
+            for c in read.calls
+        ]
         self.called = self.called or bool(calls)
         return DeltaMessage(content=read.content if read.content or not calls else None, tool_calls=calls or None)
 
 
-async def _stream_events(ctx: ServingContext, req: ChatCompletionRequest, tools: ToolPlan, group: RequestGroup,
-                         request_id: str, prompt_token_ids: list[int]) -> AsyncIterator[ChatCompletionChunk]:
+async def _stream_events(
+    ctx: ServingContext,
+    req: ChatCompletionRequest,
+    tools: ToolPlan,
+    group: RequestGroup,
+    request_id: str,
+    prompt_token_ids: list[int],
+) -> AsyncIterator[ChatCompletionChunk]:
     """Per choice the role (the first chunk also carries the prompt's ids when asked), the
     echoed content if any, then content or tool-call deltas and an empty delta with finish_reason."""
     created = now_seconds()
@@ -167,13 +197,21 @@ async def _stream_events(ctx: ServingContext, req: ChatCompletionRequest, tools:
         return ctx.usage(num_prompt, completion_tokens, cached_tokens)
 
     def chunk(choice: ChatStreamChoice, prompt_ids: list[int] | None = None) -> ChatCompletionChunk:
-        return ChatCompletionChunk(id=request_id, created=created, model=ctx.model_name, choices=[choice],
-                                   usage=usage() if continuous_usage else None, prompt_token_ids=prompt_ids)
+        return ChatCompletionChunk(
+            id=request_id,
+            created=created,
+            model=ctx.model_name,
+            choices=[choice],
+            usage=usage() if continuous_usage else None,
+            prompt_token_ids=prompt_ids,
+        )
 
     replies = [_StreamedReply(tools) for _ in range(req.n)]
     for index in range(req.n):
-        yield chunk(ChatStreamChoice(index=index, delta=DeltaMessage(role=_role(req), content="")),
-                    list(prompt_token_ids) if ids and index == 0 else None)
+        yield chunk(
+            ChatStreamChoice(index=index, delta=DeltaMessage(role=_role(req), content="")),
+            list(prompt_token_ids) if ids and index == 0 else None,
+        )
         if _echoed(req):
             yield chunk(ChatStreamChoice(index=index, delta=DeltaMessage(content=_echoed(req))))
     async for _, out in group.outputs():  # deltas: each output carries only what is new
@@ -183,12 +221,19 @@ async def _stream_events(ctx: ServingContext, req: ChatCompletionRequest, tools:
             reply = replies[c.index]
             delta = reply.delta(c.text, c.finished)
             if delta.content or delta.tool_calls or c.token_ids:
-                yield chunk(ChatStreamChoice(index=c.index, delta=delta,
-                                             logprobs=await off_loop(req.logprobs, _logprobs, ctx, req,
-                                                                     c.token_ids, c.logprobs),
-                                             token_ids=list(c.token_ids) if ids else None))
+                yield chunk(
+                    ChatStreamChoice(
+                        index=c.index,
+                        delta=delta,
+                        logprobs=await off_loop(req.logprobs, _logprobs, ctx, req, c.token_ids, c.logprobs),
+                        token_ids=list(c.token_ids) if ids else None,
+                    )
+                )
             if c.finished:
-                yield chunk(ChatStreamChoice(index=c.index, delta=DeltaMessage(),
-                                             finish_reason=_finish_reason(c.finish_reason, reply.called)))
+                yield chunk(
+                    ChatStreamChoice(
+                        index=c.index, delta=DeltaMessage(), finish_reason=_finish_reason(c.finish_reason, reply.called)
+                    )
+                )
     if final_usage:
         yield ChatCompletionChunk(id=request_id, created=created, model=ctx.model_name, choices=[], usage=usage())

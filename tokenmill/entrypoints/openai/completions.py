@@ -82,14 +82,18 @@ async def create_completion(ctx: ServingContext, req: CompletionRequest, raw: Re
     request_id = ctx.request_id(req, raw, "cmpl")
     group = await ctx.start(request_id, prompts, params, stream=req.stream, req=req)
     if req.stream:
-        return StreamingResponse(sse_stream(_stream_events(ctx, req, group, request_id), group,
-                                            offload=req.logprobs is not None),
-                                 media_type="text/event-stream")
+        return StreamingResponse(
+            sse_stream(_stream_events(ctx, req, group, request_id), group, offload=req.logprobs is not None),
+            media_type="text/event-stream",
+        )
     finals = await group.final_outputs(raw)
 
     def response() -> CompletionResponse:
-        choices = [_choice(ctx, req, out, c, i * req.n + c.index, engine_n)
-                   for i, out in enumerate(finals) for c in out.outputs]
+        choices = [
+            _choice(ctx, req, out, c, i * req.n + c.index, engine_n)
+            for i, out in enumerate(finals)
+            for c in out.outputs
+        ]
         return CompletionResponse(id=request_id, model=ctx.model_name, choices=choices, usage=ctx.final_usage(finals))
 
     return await json_response(response)
@@ -104,8 +108,9 @@ class _Echo:
     entries: list[Logprobs | None] = field(default_factory=list)
 
 
-def _echo(ctx: ServingContext, req: CompletionRequest, out: RequestOutput,
-          prompt_logprobs: list[Logprobs | None] | None) -> _Echo:
+def _echo(
+    ctx: ServingContext, req: CompletionRequest, out: RequestOutput, prompt_logprobs: list[Logprobs | None] | None
+) -> _Echo:
     if not req.echo:
         return _Echo()
     text = out.prompt
@@ -115,20 +120,29 @@ def _echo(ctx: ServingContext, req: CompletionRequest, out: RequestOutput,
     return _Echo(text, list(out.prompt_token_ids), list(entries))
 
 
-def _choice(ctx: ServingContext, req: CompletionRequest, out: RequestOutput, c: CompletionOutput,
-            index: int, engine_n: int | None) -> CompletionChoice:
+def _choice(
+    ctx: ServingContext,
+    req: CompletionRequest,
+    out: RequestOutput,
+    c: CompletionOutput,
+    index: int,
+    engine_n: int | None,
+) -> CompletionChoice:
     echo = _echo(ctx, req, out, out.prompt_logprobs)
     logprobs = None
     if req.logprobs is not None:
-        logprobs = _LogprobsBuilder(ctx, req).build(echo.token_ids + c.token_ids,
-                                                    echo.entries + (c.logprobs or []))
+        logprobs = _LogprobsBuilder(ctx, req).build(echo.token_ids + c.token_ids, echo.entries + (c.logprobs or []))
     ids = req.return_token_ids
-    return CompletionChoice(index=index, text=echo.text + c.text, logprobs=logprobs, finish_reason=c.finish_reason,
-                            stop_reason=c.stop_reason,
-                            prompt_logprobs=ctx.prompt_logprobs(req, out.prompt_token_ids, out.prompt_logprobs,
-                                                                engine_n),
-                            prompt_token_ids=list(out.prompt_token_ids) if ids else None,
-                            token_ids=list(c.token_ids) if ids else None)
+    return CompletionChoice(
+        index=index,
+        text=echo.text + c.text,
+        logprobs=logprobs,
+        finish_reason=c.finish_reason,
+        stop_reason=c.stop_reason,
+        prompt_logprobs=ctx.prompt_logprobs(req, out.prompt_token_ids, out.prompt_logprobs, engine_n),
+        prompt_token_ids=list(out.prompt_token_ids) if ids else None,
+        token_ids=list(c.token_ids) if ids else None,
+    )
 
 
 class _PromptState:
@@ -147,12 +161,16 @@ class _PromptState:
 
 def _usage_so_far(ctx: ServingContext, prompts: dict[int, _PromptState]) -> UsageInfo:
     states = prompts.values()
-    return ctx.usage(sum(p.num_prompt_tokens for p in states), sum(p.completion_tokens for p in states),
-                     sum(p.num_cached_tokens for p in states))
+    return ctx.usage(
+        sum(p.num_prompt_tokens for p in states),
+        sum(p.completion_tokens for p in states),
+        sum(p.num_cached_tokens for p in states),
+    )
 
 
-async def _stream_events(ctx: ServingContext, req: CompletionRequest, group: RequestGroup,
-                         request_id: str) -> AsyncIterator[CompletionResponse]:
+async def _stream_events(
+    ctx: ServingContext, req: CompletionRequest, group: RequestGroup, request_id: str
+) -> AsyncIterator[CompletionResponse]:
     """One chunk per choice whenever it has new text or tokens, or finishes (the engine's
     outputs are deltas: each carries only what is new)."""
     created = now_seconds()
@@ -161,8 +179,7 @@ async def _stream_events(ctx: ServingContext, req: CompletionRequest, group: Req
 
     def chunk(choice: CompletionChoice) -> CompletionResponse:
         usage = _usage_so_far(ctx, prompts) if continuous_usage else None
-        return CompletionResponse(id=request_id, created=created, model=ctx.model_name, choices=[choice],
-                                  usage=usage)
+        return CompletionResponse(id=request_id, created=created, model=ctx.model_name, choices=[choice], usage=usage)
 
     async for i, out in group.outputs():
         state = prompts.get(i)
@@ -180,13 +197,22 @@ async def _stream_events(ctx: ServingContext, req: CompletionRequest, group: Req
             state.completion_tokens += len(c.token_ids)
             logprobs = None
             if req.logprobs is not None:
-                logprobs = await off_loop(True, state.logprobs[c.index].build, echo.token_ids + c.token_ids,
-                                          echo.entries + (c.logprobs or []))
+                logprobs = await off_loop(
+                    True, state.logprobs[c.index].build, echo.token_ids + c.token_ids, echo.entries + (c.logprobs or [])
+                )
             ids = req.return_token_ids
-            yield chunk(CompletionChoice(index=i * req.n + c.index, text=echo.text + c.text, logprobs=logprobs,
-                                         finish_reason=c.finish_reason, stop_reason=c.stop_reason,
-                                         prompt_token_ids=list(out.prompt_token_ids) if ids and first else None,
-                                         token_ids=list(c.token_ids) if ids else None))
+            yield chunk(
+                CompletionChoice(
+                    index=i * req.n + c.index,
+                    text=echo.text + c.text,
+                    logprobs=logprobs,
+                    finish_reason=c.finish_reason,
+                    stop_reason=c.stop_reason,
+                    prompt_token_ids=list(out.prompt_token_ids) if ids and first else None,
+                    token_ids=list(c.token_ids) if ids else None,
+                )
+            )
     if final_usage:
-        yield CompletionResponse(id=request_id, created=created, model=ctx.model_name, choices=[],
-                                 usage=_usage_so_far(ctx, prompts))
+        yield CompletionResponse(
+            id=request_id, created=created, model=ctx.model_name, choices=[], usage=_usage_so_far(ctx, prompts)
+        )

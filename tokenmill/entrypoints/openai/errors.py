@@ -48,8 +48,11 @@ class APIError(Exception):
         self.code = code
 
     def body(self) -> ErrorResponse:
-        return ErrorResponse(error=ErrorInfo(message=self.message, type=_TYPES.get(self.status, "error"),
-                                             param=self.param, code=self.code))
+        return ErrorResponse(
+            error=ErrorInfo(
+                message=self.message, type=_TYPES.get(self.status, "error"), param=self.param, code=self.code
+            )
+        )
 
     def response(self) -> JSONResponse:
         return JSONResponse(self.body().model_dump(), status_code=self.status)
@@ -100,8 +103,11 @@ def _validation_error(exc: RequestValidationError) -> APIError:
     first = errors[0] if errors else {}
     kind = first.get("type", "")
     if kind == "json_invalid":
-        return APIError(400, f"the body is not valid JSON: {first.get('ctx', {}).get('error', '')}".rstrip(": "),
-                        code="invalid_json")
+        return APIError(
+            400,
+            f"the body is not valid JSON: {first.get('ctx', {}).get('error', '')}".rstrip(": "),
+            code="invalid_json",
+        )
     message = "; ".join(dict.fromkeys(_describe(e) for e in errors[:4]))
     code = kind if kind in _OWN_CODES else "invalid_type" if "type" in kind else "invalid_value"
     return APIError(400, message, param=_path(tuple(first.get("loc", ()))) or None, code=code)

@@ -24,23 +24,29 @@ class ServerLimits:
     """Per-request limits of ``tokenmill serve``; checked on construction."""
 
     max_request_body_bytes: int = ruled(
-        4 * 2**20, integer(1),
+        4 * 2**20,
+        integer(1),
         help="largest request body in bytes (larger: 413), and the most characters a chat template may render a "
-             "request's messages to. Parsing a body holds every stream for about 0.25 s a MiB in the worst case "
-             "(many tiny chat messages), so raise it only as far as your longest prompts need")
+        "request's messages to. Parsing a body holds every stream for about 0.25 s a MiB in the worst case "
+        "(many tiny chat messages), so raise it only as far as your longest prompts need",
+    )
     max_logprob_entries: int = ruled(
-        2**20, integer(1),
+        2**20,
+        integer(1),
         help="most logprob entries one request may ask for: for each prompt, its sequences' rows (n x max_tokens, "
-             "or the room left in the context) times 1 + logprobs (the vocabulary for -1), plus its prompt's tokens "
-             "times 1 + prompt_logprobs")
+        "or the room left in the context) times 1 + logprobs (the vocabulary for -1), plus its prompt's tokens "
+        "times 1 + prompt_logprobs",
+    )
     max_stop_strings: int = ruled(
-        64, integer(0), help="most stop strings in one request (each sequence looks for all of them at every token)")
-    max_stop_string_chars: int = ruled(
-        1024, integer(1), help="longest stop string, in characters")
+        64, integer(0), help="most stop strings in one request (each sequence looks for all of them at every token)"
+    )
+    max_stop_string_chars: int = ruled(1024, integer(1), help="longest stop string, in characters")
     chat_template_timeout: float = ruled(
-        5.0, number(0, lo_open=True),
+        5.0,
+        number(0, lo_open=True),
         help="seconds a chat template may take to render one request's messages; past them the rendering is "
-             "stopped and the request gets a 400")
+        "stopped and the request gets a 400",
+    )
 
     def __post_init__(self) -> None:
         check_fields(self)
@@ -49,17 +55,27 @@ class ServerLimits:
         """The request's stop strings against the limits, before any sequence looks for them."""
         strings = [stop] if isinstance(stop, str) else stop or []
         if len(strings) > self.max_stop_strings:
-            raise APIError(400, f"{len(strings)} stop strings, but this server takes at most {self.max_stop_strings} "
-                           "(its --max-stop-strings)", param="stop", code="invalid_value")
+            raise APIError(
+                400,
+                f"{len(strings)} stop strings, but this server takes at most {self.max_stop_strings} "
+                "(its --max-stop-strings)",
+                param="stop",
+                code="invalid_value",
+            )
         longest = max(strings, key=len, default="")
         if len(longest) > self.max_stop_string_chars:
-            raise APIError(400, f"a stop string of {len(longest)} characters, but this server takes at most "
-                           f"{self.max_stop_string_chars} (its --max-stop-string-chars)", param="stop",
-                           code="invalid_value")
+            raise APIError(
+                400,
+                f"a stop string of {len(longest)} characters, but this server takes at most "
+                f"{self.max_stop_string_chars} (its --max-stop-string-chars)",
+                param="stop",
+                code="invalid_value",
+            )
 
 
-def logprob_entries(num_prompt_tokens: int, rows: int, logprobs: int | None, prompt_logprobs: int | None,
-                    vocab_size: int) -> int:
+def logprob_entries(
+    num_prompt_tokens: int, rows: int, logprobs: int | None, prompt_logprobs: int | None, vocab_size: int
+) -> int:
     """The logprob entries (token, logprob) that one prompt's request makes the engine compute and the
     server send: per sampled row the sampled token and ``logprobs`` alternatives, per prompt token
     the same with ``prompt_logprobs``; -1 is the whole vocabulary."""
@@ -84,8 +100,11 @@ class RequestBodyLimit:
             await self.app(scope, receive, send)
             return
         declared = dict(scope["headers"]).get(b"content-length", b"")
-        too_large = APIError(413, f"the request body is larger than this server takes: {self.max_bytes} bytes (its "
-                             "--max-request-body-bytes)", code="request_too_large")
+        too_large = APIError(
+            413,
+            f"the request body is larger than this server takes: {self.max_bytes} bytes (its --max-request-body-bytes)",
+            code="request_too_large",
+        )
         if declared.isdigit() and int(declared) > self.max_bytes:
             await too_large.response()(scope, receive, send)
             return

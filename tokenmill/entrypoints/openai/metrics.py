@@ -25,8 +25,28 @@ from tokenmill.engine.output_processor import ProcessedOutputs
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
-_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
-                    2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+_LATENCY_BUCKETS = (
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+)
 
 
 class _EngineCollector(Collector):
@@ -38,17 +58,26 @@ class _EngineCollector(Collector):
         gauges = [
             ("num_requests_running", "Requests being decoded or prefilled.", s.num_running),
             ("num_requests_waiting", "Requests waiting to be scheduled.", s.num_waiting),
-            ("kv_cache_usage_perc", "Fraction of KV blocks held by requests (cached free blocks count as free).",
-             s.kv_usage),
+            (
+                "kv_cache_usage_perc",
+                "Fraction of KV blocks held by requests (cached free blocks count as free).",
+                s.kv_usage,
+            ),
             ("kv_cache_blocks_in_use", "KV blocks held by requests.", s.kv_blocks_in_use),
             ("prefix_cache_blocks", "KV blocks findable in the prefix cache.", s.kv_blocks_cached),
         ]
         for name, doc, value in gauges:
             yield GaugeMetricFamily(f"tokenmill:{name}", doc, value=value)
-        yield GaugeMetricFamily("tokenmill:kv_cache_capacity_tokens", "Tokens the KV cache holds over all requests.",
-                                value=self.engine.kv_capacity_tokens)
-        info = GaugeMetricFamily("tokenmill:kv_cache_info", "The KV cache's configuration, in its labels (value 1).",
-                                 labels=["kv_cache_dtype"])
+        yield GaugeMetricFamily(
+            "tokenmill:kv_cache_capacity_tokens",
+            "Tokens the KV cache holds over all requests.",
+            value=self.engine.kv_capacity_tokens,
+        )
+        info = GaugeMetricFamily(
+            "tokenmill:kv_cache_info",
+            "The KV cache's configuration, in its labels (value 1).",
+            labels=["kv_cache_dtype"],
+        )
         info.add_metric([self.engine.kv_cache_dtype], 1)
         yield info
         counters = [
@@ -57,27 +86,52 @@ class _EngineCollector(Collector):
             ("prompt_tokens", "Prompt tokens computed.", s.prompt_tokens),
             ("generation_tokens", "Tokens generated.", s.generation_tokens),
             ("num_preemptions", "Sequences preempted for lack of KV blocks.", s.num_preemptions),
-            ("num_failed_steps", "Engine steps that failed (their requests ended with an error).",
-             s.num_failed_steps),
-            ("num_compiles_after_startup", "Triton kernel variants compiled inside a step (each one a shape the "
-             "start-up warm-up missed; the step waited for it).", s.num_compiles_after_startup),
-            ("spec_decode_num_drafts", "Speculative decoding: verifications of a sequence's drafts.",
-             s.spec_decode_num_drafts),
-            ("spec_decode_num_draft_tokens", "Speculative decoding: draft tokens proposed.",
-             s.spec_decode_num_draft_tokens),
-            ("spec_decode_num_accepted_tokens", "Speculative decoding: draft tokens accepted.",
-             s.spec_decode_num_accepted_tokens),
+            ("num_failed_steps", "Engine steps that failed (their requests ended with an error).", s.num_failed_steps),
+            (
+                "num_compiles_after_startup",
+                "Triton kernel variants compiled inside a step (each one a shape the "
+                "start-up warm-up missed; the step waited for it).",
+                s.num_compiles_after_startup,
+            ),
+            (
+                "spec_decode_num_drafts",
+                "Speculative decoding: verifications of a sequence's drafts.",
+                s.spec_decode_num_drafts,
+            ),
+            (
+                "spec_decode_num_draft_tokens",
+                "Speculative decoding: draft tokens proposed.",
+                s.spec_decode_num_draft_tokens,
+            ),
+            (
+                "spec_decode_num_accepted_tokens",
+                "Speculative decoding: draft tokens accepted.",
+                s.spec_decode_num_accepted_tokens,
+            ),
         ]
         for name, doc, value in counters:
             yield CounterMetricFamily(f"tokenmill:{name}", doc, value=value)
 
 
-VLLM_SHARED_NAMES = frozenset({
-    "num_requests_running", "num_requests_waiting", "kv_cache_usage_perc", "prompt_tokens", "generation_tokens",
-    "prefix_cache_queries", "prefix_cache_hits", "num_preemptions", "time_to_first_token_seconds",
-    "inter_token_latency_seconds", "e2e_request_latency_seconds", "request_success", "spec_decode_num_drafts",
-    "spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens",
-})
+VLLM_SHARED_NAMES = frozenset(
+    {
+        "num_requests_running",
+        "num_requests_waiting",
+        "kv_cache_usage_perc",
+        "prompt_tokens",
+        "generation_tokens",
+        "prefix_cache_queries",
+        "prefix_cache_hits",
+        "num_preemptions",
+        "time_to_first_token_seconds",
+        "inter_token_latency_seconds",
+        "e2e_request_latency_seconds",
+        "request_success",
+        "spec_decode_num_drafts",
+        "spec_decode_num_draft_tokens",
+        "spec_decode_num_accepted_tokens",
+    }
+)
 """Metrics that vLLM exports with the same meaning, under ``vllm:`` and this same suffix."""
 
 
@@ -97,9 +151,12 @@ class _VllmTwins(Collector):
 
     def _twin(self, metric: Metric, suffix: str) -> Metric:
         twin = Metric(f"vllm:{suffix}", metric.documentation, metric.type)
-        twin.samples = [sample._replace(name="vllm:" + sample.name.removeprefix("tokenmill:"),
-                                        labels={**self.labels, **sample.labels})
-                        for sample in metric.samples]
+        twin.samples = [
+            sample._replace(
+                name="vllm:" + sample.name.removeprefix("tokenmill:"), labels={**self.labels, **sample.labels}
+            )
+            for sample in metric.samples
+        ]
         return twin
 
 
@@ -110,17 +167,34 @@ class ServerMetrics:
         self.registry = CollectorRegistry()
         engine_collector = _EngineCollector(engine)
         self.registry.register(engine_collector)
-        self.ttft = Histogram("tokenmill:time_to_first_token_seconds", "Time to first token.",
-                              buckets=_LATENCY_BUCKETS, registry=self.registry)
-        self.itl = Histogram("tokenmill:inter_token_latency_seconds", "Time between two output tokens.",
-                             buckets=_LATENCY_BUCKETS, registry=self.registry)
-        self.e2e = Histogram("tokenmill:e2e_request_latency_seconds", "Arrival to last token.",
-                             buckets=_LATENCY_BUCKETS, registry=self.registry)
-        self.finished = Counter("tokenmill:request_success", "Sequences finished, by why they finished.",
-                                ["finished_reason"], registry=self.registry)
+        self.ttft = Histogram(
+            "tokenmill:time_to_first_token_seconds",
+            "Time to first token.",
+            buckets=_LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.itl = Histogram(
+            "tokenmill:inter_token_latency_seconds",
+            "Time between two output tokens.",
+            buckets=_LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.e2e = Histogram(
+            "tokenmill:e2e_request_latency_seconds",
+            "Arrival to last token.",
+            buckets=_LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.finished = Counter(
+            "tokenmill:request_success",
+            "Sequences finished, by why they finished.",
+            ["finished_reason"],
+            registry=self.registry,
+        )
         if vllm_names:
-            self.registry.register(_VllmTwins([engine_collector, self.ttft, self.itl, self.e2e, self.finished],
-                                              model_name))
+            self.registry.register(
+                _VllmTwins([engine_collector, self.ttft, self.itl, self.e2e, self.finished], model_name)
+            )
         engine.observers.append(self.observe)
 
     def render(self) -> bytes:

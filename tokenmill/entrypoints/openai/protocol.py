@@ -14,7 +14,7 @@ import logging
 import re
 import time
 import uuid
-from typing import Annotated, Any, Literal, Union
+from typing import Annotated, Any, Literal
 
 from pydantic import (
     AfterValidator,
@@ -68,8 +68,10 @@ def _utf8_encodable(text: str) -> str:
     index = invalid_unicode_at(text)
     if index is not None:
         raise PydanticCustomError(
-            "invalid_unicode", "the text holds a lone surrogate (U+{code}) at index {index}, not valid Unicode",
-            {"code": f"{ord(text[index]):04X}", "index": index})
+            "invalid_unicode",
+            "the text holds a lone surrogate (U+{code}) at index {index}, not valid Unicode",
+            {"code": f"{ord(text[index]):04X}", "index": index},
+        )
     return text
 
 
@@ -92,7 +94,7 @@ MaxTokens = int_range(1)
 LogprobCount = int_range(0, 20)
 TopK = int_range(-1)
 Choices = int_range(1, 128)
-Seed = int_range(-2**63, 2**64 - 1)
+Seed = int_range(-(2**63), 2**64 - 1)
 """Any 64-bit seed, signed or not."""
 
 UNION_TAGS = frozenset({"string", "list", "strings", "token_ids", "token_id_lists", "named"})
@@ -123,18 +125,29 @@ def _prompt_form(value: Any) -> str | None:
 def _string_or_list(item: Any) -> Any:
     """A string or a list of ``item``, as stop strings and message contents are."""
     return Annotated[
-        Union[Annotated[Text, Tag("string")], Annotated[list[item], Tag("list")]],
-        Discriminator(_json_kind, custom_error_type="string_or_list_type",
-                      custom_error_message="Input should be a string or a list")]
+        Annotated[Text, Tag("string")] | Annotated[list[item], Tag("list")],
+        Discriminator(
+            _json_kind,
+            custom_error_type="string_or_list_type",
+            custom_error_message="Input should be a string or a list",
+        ),
+    ]
 
 
 Prompt = Annotated[
-    Union[Annotated[Text, Tag("string")], Annotated[list[Text], Tag("strings"), Field(min_length=1)],
-          Annotated[TokenIds, Tag("token_ids")],
-          Annotated[list[TokenIds], Tag("token_id_lists"), Field(min_length=1)]],
-    Discriminator(_prompt_form, custom_error_type="prompt_type",
-                  custom_error_message="Input should be a string, a list of strings, a list of token ids "
-                                       "or a list of lists of token ids")]
+    (
+        Annotated[Text, Tag("string")]
+        | Annotated[list[Text], Tag("strings"), Field(min_length=1)]
+        | Annotated[TokenIds, Tag("token_ids")]
+        | Annotated[list[TokenIds], Tag("token_id_lists"), Field(min_length=1)]
+    ),
+    Discriminator(
+        _prompt_form,
+        custom_error_type="prompt_type",
+        custom_error_message="Input should be a string, a list of strings, a list of token ids "
+        "or a list of lists of token ids",
+    ),
+]
 Stop = _string_or_list(Text)
 
 
@@ -151,10 +164,22 @@ class StreamOptions(RequestModel):
     continuous_usage_stats: StrictBool = False  # usage in every chunk (with include_usage), as vLLM
 
 
-_UNSUPPORTED = ("functions", "function_call", "best_of", "use_beam_search", "length_penalty", "allowed_token_ids",
-                "bad_words", "logits_processors",
-                "prompt_embeds", "vllm_xargs", "kv_transfer_params", "audio", "modalities",
-                "spaces_between_special_tokens")
+_UNSUPPORTED = (
+    "functions",
+    "function_call",
+    "best_of",
+    "use_beam_search",
+    "length_penalty",
+    "allowed_token_ids",
+    "bad_words",
+    "logits_processors",
+    "prompt_embeds",
+    "vllm_xargs",
+    "kv_transfer_params",
+    "audio",
+    "modalities",
+    "spaces_between_special_tokens",
+)
 _NEUTRAL_VALUES: dict[str, tuple[Any, ...]] = {
     "best_of": (1,),
     "use_beam_search": (False,),
@@ -214,7 +239,7 @@ class SamplingFields(RequestModel):
     return_token_ids: StrictBool = False
     return_tokens_as_token_ids: StrictBool = False
     truncate_prompt_tokens: int_range(-1) | None = None  # type: ignore[valid-type]
-    priority: int_range(-2**63) = 0  # type: ignore[valid-type]
+    priority: int_range(-(2**63)) = 0  # type: ignore[valid-type]
     request_id: Annotated[Text, Field(min_length=1, max_length=256)] | None = None
 
     # Output-neutral: they change neither what is generated nor what is returned.
@@ -327,9 +352,11 @@ FUNCTION_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 def _function_name(name: str) -> str:
     """OpenAI's rule; it also keeps every name a plain JSON string in the call grammars."""
     if not FUNCTION_NAME.fullmatch(name):
-        raise PydanticCustomError("invalid_function_name",
-                                  "a function name is 1 to 64 letters, digits, underscores or dashes, got {name}",
-                                  {"name": repr(name[:80])})
+        raise PydanticCustomError(
+            "invalid_function_name",
+            "a function name is 1 to 64 letters, digits, underscores or dashes, got {name}",
+            {"name": repr(name[:80])},
+        )
     return name
 
 
@@ -347,8 +374,11 @@ class FunctionDefinition(RequestModel):
     def _an_object(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
         """Arguments are a JSON object, so the schema must describe one (OpenAI refuses others too)."""
         if value and value.get("type") != "object":
-            raise PydanticCustomError("invalid_parameters", 'must be a JSON schema of "type": "object", got '
-                                      '"type": {kind}', {"kind": json.dumps(value.get("type"))})
+            raise PydanticCustomError(
+                "invalid_parameters",
+                'must be a JSON schema of "type": "object", got "type": {kind}',
+                {"kind": json.dumps(value.get("type"))},
+            )
         return value
 
 
@@ -371,10 +401,14 @@ def _choice_form(value: Any) -> str | None:
 
 
 ToolChoice = Annotated[
-    Union[Annotated[Literal["none", "auto", "required"], Tag("string")], Annotated[NamedToolChoice, Tag("named")]],
-    Discriminator(_choice_form, custom_error_type="tool_choice_type",
-                  custom_error_message='Input should be "none", "auto", "required" or '
-                                       '{"type": "function", "function": {"name": ...}}')]
+    Annotated[Literal["none", "auto", "required"], Tag("string")] | Annotated[NamedToolChoice, Tag("named")],
+    Discriminator(
+        _choice_form,
+        custom_error_type="tool_choice_type",
+        custom_error_message='Input should be "none", "auto", "required" or '
+        '{"type": "function", "function": {"name": ...}}',
+    ),
+]
 
 
 class MessageFunctionCall(RequestModel):

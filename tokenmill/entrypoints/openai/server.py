@@ -46,7 +46,6 @@ from tokenmill.entrypoints.openai.protocol import (
     random_id,
 )
 from tokenmill.entrypoints.openai.serving import ServingContext, ServingOptions
-from tokenmill.entrypoints.openai.tool_parsers import TOOL_PARSERS
 from tokenmill.entrypoints.openai.tokenization import (
     DetokenizeRequest,
     DetokenizeResponse,
@@ -55,6 +54,7 @@ from tokenmill.entrypoints.openai.tokenization import (
     detokenize,
     tokenize,
 )
+from tokenmill.entrypoints.openai.tool_parsers import TOOL_PARSERS
 
 logger = logging.getLogger(__name__)
 
@@ -83,8 +83,9 @@ class _APIKeyMiddleware:
             error = None
             if len(given) > 1:
                 error = APIError(400, "the request has more than one Authorization header", code="invalid_request")
-            elif scope["path"] not in self.open_paths and not secrets.compare_digest(given[0] if given else b"",
-                                                                                      self.expected):
+            elif scope["path"] not in self.open_paths and not secrets.compare_digest(
+                given[0] if given else b"", self.expected
+            ):
                 error = APIError(401, "invalid or missing API key", code="invalid_api_key")
             if error is not None:
                 await error.response()(scope, receive, send)
@@ -143,9 +144,15 @@ class _RequestIdMiddleware:
         await self.app(scope, receive, send_with_id)
 
 
-def build_app(engine: AsyncLLM, served_model_name: str, api_key: str | None = None,
-              options: ServingOptions = ServingOptions(), vllm_metrics: bool = False,
-              request_id_headers: bool = False, open_metrics: bool = True) -> FastAPI:
+def build_app(
+    engine: AsyncLLM,
+    served_model_name: str,
+    api_key: str | None = None,
+    options: ServingOptions = ServingOptions(),
+    vllm_metrics: bool = False,
+    request_id_headers: bool = False,
+    open_metrics: bool = True,
+) -> FastAPI:
     """An app over ``engine``; its shutdown ends whatever still runs and stops the core.
     ``vllm_metrics`` also exports the metrics vLLM has under vLLM's names;
     ``request_id_headers`` puts an ``X-Request-Id`` on every response; ``open_metrics`` leaves
@@ -234,57 +241,109 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     """Server options of ``tokenmill serve``; the engine options come from
     ``tokenmill.engine.config.add_engine_args``."""
     g = parser.add_argument_group("server")
-    g.add_argument("--host", default="127.0.0.1",
-                   help="address to listen on (127.0.0.1: this machine only; 0.0.0.0: every interface)")
+    g.add_argument(
+        "--host",
+        default="127.0.0.1",
+        help="address to listen on (127.0.0.1: this machine only; 0.0.0.0: every interface)",
+    )
     g.add_argument("--port", type=int, default=8000, help="TCP port to listen on")
-    g.add_argument("--api-key", default=None,
-                   help="require 'Authorization: Bearer KEY' on every path but /health, /version and the API's docs "
-                        "(and /metrics, unless --api-key-for-metrics)")
-    g.add_argument("--api-key-for-metrics", action="store_true",
-                   help="with --api-key, require the key on /metrics too (a Prometheus scraper must then send it)")
-    g.add_argument("--trust-request-chat-template", action="store_true",
-                   help="let requests bring their own chat_template (a Jinja program the server runs, within "
-                        "--chat-template-timeout); without it, such a request gets a 400")
-    g.add_argument("--served-model-name", default=None,
-                   help="the model name clients send (unset: the model path, or tokenmill-default)")
-    g.add_argument("--max-waiting", type=int, default=1024,
-                   help="requests allowed to wait beyond the max-num-seqs that run at once; past it new "
-                        "requests get 503")
-    g.add_argument("--grace-period", type=float, default=30.0,
-                   help="seconds that running requests get to finish on SIGTERM; then they end with "
-                        "finish_reason 'abort'")
-    g.add_argument("--enable-prompt-tokens-details", action="store_true",
-                   help="report the prompt tokens found in the prefix cache as "
-                        "usage.prompt_tokens_details.cached_tokens")
-    g.add_argument("--enable-force-include-usage", action="store_true",
-                   help="end every stream with a usage chunk, whether the request asked for it or not")
-    g.add_argument("--return-tokens-as-token-ids", action="store_true",
-                   help="show tokens in logprobs as 'token_id:N', for tokens that are not valid text on their own")
-    g.add_argument("--vllm-compatible-metrics", action="store_true",
-                   help="also export each metric that vLLM has under vLLM's name (vllm:...), for vLLM dashboards")
-    g.add_argument("--enable-request-id-headers", action="store_true",
-                   help="put an X-Request-Id header on every response: the client's own, or a new one")
-    g.add_argument("--tool-call-parser", default="hermes", choices=sorted(TOOL_PARSERS),
-                   help="how tool calls are read out of chat replies: hermes (JSON in <tool_call> tags: Qwen2.5, "
-                        "Qwen3, Hermes, the embedded model) or llama3_json (Llama 3.1+ JSON calls)")
-    g.add_argument("--enable-auto-tool-choice", action="store_true",
-                   help='let chat requests use tool_choice "auto" (the default when they send tools): the model '
-                        "decides whether to call a tool")
-    g.add_argument("--exclude-tools-when-tool-choice-none", action="store_true",
-                   help='with tool_choice "none", leave the tools out of the chat template too')
-    g.add_argument("--uvicorn-log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
-                   help="log level of the HTTP server (access log at info)")
+    g.add_argument(
+        "--api-key",
+        default=None,
+        help="require 'Authorization: Bearer KEY' on every path but /health, /version and the API's docs "
+        "(and /metrics, unless --api-key-for-metrics)",
+    )
+    g.add_argument(
+        "--api-key-for-metrics",
+        action="store_true",
+        help="with --api-key, require the key on /metrics too (a Prometheus scraper must then send it)",
+    )
+    g.add_argument(
+        "--trust-request-chat-template",
+        action="store_true",
+        help="let requests bring their own chat_template (a Jinja program the server runs, within "
+        "--chat-template-timeout); without it, such a request gets a 400",
+    )
+    g.add_argument(
+        "--served-model-name",
+        default=None,
+        help="the model name clients send (unset: the model path, or tokenmill-default)",
+    )
+    g.add_argument(
+        "--max-waiting",
+        type=int,
+        default=1024,
+        help="requests allowed to wait beyond the max-num-seqs that run at once; past it new requests get 503",
+    )
+    g.add_argument(
+        "--grace-period",
+        type=float,
+        default=30.0,
+        help="seconds that running requests get to finish on SIGTERM; then they end with finish_reason 'abort'",
+    )
+    g.add_argument(
+        "--enable-prompt-tokens-details",
+        action="store_true",
+        help="report the prompt tokens found in the prefix cache as usage.prompt_tokens_details.cached_tokens",
+    )
+    g.add_argument(
+        "--enable-force-include-usage",
+        action="store_true",
+        help="end every stream with a usage chunk, whether the request asked for it or not",
+    )
+    g.add_argument(
+        "--return-tokens-as-token-ids",
+        action="store_true",
+        help="show tokens in logprobs as 'token_id:N', for tokens that are not valid text on their own",
+    )
+    g.add_argument(
+        "--vllm-compatible-metrics",
+        action="store_true",
+        help="also export each metric that vLLM has under vLLM's name (vllm:...), for vLLM dashboards",
+    )
+    g.add_argument(
+        "--enable-request-id-headers",
+        action="store_true",
+        help="put an X-Request-Id header on every response: the client's own, or a new one",
+    )
+    g.add_argument(
+        "--tool-call-parser",
+        default="hermes",
+        choices=sorted(TOOL_PARSERS),
+        help="how tool calls are read out of chat replies: hermes (JSON in <tool_call> tags: Qwen2.5, "
+        "Qwen3, Hermes, the embedded model) or llama3_json (Llama 3.1+ JSON calls)",
+    )
+    g.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help='let chat requests use tool_choice "auto" (the default when they send tools): the model '
+        "decides whether to call a tool",
+    )
+    g.add_argument(
+        "--exclude-tools-when-tool-choice-none",
+        action="store_true",
+        help='with tool_choice "none", leave the tools out of the chat template too',
+    )
+    g.add_argument(
+        "--uvicorn-log-level",
+        default="info",
+        choices=["critical", "error", "warning", "info", "debug"],
+        help="log level of the HTTP server (access log at info)",
+    )
     add_option_args(parser, ServerLimits, "limits on one request's work")
 
 
 def serving_options_from_args(args: argparse.Namespace) -> ServingOptions:
-    return ServingOptions(enable_prompt_tokens_details=args.enable_prompt_tokens_details,
-                          enable_force_include_usage=args.enable_force_include_usage,
-                          return_tokens_as_token_ids=args.return_tokens_as_token_ids,
-                          tool_call_parser=args.tool_call_parser, enable_auto_tool_choice=args.enable_auto_tool_choice,
-                          exclude_tools_when_tool_choice_none=args.exclude_tools_when_tool_choice_none,
-                          trust_request_chat_template=args.trust_request_chat_template,
-                          limits=options_from_args(ServerLimits, args))
+    return ServingOptions(
+        enable_prompt_tokens_details=args.enable_prompt_tokens_details,
+        enable_force_include_usage=args.enable_force_include_usage,
+        return_tokens_as_token_ids=args.return_tokens_as_token_ids,
+        tool_call_parser=args.tool_call_parser,
+        enable_auto_tool_choice=args.enable_auto_tool_choice,
+        exclude_tools_when_tool_choice_none=args.exclude_tools_when_tool_choice_none,
+        trust_request_chat_template=args.trust_request_chat_template,
+        limits=options_from_args(ServerLimits, args),
+    )
 
 
 def run_server(args: argparse.Namespace) -> int:
@@ -294,12 +353,23 @@ def run_server(args: argparse.Namespace) -> int:
     engine = AsyncLLM(engine_config_from_args(args), max_waiting=args.max_waiting)
     try:
         name = args.served_model_name or args.model or DEFAULT_MODEL_NAME
-        app = build_app(engine, name, api_key=args.api_key, options=serving_options_from_args(args),
-                        vllm_metrics=args.vllm_compatible_metrics,
-                        request_id_headers=args.enable_request_id_headers, open_metrics=not args.api_key_for_metrics)
+        app = build_app(
+            engine,
+            name,
+            api_key=args.api_key,
+            options=serving_options_from_args(args),
+            vllm_metrics=args.vllm_compatible_metrics,
+            request_id_headers=args.enable_request_id_headers,
+            open_metrics=not args.api_key_for_metrics,
+        )
         # uvicorn's own deadline comes after ours: by then every stream has ended cleanly.
-        config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
-                                timeout_graceful_shutdown=args.grace_period + 10)
+        config = uvicorn.Config(
+            app,
+            host=args.host,
+            port=args.port,
+            log_level=args.uvicorn_log_level,
+            timeout_graceful_shutdown=args.grace_period + 10,
+        )
         logger.info("serving %s on http://%s:%d", json.dumps(name), args.host, args.port)
         _DrainingServer(config, engine, args.grace_period).run()
     finally:

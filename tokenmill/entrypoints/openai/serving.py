@@ -34,8 +34,15 @@ from tokenmill.tokenizer import ChatOptions, TemplateTimeout
 
 logger = logging.getLogger(__name__)
 
-_OPTIONAL_SAMPLING = ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
-                      "repetition_penalty")
+_OPTIONAL_SAMPLING = (
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+)
 _DISCONNECT_POLL_S = 0.5
 T = TypeVar("T")
 REQUEST_ID_HEADER = "X-Request-Id"
@@ -67,8 +74,12 @@ class ServingContext:
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.model_name:
-            raise APIError(400, f"the model {model!r} does not exist; this server serves {self.model_name!r}",
-                           param="model", code="model_not_found")
+            raise APIError(
+                400,
+                f"the model {model!r} does not exist; this server serves {self.model_name!r}",
+                param="model",
+                code="model_not_found",
+            )
 
     def token_text(self, token_id: int, as_id: bool = False) -> str:
         """How one token reads on its own (what logprobs show): ``token_id:N`` when asked
@@ -90,16 +101,23 @@ class ServingContext:
 
     def usage(self, prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> UsageInfo:
         """Usage, with the cached prompt tokens when the server is run to report them."""
-        details = PromptTokensDetails(cached_tokens=cached_tokens) if self.options.enable_prompt_tokens_details \
-            else None
-        return UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
-                         total_tokens=prompt_tokens + completion_tokens, prompt_tokens_details=details)
+        details = (
+            PromptTokensDetails(cached_tokens=cached_tokens) if self.options.enable_prompt_tokens_details else None
+        )
+        return UsageInfo(
+            prompt_tokens=prompt_tokens,
+            completion_tokens=completion_tokens,
+            total_tokens=prompt_tokens + completion_tokens,
+            prompt_tokens_details=details,
+        )
 
     def final_usage(self, outputs: list[RequestOutput]) -> UsageInfo:
         """Prompt tokens counted once per prompt, completion tokens over every choice."""
-        return self.usage(sum(len(out.prompt_token_ids) for out in outputs),
-                          sum(len(c.token_ids) for out in outputs for c in out.outputs),
-                          sum(out.num_cached_tokens for out in outputs))
+        return self.usage(
+            sum(len(out.prompt_token_ids) for out in outputs),
+            sum(len(c.token_ids) for out in outputs for c in out.outputs),
+            sum(out.num_cached_tokens for out in outputs),
+        )
 
     def stream_usage(self, req: SamplingFields) -> tuple[bool, bool]:
         """(a usage chunk at the end, usage in every chunk) for a stream: the end chunk when
@@ -108,8 +126,9 @@ class ServingContext:
         final = (options is not None and options.include_usage) or self.options.enable_force_include_usage
         return final, final and options is not None and options.continuous_usage_stats
 
-    def prompt_logprobs(self, req: SamplingFields, token_ids: list[int], entries: list[Logprobs | None] | None,
-                        engine_n: int | None) -> PromptLogprobs | None:
+    def prompt_logprobs(
+        self, req: SamplingFields, token_ids: list[int], entries: list[Logprobs | None] | None, engine_n: int | None
+    ) -> PromptLogprobs | None:
         """vLLM's ``prompt_logprobs``: per prompt position (the first has none) the prompt's
         token and the ``prompt_logprobs`` best, each with its rank and text. ``engine_n`` is
         how many the engine was asked for (echo may have asked for more)."""
@@ -122,13 +141,16 @@ class ServingContext:
                 return None
             ranks = _ranks(entry, engine_n)
             chosen = dict(best(entry, req.prompt_logprobs)) | {token_id: entry[token_id]}
-            return {t: PromptLogprob(logprob=lp, rank=ranks.get(t), decoded_token=self.token_text(t, as_id))
-                    for t, lp in chosen.items()}
+            return {
+                t: PromptLogprob(logprob=lp, rank=ranks.get(t), decoded_token=self.token_text(t, as_id))
+                for t, lp in chosen.items()
+            }
 
         return [position(t, e) for t, e in zip(token_ids, entries)]
 
-    async def start(self, request_id: str, prompts: list[str | list[int]], params: SamplingParams,
-                    stream: bool, req: SamplingFields) -> RequestGroup:
+    async def start(
+        self, request_id: str, prompts: list[str | list[int]], params: SamplingParams, stream: bool, req: SamplingFields
+    ) -> RequestGroup:
         """Add one engine request per prompt; if any is refused, none stays queued. A stream
         gets each prompt's news as it comes; otherwise only each prompt's final output. The
         request's cost is checked against the server's limits before anything is queued."""
@@ -146,36 +168,46 @@ class ServingContext:
         streams: list[RequestStream] = []
         try:
             for i, prompt in enumerate(processed):
-                streams.append(await self.engine.add_request(f"{request_id}-{i}", prompt, params, kind,
-                                                             req.priority))
+                streams.append(await self.engine.add_request(f"{request_id}-{i}", prompt, params, kind, req.priority))
         except BaseException:
             for s in streams:
                 s.abort()
             raise
         return RequestGroup(streams)
 
-    async def render_chat(self, req: Any, messages: list[dict[str, Any]], add_special_tokens: bool,
-                          tools: list[dict[str, Any]] | None) -> list[int]:
+    async def render_chat(
+        self, req: Any, messages: list[dict[str, Any]], add_special_tokens: bool, tools: list[dict[str, Any]] | None
+    ) -> list[int]:
         """The prompt's ids of a conversation as a request (chat completions or ``/tokenize``, which
         name the fields alike) asks it rendered, with the tools its template lists. A template of
         the request's own runs only on a server that trusts them; any template is stopped after
         ``--chat-template-timeout``, and its text may be no longer than a request's body may be.
         Its failures are the request's: 400s naming ``messages``."""
         if req.chat_template is not None and not self.options.trust_request_chat_template:
-            raise APIError(400, "this server renders conversations with the model's own chat template only: "
-                           "start it with --trust-request-chat-template to take templates from requests",
-                           param="chat_template", code="invalid_value")
-        options = ChatOptions(add_generation_prompt=req.add_generation_prompt,
-                              continue_final_message=req.continue_final_message, chat_template=req.chat_template,
-                              chat_template_kwargs=dict(req.chat_template_kwargs or {}),
-                              add_special_tokens=add_special_tokens, tools=tools)
+            raise APIError(
+                400,
+                "this server renders conversations with the model's own chat template only: "
+                "start it with --trust-request-chat-template to take templates from requests",
+                param="chat_template",
+                code="invalid_value",
+            )
+        options = ChatOptions(
+            add_generation_prompt=req.add_generation_prompt,
+            continue_final_message=req.continue_final_message,
+            chat_template=req.chat_template,
+            chat_template_kwargs=dict(req.chat_template_kwargs or {}),
+            add_special_tokens=add_special_tokens,
+            tools=tools,
+        )
         try:
             limits = self.options.limits
-            return await self.engine.render_chat(messages, options, limits.chat_template_timeout,
-                                                 limits.max_request_body_bytes)
+            return await self.engine.render_chat(
+                messages, options, limits.chat_template_timeout, limits.max_request_body_bytes
+            )
         except TemplateTimeout as exc:
-            raise APIError(400, f"{exc} (this server's --chat-template-timeout)", param="messages",
-                           code="template_timeout") from None
+            raise APIError(
+                400, f"{exc} (this server's --chat-template-timeout)", param="messages", code="template_timeout"
+            ) from None
         except ValueError as exc:
             raise APIError(400, str(exc), param="messages", code="invalid_value") from None
 
@@ -191,11 +223,14 @@ class ServingContext:
             entries += logprob_entries(length, rows, params.logprobs, params.prompt_logprobs, vocab)
         limit = self.options.limits.max_logprob_entries
         if entries > limit:
-            raise APIError(400, f"the request asks for {entries} logprob entries (its rows times 1 + the logprobs "
-                           f"of each, the vocabulary of {vocab} for -1), but this server gives at most {limit} a "
-                           "request (its --max-logprob-entries): ask for fewer logprobs or fewer tokens",
-                           param="prompt_logprobs" if params.prompt_logprobs is not None else "logprobs",
-                           code="invalid_value")
+            raise APIError(
+                400,
+                f"the request asks for {entries} logprob entries (its rows times 1 + the logprobs "
+                f"of each, the vocabulary of {vocab} for -1), but this server gives at most {limit} a "
+                "request (its --max-logprob-entries): ask for fewer logprobs or fewer tokens",
+                param="prompt_logprobs" if params.prompt_logprobs is not None else "logprobs",
+                code="invalid_value",
+            )
 
 
 def best(entry: Logprobs, count: int) -> list[tuple[int, float]]:
@@ -233,42 +268,68 @@ def structured_outputs_of(req: SamplingFields, forced: tuple[str, Any] | None = 
         elif kind == "json_schema" and isinstance(fmt.get("json_schema"), dict) and "schema" in fmt["json_schema"]:
             asked.append(("response_format", {"json": fmt["json_schema"]["schema"]}))
         else:
-            raise APIError(400, "response_format must be {\"type\": \"text\"}, {\"type\": \"json_object\"} or "
-                           "{\"type\": \"json_schema\", \"json_schema\": {\"name\": ..., \"schema\": {...}}}",
-                           param="response_format", code="invalid_value")
+            raise APIError(
+                400,
+                'response_format must be {"type": "text"}, {"type": "json_object"} or '
+                '{"type": "json_schema", "json_schema": {"name": ..., "schema": {...}}}',
+                param="response_format",
+                code="invalid_value",
+            )
     if req.structured_outputs is not None:
         asked.append(("structured_outputs", req.structured_outputs))
-    for name, key in (("guided_json", "json"), ("guided_regex", "regex"), ("guided_choice", "choice"),
-                      ("guided_grammar", "grammar")):
+    for name, key in (
+        ("guided_json", "json"),
+        ("guided_regex", "regex"),
+        ("guided_choice", "choice"),
+        ("guided_grammar", "grammar"),
+    ):
         if getattr(req, name) is not None:
             asked.append((name, {key: getattr(req, name)}))
     if len(asked) > 1:
-        raise APIError(400, f"set at most one of {', '.join(name for name, _ in asked)}", param=asked[1][0],
-                       code="invalid_value")
+        raise APIError(
+            400, f"set at most one of {', '.join(name for name, _ in asked)}", param=asked[1][0], code="invalid_value"
+        )
     return asked[0] if asked else None
 
 
-def sampling_params(req: SamplingFields, max_tokens: int | None, logprobs: int | None,
-                    prompt_logprobs: int | None = None, forced: tuple[str, Any] | None = None) -> SamplingParams:
+def sampling_params(
+    req: SamplingFields,
+    max_tokens: int | None,
+    logprobs: int | None,
+    prompt_logprobs: int | None = None,
+    forced: tuple[str, Any] | None = None,
+) -> SamplingParams:
     """SamplingParams from the fields both endpoints share; unset fields keep the defaults.
     ``forced``: see ``structured_outputs_of``. (Token ids of ``logit_bias`` are checked against
     the vocabulary by the engine.)"""
-    options: dict[str, Any] = {name: getattr(req, name) for name in _OPTIONAL_SAMPLING
-                               if getattr(req, name) is not None}
+    options: dict[str, Any] = {
+        name: getattr(req, name) for name in _OPTIONAL_SAMPLING if getattr(req, name) is not None
+    }
     if req.prompt_logprobs is not None and req.stream:
-        raise APIError(400, "prompt_logprobs are not available when stream is true", param="prompt_logprobs",
-                       code="invalid_value")
+        raise APIError(
+            400, "prompt_logprobs are not available when stream is true", param="prompt_logprobs", code="invalid_value"
+        )
     structured = structured_outputs_of(req, forced)
     try:
         structured_params = None if structured is None else SamplingParams(structured_outputs=structured[1])
     except ValueError as exc:
         raise APIError(400, str(exc), param=structured[0], code="invalid_value") from None
     return SamplingParams(
-        n=req.n, max_tokens=max_tokens, min_tokens=req.min_tokens, stop=req.stop,
-        stop_token_ids=req.stop_token_ids, seed=req.seed, ignore_eos=req.ignore_eos, logprobs=logprobs,
-        prompt_logprobs=prompt_logprobs, include_stop_str_in_output=req.include_stop_str_in_output,
-        skip_special_tokens=req.skip_special_tokens, logit_bias=req.logit_bias_ids(),
-        structured_outputs=None if structured_params is None else structured_params.structured_outputs, **options)
+        n=req.n,
+        max_tokens=max_tokens,
+        min_tokens=req.min_tokens,
+        stop=req.stop,
+        stop_token_ids=req.stop_token_ids,
+        seed=req.seed,
+        ignore_eos=req.ignore_eos,
+        logprobs=logprobs,
+        prompt_logprobs=prompt_logprobs,
+        include_stop_str_in_output=req.include_stop_str_in_output,
+        skip_special_tokens=req.skip_special_tokens,
+        logit_bias=req.logit_bias_ids(),
+        structured_outputs=None if structured_params is None else structured_params.structured_outputs,
+        **options,
+    )
 
 
 def merged_logprobs(*counts: int | None) -> int | None:
@@ -357,8 +418,9 @@ async def json_response(build: Callable[[], BaseModel]) -> JSONResponse:
 
 
 def sse(data: BaseModel | dict[str, Any] | str) -> str:
-    payload = data if isinstance(data, str) else (
-        data.model_dump_json() if isinstance(data, BaseModel) else json.dumps(data))
+    payload = (
+        data if isinstance(data, str) else (data.model_dump_json() if isinstance(data, BaseModel) else json.dumps(data))
+    )
     return f"data: {payload}\n\n"
 
 
@@ -368,7 +430,9 @@ async def off_loop(offload: bool, func: Callable[..., T], *args: Any) -> T:
     return await asyncio.to_thread(func, *args) if offload else func(*args)
 
 
-async def sse_stream(events: AsyncIterator[BaseModel], group: RequestGroup, offload: bool = False) -> AsyncIterator[str]:
+async def sse_stream(
+    events: AsyncIterator[BaseModel], group: RequestGroup, offload: bool = False
+) -> AsyncIterator[str]:
     """Server-sent events of ``events``, then ``[DONE]``; an error mid-stream becomes an
     error event (the status line is already sent) and the stream still ends with ``[DONE]``.
     A shutdown that cancels the response mid-stream ends it the same way: the client always

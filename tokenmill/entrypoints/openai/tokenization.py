@@ -75,11 +75,16 @@ def _tokenizer(ctx: ServingContext) -> Any:
 
 async def _ids(ctx: ServingContext, req: TokenizeRequest) -> list[int]:
     if req.messages is not None:  # without extra special tokens, the very ids a chat request feeds the model
-        return await ctx.render_chat(req, [m.for_template() for m in req.messages], req.add_special_tokens is True,
-                                     template_tools(req.tools))
+        return await ctx.render_chat(
+            req, [m.for_template() for m in req.messages], req.add_special_tokens is True, template_tools(req.tools)
+        )
     if req.prompt is None:
-        raise APIError(400, "give either prompt (the completion form) or messages (the chat form)",
-                       param="prompt", code="invalid_value")
+        raise APIError(
+            400,
+            "give either prompt (the completion form) or messages (the chat form)",
+            param="prompt",
+            code="invalid_value",
+        )
     add_special_tokens = req.add_special_tokens is not False
     return await _in_thread(encode_prompt, _tokenizer(ctx), req.prompt, add_special_tokens)
 
@@ -97,6 +102,10 @@ async def detokenize(ctx: ServingContext, req: DetokenizeRequest) -> DetokenizeR
     vocab_size = ctx.engine.vocab_size
     for i, token in enumerate(req.tokens):
         if token >= vocab_size:
-            raise APIError(400, f"tokens[{i}]: {token} is outside the vocabulary (size {vocab_size})",
-                           param="tokens", code="invalid_value")
+            raise APIError(
+                400,
+                f"tokens[{i}]: {token} is outside the vocabulary (size {vocab_size})",
+                param="tokens",
+                code="invalid_value",
+            )
     return DetokenizeResponse(prompt=await _in_thread(_tokenizer(ctx).decode, req.tokens))

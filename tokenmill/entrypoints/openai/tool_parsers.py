@@ -231,8 +231,8 @@ class _Call:
         if self.arguments is None:
             whole = "{}" if self.object.scan(text) is not None else ""
         else:
-            whole = text[self.arguments.start:self.arguments.scan(text) or len(text)]
-        piece, self.sent = whole[self.sent:], len(whole)
+            whole = text[self.arguments.start : self.arguments.scan(text) or len(text)]
+        piece, self.sent = whole[self.sent :], len(whole)
         return piece
 
 
@@ -299,7 +299,7 @@ class ToolParser:
         while True:
             if self.call is None:
                 content_end, call_start = self._open(final)
-                self._content(out, self.text[self.pos:content_end])
+                self._content(out, self.text[self.pos : content_end])
                 self.pos = content_end
                 if call_start is None:
                     if final and self.pos < len(self.text):
@@ -344,7 +344,7 @@ class ToolParser:
         held = self._held + piece
         text = held.rstrip()
         out.content += text
-        self._held = held[len(text):]
+        self._held = held[len(text) :]
 
 
 class HermesToolParser(ToolParser):
@@ -432,5 +432,4 @@ class Llama3JsonToolParser(ToolParser):
         self._refused(out)
 
 
-TOOL_PARSERS: dict[str, type[ToolParser]] = {parser.name: parser
-                                              for parser in (HermesToolParser, Llama3JsonToolParser)}
+TOOL_PARSERS: dict[str, type[ToolParser]] = {parser.name: parser for parser in (HermesToolParser, Llama3JsonToolParser)}

@@ -50,30 +50,43 @@ def plan_tools(req: ChatCompletionRequest, options: ServingOptions) -> ToolPlan:
     "auto" or "required" with an empty list of tools is "none"."""
     choice = req.tool_choice if req.tool_choice is not None else "auto" if req.tools else "none"
     if choice != "none" and req.tools is None:
-        raise APIError(400, "tool_choice needs tools: give the functions the model may call", param="tool_choice",
-                       code="invalid_value")
+        raise APIError(
+            400,
+            "tool_choice needs tools: give the functions the model may call",
+            param="tool_choice",
+            code="invalid_value",
+        )
     tools = req.tools or []
     names = [tool.function.name for tool in tools]
     for i, name in enumerate(names):
         if name in names[:i]:
-            raise APIError(400, f"two tools are named {name!r}", param=f"tools[{i}].function.name",
-                           code="invalid_value")
+            raise APIError(
+                400, f"two tools are named {name!r}", param=f"tools[{i}].function.name", code="invalid_value"
+            )
     schemas = [json.dumps(tool.function.parameters or NO_PARAMETERS) for tool in tools]
     for i, schema in enumerate(schemas):
         try:
             _arguments_grammar(schema)
         except ValueError as exc:
-            raise APIError(400, f"tools[{i}].function.parameters is not a JSON schema that can be followed: {exc}",
-                           param=f"tools[{i}].function.parameters", code="invalid_value") from None
+            raise APIError(
+                400,
+                f"tools[{i}].function.parameters is not a JSON schema that can be followed: {exc}",
+                param=f"tools[{i}].function.parameters",
+                code="invalid_value",
+            ) from None
     listed = None if choice == "none" and options.exclude_tools_when_tool_choice_none else template_tools(tools)
     if choice == "none" or (choice in ("auto", "required") and not tools):
         return ToolPlan(template_tools=listed)
     parser = TOOL_PARSERS[options.tool_call_parser]
     if choice == "auto":
         if not options.enable_auto_tool_choice:
-            raise APIError(400, '"auto" tool choice needs the server started with --enable-auto-tool-choice '
-                           '(tool_choice "required" or a named function works without it)', param="tool_choice",
-                           code="invalid_value")
+            raise APIError(
+                400,
+                '"auto" tool choice needs the server started with --enable-auto-tool-choice '
+                '(tool_choice "required" or a named function works without it)',
+                param="tool_choice",
+                code="invalid_value",
+            )
         return ToolPlan(listed, parser, tuple(names))
     if choice == "required":
         forced = tuple(zip(names, schemas))
@@ -81,8 +94,12 @@ def plan_tools(req: ChatCompletionRequest, options: ServingOptions) -> ToolPlan:
         return ToolPlan(listed, parser, tuple(names), grammar)
     name = choice.function.name
     if name not in names:
-        raise APIError(400, f"tool_choice names the function {name!r}, which is not among the tools "
-                       f"({', '.join(names)})", param="tool_choice", code="invalid_value")
+        raise APIError(
+            400,
+            f"tool_choice names the function {name!r}, which is not among the tools ({', '.join(names)})",
+            param="tool_choice",
+            code="invalid_value",
+        )
     grammar = forced_calls_grammar(parser, ((name, schemas[names.index(name)]),), False)
     return ToolPlan(listed, parser, (name,), grammar)
 
@@ -95,7 +112,7 @@ def _arguments_grammar(schema: str) -> str:
 
     try:
         return str(xgrammar.Grammar.from_json_schema(schema, any_whitespace=False))
-    except Exception as exc:  # noqa: BLE001 - xgrammar raises several kinds; all mean a bad schema
+    except Exception as exc:
         raise ValueError(grammar_error_reason(exc)) from None
 
 
@@ -106,10 +123,23 @@ def forced_calls_grammar(parser: type[ToolParser], functions: tuple[tuple[str, s
     if ``parallel``."""
     import xgrammar
 
-    tags = [{"type": "tag", "begin": parser.call_prefix(name),
-             "content": {"type": "grammar", "grammar": _arguments_grammar(schema)}, "end": parser.call_suffix}
-            for name, schema in functions]
-    tag = {"type": "structural_tag", "format": {"type": "tags_with_separator", "tags": tags,
-                                                "separator": parser.separator, "at_least_one": True,
-                                                "stop_after_first": not parallel}}
+    tags = [
+        {
+            "type": "tag",
+            "begin": parser.call_prefix(name),
+            "content": {"type": "grammar", "grammar": _arguments_grammar(schema)},
+            "end": parser.call_suffix,
+        }
+        for name, schema in functions
+    ]
+    tag = {
+        "type": "structural_tag",
+        "format": {
+            "type": "tags_with_separator",
+            "tags": tags,
+            "separator": parser.separator,
+            "at_least_one": True,
+            "stop_after_first": not parallel,
+        },
+    }
     return str(xgrammar.Grammar.from_structural_tag(json.dumps(tag)))
