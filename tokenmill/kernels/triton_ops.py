@@ -8,9 +8,9 @@ keyword-only and optional).
 import torch
 
 from tokenmill.kernels.q8_0 import Q8Weight
-from tokenmill.kernels.triton_activation import gelu_tanh_and_mul, gelu_tanh_mul, silu_and_mul
+from tokenmill.kernels.triton_activation import gelu_tanh_and_mul, gelu_tanh_mul, silu_and_mul, softcap_
 from tokenmill.kernels.triton_argmax import argmax_rows
-from tokenmill.kernels.triton_attention import paged_attention
+from tokenmill.kernels.triton_attention import kv_splits, paged_attention
 from tokenmill.kernels.triton_gemv import MAX_ROWS as GEMV_MAX_ROWS
 from tokenmill.kernels.triton_gemv import linear as gemv_linear
 from tokenmill.kernels.triton_gemv import linear_gelu_mul as gemv_linear_gelu_mul
@@ -53,6 +53,7 @@ __all__ = [
     "fp32_weight_rms_norm",
     "gelu_tanh_and_mul",
     "join_and_norm",
+    "kv_splits",
     "linear",
     "linear_gelu_mul",
     "linear_residual",
@@ -64,4 +65,5 @@ __all__ = [
     "rotary_embedding_query",
     "sample",
     "silu_and_mul",
+    "softcap_",
 ]
