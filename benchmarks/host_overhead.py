@@ -28,7 +28,7 @@ from helpers import make_model_dir  # noqa: E402
 from tokenmill import SamplingParams  # noqa: E402
 from tokenmill.bench.offline import make_engine  # noqa: E402
 from tokenmill.engine.config import EngineConfig  # noqa: E402
-from tokenmill.engine.llm_engine import LLMEngine  # noqa: E402
+from tokenmill.engine.frontend.llm_engine import LLMEngine  # noqa: E402
 
 
 WARM_UP_STEPS = 20

@@ -46,7 +46,7 @@ from tokenmill.bench.serve import arrival_offsets
 from tokenmill.bench.shapes import shape_dir
 from tokenmill.default_model import DEFAULT_MODEL_DIR
 from tokenmill.engine.config import EngineConfig
-from tokenmill.engine.llm_engine import LLMEngine
+from tokenmill.engine.frontend.llm_engine import LLMEngine
 from tokenmill.sampling_params import SamplingParams
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")

@@ -38,7 +38,8 @@ from tokenmill import LLM, SamplingParams
 from tokenmill.bench.hardware import environment
 from tokenmill.bench.shapes import shape_dir
 from tokenmill.default_model import DEFAULT_MODEL_DIR
-from tokenmill.engine.structured_outputs import GrammarCompiler, HostBitmask, apply_grammars, fill_masks, mask_logits
+from tokenmill.engine.core.structured_outputs import GrammarCompiler
+from tokenmill.layers.grammar_mask import HostBitmask, apply_grammars, fill_masks, mask_logits
 from tokenmill.sampling_params import StructuredOutputsParams
 from tokenmill.tokenizer import load_tokenizer
 

@@ -23,7 +23,7 @@ from transformers import (
 from transformers import AutoModelForCausalLM
 
 from tokenmill import LLM, SamplingParams
-from tokenmill.engine.scheduler import StepCost, StepWork
+from tokenmill.engine.core.scheduler import StepCost, StepWork
 
 VOCAB = 320
 

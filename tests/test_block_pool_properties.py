@@ -15,11 +15,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from tokenmill.engine.block_pool import BlockPool, hash_blocks
-from tokenmill.engine.kv_cache_manager import KVCacheManager
-from tokenmill.engine.scheduler import Scheduler, SchedulerConfig
+from tokenmill.engine.core.block_pool import BlockPool, hash_blocks
+from tokenmill.engine.core.kv_cache_manager import KVCacheManager
+from tokenmill.engine.core.scheduler import Scheduler, SchedulerConfig
 from tokenmill.engine.sequence import Sequence
-from tokenmill.engine.sequence_rows import SequenceRows
+from tokenmill.engine.worker.sequence_rows import SequenceRows
 from tokenmill.sampling_params import SamplingParams
 
 BLOCK = 4

@@ -11,7 +11,7 @@ import torch
 from tokenmill import LLM, SamplingParams
 from tokenmill.default_model import DEFAULT_MODEL_DIR
 from tokenmill.engine.config import EngineConfig
-from tokenmill.engine.llm_engine import LLMEngine
+from tokenmill.engine.frontend.llm_engine import LLMEngine
 from tokenmill.entrypoints.cli import main as cli_main
 
 PROMPTS = ["def fibonacci(n):", "import os\nimport sys", "class Stack:\n    def push(self, item):"]

@@ -13,7 +13,7 @@ import torch
 
 from helpers import frozen_step_cost, make_model_dir, make_model_with_tokenizer
 from tokenmill import LLM, SamplingParams
-from tokenmill.engine.scheduler import CHUNK_QUANTUM, StepCost, StepWork
+from tokenmill.engine.core.scheduler import CHUNK_QUANTUM, StepCost, StepWork
 from tokenmill.tokenizer import StreamDetokenizer, WindowDetokenizer, make_detokenizer
 
 
@@ -122,7 +122,7 @@ def test_logprobs_and_prompt_logprobs(llm) -> None:
 def test_the_token_budget_follows_the_gpus_memory(model_dir, monkeypatch) -> None:
     from types import SimpleNamespace
 
-    from tokenmill.engine.rank import token_budget
+    from tokenmill.engine.worker.rank import token_budget
 
     llm = LLM(str(model_dir), device="cpu", dtype="float32")  # unset: the CPU's budget
     assert llm.engine.core.config.max_num_batched_tokens == 2048
@@ -368,7 +368,7 @@ def test_plain_tokens_end_up_as_the_general_path_takes_them(model_dir, monkeypat
     general path. With it turned off (every token through the general path) a batch that mixes plain
     requests with stop tokens, stop strings, length limits, n > 1, logprobs and min_tokens gives the
     same outputs and counts the same tokens."""
-    from tokenmill.engine.core import EngineCore
+    from tokenmill.engine.core.engine_core import EngineCore
 
     prompts = [[1, 2, 3] * 5, [7, 8, 9, 10] * 9, [11] * 3, [4, 5] * 20, [2, 3, 2, 3, 6] * 4]
     probe = LLM(str(model_dir), device="cpu", dtype="float32", max_num_seqs=8)
@@ -487,7 +487,7 @@ def test_overlap_under_preemption_and_streaming(model_dir) -> None:
 
 
 def test_the_start_up_log_says_what_start_up_took(model_dir, caplog) -> None:
-    with caplog.at_level(logging.INFO, logger="tokenmill.engine.core"):
+    with caplog.at_level(logging.INFO, logger="tokenmill.engine.core.builder"):
         LLM(str(model_dir), device="cpu", dtype="float32")
     ready = [r.getMessage() for r in caplog.records if r.getMessage().startswith("engine ready")]
     assert len(ready) == 1
@@ -528,3 +528,21 @@ def test_a_steps_sequences_go_longest_context_first(llm, monkeypatch) -> None:
         assert contexts[chunks:] == sorted(contexts[chunks:], reverse=True)
     alone = [llm.generate([p], greedy(6, ignore_eos=True), use_tqdm=False)[0] for p in prompts]
     assert [tokens[f"r{i}"] for i in range(len(prompts))] == [o.outputs[0].token_ids for o in alone]
+
+
+def test_get_stats_counts_what_the_engine_did(model_dir) -> None:
+    """``LLM.get_stats()`` (what ``/metrics`` shows): the tokens computed and generated, the steps, the
+    prefix cache's hits on a repeated prompt, and the KV cache back to empty once every request ends."""
+    llm = LLM(str(model_dir), device="cpu", dtype="float32", max_num_seqs=4, kv_cache_dtype="int8")
+    before = llm.get_stats()
+    assert before.num_steps == before.generation_tokens == 0 and before.kv_capacity_tokens > 0
+    params = greedy(max_tokens=7, ignore_eos=True)
+    outputs = llm.generate([list(range(1, 40)), list(range(50, 60))], params, use_tqdm=False)
+    outputs += llm.generate([list(range(1, 40))], params, use_tqdm=False)  # its blocks are cached now
+    stats = llm.get_stats()
+    assert stats.generation_tokens == sum(len(o.outputs[0].token_ids) for o in outputs) == 21
+    assert stats.prefix_cache_queries >= 39 and stats.prefix_cache_hits >= 32  # (two blocks of 16)
+    assert stats.prompt_tokens == 39 + 10 + 39 - stats.prefix_cache_hits
+    assert stats.num_steps >= 7 and stats.num_graph_steps == 0  # (no CUDA graphs on the CPU)
+    assert stats.num_running == stats.num_waiting == stats.kv_blocks_in_use == 0 and stats.kv_usage == 0
+    assert stats.kv_cache_dtype == "int8" and stats.num_failed_steps == stats.spec_decode_num_drafts == 0

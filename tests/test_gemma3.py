@@ -23,8 +23,9 @@ from transformers.models.gemma3.modeling_gemma3 import eager_attention_forward
 from helpers import GEMMA3_TEXT, TINY_CONFIGS, make_model_dir
 from test_parity import assert_engine_matches
 from tokenmill import LLM, SamplingParams
-from tokenmill.engine.model_runner import build_model
-from tokenmill.loader.hf_config import ModelLoadError, load_model_config
+from tokenmill.engine.worker.model_runner import build_model
+from tokenmill.loader.model_config import ModelLoadError
+from tokenmill.models.registry import load_model_config
 
 SOFTCAPPED = "softcapped_eager"
 

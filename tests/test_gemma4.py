@@ -19,11 +19,12 @@ from safetensors.torch import load_file, save_file
 from transformers import Gemma4TextConfig
 from transformers.modeling_rope_utils import _compute_proportional_rope_parameters
 
-from tokenmill.engine.model_runner import build_model
+from tokenmill.engine.worker.model_runner import build_model
 from tokenmill.kernels import reference
 from tokenmill.layers.attention import AttentionMetadata, KVCache
 from tokenmill.layers.rotary import inverse_frequencies
-from tokenmill.loader.hf_config import ModelLoadError, load_model_config
+from tokenmill.loader.model_config import ModelLoadError
+from tokenmill.models.registry import load_model_config
 from tokenmill.loader.kv_layout import KVSpec
 
 GEMMA4_CONFIGS = sorted(name for name in TINY_CONFIGS if name.startswith("gemma4"))

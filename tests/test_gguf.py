@@ -17,7 +17,7 @@ from helpers import make_model_with_tokenizer
 from tokenmill import LLM, SamplingParams
 from tokenmill.layers.q8_linear import Q8Weights
 from tokenmill.loader.gguf_checkpoint import read_gguf_config
-from tokenmill.loader.hf_config import ModelLoadError
+from tokenmill.loader.model_config import ModelLoadError
 
 PROMPTS = ["def fibonacci(n):", "héllo wörld", "the quick brown fox"]
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)

@@ -7,10 +7,11 @@ import json
 
 import pytest
 import torch
-
 from helpers import SPEC, TINY_CONFIGS, assert_equal_up_to_a_near_tie, echo_prompts, make_model_dir
 from test_parity import MAX_TOKENS, assert_matches_reference, parity_prompts, preempting_pool, reference_generate
+
 from tokenmill import LLM, SamplingParams
+from tokenmill.engine.worker.model_runner import ForwardPath
 from tokenmill.layers import ops
 
 pytestmark = [pytest.mark.gpu,
@@ -174,7 +175,7 @@ def test_chunks_beside_decoding_sequences_attend_apart(arch: str, kv_cache_dtype
     forward = runner._forward
 
     def watched(plan, tensors):
-        split.append(plan.num_chunk_seqs > 0 and plan.path == "eager")
+        split.append(plan.num_chunk_seqs > 0 and plan.path is ForwardPath.EAGER)
         return forward(plan, tensors)
 
     monkeypatch.setattr(runner, "_forward", watched)
@@ -390,9 +391,9 @@ def test_penalised_banned_and_biased_sampling_leaves_the_host_ahead() -> None:
     logit biases reach the device without the host waiting for the kernels queued before them (the
     step in flight): CUDA's sync check raises on any copy or call that would wait. And each takes
     effect: the prompt's tokens are marked, a banned token is never drawn, a large bias always is."""
-    from tokenmill.engine.host_staging import to_device
-    from tokenmill.engine.penalty_counts import PenaltyCounts
     from tokenmill.engine.sequence import Sequence, SequenceStatus
+    from tokenmill.engine.worker.host_staging import to_device
+    from tokenmill.engine.worker.penalty_counts import PenaltyCounts
     from tokenmill.layers.sampler import Sampler, SamplingBatch
 
     cuda, vocab, rows = torch.device("cuda"), 1000, 3
@@ -481,7 +482,7 @@ def test_host_staging_sends_every_array_whole() -> None:
     before has left it."""
     import numpy as np
 
-    from tokenmill.engine.host_staging import HostStaging
+    from tokenmill.engine.worker.host_staging import HostStaging
 
     rng = np.random.default_rng(0)
     staging = HostStaging(torch.device("cuda"), capacity=64)  # small: the second send must grow it

@@ -7,7 +7,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from tokenmill.engine.cuda_graphs import capture_each, stage_step_inputs
+from tokenmill.engine.worker.cuda_graphs import capture_each, stage_step_inputs
 from tokenmill.layers.attention import AttentionMetadata
 
 
@@ -37,8 +37,8 @@ def test_a_lone_chunk_after_a_long_prefix_replays_the_graph_that_splits_its_cont
     from helpers import make_model_dir
 
     from tokenmill import LLM
-    from tokenmill.engine import prefill_graphs
-    from tokenmill.engine.prefill_graphs import LONG_PREFIX, PrefillGraphs
+    from tokenmill.engine.worker import prefill_graphs
+    from tokenmill.engine.worker.prefill_graphs import LONG_PREFIX, PrefillGraphs
 
     make_model_dir("llama3", tmp_path)
     runner = LLM(str(tmp_path), device="cpu", dtype="float32").engine.core.runner
@@ -125,7 +125,7 @@ def test_capture_graphs_threads_one_pool_through_every_capture(monkeypatch) -> N
     a capture that fails is retried, and the pool comes back."""
     import contextlib
 
-    from tokenmill.engine import cuda_graphs
+    from tokenmill.engine.worker import cuda_graphs
 
     pools_given: list[object] = []
 

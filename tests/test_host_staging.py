@@ -9,7 +9,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tokenmill.engine.host_staging import HostStaging
+from tokenmill.engine.worker.host_staging import HostStaging
 
 DTYPES = [np.int64, np.int32, np.float32, np.bool_]
 

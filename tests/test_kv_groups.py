@@ -8,8 +8,8 @@ import torch
 
 from helpers import make_model_dir
 from tokenmill import LLM, SamplingParams
-from tokenmill.engine.kv_cache_manager import kv_block_counts
-from tokenmill.loader.hf_config import load_model_config
+from tokenmill.engine.worker.rank import kv_block_counts
+from tokenmill.models.registry import load_model_config
 from tokenmill.loader.kv_layout import KVLayout, KVSpec
 
 FULL, SLIDING = KVSpec(2, 32), KVSpec(2, 32, sliding_window=24)
@@ -75,7 +75,7 @@ def test_a_sliding_only_model_holds_its_window_however_long_it_generates(tmp_pat
 def test_step_floor_counts_only_what_windows_let_layers_read(tmp_path) -> None:
     """gemma3 (tiny): layers 0 and 2 slide over 24 tokens, layer 1 sees everything."""
     from tokenmill.bench.shapes import StepCostModel
-    from tokenmill.engine.model_runner import build_model
+    from tokenmill.engine.worker.model_runner import build_model
 
     make_model_dir("gemma3", tmp_path)
     cfg = load_model_config(tmp_path)

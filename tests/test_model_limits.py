@@ -13,9 +13,9 @@ import torch
 
 from helpers import make_model_with_tokenizer
 from tokenmill import LLM, SamplingParams
-from tokenmill.engine import core
+from tokenmill.engine.core import engine_core as core
 from tokenmill.layers.rotary import RotaryEmbedding
-from tokenmill.loader.hf_config import ModelLoadError
+from tokenmill.loader.model_config import ModelLoadError
 
 MAX_POSITIONS = 512  # the tiny configs' max_position_embeddings
 

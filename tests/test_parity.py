@@ -19,7 +19,7 @@ import torch
 
 from helpers import TINY_CONFIGS, VOCAB, make_model_dir
 from tokenmill import LLM, SamplingParams
-from tokenmill.loader.hf_config import load_model_config
+from tokenmill.models.registry import load_model_config
 
 TIE_TOL = 1e-4
 LOGPROB_TOL = 1e-4

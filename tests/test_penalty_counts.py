@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tokenmill import SamplingParams
-from tokenmill.engine.penalty_counts import PenaltyCounts
+from tokenmill.engine.worker.penalty_counts import PenaltyCounts
 from tokenmill.engine.sequence import Sequence, SequenceStatus
 
 VOCAB = 12

@@ -10,8 +10,9 @@ import pytest
 import torch
 
 from helpers import TINY_CONFIGS, make_model_dir
-from tokenmill.engine.model_runner import build_model
-from tokenmill.loader.hf_config import ModelLoadError, load_model_config
+from tokenmill.engine.worker.model_runner import build_model
+from tokenmill.loader.model_config import ModelLoadError
+from tokenmill.models.registry import load_model_config
 from tokenmill.models.registry import SUPPORTED_ARCHITECTURES, model_class
 
 

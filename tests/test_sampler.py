@@ -80,8 +80,8 @@ def test_ties_at_the_edge_are_kept_whole() -> None:
 
 def test_max_top_k_is_the_largest_cut_of_a_sampled_row() -> None:
     from tokenmill import SamplingParams
-    from tokenmill.engine.model_runner import max_top_k
-    from tokenmill.engine.sequence_rows import clamped_top_k
+    from tokenmill.engine.worker.model_runner import max_top_k
+    from tokenmill.engine.worker.sequence_rows import clamped_top_k
 
     def cut(vocab: int, *kinds: dict) -> int:
         """max_top_k over the sampling columns of rows of these parameters, as a step builds them."""

@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tokenmill.engine.sequence import Sequence, SequenceStatus
-from tokenmill.engine.sequence_rows import (
+from tokenmill.engine.worker.sequence_rows import (
     GRAMMAR, LOGIT_BIAS, LOGPROBS, MIN_TOKENS, PENALTIES, PROMPT_LOGPROBS, SEEDED, SequenceRows)
 from tokenmill.layers.sampler import inverse_temperature
 from tokenmill.sampling_params import SamplingParams

@@ -14,9 +14,8 @@ from scipy.stats import chi2_contingency
 from test_parity import parity_prompts
 
 from tokenmill import LLM, SamplingParams
-from tokenmill.engine.config import EngineConfig
-from tokenmill.engine.spec_decode import (
-    SpeculativeConfig,
+from tokenmill.engine.config import EngineConfig, SpeculativeConfig
+from tokenmill.engine.core.spec_decode import (
     TokenHistory,
     accepted_length,
     propose_ngram,
@@ -190,7 +189,7 @@ class _EagerGraph:
 
 @pytest.mark.parametrize("arch", ["llama3", "gemma3"])
 def test_verify_steps_padded_for_graphs_give_the_same_tokens(arch: str, tmp_path) -> None:
-    from tokenmill.engine.cuda_graphs import DecodeGraphs
+    from tokenmill.engine.worker.cuda_graphs import DecodeGraphs
 
     make_model_dir(arch, tmp_path)
     plain = LLM(str(tmp_path), device="cpu", dtype="float32", max_num_seqs=8)

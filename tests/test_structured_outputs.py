@@ -164,7 +164,8 @@ def test_masks_filled_by_the_thread_pool_equal_those_filled_in_turn(monkeypatch)
     import xgrammar
 
     from tokenmill.default_model import DEFAULT_MODEL_DIR
-    from tokenmill.engine import structured_outputs
+    from tokenmill.engine.core import structured_outputs
+    from tokenmill.layers import grammar_mask
     from tokenmill.tokenizer import load_tokenizer
 
     compiler = structured_outputs.GrammarCompiler(DEFAULT_MODEL_DIR, 8192, ())
@@ -177,9 +178,9 @@ def test_masks_filled_by_the_thread_pool_equal_those_filled_in_turn(monkeypatch)
         rows.append((i, matcher))
     masks = []
     for start in (float("inf"), -1.0):
-        monkeypatch.setattr(structured_outputs, "POOL_START_S", start)
+        monkeypatch.setattr(grammar_mask, "POOL_START_S", start)
         bitmask = xgrammar.allocate_token_bitmask(len(rows), 8192)
-        structured_outputs.fill_masks(bitmask, rows)
+        grammar_mask.fill_masks(bitmask, rows)
         masks.append(bitmask)
     assert torch.equal(masks[0], masks[1])
     assert len({tuple(row.tolist()) for row in masks[0]}) > 3
@@ -190,7 +191,7 @@ def test_masking_logits_matches_xgrammar(vocab_size: int) -> None:
     import torch
     import xgrammar
 
-    from tokenmill.engine.structured_outputs import mask_logits
+    from tokenmill.layers.grammar_mask import mask_logits
 
     generator = torch.Generator().manual_seed(vocab_size)
     bitmask = torch.randint(-2**31, 2**31 - 1, xgrammar.get_bitmask_shape(5, vocab_size), dtype=torch.int32,
@@ -214,7 +215,7 @@ def test_a_constraint_that_does_not_parse_is_refused_before_it_runs(llm: LLM, st
 
 def test_a_constraint_that_does_not_compile_fails_its_request_only(llm: LLM, monkeypatch) -> None:
     """(Parsing catches what it can; a failure in the engine's compile still ends only its request.)"""
-    monkeypatch.setattr("tokenmill.engine.input_processor.check_constraint", lambda spec, max_bytes: None)
+    monkeypatch.setattr("tokenmill.engine.frontend.input_processor.check_constraint", lambda spec, max_bytes: None)
     with pytest.raises(ValueError, match="structured_outputs cannot be compiled"):
         llm.generate([PROMPT], SamplingParams(structured_outputs={"regex": "(unclosed"}), use_tqdm=False)
     assert llm.generate([PROMPT], SamplingParams(max_tokens=4), use_tqdm=False)[0].outputs[0].token_ids
@@ -245,7 +246,7 @@ def test_a_request_aborted_while_its_constraint_compiles_ends_quietly(llm: LLM) 
     engine = llm.engine
     params = SamplingParams(max_tokens=8, structured_outputs=StructuredOutputsParams(json=SCHEMA))
     engine.add_request("compiling", PROMPT, params, stream=False)
-    assert engine.core._compiling and not engine.core.scheduler.waiting
+    assert len(engine.core.grammars) and not engine.core.scheduler.waiting
     engine.abort_request("compiling")
     while engine.has_unfinished_requests():
         engine.step()
@@ -433,12 +434,12 @@ def test_a_grammar_that_raises_in_a_step_fails_its_own_request_alone(tiny_model:
     """A matcher that raises while the step masks (row by row, or in xgrammar's thread pool), takes a
     token or a draft, or rolls drafts back: its request ends with an engine error, and every other
     request of the step, constrained or not, gets the tokens it gets alone."""
-    from tokenmill.engine import structured_outputs
+    from tokenmill.layers import grammar_mask
     from tokenmill.outputs import ERROR_ENGINE
 
     if pooled:  # every mask is the pool's, and the pool raises: the rows are filled again one by one
-        monkeypatch.setattr(structured_outputs, "POOL_START_S", -1.0)
-        monkeypatch.setattr(structured_outputs, "_thread_pool", _RaisingPool)
+        monkeypatch.setattr(grammar_mask, "POOL_START_S", -1.0)
+        monkeypatch.setattr(grammar_mask, "_thread_pool", _RaisingPool)
     tokenizer = load_tokenizer(tiny_model)
     eos = tokenizer.eos_token_id
     requests = {}
@@ -450,7 +451,7 @@ def test_a_grammar_that_raises_in_a_step_fails_its_own_request_alone(tiny_model:
     llm = LLM(str(tiny_model), device="cpu", dtype="float32", max_num_seqs=8, speculative_config=SPEC)
     alone = {request_id: _run_to_the_end(llm, {request_id: request})[request_id]
              for request_id, request in requests.items()}
-    grammars = llm.engine.core.grammars
+    grammars = llm.engine.core.grammars.compiler
     victim = grammars.submit(StructuredOutputsParams(**TINY_GRAMMARS["regex"][0])).result()
     make_matcher = grammars.matcher
     monkeypatch.setattr(grammars, "matcher", lambda compiled: _FailingMatcher(make_matcher(compiled), method, after)
@@ -469,7 +470,7 @@ def test_a_grammar_that_raises_in_a_step_fails_its_own_request_alone(tiny_model:
 def _hold_compiles(monkeypatch, held: Any) -> tuple[threading.Event, list[StructuredOutputsParams]]:
     """Make the compiles of the constraints that ``held`` picks wait for the event returned; the list
     gets every constraint a worker compiles."""
-    from tokenmill.engine.structured_outputs import GrammarCompiler
+    from tokenmill.engine.core.structured_outputs import GrammarCompiler
 
     release, compiled = threading.Event(), []
     compile_ = GrammarCompiler._compile
@@ -485,7 +486,7 @@ def _hold_compiles(monkeypatch, held: Any) -> tuple[threading.Event, list[Struct
 
 
 def _tiny_compiler(model_dir: Path, **options: Any) -> Any:
-    from tokenmill.engine.structured_outputs import GrammarCompiler
+    from tokenmill.engine.core.structured_outputs import GrammarCompiler
 
     tokenizer = load_tokenizer(model_dir)
     return GrammarCompiler(model_dir, len(tokenizer), (tokenizer.eos_token_id,), **options)
@@ -508,7 +509,7 @@ def test_slow_compiles_do_not_hold_up_a_quick_one(tiny_model: Path, monkeypatch)
 def test_the_time_limits_count_from_the_compiles_start() -> None:
     """Time queued behind other compiles is not a request's fault: it has its own, shorter limit,
     and the compile's own limit counts from its start (or from the request, if it came later)."""
-    from tokenmill.engine.structured_outputs import CompileJob, GrammarCompiler
+    from tokenmill.engine.core.structured_outputs import CompileJob, GrammarCompiler
 
     compiler = GrammarCompiler(Path("unused"), 100, (), workers=2)
     compiler.timeout_s, compiler.queue_timeout_s = 30.0, 10.0
@@ -532,7 +533,7 @@ def test_a_compile_that_waits_or_runs_too_long_fails_its_request_as_unavailable(
     held_regex = TINY_GRAMMARS["regex"][0]["regex"]
     release, compiled = _hold_compiles(monkeypatch, lambda spec: spec.regex == held_regex)
     llm = LLM(str(tiny_model), device="cpu", dtype="float32", max_num_seqs=4, grammar_compile_workers=1)
-    grammars, engine = llm.engine.core.grammars, llm.engine
+    grammars, engine = llm.engine.core.grammars.compiler, llm.engine
     grammars.queue_timeout_s = 0.0
     greedy = dict(temperature=0, max_tokens=16)
     requests = {"held": SamplingParams(**greedy, structured_outputs=TINY_GRAMMARS["regex"][0]),

@@ -19,12 +19,12 @@ from helpers import SPEC, assert_equal_up_to_a_near_tie, echo_prompts, make_mode
 from test_parity import parity_prompts, preempting_pool
 from tokenmill import LLM, SamplingParams
 from tokenmill.distributed import TPGroup
-from tokenmill.engine.model_runner import build_model
-from tokenmill.engine.tp_workers import WorkerError
+from tokenmill.engine.worker.model_runner import build_model
+from tokenmill.engine.worker.tp_workers import WorkerError
 from tokenmill.layers.linear import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 from tokenmill.layers.q8_linear import Q8ColumnParallelLinear, Q8Linear, Q8RowParallelLinear
 from tokenmill.loader import weights
-from tokenmill.loader.hf_config import load_model_config
+from tokenmill.models.registry import load_model_config
 
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=5)
 

@@ -14,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tokenmill.engine.config import EngineConfig
-from tokenmill.engine.spec_decode import SpeculativeConfig
+from tokenmill.engine.config import SpeculativeConfig
 from tokenmill.sampling_params import MAX_N, SamplingParams, StructuredOutputsParams
 from tokenmill.tokenizer import invalid_unicode_at
 

@@ -12,7 +12,7 @@ import torch
 
 from tokenmill import LLM, SamplingParams
 from tokenmill.engine.config import EngineConfig
-from tokenmill.engine.llm_engine import LLMEngine
+from tokenmill.engine.frontend.llm_engine import LLMEngine
 from tokenmill.engine.messages import AddRequest, CoreInput
 from tokenmill.layers.sampler import Sampler, SamplingBatch
 from tokenmill.outputs import RequestOutput

@@ -82,3 +82,29 @@ class RequestOutput:
     # Why the engine could not finish this request (a failed step); None when it ran.
     error: str | None = None
     error_kind: str = ERROR_ENGINE  # whose fault the error is, when there is one
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """The engine's gauges (as of its last step) and counters (since it started): what
+    ``LLM.get_stats()`` returns and the server's ``/metrics`` shows."""
+
+    num_running: int  # requests being decoded or prefilled
+    num_waiting: int  # requests waiting to be scheduled
+    kv_usage: float  # fraction of KV blocks held by requests (cached free blocks count as free)
+    kv_blocks_in_use: int
+    kv_blocks_cached: int  # blocks findable in the prefix cache
+    kv_capacity_tokens: int  # tokens the KV cache holds over all requests
+    kv_cache_dtype: str  # as configured: auto, fp8_e4m3, fp8_e5m2 or int8
+    prefix_cache_queries: int  # prompt tokens looked up in the prefix cache
+    prefix_cache_hits: int  # prompt tokens found there
+    prompt_tokens: int  # prompt tokens computed
+    generation_tokens: int
+    num_preemptions: int  # sequences preempted for lack of KV blocks
+    num_steps: int
+    num_graph_steps: int  # steps whose forward replayed a captured CUDA graph
+    num_failed_steps: int  # steps that failed (their requests ended with an error)
+    num_compiles_after_startup: int  # Triton variants compiled inside a step (a shape warm-up missed)
+    spec_decode_num_drafts: int  # speculative decoding: verifications of a sequence's drafts
+    spec_decode_num_draft_tokens: int
+    spec_decode_num_accepted_tokens: int

@@ -28,8 +28,8 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 from triton.runtime.jit import JITFunction, JitFunctionInfo  # noqa: E402
 
-from tokenmill.engine.model_runner import warm_up_shapes  # noqa: E402
-from tokenmill.engine.prefill_graphs import capture_sizes  # noqa: E402
+from tokenmill.engine.worker.model_runner import warm_up_shapes  # noqa: E402
+from tokenmill.engine.worker.prefill_graphs import capture_sizes  # noqa: E402
 from tokenmill.kernels import q8_0, triton_attention, triton_gemv, triton_ops, triton_skinny_matmul  # noqa: E402
 from tokenmill.kernels.compile_watch import watch_compiles  # noqa: E402
 

@@ -20,7 +20,7 @@ import pytest
 import uvicorn
 from fastapi import FastAPI
 
-from tokenmill.engine.async_llm import AsyncLLM
+from tokenmill.engine.frontend.async_llm import AsyncLLM
 from tokenmill.engine.config import EngineConfig
 from tokenmill.entrypoints.openai.server import build_app
 from tokenmill.entrypoints.openai.serving import ServingOptions

@@ -11,7 +11,7 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from tokenmill.engine.async_llm import AsyncLLM
+from tokenmill.engine.frontend.async_llm import AsyncLLM
 from tokenmill.entrypoints import cli
 from tokenmill.entrypoints.openai.limits import ServerLimits
 from tokenmill.entrypoints.openai.server import serving_options_from_args

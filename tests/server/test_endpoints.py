@@ -11,7 +11,7 @@ import re
 import httpx
 import pytest
 
-from tokenmill.engine.async_llm import AsyncLLM
+from tokenmill.engine.frontend.async_llm import AsyncLLM
 from tokenmill.entrypoints import cli
 from tokenmill.entrypoints.openai.metrics import VLLM_SHARED_NAMES
 from tokenmill.entrypoints.openai import server as server_module

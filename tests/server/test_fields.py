@@ -15,7 +15,7 @@ import openai
 import pytest
 
 from helpers import make_model_with_tokenizer
-from tokenmill.engine.async_llm import AsyncLLM
+from tokenmill.engine.frontend.async_llm import AsyncLLM
 from tokenmill.engine.config import EngineConfig
 from tokenmill.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
 from tokenmill.entrypoints.openai.serving import ServingContext, ServingOptions

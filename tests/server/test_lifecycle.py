@@ -20,8 +20,8 @@ import httpx
 import openai
 import pytest
 
-from tokenmill.engine import async_llm
-from tokenmill.engine.async_llm import AsyncLLM, EngineStepError
+from tokenmill.engine.frontend import async_llm
+from tokenmill.engine.frontend.async_llm import AsyncLLM, EngineStepError
 from tokenmill.sampling_params import SamplingParams
 
 from .conftest import MAX_MODEL_LEN, MODEL_NAME, LiveServer, small_engine_config, with_app

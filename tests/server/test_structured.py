@@ -65,11 +65,11 @@ def test_a_constraint_that_fails_in_the_engine_is_a_400(model_dir, monkeypatch) 
     here one whose parse is skipped, is the request's fault too.)"""
     import dataclasses
 
-    from tokenmill.engine.async_llm import AsyncLLM
+    from tokenmill.engine.frontend.async_llm import AsyncLLM
 
     from .conftest import small_engine_config, with_app
 
-    monkeypatch.setattr("tokenmill.engine.input_processor.check_constraint", lambda spec, max_bytes: None)
+    monkeypatch.setattr("tokenmill.engine.frontend.input_processor.check_constraint", lambda spec, max_bytes: None)
     engine = AsyncLLM(dataclasses.replace(small_engine_config(model_dir), async_scheduling=True))
     try:
         async def test(client: httpx.AsyncClient) -> None:
@@ -88,8 +88,8 @@ def test_a_constraint_that_compiles_too_long_is_a_503(model_dir, monkeypatch) ->
     503 with a code that says so, and the server serves on."""
     import threading
 
-    from tokenmill.engine import structured_outputs
-    from tokenmill.engine.async_llm import AsyncLLM
+    from tokenmill.engine.core import structured_outputs
+    from tokenmill.engine.frontend.async_llm import AsyncLLM
 
     from .conftest import small_engine_config, with_app
 

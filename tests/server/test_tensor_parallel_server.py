@@ -8,7 +8,7 @@ from dataclasses import replace
 import httpx
 
 from tokenmill import LLM, SamplingParams
-from tokenmill.engine.async_llm import AsyncLLM
+from tokenmill.engine.frontend.async_llm import AsyncLLM
 
 from .conftest import MODEL_NAME, small_engine_config, with_app
 

@@ -29,9 +29,9 @@ from tokenmill.bench import hf_peer
 from tokenmill.bench.hardware import Ceilings, environment, measure_ceilings, time_cuda
 from tokenmill.bench.shapes import SHAPES, StepCostModel, shape_dir
 from tokenmill.engine.config import KV_CACHE_DTYPES, EngineConfig
-from tokenmill.engine.llm_engine import LLMEngine
-from tokenmill.loader.hf_config import load_model_config
+from tokenmill.engine.frontend.llm_engine import LLMEngine
 from tokenmill.loader.kv_layout import QUANTIZED_KV_DTYPES
+from tokenmill.models.registry import load_model_config
 from tokenmill.sampling_params import SamplingParams
 
 

@@ -12,8 +12,8 @@ from typing import Any
 import torch
 
 from tokenmill.layers.q8_linear import Q8Weights
-from tokenmill.loader.hf_config import ModelConfig
 from tokenmill.loader.kv_layout import KVLayout
+from tokenmill.loader.model_config import ModelConfig
 
 _LLAMA3_ROPE = {
     "rope_type": "llama3",

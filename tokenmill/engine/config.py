@@ -8,6 +8,7 @@ new field.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import re
 import types
@@ -15,13 +16,79 @@ import typing
 from dataclasses import dataclass, fields
 from typing import Any
 
-from tokenmill.engine.spec_decode import SPECULATIVE_CONFIG, SpeculativeConfig
-from tokenmill.engine.structured_outputs import (
-    DEFAULT_CACHE_BYTES,
-    DEFAULT_COMPILE_WORKERS,
-    DEFAULT_MAX_CONSTRAINT_BYTES,
-)
 from tokenmill.validation import BOOLEAN, REJECT, Rule, check_fields, integer, number, one_of, ruled
+
+# Defaults of the engine's options. Compile time grows faster than a constraint's size (a 2-core host,
+# xgrammar 0.2.9: JSON schemas of 20, 50, 100 and 200 KiB took 0.1, 0.7, 5.5 and 25 s; the forced-call
+# grammar of 32 distinct tools, 77 KiB, 0.1 s, of 128 tools, 313 KiB, 0.6 s): 128 KiB keeps a schema's
+# compile to seconds and lets through tool sets of about fifty tools. A compiled 200-property schema
+# takes 1-2 MB as xgrammar counts (an 8k vocabulary; more for larger ones), the process about 1.3
+# times that: 300 distinct ones grew it by 395 MiB with no limit, by 342 MiB under a 256 MiB one.
+# Four workers: three slow compiles still leave one to the quick ones (each compile also runs up to
+# eight threads of xgrammar's own).
+DEFAULT_COMPILE_WORKERS = 4
+DEFAULT_CACHE_BYTES = 256 << 20
+DEFAULT_MAX_CONSTRAINT_BYTES = 128 << 10
+
+
+@dataclass
+class SpeculativeConfig:
+    """vLLM's ``speculative_config`` for prompt lookup (``method="ngram"``)."""
+
+    num_speculative_tokens: int = ruled(None, integer(1, 16), help="draft tokens proposed for each sequence each step")
+    method: str = ruled(
+        "ngram",
+        one_of({"ngram": "ngram", "prompt_lookup": "ngram"}),
+        help="how drafts are proposed: ngram (prompt lookup)",
+    )
+    prompt_lookup_max: int = ruled(4, integer(1, 64), help="longest n-gram matched")
+    prompt_lookup_min: int = ruled(1, integer(1, 64), help="shortest n-gram matched")
+    # 16: on the H200 a verify step of 5 tokens a sequence costs 1.03-1.15x a one-token step up to 16
+    # sequences, 1.27x at 32 and 1.59x at 64 (Llama-3-8B, docs/PERFORMANCE.md).
+    disable_by_batch_size: int = ruled(
+        16,
+        integer(1),
+        help="no drafts while this many sequences or more are running: the batch alone keeps "
+        "the GPU busy, and a draft rejected costs more than it saves",
+    )
+
+    def __post_init__(self) -> None:
+        check_fields(self)
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ValueError(
+                f"prompt_lookup_min ({self.prompt_lookup_min}) must not exceed "
+                f"prompt_lookup_max ({self.prompt_lookup_max})"
+            )
+
+    @classmethod
+    def parse(cls, value: Any) -> SpeculativeConfig | None:
+        """From ``LLM(speculative_config=...)`` (a dict, or this class) or the command line (its JSON)."""
+        if value is None or isinstance(value, cls):
+            return value
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"speculative_config is not valid JSON: {exc}") from None
+        if not isinstance(value, dict):
+            raise ValueError(f"speculative_config must be a dict (JSON object), got {type(value).__name__}")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(map(repr, set(value) - known))
+        if unknown:
+            raise ValueError(
+                f"speculative_config: unknown key{'s' if len(unknown) > 1 else ''} "
+                f"{', '.join(unknown)}; the keys are {', '.join(sorted(known))}"
+            )
+        if "num_speculative_tokens" not in value:
+            raise ValueError("speculative_config needs num_speculative_tokens")
+        try:
+            return cls(**value)
+        except ValueError as exc:
+            raise ValueError(f"speculative_config: {exc}") from None
+
+
+SPECULATIVE_CONFIG = Rule("None, a dict or its JSON", "", SpeculativeConfig.parse)
+
 
 # Accepted spellings of each dtype, as torch names them.
 _DTYPES = {

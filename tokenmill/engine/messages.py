@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import msgspec
 
-from tokenmill.outputs import ERROR_ENGINE, Logprobs
+from tokenmill.outputs import ERROR_ENGINE, EngineStats, Logprobs
 from tokenmill.sampling_params import SamplingParams
 
 
@@ -88,11 +88,19 @@ class CoreStats(msgspec.Struct, array_like=True, gc=False):
     generation_tokens: int = 0
     num_preemptions: int = 0
     num_steps: int = 0
+    num_graph_steps: int = 0  # steps whose forward replayed a captured CUDA graph
     num_failed_steps: int = 0
     num_compiles_after_startup: int = 0
     spec_decode_num_drafts: int = 0
     spec_decode_num_draft_tokens: int = 0
     spec_decode_num_accepted_tokens: int = 0
+
+
+def engine_stats(stats: CoreStats, kv_capacity_tokens: int, kv_cache_dtype: str) -> EngineStats:
+    """The public view of the core's last stats, with the KV cache's size and kind."""
+    return EngineStats(
+        **msgspec.structs.asdict(stats), kv_capacity_tokens=kv_capacity_tokens, kv_cache_dtype=kv_cache_dtype
+    )
 
 
 class CoreOutputs(msgspec.Struct, array_like=True, gc=False):

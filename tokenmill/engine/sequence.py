@@ -21,7 +21,6 @@ from typing import Any
 
 import torch
 
-from tokenmill.engine.block_pool import BlockHash, hash_blocks
 from tokenmill.sampling_params import SamplingParams
 
 PENDING = -1  # placeholder for a sampled token still on the device
@@ -53,7 +52,7 @@ class Sequence:
     # the KV manager changed the tables since they were copied there.
     row: int | None = field(default=None, repr=False)
     tables_stale: bool = field(default=True, repr=False)
-    block_hashes: list[BlockHash] = field(default_factory=list)
+    block_hashes: list[bytes] = field(default_factory=list)  # its full blocks' prefix-cache hashes
     num_committed_blocks: int = 0
     num_cached_tokens: int = 0
     num_preemptions: int = 0
@@ -125,12 +124,3 @@ class Sequence:
     @property
     def is_finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
-
-    def full_block_hashes(self, block_size: int) -> list[BlockHash]:
-        """Hashes of every full block of known tokens, extended as the sequence grows."""
-        done, known = len(self.block_hashes) * block_size, self.num_tokens - self.num_pending
-        if known - done >= block_size:
-            self.block_hashes += hash_blocks(
-                self.block_hashes[-1] if self.block_hashes else None, self.token_ids[done:known], block_size
-            )
-        return self.block_hashes

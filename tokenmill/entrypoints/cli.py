@@ -16,7 +16,7 @@ from typing import Any
 
 import tokenmill
 from tokenmill.engine.config import add_engine_args, engine_config_from_args
-from tokenmill.engine.llm_engine import LLMEngine
+from tokenmill.engine.frontend.llm_engine import LLMEngine
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.tokenizer import apply_chat_template
 

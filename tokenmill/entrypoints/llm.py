@@ -9,8 +9,8 @@ from typing import Any
 from tqdm import tqdm
 
 from tokenmill.engine.config import EngineConfig
-from tokenmill.engine.llm_engine import LLMEngine
-from tokenmill.outputs import ERROR_INVALID, RequestOutput
+from tokenmill.engine.frontend.llm_engine import LLMEngine
+from tokenmill.outputs import ERROR_INVALID, EngineStats, RequestOutput
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.tokenizer import ChatOptions, apply_chat_template
 
@@ -33,6 +33,12 @@ class LLM:
 
     def get_tokenizer(self) -> Any:
         return self.engine.tokenizer
+
+    def get_stats(self) -> EngineStats:
+        """The engine's gauges (KV cache use, running and waiting requests) as of its last step and
+        its counters since it started (tokens, steps, CUDA-graph steps, preemptions, prefix-cache and
+        speculative-decoding counts): the figures the server's ``/metrics`` shows."""
+        return self.engine.get_stats()
 
     def generate(
         self,

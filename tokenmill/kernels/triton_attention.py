@@ -934,7 +934,7 @@ def paged_attention(
     pdl = pdl_launch_args(query.device)
     # The GPU starts programs in the order of their grid index, the first dimension fastest: the
     # kernel reads it as a query tile's heads (and splits) together, a prompt's last tile first, and
-    # sequences in the batch's order, which the engine gives longest first (``ModelRunner._prepare``),
+    # sequences in the batch's order, which the engine gives longest first (``ModelRunner._flatten``),
     # so that no long program is left to start last and run on alone while the rest of the GPU idles.
     _paged_attention_kernel[(tiles, num_kv_heads * num_splits, seqs)](
         query,

@@ -18,6 +18,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from tokenmill.loader.model_config import ModelLoadError
+
 if TYPE_CHECKING:
     from gguf import GGUFReader
     from transformers import PretrainedConfig
@@ -45,8 +47,6 @@ def _open(path: Path) -> GGUFReader:
     with numpy's complaint about some array: that becomes a ModelLoadError naming the file."""
     from gguf import GGUFReader
 
-    from tokenmill.loader.hf_config import ModelLoadError
-
     if not path.is_file():
         raise ModelLoadError(f"GGUF file {str(path)!r} does not exist")
     try:
@@ -64,7 +64,6 @@ def _field(reader: GGUFReader, key: str) -> Any:
 @functools.lru_cache(maxsize=4)
 def _hf_config(path: str) -> dict[str, Any]:
     """transformers' reading of the file's metadata, once per file (the config and the weights both need it)."""
-    from tokenmill.loader.hf_config import ModelLoadError
 
     try:
         from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
@@ -90,7 +89,6 @@ def read_gguf_config(path: str | Path) -> dict[str, Any]:
     transformers' defaults are spelled out, since the engine's own would differ where the file is
     silent (Gemma 3's sliding pattern, local rope base and attention scale, Mistral's window), and
     its tokens must be transformers' on the same file."""
-    from tokenmill.loader.hf_config import ModelLoadError
 
     path = Path(path)
     reader = _open(path)
@@ -124,8 +122,6 @@ def _gemma3_as_llama_cpp_runs_it(reader: GGUFReader, config: dict[str, Any]) -> 
     kind, factor = _field(reader, "gemma3.rope.scaling.type"), _field(reader, "gemma3.rope.scaling.factor")
     if kind not in (None, "none"):
         if kind != "linear":
-            from tokenmill.loader.hf_config import ModelLoadError
-
             raise ModelLoadError(f"Gemma 3 GGUF rope scaling {kind!r} is not supported (only linear)")
         rope = dict(config.get("rope_parameters") or {})
         rope["full_attention"] = {**rope.get("full_attention", {}), "rope_type": "linear", "factor": float(factor)}
@@ -157,8 +153,6 @@ def iter_gguf_checkpoint(path: str | Path) -> Iterator[tuple[str, torch.Tensor]]
         TensorProcessor,
         get_gguf_hf_weights_map,
     )
-
-    from tokenmill.loader.hf_config import ModelLoadError
 
     path = Path(path)
     parsed = {"config": dict(_hf_config(str(path)))}  # what transformers' tensor processors read

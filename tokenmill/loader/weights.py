@@ -10,7 +10,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from tokenmill.loader.gguf_checkpoint import is_gguf_file, iter_gguf_checkpoint
-from tokenmill.loader.hf_config import ModelLoadError, read_json
+from tokenmill.loader.model_config import ModelLoadError, read_json
 
 
 def checkpoint_files(model_dir: Path) -> list[Path]:

@@ -25,7 +25,7 @@ from tokenmill.layers.attention import AttentionMetadata, KVCache
 from tokenmill.layers.linear import ColumnParallelLinear, RowParallelLinear, Split, VocabParallelEmbedding
 from tokenmill.layers.norm import OffsetRMSNorm
 from tokenmill.layers.rotary import RotaryEmbedding
-from tokenmill.loader.hf_config import ModelConfig, ModelLoadError, rope_parameters
+from tokenmill.loader.model_config import ModelConfig, ModelLoadError, rope_parameters
 from tokenmill.models.llama import (
     DecoderAttention,
     LlamaForCausalLM,

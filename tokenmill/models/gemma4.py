@@ -38,8 +38,8 @@ from tokenmill.layers.linear import (
     VocabParallelEmbedding,
 )
 from tokenmill.layers.rotary import RotaryEmbedding
-from tokenmill.loader.hf_config import ModelConfig, ModelLoadError, rope_parameters
 from tokenmill.loader.kv_layout import KVLayout, KVSpec
+from tokenmill.loader.model_config import ModelConfig, ModelLoadError, rope_parameters
 from tokenmill.models.gemma3 import GeGLUMLP, Gemma3ForCausalLM, PendingOutput, add_norm_linear, layer_types
 from tokenmill.models.llama import decoder_config, norm_linear, sliding_windows
 

@@ -30,7 +30,7 @@ from tokenmill.layers.linear import (
 )
 from tokenmill.layers.norm import OffsetRMSNorm, RMSNorm
 from tokenmill.layers.rotary import RotaryEmbedding
-from tokenmill.loader.hf_config import ModelConfig, ModelLoadError, checkpoint_dtype, rope_parameters
+from tokenmill.loader.model_config import ModelConfig, ModelLoadError, checkpoint_dtype, rope_parameters
 
 
 def sliding_windows(raw: dict[str, Any], window: int | None, first_sliding: int = 0) -> tuple[int | None, ...]:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from tokenmill.loader.hf_config import ModelConfig
+from tokenmill.loader.model_config import ModelConfig
 from tokenmill.models.llama import LlamaForCausalLM, decoder_config, sliding_windows
 
 

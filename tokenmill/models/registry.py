@@ -1,18 +1,20 @@
 """Architecture name (config.json ``architectures``) → its family's config parser and model class.
 
-The single list of supported architectures: the loader asks here which family
+The single list of supported architectures: ``load_model_config`` asks here which family
 maps a config, the runner which class to build.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Any
 
 from torch import nn
 
-from tokenmill.loader.hf_config import ModelConfig
+from tokenmill.loader.gguf_checkpoint import is_gguf_file, read_gguf_config
+from tokenmill.loader.model_config import ModelConfig, ModelLoadError, as_id_list, read_json
 from tokenmill.models import gemma3, gemma4, llama, qwen
 
 ConfigParser = Callable[[dict[str, Any], str], ModelConfig]
@@ -51,3 +53,37 @@ def config_parser(architecture: str) -> ConfigParser:
 
 def model_class(cfg: ModelConfig) -> type[nn.Module]:
     return _REGISTRY[cfg.architecture].model_class
+
+
+def load_model_config(model_dir: str | Path) -> ModelConfig:
+    """Parse ``config.json`` (its ``text_config`` when it nests one, as multimodal
+    checkpoints do) and ``generation_config.json`` for eos ids, whose list wins."""
+    model_dir = Path(model_dir)
+    if is_gguf_file(model_dir):  # a single GGUF file: its metadata, as a config.json
+        config_path, top = model_dir, read_gguf_config(model_dir)
+    else:
+        if not model_dir.is_dir():
+            raise ModelLoadError(f"model directory {str(model_dir)!r} does not exist")
+        config_path = model_dir / "config.json"
+        if not config_path.is_file():
+            raise ModelLoadError(
+                f"{model_dir} has no config.json: is it a Hugging Face model directory (or a .gguf file)?"
+            )
+        top = read_json(config_path)
+    archs = top.get("architectures") or []
+    arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+    if arch is None:
+        raise ModelLoadError(
+            f"architecture {archs or 'missing'} in {config_path} is not supported; "
+            f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+        )
+    raw = top.get("text_config") or top
+    try:
+        cfg = config_parser(arch)(raw, arch)
+    except KeyError as exc:  # parsers index the fields they require
+        raise ModelLoadError(f"{config_path} lacks the field {exc.args[0]!r}") from exc
+    eos = as_id_list(raw.get("eos_token_id"))
+    gen_path = model_dir / "generation_config.json"
+    if model_dir.is_dir() and gen_path.is_file():
+        eos = as_id_list(read_json(gen_path).get("eos_token_id")) or eos
+    return replace(cfg, eos_token_ids=tuple(eos))

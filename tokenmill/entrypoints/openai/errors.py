@@ -15,7 +15,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from tokenmill.engine.async_llm import EngineStepError, EngineStopped, EngineUnavailable, QueueFull
+from tokenmill.engine.frontend.async_llm import EngineStepError, EngineStopped, EngineUnavailable, QueueFull
 from tokenmill.entrypoints.openai.protocol import (
     UNION_TAGS,
     UNSUPPORTED_PARAMETER,

@@ -20,8 +20,8 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from tokenmill.engine.async_llm import AsyncLLM
-from tokenmill.engine.output_processor import ProcessedOutputs
+from tokenmill.engine.frontend.async_llm import AsyncLLM
+from tokenmill.engine.frontend.output_processor import ProcessedOutputs
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -54,7 +54,7 @@ class _EngineCollector(Collector):
         self.engine = engine
 
     def collect(self) -> Iterator[Metric]:
-        s = self.engine.stats
+        s = self.engine.get_stats()
         gauges = [
             ("num_requests_running", "Requests being decoded or prefilled.", s.num_running),
             ("num_requests_waiting", "Requests waiting to be scheduled.", s.num_waiting),
@@ -71,14 +71,14 @@ class _EngineCollector(Collector):
         yield GaugeMetricFamily(
             "tokenmill:kv_cache_capacity_tokens",
             "Tokens the KV cache holds over all requests.",
-            value=self.engine.kv_capacity_tokens,
+            value=s.kv_capacity_tokens,
         )
         info = GaugeMetricFamily(
             "tokenmill:kv_cache_info",
             "The KV cache's configuration, in its labels (value 1).",
             labels=["kv_cache_dtype"],
         )
-        info.add_metric([self.engine.kv_cache_dtype], 1)
+        info.add_metric([s.kv_cache_dtype], 1)
         yield info
         counters = [
             ("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", s.prefix_cache_queries),
@@ -86,6 +86,8 @@ class _EngineCollector(Collector):
             ("prompt_tokens", "Prompt tokens computed.", s.prompt_tokens),
             ("generation_tokens", "Tokens generated.", s.generation_tokens),
             ("num_preemptions", "Sequences preempted for lack of KV blocks.", s.num_preemptions),
+            ("num_steps", "Engine steps.", s.num_steps),
+            ("num_graph_steps", "Engine steps whose forward replayed a captured CUDA graph.", s.num_graph_steps),
             ("num_failed_steps", "Engine steps that failed (their requests ended with an error).", s.num_failed_steps),
             (
                 "num_compiles_after_startup",

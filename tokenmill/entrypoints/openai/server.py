@@ -30,8 +30,8 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, Field
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from tokenmill.engine.async_llm import AsyncLLM
 from tokenmill.engine.config import add_option_args, engine_config_from_args, options_from_args
+from tokenmill.engine.frontend.async_llm import AsyncLLM
 from tokenmill.entrypoints.openai.chat import create_chat_completion
 from tokenmill.entrypoints.openai.completions import create_completion
 from tokenmill.entrypoints.openai.errors import APIError, install_error_handlers

@@ -15,8 +15,8 @@ from fastapi import Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel
 
-from tokenmill.engine.async_llm import AsyncLLM, RequestStream
-from tokenmill.engine.input_processor import ProcessedPrompt, check_priority
+from tokenmill.engine.frontend.async_llm import AsyncLLM, RequestStream
+from tokenmill.engine.frontend.input_processor import ProcessedPrompt, check_priority
 from tokenmill.entrypoints.openai.errors import APIError, to_api_error
 from tokenmill.entrypoints.openai.limits import ServerLimits, logprob_entries
 from tokenmill.entrypoints.openai.metrics import ServerMetrics

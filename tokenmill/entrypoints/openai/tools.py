@@ -16,11 +16,11 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from tokenmill.engine.structured_outputs import grammar_error_reason
 from tokenmill.entrypoints.openai.errors import APIError
 from tokenmill.entrypoints.openai.protocol import ChatCompletionRequest, ChatTool
 from tokenmill.entrypoints.openai.serving import ServingOptions
 from tokenmill.entrypoints.openai.tool_parsers import TOOL_PARSERS, ToolParser
+from tokenmill.layers.grammar_mask import grammar_error_reason
 
 NO_PARAMETERS = {"type": "object", "properties": {}}  # what a function without parameters takes: {}
 

@@ -31,10 +31,11 @@ import bisect
 import math
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-from tokenmill.engine.kv_cache_manager import KVCacheManager
+from tokenmill.engine.core.kv_cache_manager import KVCacheManager
 from tokenmill.engine.sequence import Sequence, SequenceStatus
+from tokenmill.engine.step import ScheduledStep
 
 # How long a CPU step carrying prompt chunks beside decoding sequences should take. A CPU forward
 # costs in proportion to its work: one 2,047-token chunk of a 0.5B model took 7-17 s on two cores,
@@ -193,22 +194,6 @@ class SchedulerConfig:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
 
 
-@dataclass
-class ScheduledBatch:
-    """This step's sequences and how many tokens of each to compute."""
-
-    seqs: list[Sequence] = field(default_factory=list)
-    num_tokens: list[int] = field(default_factory=list)
-    num_preempted: int = 0
-
-    @property
-    def total_tokens(self) -> int:
-        return sum(self.num_tokens)
-
-    def __len__(self) -> int:
-        return len(self.seqs)
-
-
 class Scheduler:
     def __init__(self, config: SchedulerConfig, kv: KVCacheManager, step_cost: StepCost | None = None) -> None:
         """``step_cost`` (the CPU's): prompt chunks beside decoding sequences are sized from it."""
@@ -278,8 +263,8 @@ class Scheduler:
         else:
             self.waiting.appendleft(seq)
 
-    def schedule(self) -> ScheduledBatch:
-        batch = ScheduledBatch()
+    def schedule(self) -> ScheduledStep:
+        batch = ScheduledStep()
         wave_start = not self.running
         budget = self.config.max_num_batched_tokens
         prompt_budget = budget if self.step_cost is None else self._prompt_budget(budget)
@@ -332,7 +317,7 @@ class Scheduler:
             return budget
         return self.step_cost.prompt_tokens(StepWork.of(decoding, num_tokens), context or 0, budget)
 
-    def _admit(self, batch: ScheduledBatch, budget: int) -> None:
+    def _admit(self, batch: ScheduledStep, budget: int) -> None:
         """Admit waiting sequences with at most ``budget`` prompt tokens in all; in static mode this
         runs only when nothing is running, so a wave is admitted at once and runs to completion."""
         while self.waiting and len(self.running) < self.config.max_num_seqs:

@@ -27,12 +27,12 @@ import zmq
 import zmq.asyncio
 
 from tokenmill.engine.config import EngineConfig
-from tokenmill.engine.core import freeze_startup_objects, model_dir_of
-from tokenmill.engine.core_process import CoreClient
-from tokenmill.engine.input_processor import InputProcessor, ModelLimits, ProcessedPrompt, check_priority
-from tokenmill.engine.messages import AbortRequests, AddRequest, CoreOutputs, CoreStats
-from tokenmill.engine.output_processor import OutputProcessor, ProcessedOutputs
-from tokenmill.outputs import ERROR_INVALID, ERROR_UNAVAILABLE, OutputKind, RequestOutput
+from tokenmill.engine.core.builder import freeze_startup_objects, model_dir_of
+from tokenmill.engine.frontend.core_client import CoreClient
+from tokenmill.engine.frontend.input_processor import InputProcessor, ModelLimits, ProcessedPrompt, check_priority
+from tokenmill.engine.frontend.output_processor import OutputProcessor, ProcessedOutputs
+from tokenmill.engine.messages import AbortRequests, AddRequest, CoreOutputs, CoreStats, engine_stats
+from tokenmill.outputs import ERROR_INVALID, ERROR_UNAVAILABLE, EngineStats, OutputKind, RequestOutput
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.tokenizer import ChatOptions, apply_chat_template, load_tokenizer
 
@@ -348,6 +348,10 @@ class AsyncLLM:
         except Exception as exc:  # a front-end bug: every request must still end
             logger.exception("reading the engine core's outputs failed")
             self._on_dead(f"the server failed reading the engine's outputs: {exc!r}")
+
+    def get_stats(self) -> EngineStats:
+        """The engine's gauges as of its last step and its counters since it started (``/metrics``)."""
+        return engine_stats(self.stats, self.kv_capacity_tokens, self.kv_cache_dtype)
 
     def _dispatch(self, core_outputs: CoreOutputs) -> None:
         self.stats = core_outputs.stats

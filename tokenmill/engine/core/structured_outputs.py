@@ -14,34 +14,26 @@ sequence's request, never the step.
 
 from __future__ import annotations
 
-import functools
 import json
 import logging
-import re
 import threading
 import time
 from collections import OrderedDict
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections.abc import Callable
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
-
+from tokenmill.engine.config import DEFAULT_CACHE_BYTES, DEFAULT_COMPILE_WORKERS
+from tokenmill.engine.core.request import CoreRequest
+from tokenmill.layers.grammar_mask import grammar_error_reason
+from tokenmill.outputs import ERROR_ENGINE, ERROR_INVALID, ERROR_UNAVAILABLE
 from tokenmill.sampling_params import StructuredOutputsParams
+from tokenmill.tokenizer import load_tokenizer
 
 logger = logging.getLogger(__name__)
 
-# Defaults of the engine's options. Compile time grows faster than a constraint's size (a 2-core host,
-# xgrammar 0.2.9: JSON schemas of 20, 50, 100 and 200 KiB took 0.1, 0.7, 5.5 and 25 s; the forced-call
-# grammar of 32 distinct tools, 77 KiB, 0.1 s, of 128 tools, 313 KiB, 0.6 s): 128 KiB keeps a schema's
-# compile to seconds and lets through tool sets of about fifty tools. A compiled 200-property schema
-# takes 1-2 MB as xgrammar counts (an 8k vocabulary; more for larger ones), the process about 1.3
-# times that: 300 distinct ones grew it by 395 MiB with no limit, by 342 MiB under a 256 MiB one.
-# Four workers: three slow compiles still leave one to the quick ones (each compile also runs up to
-# eight threads of xgrammar's own).
-DEFAULT_COMPILE_WORKERS = 4
-DEFAULT_CACHE_BYTES = 256 << 20
-DEFAULT_MAX_CONSTRAINT_BYTES = 128 << 10
 # A request whose constraint has been compiling this long (since its compile started, or since the
 # request came if it came later) stops waiting and fails; the compile goes on for the others.
 GRAMMAR_TIMEOUT_S = 30.0
@@ -86,13 +78,6 @@ def check_constraint(spec: StructuredOutputsParams, max_bytes: int) -> None:
     except Exception as exc:
         kind = "json" if spec.json is not None else "regex" if spec.regex is not None else "grammar"
         raise ValueError(f"structured_outputs.{kind} is not valid: {grammar_error_reason(exc)}") from None
-
-
-def grammar_error_reason(exc: Exception) -> str:
-    """xgrammar's message without its C++ location and assertion text."""
-    line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-    line = re.sub(r"^\[[^\]]*\]\s*\S+:\d+:\s*", "", line)
-    return re.sub(r"^Check failed: \(.*?\) is false:\s*", "", line)
 
 
 class CompileJob(Future):
@@ -227,8 +212,6 @@ class GrammarCompiler:
             if self._compiler is None:
                 import xgrammar
 
-                from tokenmill.tokenizer import load_tokenizer
-
                 tokenizer = load_tokenizer(self.model_dir)
                 if tokenizer is None:
                     raise ValueError("structured outputs need the model's tokenizer, and this model ships none")
@@ -247,131 +230,85 @@ class GrammarCompiler:
         self._executor.shutdown(wait=False, cancel_futures=True)
 
 
-# What starting xgrammar's thread pool costs the host (H200 host, 8 threads: about 250 us for any
-# batch; benchmarks/structured_outputs_bench.py measures it).
-POOL_START_S = 250e-6
+@dataclass
+class Admitted:
+    """A request whose constraint compiled: each of its sequences' matcher, in order."""
+
+    request: CoreRequest
+    priority: int
+    matchers: list[Any]
 
 
-@functools.cache
-def _thread_pool() -> Any:
-    import xgrammar
+@dataclass
+class Refused:
+    """A request whose constraint will not run: why, and whose fault (``tokenmill.outputs``' kinds)."""
 
-    return xgrammar.BatchGrammarMatcher()
-
-
-def fill_masks(bitmask: torch.Tensor, rows: list[tuple[int, Any]]) -> dict[int, Exception]:
-    """Fill each ``(row, matcher)``'s bitmask row. One row costs from microseconds to a millisecond
-    (the grammar's state and the vocabulary's size decide), so rows are filled in turn for as long
-    as that has cost less than starting the thread pool, and the rest by the pool: never more than
-    twice the better of the two, without knowing the costs beforehand. Returns the matchers that
-    raised, by their place in ``rows``, with the error (their rows hold anything): if the pool
-    raises, the rest are filled in turn to tell which."""
-    failed: dict[int, Exception] = {}
-    started = time.perf_counter()
-    pooled = False
-    for i, (row, matcher) in enumerate(rows):
-        if not pooled and len(rows) - i > 1 and time.perf_counter() - started > POOL_START_S:
-            pooled = True
-            rest = rows[i:]
-            try:
-                _thread_pool().batch_fill_next_token_bitmask([m for _, m in rest], bitmask, [r for r, _ in rest])
-                return failed
-            except Exception:
-                pass
-        try:
-            matcher.fill_next_token_bitmask(bitmask, row)
-        except Exception as exc:
-            failed[i] = exc
-    return failed
+    request: CoreRequest
+    message: str
+    kind: str
 
 
-class HostBitmask:
-    """The grammars' bitmask on the host, pinned and reused from step to step: pinning memory each
-    step cost 0.45 ms on the H200's host. Fills write whole rows and the rows no grammar fills are
-    set to allow every token, so nothing is cleared; before refilling, it waits for the last copy
-    out of it (long done by then: the engine reads a step's tokens, after that copy, before it
-    samples again)."""
+class GrammarAdmission:
+    """Requests with a constraint wait here, outside the scheduler, while it compiles: ``admit`` hands
+    back those ready (a matcher for each sequence) and those refused: a constraint that does not
+    compile (the request's fault), one that waited too long (``GrammarCompiler.overdue``: the
+    engine's limit, which a retry may find free), or a matcher that could not start."""
 
-    def __init__(self) -> None:
-        self._buffer: torch.Tensor | None = None
-        self._copied: torch.cuda.Event | None = None
+    def __init__(self, compiler: GrammarCompiler) -> None:
+        self.compiler = compiler
+        # (request, priority, its compile, since when), in arrival order.
+        self._waiting: list[tuple[CoreRequest, int, CompileJob, float]] = []
 
-    def rows(self, count: int, vocab_size: int, pinned: bool) -> torch.Tensor:
-        import xgrammar
+    def __len__(self) -> int:
+        return len(self._waiting)
 
-        shape = xgrammar.get_bitmask_shape(count, vocab_size)
-        if self._buffer is None or self._buffer.shape[0] < count or self._buffer.shape[1] != shape[1]:
-            self._buffer = torch.empty(shape, dtype=xgrammar.bitmask_dtype, pin_memory=pinned)
-        elif self._copied is not None:
-            self._copied.synchronize()
-        return self._buffer[:count]
+    def submit(self, request: CoreRequest, spec: StructuredOutputsParams, priority: int) -> None:
+        self._waiting.append((request, priority, self.compiler.submit(spec), time.monotonic()))
 
-    def to(self, bitmask: torch.Tensor, device: torch.device) -> torch.Tensor:
-        on_device = bitmask.to(device, non_blocking=True)
-        if device.type == "cuda":
-            self._copied = torch.cuda.Event()
-            self._copied.record()
-        return on_device
+    def wait_first(self, timeout: float) -> None:
+        """Block until the oldest compile ends or ``timeout`` passes (when nothing else can run)."""
+        if self._waiting:
+            wait([self._waiting[0][2]], timeout=timeout, return_when=FIRST_COMPLETED)
 
-
-def apply_grammars(
-    logits: torch.Tensor, constrained: list[tuple[int, Any, list[int]]], host: HostBitmask
-) -> dict[int, str]:
-    """Set to -inf, in place, every token that a grammar forbids next (xgrammar's packed bitmask, one
-    row of bits per row of logits). Each ``(row, matcher, drafts)`` masks ``row`` and, with drafts
-    (speculative decoding), the rows after them (``mask_drafts``).
-
-    A matcher that raises (filling a mask, taking or rolling back a draft) fails its own sequence
-    alone: returns those, by their place in ``constrained``, with the reason. Their rows allow
-    every token, and their samples must not be used."""
-    bitmask = host.rows(logits.shape[0], logits.shape[-1], pinned=logits.is_cuda)
-    errors = fill_masks(bitmask, [(row, matcher) for row, matcher, _ in constrained])
-    masked = []
-    for i, (row, matcher, drafts) in enumerate(constrained):
-        if i in errors:
-            continue
-        if drafts:
-            try:
-                masked += mask_drafts(bitmask, row, matcher, drafts)
-            except Exception as exc:
-                errors[i] = exc
+    def admit(self, is_live: Callable[[CoreRequest], bool]) -> tuple[list[Admitted], list[Refused]]:
+        """The requests done compiling; ``is_live``: whether a request is still wanted (an aborted
+        one's compile is released and the request forgotten)."""
+        admitted: list[Admitted] = []
+        refused: list[Refused] = []
+        still = []
+        now = time.monotonic()
+        for entry in self._waiting:
+            request, priority, job, since = entry
+            if not is_live(request):
+                self.compiler.release(job)
                 continue
-        masked.append(row)
-    if len(masked) < len(bitmask):  # (one index op: a tensor's item assignments cost microseconds each)
-        bitmask[sorted(set(range(len(bitmask))) - set(masked))] = -1  # every token allowed
-    mask_logits(logits, host.to(bitmask, logits.device))
-    return {i: f"{type(exc).__name__}: {grammar_error_reason(exc)}" for i, exc in errors.items()}
-
-
-def mask_drafts(bitmask: torch.Tensor, row: int, matcher: Any, drafts: list[int]) -> list[int]:
-    """Fill the row after each draft as the grammar stands once the drafts up to it are taken, and
-    return those rows; the matcher is rolled back to where it was. It stops at a draft the grammar
-    refuses (the sample before it cannot be that draft, so the rows after it are never kept), and
-    after a stop token: the matcher has terminated, and the sequence ends there, or, ignoring eos,
-    goes on unconstrained, as it would without drafts."""
-    filled, taken = [], 0
-    try:
-        for token in drafts:
-            if not matcher.accept_token(token):
-                break
-            taken += 1
-            if matcher.is_terminated():
-                break
-            matcher.fill_next_token_bitmask(bitmask, row + taken)
-            filled.append(row + taken)
-    finally:
-        if taken:
-            matcher.rollback(taken)
-    return filled
-
-
-@functools.cache
-def _bit_shifts(device: torch.device) -> torch.Tensor:
-    return torch.arange(32, dtype=torch.int32, device=device)
-
-
-def mask_logits(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
-    """``logits[i, t] = -inf`` where bit ``t % 32`` of ``bitmask[i, t // 32]`` is 0, in plain torch:
-    xgrammar's Triton kernel compiles again for each new batch-size class, on the request path."""
-    bits = (bitmask.unsqueeze(-1) >> _bit_shifts(bitmask.device)) & 1
-    logits.masked_fill_(bits.view(bitmask.shape[0], -1)[:, : logits.shape[-1]] == 0, float("-inf"))
+            if not job.done():
+                reason = self.compiler.overdue(job, since, now)
+                if reason is None:
+                    still.append(entry)
+                else:
+                    self.compiler.release(job)
+                    refused.append(
+                        Refused(request, f"structured_outputs cannot be compiled: {reason}", ERROR_UNAVAILABLE)
+                    )
+                continue
+            self.compiler.release(job)
+            error = job.exception()
+            if error is not None:
+                refused.append(Refused(request, f"structured_outputs cannot be compiled: {error}", ERROR_INVALID))
+                continue
+            try:
+                matchers = [self.compiler.matcher(job.result()) for _ in request.seqs]
+            except Exception as exc:
+                refused.append(
+                    Refused(
+                        request,
+                        "the engine failed while starting this request's structured output: "
+                        f"{type(exc).__name__}: {grammar_error_reason(exc)}",
+                        ERROR_ENGINE,
+                    )
+                )
+                continue
+            admitted.append(Admitted(request, priority, matchers))
+        self._waiting = still
+        return admitted, refused

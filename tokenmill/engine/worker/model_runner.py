@@ -17,6 +17,7 @@ Sampling, and every sequence's sampling state, stay on rank 0.
 
 from __future__ import annotations
 
+import enum
 import itertools
 import logging
 from dataclasses import dataclass, field
@@ -28,13 +29,13 @@ import numpy as np
 import torch
 
 from tokenmill.distributed import SINGLE, TPGroup, broadcast, sharding_for
-from tokenmill.engine.cuda_graphs import DecodeGraphs
-from tokenmill.engine.host_staging import HostStaging, to_device
-from tokenmill.engine.penalty_counts import PenaltyCounts
-from tokenmill.engine.prefill_graphs import PrefillGraphs
-from tokenmill.engine.scheduler import ScheduledBatch
 from tokenmill.engine.sequence import PENDING, Sequence, SequenceStatus
-from tokenmill.engine.sequence_rows import (
+from tokenmill.engine.step import ScheduledStep, StepResult
+from tokenmill.engine.worker.cuda_graphs import DecodeGraphs
+from tokenmill.engine.worker.host_staging import HostStaging, to_device
+from tokenmill.engine.worker.penalty_counts import PenaltyCounts
+from tokenmill.engine.worker.prefill_graphs import PrefillGraphs
+from tokenmill.engine.worker.sequence_rows import (
     FLOAT_COLUMNS,
     GRAMMAR,
     LOGIT_BIAS,
@@ -46,11 +47,11 @@ from tokenmill.engine.sequence_rows import (
     SamplingColumns,
     SequenceRows,
 )
-from tokenmill.engine.structured_outputs import HostBitmask, apply_grammars
 from tokenmill.layers.attention import AttentionMetadata, KVCache
+from tokenmill.layers.grammar_mask import HostBitmask, apply_grammars
 from tokenmill.layers.sampler import Sampler, SamplingBatch, gather_logprobs
-from tokenmill.loader.hf_config import ModelConfig
 from tokenmill.loader.kv_layout import KVLayout, is_quantized, kv_scale_dtype
+from tokenmill.loader.model_config import ModelConfig
 from tokenmill.loader.weights import iter_checkpoint
 from tokenmill.models.registry import model_class
 from tokenmill.outputs import Logprobs
@@ -59,27 +60,14 @@ from tokenmill.sampling_params import SamplingParams
 logger = logging.getLogger(__name__)
 
 
-@dataclass
-class StepResult:
-    """Sampled tokens for the sequences that sample this step, in batch order: one each, or with
-    drafts one at each of the ``1 + drafts`` positions."""
+class ForwardPath(enum.Enum):
+    """The paths a step's forward takes (every rank takes the one rank 0 chose)."""
 
-    sampled_seqs: list[Sequence] = field(default_factory=list)
-    # Every sampled row's token, each sequence's rows together: with one row each (no drafts, most
-    # steps) the i-th sequence's token is ``token_ids[i]`` and ``starts`` is None; otherwise
-    # ``starts[i]`` is its first row (and ``starts[-1]`` the row count).
-    token_ids: list[int] = field(default_factory=list)
-    starts: list[int] | None = None
-    # Each row's logprobs, by the sequence's place among ``sampled_seqs``: only those that asked.
-    logprobs: dict[int, list[Logprobs]] = field(default_factory=dict)
-    # A seeded sequence with drafts: its generator's state after each of its rows' draws.
-    generator_states: dict[Sequence, list[torch.Tensor]] = field(default_factory=dict)
-    # Prompt logprobs computed this step: seq -> logprobs of its next prompt positions.
-    prompt_logprobs: dict[Sequence, list[Logprobs]] = field(default_factory=dict)
-
-    def rows(self, i: int) -> range:
-        """The rows of the i-th sampled sequence."""
-        return range(i, i + 1) if self.starts is None else range(self.starts[i], self.starts[i + 1])
+    DECODE_GRAPH = "decode_graph"
+    VERIFY_GRAPH = "verify_graph"
+    PREFILL_GRAPH = "prefill_graph"
+    MIXED_GRAPH = "mixed_graph"
+    EAGER = "eager"
 
 
 @dataclass
@@ -106,10 +94,11 @@ class PendingSample:
 class InFlightStep:
     """A launched step: what ``collect`` needs to read its results once the device is done."""
 
-    batch: ScheduledBatch
+    batch: ScheduledStep
     sampled_seqs: list[Sequence] = field(default_factory=list)
     rows_per_seq: list[int] = field(default_factory=list)  # sampled rows of each: 1 + its drafts
     prompt_rows: list[PromptLogprobRows] = field(default_factory=list)
+    path: ForwardPath | None = None  # the forward's path
     token_ids: torch.Tensor | None = None  # on the device: the next step's pending inputs
     host: list[torch.Tensor | None] = field(default_factory=list)  # token ids, logprobs, their ids
     generator_states: dict[int, torch.Tensor] | None = None  # sampled row -> its generator's state
@@ -117,22 +106,9 @@ class InFlightStep:
     # Prompt logprobs on their way to the host: (sequence, values kept a position, values, their ids).
     prompt_logprobs: list[tuple[Sequence, int, torch.Tensor, torch.Tensor]] = field(default_factory=list)
     prompt_logprobs_done: torch.cuda.Event | None = None
-    pending_index: list[int] = field(default_factory=list)  # where each sampled token goes (engine)
     pending_sample: PendingSample | None = None  # set while ``sample`` is still to run
     sampling_flags: int = 0  # every ``sequence_rows`` flag a sampled row sets
-    # Sequences whose grammar raised in ``sample``, with the reason: their samples are void, and the
-    # engine fails their requests alone (None: none did, as in every step without a grammar).
-    failed_seqs: dict[Sequence, str] | None = None
-
-
-# The paths a step's forward takes (every rank takes the one rank 0 chose).
-DECODE_GRAPH, VERIFY_GRAPH, PREFILL_GRAPH, MIXED_GRAPH, EAGER = (
-    "decode_graph",
-    "verify_graph",
-    "prefill_graph",
-    "mixed_graph",
-    "eager",
-)
+    failed_seqs: dict[Sequence, str] | None = None  # ``StepResult.failed_seqs``, as ``sample`` found them
 
 
 @dataclass
@@ -144,7 +120,7 @@ class StepPlan:
     arrays: dict[str, np.ndarray]
     max_query_len: int
     max_seq_len: int
-    path: str
+    path: ForwardPath
     picks_rows: bool  # a decode graph scores every row; the logits rows are picked out after it
     num_sampled_rows: int
     # Every row's id is the step before's sample of the same row (decode after decode of the same
@@ -163,6 +139,24 @@ class Peers(Protocol):
 
     def wait(self, event: torch.cuda.Event) -> None:
         """Wait for ``event`` as ``event.synchronize()`` would, raising if another rank has died."""
+
+
+@dataclass
+class FlatBatch:
+    """A step's sequences flattened: the host arrays of its ragged batch (``StepPlan.arrays``) and what
+    choosing its path and sampling need to know of it."""
+
+    arrays: dict[str, np.ndarray]
+    num_seqs: int
+    total: int  # query tokens
+    max_query_len: int
+    max_seq_len: int
+    num_chunk_seqs: int  # ``StepPlan.num_chunk_seqs``
+    in_order: bool  # ``StepPlan.pending_in_order``
+    sampled: list[Sequence]
+    rows_per_seq: list[int]  # sampled rows of each sampled sequence: 1 + its drafts
+    prompt_rows: list[PromptLogprobRows]
+    sampling_rows: np.ndarray  # each sampled row's ``SequenceRows`` row
 
 
 @dataclass
@@ -413,9 +407,31 @@ class ModelRunner:
         seq.status = SequenceStatus.FINISHED  # its row goes back at the next step's rows()
 
     # ------------------------------------------------------------------ inputs
-    def _prepare(self, batch: ScheduledBatch, previous: InFlightStep | None) -> StepInputs:
-        """Vectorised over tokens: the only per-sequence Python is reading its ids and progress (its
-        tables and sampling parameters are kept in ``SequenceRows``).
+    def _prepare(self, batch: ScheduledStep, previous: InFlightStep | None) -> StepInputs:
+        """The step's plan (its flat batch and path, sent to the other ranks) and its inputs on the device."""
+        flat = self._flatten(batch, previous)
+        path, picks_rows = self._choose_path(flat)
+        plan = StepPlan(
+            flat.arrays, flat.max_query_len, flat.max_seq_len, path, picks_rows, sum(flat.rows_per_seq), flat.in_order,
+            flat.num_chunk_seqs,
+        )  # fmt: skip
+        if self.peers is not None:
+            self.peers.send(plan)
+        sampling = self.rows.sampling_columns(flat.sampling_rows)
+        t = self._stage(
+            plan,
+            previous.token_ids if previous is not None and len(flat.arrays["pending_rows"]) else None,
+            {"sampling_floats": sampling.floats, "sampling_top_k": sampling.top_k},
+        )
+        columns = dict(zip(FLOAT_COLUMNS, t["sampling_floats"].unbind(0)), top_k=t["sampling_top_k"])
+        return StepInputs(
+            plan, t, flat.arrays["logits_rows"], flat.sampled, flat.rows_per_seq, columns, flat.prompt_rows, sampling,
+            self.rows.union_flags(flat.sampling_rows),
+        )  # fmt: skip
+
+    def _flatten(self, batch: ScheduledStep, previous: InFlightStep | None) -> FlatBatch:
+        """The step's sequences as one ragged batch. Vectorised over tokens: the only per-sequence Python
+        is reading its ids and progress (its tables and sampling parameters are kept in ``SequenceRows``).
         ``PENDING`` ids are ``previous``'s samples: which rows take which go in the same copy."""
         bs = self.block_size
         seqs, counts = batch.seqs, np.asarray(batch.num_tokens, dtype=np.int64)
@@ -491,74 +507,55 @@ class ModelRunner:
             pending_sources = np.fromiter(
                 (row_of[seqs[b]] for b in owner[pending_rows].tolist()), dtype=np.int64, count=len(pending_rows)
             )
-        sampling = self.rows.sampling_columns(sampling_rows)
-        max_query_len = int(counts.max())
-        path, picks_rows = EAGER, False
-        if self.graphs is not None and max_query_len == 1 and self.graphs.padded_size(len(seqs)):
+        arrays = {
+            "input_ids": ids,
+            "positions": positions,
+            "slot_mapping": slots,
+            "query_start_loc": query_start,
+            "seq_lens": seq_lens,
+            "block_tables": tables,
+            "logits_rows": logits_rows,
+            "pending_rows": pending_rows.astype(np.int64),
+            "pending_sources": pending_sources,
+        }
+        return FlatBatch(
+            arrays, len(seqs), total, int(counts.max()), int(seq_lens.max()), num_chunk_seqs, in_order, sampled,
+            rows_per_seq, prompt_rows, sampling_rows,
+        )  # fmt: skip
+
+    def _choose_path(self, flat: FlatBatch) -> tuple[ForwardPath, bool]:
+        """The forward's path for ``flat``: a captured graph where one fits it, else eager; and whether
+        the logits rows are picked out after a decode graph, which scores every row."""
+        num_seqs, total, max_query_len, prompt_rows = flat.num_seqs, flat.total, flat.max_query_len, flat.prompt_rows
+        num_logits_rows = len(flat.arrays["logits_rows"])
+        path, picks_rows = ForwardPath.EAGER, False
+        if self.graphs is not None and max_query_len == 1 and self.graphs.padded_size(num_seqs):
             # The graph runs the LM head on every row; a row that does not sample (a one-token
             # prefill chunk mid-prompt) or gives prompt logprobs is picked out afterwards.
-            path, picks_rows = DECODE_GRAPH, bool(prompt_rows) or len(logits_rows) != len(seqs)
+            path, picks_rows = ForwardPath.DECODE_GRAPH, bool(prompt_rows) or num_logits_rows != num_seqs
         elif (
             self.graphs is not None
-            and self.graphs.can_verify(len(seqs), max_query_len)
+            and self.graphs.can_verify(num_seqs, max_query_len)
             and not prompt_rows
-            and len(logits_rows) == total
+            and num_logits_rows == total
         ):
-            path = VERIFY_GRAPH  # every row is a known token or a draft, and every row samples
+            path = ForwardPath.VERIFY_GRAPH  # every row is a known token or a draft, and every row samples
         elif (
             self.prefill_graphs is not None
-            and len(seqs) == 1
+            and num_seqs == 1
             and self.prefill_graphs.padded_size(total)
             and not prompt_rows
-            and rows_per_seq in ([], [1])
+            and flat.rows_per_seq in ([], [1])
         ):
-            path = PREFILL_GRAPH  # one sequence's prompt or chunk: the LM head on its last row, if any
+            path = ForwardPath.PREFILL_GRAPH  # one sequence's prompt or chunk: the LM head on its last row, if any
         elif (
             self.mixed_graphs is not None
-            and self.mixed_graphs.padded_size(total, len(seqs))
+            and self.mixed_graphs.padded_size(total, num_seqs)
             and not prompt_rows
-            and len(logits_rows) == len(sampled)
+            and num_logits_rows == len(flat.sampled)
         ):
-            path = MIXED_GRAPH  # chunks beside decode rows, each sampling sequence one row (no drafts)
-        plan = StepPlan(
-            {
-                "input_ids": ids,
-                "positions": positions,
-                "slot_mapping": slots,
-                "query_start_loc": query_start,
-                "seq_lens": seq_lens,
-                "block_tables": tables,
-                "logits_rows": logits_rows,
-                "pending_rows": pending_rows.astype(np.int64),
-                "pending_sources": pending_sources,
-            },
-            max_query_len,
-            int(seq_lens.max()),
-            path,
-            picks_rows,
-            sum(rows_per_seq),
-            in_order,
-            num_chunk_seqs,
-        )
-        if self.peers is not None:
-            self.peers.send(plan)
-        t = self._stage(
-            plan,
-            previous.token_ids if len(pending_rows) else None,
-            {"sampling_floats": sampling.floats, "sampling_top_k": sampling.top_k},
-        )
-        columns = dict(zip(FLOAT_COLUMNS, t["sampling_floats"].unbind(0)), top_k=t["sampling_top_k"])
-        return StepInputs(
-            plan,
-            t,
-            logits_rows,
-            sampled,
-            rows_per_seq,
-            columns,
-            prompt_rows,
-            sampling,
-            self.rows.union_flags(sampling_rows),
-        )
+            path = ForwardPath.MIXED_GRAPH  # chunks beside decode rows, each sampling sequence one row (no drafts)
+        return path, picks_rows
 
     def _stage(
         self, plan: StepPlan, previous_ids: torch.Tensor | None, extra: dict[str, np.ndarray] | None = None
@@ -585,13 +582,13 @@ class ModelRunner:
             max_query_len=plan.max_query_len,
             max_seq_len=plan.max_seq_len,
         )
-        if plan.path == DECODE_GRAPH:
+        if plan.path == ForwardPath.DECODE_GRAPH:
             logits, greedy_ids = self.graphs.run(t["input_ids"], t["positions"], meta)
             return (logits[t["logits_rows"]], None) if plan.picks_rows else (logits, greedy_ids)
-        if plan.path == VERIFY_GRAPH:
+        if plan.path == ForwardPath.VERIFY_GRAPH:
             return self.graphs.run_verify(t["input_ids"], t["positions"], meta)
-        if plan.path in (PREFILL_GRAPH, MIXED_GRAPH):
-            graphs = self.prefill_graphs if plan.path == PREFILL_GRAPH else self.mixed_graphs
+        if plan.path in (ForwardPath.PREFILL_GRAPH, ForwardPath.MIXED_GRAPH):
+            graphs = self.prefill_graphs if plan.path == ForwardPath.PREFILL_GRAPH else self.mixed_graphs
             logits, greedy_ids = graphs.run(t["input_ids"], t["positions"], meta, t["logits_rows"])
             return (logits, greedy_ids) if len(plan.arrays["logits_rows"]) else (None, None)
         if plan.num_chunk_seqs:
@@ -647,7 +644,7 @@ class ModelRunner:
 
     # --------------------------------------------------------------- execution
     @torch.inference_mode()
-    def launch(self, batch: ScheduledBatch, previous: InFlightStep | None = None) -> InFlightStep:
+    def launch(self, batch: ScheduledStep, previous: InFlightStep | None = None) -> InFlightStep:
         """Enqueue the step on the device and return without waiting for it. Tokens still
         pending on the host (``PENDING``) are the sampled ids of ``previous``, taken on the device."""
         inputs = self._prepare(batch, previous)
@@ -657,6 +654,7 @@ class ModelRunner:
             sampled_seqs=sampled,
             rows_per_seq=inputs.rows_per_seq,
             prompt_rows=prompt_rows,
+            path=inputs.plan.path,
             sampling_flags=inputs.sampling_flags,
         )
         logits, greedy_ids = self._forward(inputs.plan, inputs.tensors)
@@ -679,6 +677,8 @@ class ModelRunner:
         those are read, while the device still runs this step's forward. (Penalties read token
         counts kept on the device, ``PenaltyCounts``, and never wait.)"""
         pending, step.pending_sample = step.pending_sample, None
+        if pending is None:  # sampled at launch already, or nothing to sample
+            return
         logits, batch, greedy_ids = pending.logits, pending.batch, pending.greedy_ids
         firsts = itertools.accumulate([0, *step.rows_per_seq[:-1]])
         # (A matcher that took its stop token leaves its row free: its sequence ended there, or ignores eos
@@ -722,7 +722,7 @@ class ModelRunner:
 
     def collect(self, step: InFlightStep) -> StepResult:
         """Wait for a launched step's sampled ids (the step's one synchronisation) and read them."""
-        result = StepResult(sampled_seqs=step.sampled_seqs)
+        result = StepResult(sampled_seqs=step.sampled_seqs, failed_seqs=step.failed_seqs)
         if step.prompt_logprobs:
             self._wait(step.prompt_logprobs_done)
             for seq, keep, values, ids in step.prompt_logprobs:

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import torch
 
-from tokenmill.engine.host_staging import to_device
 from tokenmill.engine.sequence import Sequence, SequenceStatus
+from tokenmill.engine.worker.host_staging import to_device
 
 _ZEROS, _DISCARD = 0, 1  # the row read for rows without penalties, and the row their samples go to
 

@@ -41,7 +41,7 @@ import time
 
 import torch
 
-from tokenmill.engine.cuda_graphs import capture_graphs, stage_step_inputs
+from tokenmill.engine.worker.cuda_graphs import capture_graphs, stage_step_inputs
 from tokenmill.layers import ops
 from tokenmill.layers.attention import AttentionMetadata, PagedAttention
 

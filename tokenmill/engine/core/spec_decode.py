@@ -1,4 +1,5 @@
-"""Speculative decoding by prompt lookup: its options, the n-gram proposer, and verification.
+"""Speculative decoding by prompt lookup: the n-gram proposer, and ``SpecDecoder``, which drafts and
+verifies for the engine core (its options: ``engine.config.SpeculativeConfig``).
 
 A sequence's recent tokens often repeat an earlier run of the same sequence (code
 being rewritten, a quoted document, a list being continued). The proposer finds
@@ -16,77 +17,16 @@ speculative sampling for a draft that puts all its mass on one token).
 
 from __future__ import annotations
 
-import json
-from dataclasses import dataclass, fields
-from typing import Any
-
 import numpy as np
 
-from tokenmill.validation import Rule, check_fields, integer, one_of, ruled
+from tokenmill.engine.config import SpeculativeConfig
+from tokenmill.engine.messages import CoreStats
+from tokenmill.engine.sequence import Sequence
 
 # A sequence stops being offered drafts once this many in a row were all rejected; it is
 # offered them again after as many steps more (so a sequence that starts repeating later
 # still gains).
 MAX_FAILED_DRAFTS = 4
-
-
-@dataclass
-class SpeculativeConfig:
-    """vLLM's ``speculative_config`` for prompt lookup (``method="ngram"``)."""
-
-    num_speculative_tokens: int = ruled(None, integer(1, 16), help="draft tokens proposed for each sequence each step")
-    method: str = ruled(
-        "ngram",
-        one_of({"ngram": "ngram", "prompt_lookup": "ngram"}),
-        help="how drafts are proposed: ngram (prompt lookup)",
-    )
-    prompt_lookup_max: int = ruled(4, integer(1, 64), help="longest n-gram matched")
-    prompt_lookup_min: int = ruled(1, integer(1, 64), help="shortest n-gram matched")
-    # 16: on the H200 a verify step of 5 tokens a sequence costs 1.03-1.15x a one-token step up to 16
-    # sequences, 1.27x at 32 and 1.59x at 64 (Llama-3-8B, docs/PERFORMANCE.md).
-    disable_by_batch_size: int = ruled(
-        16,
-        integer(1),
-        help="no drafts while this many sequences or more are running: the batch alone keeps "
-        "the GPU busy, and a draft rejected costs more than it saves",
-    )
-
-    def __post_init__(self) -> None:
-        check_fields(self)
-        if self.prompt_lookup_min > self.prompt_lookup_max:
-            raise ValueError(
-                f"prompt_lookup_min ({self.prompt_lookup_min}) must not exceed "
-                f"prompt_lookup_max ({self.prompt_lookup_max})"
-            )
-
-    @classmethod
-    def parse(cls, value: Any) -> SpeculativeConfig | None:
-        """From ``LLM(speculative_config=...)`` (a dict, or this class) or the command line (its JSON)."""
-        if value is None or isinstance(value, cls):
-            return value
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as exc:
-                raise ValueError(f"speculative_config is not valid JSON: {exc}") from None
-        if not isinstance(value, dict):
-            raise ValueError(f"speculative_config must be a dict (JSON object), got {type(value).__name__}")
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(map(repr, set(value) - known))
-        if unknown:
-            raise ValueError(
-                f"speculative_config: unknown key{'s' if len(unknown) > 1 else ''} "
-                f"{', '.join(unknown)}; the keys are {', '.join(sorted(known))}"
-            )
-        if "num_speculative_tokens" not in value:
-            raise ValueError("speculative_config needs num_speculative_tokens")
-        try:
-            return cls(**value)
-        except ValueError as exc:
-            raise ValueError(f"speculative_config: {exc}") from None
-
-
-SPECULATIVE_CONFIG = Rule("None, a dict or its JSON", "", SpeculativeConfig.parse)
 
 
 def propose_ngram(tokens: np.ndarray, num_tokens: int, min_n: int, max_n: int) -> np.ndarray:
@@ -151,3 +91,64 @@ class TokenHistory:
 
     def forget(self, seq_id: int) -> None:
         self._arrays.pop(seq_id, None)
+
+
+class SpecDecoder:
+    """The engine core's speculation: drafts for the sequences that decode next, before a step is
+    scheduled, and each sequence's drafts verified against the step's samples once it is read."""
+
+    def __init__(self, config: SpeculativeConfig | None, stats: CoreStats, max_model_len: int) -> None:
+        self.config = config
+        self.stats = stats
+        self.max_model_len = max_model_len
+        self._histories = TokenHistory()
+
+    def active(self, num_running: int) -> bool:
+        """Whether drafts are proposed at this many running sequences."""
+        return self.config is not None and num_running < self.config.disable_by_batch_size
+
+    def propose(self, running: list[Sequence]) -> None:
+        """Drafts for each running sequence that decodes next (prompt lookup), as many as its token
+        limits leave room for after the token the step samples anyway."""
+        spec = self.config
+        assert spec is not None
+        for seq in running:
+            if seq.num_pending or seq.num_computed_tokens != seq.num_tokens - 1 or seq.params.uses_penalties:
+                continue
+            if seq.draft_pause:
+                seq.draft_pause -= 1
+                continue
+            room = self.max_model_len - seq.num_tokens
+            if seq.params.max_tokens is not None:
+                room = min(room, seq.params.max_tokens - seq.num_output_tokens)
+            count = min(spec.num_speculative_tokens, room - 1)
+            if count > 0:
+                tokens = self._histories.view(seq.seq_id, seq.token_ids)
+                seq.draft_token_ids = propose_ngram(
+                    tokens, count, spec.prompt_lookup_min, spec.prompt_lookup_max
+                ).tolist()
+
+    def verify(self, seq: Sequence, samples: list[int]) -> int:
+        """How many of ``seq``'s drafts stand against the step's samples; the rejected ones' positions
+        are forgotten (computed again when real tokens fill them). Returns the tokens to emit."""
+        drafts = seq.draft_token_ids
+        accepted = accepted_length(drafts, samples)
+        seq.num_computed_tokens -= len(drafts) - accepted
+        seq.spec_drafts += 1
+        seq.spec_draft_tokens += len(drafts)
+        seq.spec_accepted_tokens += accepted
+        self.stats.spec_decode_num_drafts += 1
+        self.stats.spec_decode_num_draft_tokens += len(drafts)
+        self.stats.spec_decode_num_accepted_tokens += accepted
+        if accepted == 0:
+            seq.num_failed_drafts += 1
+            if seq.num_failed_drafts >= MAX_FAILED_DRAFTS:  # stop trying for a while
+                seq.draft_pause, seq.num_failed_drafts = MAX_FAILED_DRAFTS, 0
+        else:
+            seq.num_failed_drafts = 0
+        seq.draft_token_ids = []
+        return accepted + 1
+
+    def forget(self, seq: Sequence) -> None:
+        """``seq`` ended: its token history goes."""
+        self._histories.forget(seq.seq_id)

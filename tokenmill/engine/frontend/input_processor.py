@@ -12,7 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from tokenmill.engine.structured_outputs import DEFAULT_MAX_CONSTRAINT_BYTES, check_constraint
+from tokenmill.engine.config import DEFAULT_MAX_CONSTRAINT_BYTES
+from tokenmill.engine.core.structured_outputs import check_constraint
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.tokenizer import encode_prompt
 from tokenmill.validation import integer

@@ -35,10 +35,18 @@ import torch
 
 from tokenmill.distributed import destroy_group, init_group
 from tokenmill.engine.config import EngineConfig
-from tokenmill.engine.model_runner import build_model
-from tokenmill.engine.rank import RankSetup, kv_cache_blocks, make_runner, quantize, rank_device, resolve_device
-from tokenmill.loader.hf_config import load_model_config, resolve_dtype
+from tokenmill.engine.worker.model_runner import build_model
+from tokenmill.engine.worker.rank import (
+    RankSetup,
+    apply_quantization,
+    kv_cache_blocks,
+    make_runner,
+    rank_device,
+    resolve_device,
+)
 from tokenmill.loader.kv_layout import resolve_kv_cache_dtype
+from tokenmill.loader.model_config import resolve_dtype
+from tokenmill.models.registry import load_model_config
 
 logger = logging.getLogger(__name__)
 
@@ -57,8 +65,8 @@ class WorkerError(RuntimeError):
 class WorkerGroup:
     """Rank 0's handle on the other ranks: starts them, talks to them, notices when one dies."""
 
-    def __init__(self, config: EngineConfig, model_dir: Path) -> None:
-        self.size = config.tensor_parallel_size
+    def __init__(self, engine_config: EngineConfig, model_dir: Path) -> None:
+        self.size = engine_config.tensor_parallel_size
         self._store = tempfile.mkdtemp(prefix="tokenmill-tp-")
         self.init_method = f"file://{self._store}/store"
         context = multiprocessing.get_context("spawn")  # CUDA cannot be forked
@@ -71,7 +79,14 @@ class WorkerGroup:
                     target=run_worker,
                     name=f"tokenmill-tp{rank}",
                     daemon=True,
-                    args=(config, model_dir, rank, self.init_method, theirs, logging.getLogger().getEffectiveLevel()),
+                    args=(
+                        engine_config,
+                        model_dir,
+                        rank,
+                        self.init_method,
+                        theirs,
+                        logging.getLogger().getEffectiveLevel(),
+                    ),
                 )
                 process.start()
                 theirs.close()
@@ -199,7 +214,7 @@ def _exit_description(process: BaseProcess) -> str:
 
 
 def run_worker(
-    config: EngineConfig, model_dir: Path, rank: int, init_method: str, pipe: Connection, log_level: int
+    engine_config: EngineConfig, model_dir: Path, rank: int, init_method: str, pipe: Connection, log_level: int
 ) -> None:
     """A worker process's entry point. Rank 0 alone decides when it stops (a None message, or its pipe
     closing when rank 0's process ends): signals sent to the whole process group are ignored."""
@@ -207,24 +222,32 @@ def run_worker(
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     logging.basicConfig(level=log_level, format=f"%(levelname)s %(name)s [rank {rank}]: %(message)s")
     if "OMP_NUM_THREADS" not in os.environ:  # the ranks share the host's cores
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // config.tensor_parallel_size))
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // engine_config.tensor_parallel_size))
     failed = False
     try:
-        cfg = load_model_config(model_dir)
-        device = rank_device(resolve_device(config.device), rank)
-        dtype = resolve_dtype(config.dtype, cfg, device)
-        kv_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, dtype, device)
+        model_config = load_model_config(model_dir)
+        device = rank_device(resolve_device(engine_config.device), rank)
+        dtype = resolve_dtype(engine_config.dtype, model_config, device)
+        kv_dtype = resolve_kv_cache_dtype(engine_config.kv_cache_dtype, dtype, device)
         _reply(pipe, "joining", None)
-        tp = init_group(device, rank, config.tensor_parallel_size, init_method, COLLECTIVE_TIMEOUT)
-        torch.manual_seed(config.seed)
-        max_len = config.max_model_len or cfg.max_position_embeddings
-        model = build_model(cfg, None if config.random_weights else model_dir, dtype, device, max_len, config.seed, tp)
-        quantize(model, config, model_dir, device)
-        _reply(pipe, "blocks", kv_cache_blocks(config, cfg, device, dtype, kv_dtype, max_len))
+        tp = init_group(device, rank, engine_config.tensor_parallel_size, init_method, COLLECTIVE_TIMEOUT)
+        torch.manual_seed(engine_config.seed)
+        max_len = engine_config.max_model_len or model_config.max_position_embeddings
+        model = build_model(
+            model_config,
+            None if engine_config.random_weights else model_dir,
+            dtype,
+            device,
+            max_len,
+            engine_config.seed,
+            tp,
+        )
+        apply_quantization(model, engine_config, model_dir, device)
+        _reply(pipe, "blocks", kv_cache_blocks(engine_config, model_config, device, dtype, kv_dtype, max_len))
         setup: RankSetup = pickle.loads(pipe.recv_bytes())
-        runner = make_runner(config, cfg, model, setup, device, dtype, kv_dtype, tp)
+        runner = make_runner(engine_config, model_config, model, setup, device, dtype, kv_dtype, tp)
         if device.type == "cuda":
-            runner.warm_up(config.max_num_batched_tokens, setup.max_model_len)
+            runner.warm_up(engine_config.max_num_batched_tokens, setup.max_model_len)
         _reply(pipe, "ready", None)
         while (plan := pickle.loads(pipe.recv_bytes())) is not None:
             runner.follow(plan)

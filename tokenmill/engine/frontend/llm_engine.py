@@ -12,11 +12,12 @@ from __future__ import annotations
 import time
 
 from tokenmill.engine.config import EngineConfig
-from tokenmill.engine.core import EngineCore, model_dir_of
-from tokenmill.engine.input_processor import InputProcessor, ModelLimits, check_priority
-from tokenmill.engine.messages import AddRequest
-from tokenmill.engine.output_processor import OutputProcessor
-from tokenmill.outputs import OutputKind, RequestOutput
+from tokenmill.engine.core.builder import model_dir_of
+from tokenmill.engine.core.engine_core import EngineCore
+from tokenmill.engine.frontend.input_processor import InputProcessor, ModelLimits, check_priority
+from tokenmill.engine.frontend.output_processor import OutputProcessor
+from tokenmill.engine.messages import AddRequest, CoreStats, engine_stats
+from tokenmill.outputs import EngineStats, OutputKind, RequestOutput
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.tokenizer import load_tokenizer
 
@@ -36,6 +37,7 @@ class LLMEngine:
         )
         self.inputs = InputProcessor(self.tokenizer, limits)
         self.outputs = OutputProcessor(self.tokenizer)
+        self.stats = CoreStats()
 
     def add_request(
         self,
@@ -65,13 +67,19 @@ class LLMEngine:
         self.core.abort_request(request_id)
         return self.outputs.abort_request(request_id)
 
+    def get_stats(self) -> EngineStats:
+        """The engine's gauges as of its last step and its counters since it started."""
+        return engine_stats(self.stats, self.core.kv.capacity_tokens, self.config.kv_cache_dtype)
+
     def has_unfinished_requests(self) -> bool:
         return bool(self.outputs.requests) or self.core.has_unfinished_requests()
 
     def step(self) -> list[RequestOutput]:
         """One step of the core; the outputs of the requests that changed. A request whose
         step failed comes back finished with ``error`` set; the others go on."""
-        processed = self.outputs.process(self.core.step())
+        core_outputs = self.core.step()
+        self.stats = core_outputs.stats
+        processed = self.outputs.process(core_outputs)
         for abort in processed.aborts:
             self.core.handle(abort)
         return processed.outputs

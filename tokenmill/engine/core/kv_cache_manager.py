@@ -14,11 +14,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence as Seq
 
-import torch
-
-from tokenmill.engine.block_pool import BlockPool
+from tokenmill.engine.core.block_pool import BlockHash, BlockPool, hash_blocks
 from tokenmill.engine.sequence import Sequence
-from tokenmill.loader.kv_layout import KVLayout
 
 
 class KVCacheManager:
@@ -68,7 +65,7 @@ class KVCacheManager:
         usable = self._cacheable_blocks(seq)
         if usable == 0:
             return 0
-        hashes = seq.full_block_hashes(self.block_size)[:usable]
+        hashes = full_block_hashes(seq, self.block_size)[:usable]
         found = [[pool.lookup(h) for h in hashes] for pool in self.pools]
         hit = self._longest_hit(found)
         if hit == 0:
@@ -171,7 +168,7 @@ class KVCacheManager:
         full = min(seq.num_computed_tokens, seq.num_tokens - seq.num_pending) // self.block_size
         if full <= seq.num_committed_blocks:
             return
-        hashes = seq.full_block_hashes(self.block_size)
+        hashes = full_block_hashes(seq, self.block_size)
         for i in range(seq.num_committed_blocks, full):
             tokens = seq.token_ids[i * self.block_size : (i + 1) * self.block_size]
             for pool, table, null in zip(self.pools, seq.block_tables, self.null_blocks):
@@ -241,43 +238,11 @@ class KVCacheManager:
         return max((self.usable_blocks(g) - pool.num_free) / self.usable_blocks(g) for g, pool in enumerate(self.pools))
 
 
-def kv_block_counts(
-    layout: KVLayout,
-    dtype: torch.dtype,
-    block_size: int,
-    budget_bytes: int | None,
-    num_blocks: int | None,
-    max_num_seqs: int,
-    max_num_batched_tokens: int,
-    max_len: int,
-) -> list[int]:
-    """Each KV group's block count, from a memory budget or a fixed count (``num_blocks``, the full
-    groups' count). A full group never needs more than every sequence at full length; a sliding
-    group never more than every sequence's window plus a step's chunk, and one null block. Memory is
-    split so every group holds the same tokens, except that a sliding group gets no more than it can
-    use and what it leaves goes to the full groups."""
-    groups = layout.groups
-    per_block = [layout.group_bytes_per_token(g, dtype) * block_size for g in range(len(groups))]
-    full_cap = max_num_seqs * -(-max_len // block_size)
-    caps = [
-        full_cap
-        if spec.sliding_window is None
-        else min(
-            full_cap,
-            max_num_seqs * (-(-(spec.sliding_window - 1) // block_size) + 2) + -(-max_num_batched_tokens // block_size),
+def full_block_hashes(seq: Sequence, block_size: int) -> list[BlockHash]:
+    """Hashes of every full block of ``seq``'s known tokens, extended as the sequence grows."""
+    done, known = len(seq.block_hashes) * block_size, seq.num_tokens - seq.num_pending
+    if known - done >= block_size:
+        seq.block_hashes += hash_blocks(
+            seq.block_hashes[-1] if seq.block_hashes else None, seq.token_ids[done:known], block_size
         )
-        + 1
-        for spec in groups
-    ]
-    if num_blocks is not None:
-        return [min(num_blocks + (spec.sliding_window is not None), cap) for spec, cap in zip(groups, caps)]
-    assert budget_bytes is not None
-    equal = int(budget_bytes // sum(per_block))
-    counts = [min(equal, cap) if spec.sliding_window is not None else 0 for spec, cap in zip(groups, caps)]
-    full = [g for g, spec in enumerate(groups) if spec.sliding_window is None]
-    if full:
-        left = budget_bytes - sum(n * b for n, b in zip(counts, per_block))
-        per_full = min(int(left // sum(per_block[g] for g in full)), full_cap)
-        for g in full:
-            counts[g] = per_full
-    return counts
+    return seq.block_hashes

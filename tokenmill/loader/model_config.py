@@ -1,4 +1,4 @@
-"""Reads a Hugging Face ``config.json`` into the engine's own ModelConfig.
+"""The engine's own ModelConfig, and the helpers that fill it from a Hugging Face ``config.json``.
 
 The engine never looks at the raw dict again: everything the models and the
 KV cache need is normalised here once. This module knows no architecture: the
@@ -10,7 +10,7 @@ style, checkpoint dtype).
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -70,7 +70,7 @@ def read_json(path: Path) -> dict[str, Any]:
         raise ModelLoadError(f"{path} is not valid JSON: {exc}") from exc
 
 
-def _as_id_list(value: Any) -> list[int]:
+def as_id_list(value: Any) -> list[int]:
     if value is None:
         return []
     if isinstance(value, int):
@@ -103,44 +103,6 @@ def rope_parameters(raw: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
 def checkpoint_dtype(raw: dict[str, Any]) -> torch.dtype:
     """The dtype the weights were saved in (``dtype``, or the older ``torch_dtype``)."""
     return _DTYPES.get(str(raw.get("dtype") or raw.get("torch_dtype") or "float32"), torch.float32)
-
-
-def load_model_config(model_dir: str | Path) -> ModelConfig:
-    """Parse ``config.json`` (its ``text_config`` when it nests one, as multimodal
-    checkpoints do) and ``generation_config.json`` for eos ids, whose list wins."""
-    # Imported here: the registry imports this module (ModelConfig) through the families.
-    from tokenmill.loader.gguf_checkpoint import is_gguf_file, read_gguf_config
-    from tokenmill.models.registry import SUPPORTED_ARCHITECTURES, config_parser
-
-    model_dir = Path(model_dir)
-    if is_gguf_file(model_dir):  # a single GGUF file: its metadata, as a config.json
-        config_path, top = model_dir, read_gguf_config(model_dir)
-    else:
-        if not model_dir.is_dir():
-            raise ModelLoadError(f"model directory {str(model_dir)!r} does not exist")
-        config_path = model_dir / "config.json"
-        if not config_path.is_file():
-            raise ModelLoadError(
-                f"{model_dir} has no config.json: is it a Hugging Face model directory (or a .gguf file)?"
-            )
-        top = read_json(config_path)
-    archs = top.get("architectures") or []
-    arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
-    if arch is None:
-        raise ModelLoadError(
-            f"architecture {archs or 'missing'} in {config_path} is not supported; "
-            f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
-        )
-    raw = top.get("text_config") or top
-    try:
-        cfg = config_parser(arch)(raw, arch)
-    except KeyError as exc:  # parsers index the fields they require
-        raise ModelLoadError(f"{config_path} lacks the field {exc.args[0]!r}") from exc
-    eos = _as_id_list(raw.get("eos_token_id"))
-    gen_path = model_dir / "generation_config.json"
-    if model_dir.is_dir() and gen_path.is_file():
-        eos = _as_id_list(read_json(gen_path).get("eos_token_id")) or eos
-    return replace(cfg, eos_token_ids=tuple(eos))
 
 
 def resolve_dtype(name: str | torch.dtype, config: ModelConfig, device: torch.device) -> torch.dtype:

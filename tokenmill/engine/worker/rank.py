@@ -2,7 +2,7 @@
 model runner; and the start-up checks of a tensor-parallel engine.
 
 With one rank all of it happens in the engine core. Under tensor parallelism rank 0 does it in the
-core and each other rank in its worker process (``engine/tp_workers.py``), from the same config,
+core and each other rank in its worker process (``engine/worker/tp_workers.py``), from the same config,
 so the ranks agree by construction on everything but what rank 0 settles for them (``RankSetup``).
 """
 
@@ -16,11 +16,11 @@ import torch
 
 from tokenmill.distributed import SINGLE, TPGroup, check_divides
 from tokenmill.engine.config import EngineConfig
-from tokenmill.engine.kv_cache_manager import kv_block_counts
-from tokenmill.engine.model_runner import ModelRunner, Peers
+from tokenmill.engine.worker.model_runner import ModelRunner, Peers
 from tokenmill.layers.q8_linear import quantize_linears
 from tokenmill.loader.gguf_checkpoint import is_gguf_file, packs_q8_0
-from tokenmill.loader.hf_config import ModelConfig
+from tokenmill.loader.kv_layout import KVLayout
+from tokenmill.loader.model_config import ModelConfig
 
 logger = logging.getLogger(__name__)
 
@@ -61,13 +61,13 @@ def token_budget(requested: int | None, device: torch.device) -> int:
     return 2048
 
 
-def context_length(requested: int | None, cfg: ModelConfig) -> int:
+def context_length(requested: int | None, model_config: ModelConfig) -> int:
     """The engine's ``max_model_len`` before the KV pools are sized (which may lower it): ``requested``,
     else the model's context length (``max_position_embeddings``). More than the model supports is a
     ValueError, as in vLLM, raised before anything is built: positions past it were never trained,
     and the rotary tables (``max_model_len`` rows each) would be built for it first, 128 GB for 10**9
     positions of a 32-wide head."""
-    supported = cfg.max_position_embeddings
+    supported = model_config.max_position_embeddings
     if requested is None:
         return supported
     if requested > supported:
@@ -84,15 +84,17 @@ def rank_device(device: torch.device, rank: int) -> torch.device:
     return torch.device("cuda", rank) if device.type == "cuda" else device
 
 
-def check_tensor_parallel(config: EngineConfig, cfg: ModelConfig, device: torch.device, model_dir: Path) -> None:
+def check_tensor_parallel(
+    engine_config: EngineConfig, model_config: ModelConfig, device: torch.device, model_dir: Path
+) -> None:
     """ValueErrors, at start-up, for a ``tensor_parallel_size`` the model or the machine cannot take."""
-    size = config.tensor_parallel_size
+    size = engine_config.tensor_parallel_size
     if size == 1:
         return
     if device.type == "cuda":
         if device.index is not None:
             raise ValueError(
-                f"device {config.device!r} names one GPU, but tensor_parallel_size {size} runs on GPUs "
+                f"device {engine_config.device!r} names one GPU, but tensor_parallel_size {size} runs on GPUs "
                 f"0 to {size - 1}: use device 'cuda' (CUDA_VISIBLE_DEVICES picks which GPUs)"
             )
         visible = torch.cuda.device_count()
@@ -101,16 +103,18 @@ def check_tensor_parallel(config: EngineConfig, cfg: ModelConfig, device: torch.
                 f"tensor_parallel_size {size} needs {size} GPUs, but {visible} "
                 f"{'is' if visible == 1 else 'are'} visible"
             )
-    check_divides("attention heads", cfg.num_heads, size)
-    for kv_heads in sorted({spec.num_kv_heads for spec in cfg.kv_layout().groups}, reverse=True):
+    check_divides("attention heads", model_config.num_heads, size)
+    for kv_heads in sorted({spec.num_kv_heads for spec in model_config.kv_layout().groups}, reverse=True):
         check_divides("KV heads", kv_heads, size)
-    check_divides("MLP rows (intermediate_size)", cfg.intermediate_size, size)
+    check_divides("MLP rows (intermediate_size)", model_config.intermediate_size, size)
 
 
-def quantize(model: torch.nn.Module, config: EngineConfig, model_dir: Path, device: torch.device) -> str | None:
+def apply_quantization(
+    model: torch.nn.Module, engine_config: EngineConfig, model_dir: Path, device: torch.device
+) -> str | None:
     """Keep the model's projections (this rank's share of them) in Q8_0 where ``quantization`` asks for
     it or a GGUF file's layer matrices are Q8_0; returns the scheme (None: dense)."""
-    scheme = config.quantization or ("q8_0" if is_gguf_file(model_dir) and packs_q8_0(model_dir) else None)
+    scheme = engine_config.quantization or ("q8_0" if is_gguf_file(model_dir) and packs_q8_0(model_dir) else None)
     if scheme == "q8_0":
         count = quantize_linears(model)
         logger.info("%d projections kept in Q8_0 (int8, a float16 scale per 32 values)", count)
@@ -120,8 +124,8 @@ def quantize(model: torch.nn.Module, config: EngineConfig, model_dir: Path, devi
 
 
 def kv_cache_blocks(
-    config: EngineConfig,
-    cfg: ModelConfig,
+    engine_config: EngineConfig,
+    model_config: ModelConfig,
     device: torch.device,
     dtype: torch.dtype,
     kv_dtype: torch.dtype,
@@ -129,56 +133,62 @@ def kv_cache_blocks(
 ) -> list[int]:
     """Each KV group's block count on this rank: ``num_kv_blocks`` if set, else what its memory left allows
     for its share of the KV heads."""
-    layout = cfg.kv_layout().sharded(config.tensor_parallel_size)
+    layout = model_config.kv_layout().sharded(engine_config.tensor_parallel_size)
     budget = None
-    if config.num_kv_blocks is None and device.type == "cuda":
+    if engine_config.num_kv_blocks is None and device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)
         used_elsewhere = total - free
         elem = torch.tensor([], dtype=dtype).element_size()
-        tokens = config.max_num_batched_tokens
+        tokens = engine_config.max_num_batched_tokens
         activations = (
-            tokens * elem * (6 * cfg.hidden_size + 4 * cfg.intermediate_size + 3 * cfg.num_heads * cfg.head_dim)
+            tokens
+            * elem
+            * (
+                6 * model_config.hidden_size
+                + 4 * model_config.intermediate_size
+                + 3 * model_config.num_heads * model_config.head_dim
+            )
         )
-        logits = config.max_num_seqs * cfg.vocab_size * 4 * 4
-        budget = total * config.gpu_memory_utilization - used_elsewhere - activations - logits - (1 << 30)
-    elif config.num_kv_blocks is None:
-        budget = config.cpu_kv_cache_gib * (1 << 30)
+        logits = engine_config.max_num_seqs * model_config.vocab_size * 4 * 4
+        budget = total * engine_config.gpu_memory_utilization - used_elsewhere - activations - logits - (1 << 30)
+    elif engine_config.num_kv_blocks is None:
+        budget = engine_config.cpu_kv_cache_gib * (1 << 30)
     counts = kv_block_counts(
         layout,
         kv_dtype,
-        config.block_size,
+        engine_config.block_size,
         budget,
-        config.num_kv_blocks,
-        config.max_num_seqs,
-        config.max_num_batched_tokens,
+        engine_config.num_kv_blocks,
+        engine_config.max_num_seqs,
+        engine_config.max_num_batched_tokens,
         max_len,
     )
     for spec, count in zip(layout.groups, counts):
         if count < 1 + (spec.sliding_window is not None):
             where = "gpu_memory_utilization" if device.type == "cuda" else "cpu_kv_cache_gib"
             raise ValueError(
-                f"no memory is left for the KV cache (one block of {config.block_size} tokens takes "
-                f"{layout.bytes_per_token(kv_dtype) * config.block_size} bytes): raise {where}, "
+                f"no memory is left for the KV cache (one block of {engine_config.block_size} tokens takes "
+                f"{layout.bytes_per_token(kv_dtype) * engine_config.block_size} bytes): raise {where}, "
                 "or lower max_num_batched_tokens"
             )
     return counts
 
 
-def verify_graph_shape(config: EngineConfig) -> dict[str, int]:
+def verify_graph_shape(engine_config: EngineConfig) -> dict[str, int]:
     """The speculative verify steps worth a CUDA graph: every batch that speculates, each sequence
     with its known token and every draft."""
-    spec = config.speculative_config
+    spec = engine_config.speculative_config
     if spec is None:
         return {}
     return {
         "verify_len": spec.num_speculative_tokens + 1,
-        "max_verify_seqs": min(config.max_num_seqs, spec.disable_by_batch_size - 1),
+        "max_verify_seqs": min(engine_config.max_num_seqs, spec.disable_by_batch_size - 1),
     }
 
 
 def make_runner(
-    config: EngineConfig,
-    cfg: ModelConfig,
+    engine_config: EngineConfig,
+    model_config: ModelConfig,
     model: torch.nn.Module,
     setup: RankSetup,
     device: torch.device,
@@ -190,18 +200,60 @@ def make_runner(
     """The rank's runner: its KV cache shard and, on the GPU, its captured graphs (every rank captures
     the same graphs in the same order, since their collectives must meet)."""
     return ModelRunner(
-        cfg,
+        model_config,
         model,
         setup.num_blocks,
-        config.block_size,
+        engine_config.block_size,
         device,
         dtype,
-        max_num_seqs=config.max_num_seqs,
+        max_num_seqs=engine_config.max_num_seqs,
         max_model_len=setup.max_model_len,
-        cuda_graphs=not config.enforce_eager,
+        cuda_graphs=not engine_config.enforce_eager,
         kv_cache_dtype=kv_dtype,
-        **verify_graph_shape(config),
-        max_num_batched_tokens=config.max_num_batched_tokens,
+        **verify_graph_shape(engine_config),
+        max_num_batched_tokens=engine_config.max_num_batched_tokens,
         tp=tp,
         peers=peers,
     )
+
+
+def kv_block_counts(
+    layout: KVLayout,
+    dtype: torch.dtype,
+    block_size: int,
+    budget_bytes: int | None,
+    num_blocks: int | None,
+    max_num_seqs: int,
+    max_num_batched_tokens: int,
+    max_len: int,
+) -> list[int]:
+    """Each KV group's block count, from a memory budget or a fixed count (``num_blocks``, the full
+    groups' count). A full group never needs more than every sequence at full length; a sliding
+    group never more than every sequence's window plus a step's chunk, and one null block. Memory is
+    split so every group holds the same tokens, except that a sliding group gets no more than it can
+    use and what it leaves goes to the full groups."""
+    groups = layout.groups
+    per_block = [layout.group_bytes_per_token(g, dtype) * block_size for g in range(len(groups))]
+    full_cap = max_num_seqs * -(-max_len // block_size)
+    caps = [
+        full_cap
+        if spec.sliding_window is None
+        else min(
+            full_cap,
+            max_num_seqs * (-(-(spec.sliding_window - 1) // block_size) + 2) + -(-max_num_batched_tokens // block_size),
+        )
+        + 1
+        for spec in groups
+    ]
+    if num_blocks is not None:
+        return [min(num_blocks + (spec.sliding_window is not None), cap) for spec, cap in zip(groups, caps)]
+    assert budget_bytes is not None
+    equal = int(budget_bytes // sum(per_block))
+    counts = [min(equal, cap) if spec.sliding_window is not None else 0 for spec, cap in zip(groups, caps)]
+    full = [g for g, spec in enumerate(groups) if spec.sliding_window is None]
+    if full:
+        left = budget_bytes - sum(n * b for n, b in zip(counts, per_block))
+        per_full = min(int(left // sum(per_block[g] for g in full)), full_cap)
+        for g in full:
+            counts[g] = per_full
+    return counts

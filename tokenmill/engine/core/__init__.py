@@ -1,0 +1,1 @@
+"""The engine core: schedule, run, update; it sees only valid, tokenized requests."""

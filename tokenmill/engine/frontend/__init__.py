@@ -1,0 +1,1 @@
+"""What runs in the API process or beside ``LLM``: requests in, text out; the core client."""
