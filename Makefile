@@ -1,7 +1,10 @@
 # One command sets up and runs each job, from a fresh clone.
 #   make generate   set up, then complete "def fibonacci(n):" with the embedded model
 #   make serve      set up, then serve the embedded model on 127.0.0.1:8000 (OpenAI API)
-#   make test       set up with the test extras, then run the test suite (CPU)
+#   make test       set up with the test extras, then lint, type-check and run the test suite (CPU; what CI runs)
+#   make lint       ruff (lint and format), the import-layer contracts and mypy on the package
+#   make gpu-test   the GPU tests (needs a CUDA GPU)
+#   make test-all   make test, then the GPU tests
 #   make test TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
 #                   the same, with torch from PyTorch's CPU-only wheel index (on Linux the default
 #                   index serves the CUDA build: several GB with the NVIDIA libraries)
@@ -14,7 +17,7 @@ TORCH_SPEC ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && echo torch || ech
 TORCH_INDEX_URL ?=
 PROMPT ?= def fibonacci(n):
 
-.PHONY: setup setup-test generate serve test gpu-test clean
+.PHONY: setup setup-test generate serve lint test gpu-test test-all clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -35,11 +38,19 @@ generate: setup
 serve: setup
 	$(BIN)/tokenmill serve --host 127.0.0.1 --port 8000
 
-test: setup-test
+lint: setup-test
+	$(BIN)/ruff check tokenmill
+	$(BIN)/ruff format --check tokenmill
+	$(BIN)/lint-imports
+	$(BIN)/mypy
+
+test: lint
 	$(BIN)/python -m pytest -q
 
 gpu-test: setup-test
 	$(BIN)/python -m pytest -q -m gpu
+
+test-all: test gpu-test
 
 clean:
 	rm -rf $(VENV) *.egg-info .pytest_cache

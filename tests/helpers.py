@@ -24,6 +24,7 @@ from transformers import AutoModelForCausalLM
 
 from tokenmill import LLM, SamplingParams
 from tokenmill.engine.core.scheduler import StepCost, StepWork
+from tokenmill.engine.sequence import Sequence
 
 VOCAB = 320
 
@@ -183,6 +184,11 @@ def frozen_step_cost(fixed_s: float, per_token_s: float, per_pair_s: float = 0.0
         cost.observe(work, fixed_s + per_token_s * work.tokens + per_pair_s * work.pairs)
     cost.observe = lambda work, seconds: None
     return cost
+
+
+def num_scheduled_tokens(seq: Sequence) -> int:
+    """Known tokens and this step's drafts: what a step that computes everything covers."""
+    return len(seq.token_ids) + len(seq.draft_token_ids)
 
 
 def assert_clean(llm) -> None:

@@ -1,6 +1,6 @@
-"""Every script under benchmarks/ loads on a machine without a GPU: what it imports from the package
-(and from the scripts beside it) still exists, so a change to the package cannot leave a benchmark
-that fails only when a GPU run reaches it."""
+"""Every script under benchmarks/ (suite/, profile/, studies/) loads on a machine without a GPU: what
+it imports from the package (and from the scripts beside it) still exists, so a change to the package
+cannot leave a benchmark that fails only when a GPU run reaches it."""
 
 from __future__ import annotations
 
@@ -11,11 +11,12 @@ from pathlib import Path
 import pytest
 
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+SCRIPTS = sorted(path for folder in ("suite", "profile", "studies") for path in (BENCHMARKS / folder).glob("*.py"))
 
 
-@pytest.mark.parametrize("script", sorted(BENCHMARKS.glob("*.py")), ids=lambda path: path.name)
+@pytest.mark.parametrize("script", SCRIPTS, ids=lambda path: f"{path.parent.name}/{path.name}")
 def test_a_benchmark_script_loads(script: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.syspath_prepend(str(BENCHMARKS))  # the studies import each other, as when run from there
+    monkeypatch.syspath_prepend(str(script.parent))  # scripts import the ones beside them, as when run
     spec = importlib.util.spec_from_file_location(f"benchmark_{script.stem}", script)
     module = importlib.util.module_from_spec(spec)
     monkeypatch.setitem(sys.modules, spec.name, module)  # as an imported module is (dataclasses look it up)
@@ -26,7 +27,7 @@ def test_a_benchmark_script_loads(script: Path, monkeypatch: pytest.MonkeyPatch)
 def test_idle_gaps_count_only_time_no_kernel_covers(monkeypatch: pytest.MonkeyPatch) -> None:
     """The kernel profile's idle time: from the latest end so far to the next start, charged to the
     kernel that ended last; a kernel that overlaps another (PDL, a second stream) leaves no gap."""
-    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    monkeypatch.syspath_prepend(str(BENCHMARKS / "profile"))
     from profile_kernels import idle_gaps
 
     spans = [("b", 12.0, 20.0), ("a", 0.0, 10.0), ("c", 15.0, 18.0), ("d", 25.0, 30.0), ("b", 31.0, 32.0)]
@@ -37,7 +38,7 @@ def test_idle_gaps_count_only_time_no_kernel_covers(monkeypatch: pytest.MonkeyPa
 def test_loops_counts_each_body_from_its_label_to_its_last_backward_branch(monkeypatch: pytest.MonkeyPatch) -> None:
     """kernel_sass's loop report: the instructions from a label to the last branch back to it, longest
     first; a forward branch is no loop, and a predicate is not an opcode."""
-    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    monkeypatch.syspath_prepend(str(BENCHMARKS / "profile"))
     from kernel_sass import loops
 
     sass = """

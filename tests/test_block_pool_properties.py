@@ -15,6 +15,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
+from helpers import num_scheduled_tokens
+
 from tokenmill.engine.core.block_pool import BlockPool, hash_blocks
 from tokenmill.engine.core.kv_cache_manager import KVCacheManager
 from tokenmill.engine.core.scheduler import Scheduler, SchedulerConfig
@@ -75,7 +77,7 @@ class EngineMachine(RuleBasedStateMachine):
                     cache[table[pos // BLOCK] * BLOCK + pos % BLOCK] = token
             seq.num_computed_tokens += n
             self.kv.commit_computed_blocks(seq)
-            if seq.num_computed_tokens == seq.num_scheduled_tokens:
+            if seq.num_computed_tokens == num_scheduled_tokens(seq):
                 drafts = seq.draft_token_ids
                 kept = min(accepted, len(drafts))
                 seq.num_computed_tokens -= len(drafts) - kept
@@ -146,7 +148,7 @@ class EngineMachine(RuleBasedStateMachine):
     def no_block_past_the_known_tokens_and_drafts(self) -> None:
         for seq in self.scheduler.running:
             for table in seq.block_tables:
-                assert len(table) <= self.kv.blocks_needed(max(seq.num_scheduled_tokens, seq.num_computed_tokens))
+                assert len(table) <= self.kv.blocks_needed(max(num_scheduled_tokens(seq), seq.num_computed_tokens))
 
     @invariant()
     def sliding_groups_hold_only_their_window(self) -> None:

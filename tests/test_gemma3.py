@@ -21,7 +21,7 @@ from transformers.masking_utils import AttentionMaskInterface, eager_mask
 from transformers.models.gemma3.modeling_gemma3 import eager_attention_forward
 
 from helpers import GEMMA3_TEXT, TINY_CONFIGS, make_model_dir
-from test_parity import assert_engine_matches
+from parity_helpers import assert_engine_matches
 from tokenmill import LLM, SamplingParams
 from tokenmill.engine.worker.model_runner import build_model
 from tokenmill.loader.model_config import ModelLoadError

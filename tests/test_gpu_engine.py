@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 from helpers import SPEC, TINY_CONFIGS, assert_equal_up_to_a_near_tie, echo_prompts, make_model_dir
-from test_parity import MAX_TOKENS, assert_matches_reference, parity_prompts, preempting_pool, reference_generate
+from parity_helpers import MAX_TOKENS, assert_matches_reference, parity_prompts, preempting_pool, reference_generate
 
 from tokenmill import LLM, SamplingParams
 from tokenmill.engine.worker.model_runner import ForwardPath
@@ -354,13 +354,13 @@ def test_structured_outputs_on_cuda() -> None:
     import random
 
     import jsonschema
-    from test_structured_outputs import PROMPT, _random_object
+    from structured_helpers import PROMPT, random_object
 
     llm = LLM(device="cuda", dtype="float32", max_num_seqs=32)
     greedy = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
     alone = llm.generate([PROMPT], greedy, use_tqdm=False)[0].outputs[0].token_ids
     rng = random.Random(7)
-    schemas = [_random_object(rng) for _ in range(30)]
+    schemas = [random_object(rng) for _ in range(30)]
     params = [SamplingParams(structured_outputs={"json": s}, max_tokens=400, temperature=0.8, seed=i)
               for i, s in enumerate(schemas)]
     outputs = llm.generate([PROMPT] * 31, [greedy, *params], use_tqdm=False)
@@ -377,7 +377,7 @@ def test_speculation_grammars_penalties_quantized_kv_and_preemption_on_cuda(tmp_
     import collections
 
     from server.tiny_model import build_tiny_model
-    from test_structured_outputs import mix_compiler, mix_round
+    from structured_helpers import mix_compiler, mix_round
 
     model = build_tiny_model(tmp_path)
     compiler, seen = mix_compiler(model), collections.Counter()

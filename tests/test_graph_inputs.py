@@ -49,7 +49,7 @@ def test_a_lone_chunk_after_a_long_prefix_replays_the_graph_that_splits_its_cont
         return 4 if num_tokens < 64 else 1
 
     monkeypatch.setattr(prefill_graphs.ops, "paged_attention_kv_splits", splits)
-    graphs = PrefillGraphs(runner.model, runner.kv_caches, 1, 128, 32, runner.cfg.vocab_size, torch.float32,
+    graphs = PrefillGraphs(runner.model, runner.kv_caches, 1, 128, 32, runner.model_config.vocab_size, torch.float32,
                            torch.device("cpu"))
     assert graphs.max_context == 32 * runner.block_size
     keys = graphs._keys()

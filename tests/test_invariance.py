@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from helpers import frozen_step_cost, make_model_dir
-from test_parity import parity_prompts
+from parity_helpers import parity_prompts
 from tokenmill import LLM, SamplingParams
 
 GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)

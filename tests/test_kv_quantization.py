@@ -16,7 +16,7 @@ from safetensors.torch import load_file, save_file
 from hypothesis import strategies as st
 
 from helpers import make_model_dir
-from test_parity import parity_prompts
+from parity_helpers import parity_prompts
 from tokenmill import LLM, SamplingParams
 from tokenmill.kernels import reference
 from tokenmill.loader.kv_layout import KVSpec, resolve_kv_cache_dtype
@@ -171,7 +171,7 @@ def test_the_gpu_comparisons_bound_admits_rounding_noise_and_rejects_a_scale_err
     logprobs by up to ~0.1 on this sensitive config (with this seed they do: a single bound of 1e-2
     failed it); one whose value scales are 3% off fails."""
     from helpers import assert_equal_up_to_a_near_tie
-    from test_parity import preempting_pool
+    from parity_helpers import preempting_pool
 
     make_model_dir("gemma4-kv-shared", tmp_path)
     options = dict(dtype="float32", kv_cache_dtype="fp8", max_num_seqs=4, max_num_batched_tokens=48,

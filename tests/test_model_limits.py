@@ -13,7 +13,7 @@ import torch
 
 from helpers import make_model_with_tokenizer
 from tokenmill import LLM, SamplingParams
-from tokenmill.engine.core import engine_core as core
+from tokenmill.engine.core import builder
 from tokenmill.layers.rotary import RotaryEmbedding
 from tokenmill.loader.model_config import ModelLoadError
 
@@ -93,7 +93,7 @@ def test_a_max_model_len_beyond_the_model_is_refused_before_loading(model_dir: P
     def never(*args, **kwargs):
         raise AssertionError("the model was built for a max_model_len that is refused")
 
-    monkeypatch.setattr(core, "build_model", never)
+    monkeypatch.setattr(builder, "build_model", never)
     for asked in (10**9, MAX_POSITIONS + 1):
         with pytest.raises(ValueError) as info:
             LLM(str(model_dir), device="cpu", dtype="float32", max_model_len=asked)

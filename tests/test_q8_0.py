@@ -1,9 +1,7 @@
-"""Q8_0 weights: the quantizer's bounds, and the layout of GGUF's Q8_0 blocks."""
+"""Q8_0 weights: the quantizer's bounds, what a Q8Weight refuses, and decoding on them."""
 
 from __future__ import annotations
 
-import gguf
-import numpy as np
 import pytest
 import torch
 
@@ -18,15 +16,6 @@ def test_quantize_rounds_each_value_to_its_blocks_step() -> None:
     assert ((packed.dequantize(torch.float32) - weight).abs() <= step * 0.5 + 1e-6 * weight.abs()).all()
     zero = q8_0.quantize(torch.zeros(2, 32))
     assert not zero.dequantize(torch.float32).any()
-
-
-def test_gguf_blocks_hold_the_same_values() -> None:
-    weight = np.random.default_rng(1).standard_normal((8, 128)).astype(np.float32)
-    raw = gguf.quants.quantize(weight, gguf.GGMLQuantizationType.Q8_0)
-    packed = q8_0.from_gguf_blocks(torch.from_numpy(raw))
-    expected = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType.Q8_0)
-    assert packed.shape == (8, 128)
-    assert torch.equal(packed.dequantize(torch.float32), torch.from_numpy(expected))
 
 
 @pytest.mark.parametrize("qweight,scales,message", [
@@ -45,7 +34,7 @@ def test_q8_0_quantization_gives_transformers_tokens_on_the_quantized_weights(ar
     """``quantization="q8_0"`` keeps every projection packed; transformers, given the same values
     dequantized, decodes the same tokens."""
     from helpers import make_model_dir
-    from test_parity import parity_prompts, reference_generate
+    from parity_helpers import parity_prompts, reference_generate
     from tokenmill import LLM, SamplingParams
     from tokenmill.layers.q8_linear import Q8Weights
 

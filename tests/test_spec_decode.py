@@ -11,7 +11,7 @@ from helpers import SPEC, TINY_CONFIGS, echo_prompts, make_model_dir
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from scipy.stats import chi2_contingency
-from test_parity import parity_prompts
+from parity_helpers import parity_prompts
 
 from tokenmill import LLM, SamplingParams
 from tokenmill.engine.config import EngineConfig, SpeculativeConfig

@@ -16,7 +16,7 @@ from transformers import LlamaConfig
 
 from gguf_writer import write_gguf
 from helpers import SPEC, assert_equal_up_to_a_near_tie, echo_prompts, make_model_dir, make_model_with_tokenizer
-from test_parity import parity_prompts, preempting_pool
+from parity_helpers import parity_prompts, preempting_pool
 from tokenmill import LLM, SamplingParams
 from tokenmill.distributed import TPGroup
 from tokenmill.engine.worker.model_runner import build_model
@@ -267,7 +267,7 @@ def test_the_command_line_takes_the_size() -> None:
 def test_the_benchmark_compiles_and_refuses_without_two_gpus(capsys) -> None:
     from tokenmill.bench import tensor_parallel
 
-    entry = Path(__file__).parents[1] / "benchmarks" / "tp_bench.py"
+    entry = Path(__file__).parents[1] / "benchmarks" / "suite" / "tp_bench.py"
     compile(entry.read_text(), str(entry), "exec")
     if torch.cuda.device_count() < 2:
         assert tensor_parallel.main(["all"]) == 2

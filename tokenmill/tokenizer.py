@@ -85,7 +85,9 @@ def _template_message(message: dict[str, Any]) -> dict[str, Any]:
 
 def _call_with_object_arguments(call: Any) -> Any:
     function = call.get("function") if isinstance(call, dict) else None
-    arguments = function.get("arguments") if isinstance(function, dict) else None
+    if not isinstance(function, dict):
+        return call
+    arguments = function.get("arguments")
     if not isinstance(arguments, str):
         return call
     try:

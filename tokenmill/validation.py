@@ -71,7 +71,7 @@ def ruled(default: Any, rule: Rule, **metadata: Any) -> Any:
 
 def check_fields(obj: Any) -> None:
     """Apply every field's rule to a dataclass instance, storing the normal forms."""
-    for name, rule in _rules(type(obj)):
+    for name, rule in _rules(type(obj)):  # type: ignore[arg-type]  # (mypy takes no class for Hashable)
         setattr(obj, name, rule(name, getattr(obj, name)))
 
 

@@ -387,7 +387,7 @@ def _interpret_quantized_kv(ops) -> None:
     check_quantized_attention(ops, specs=[(1, 200), (1, 17)], num_q_heads=8, num_kv_heads=2, head_dim=128,
                               dtype=torch.float32, cache_dtype=torch.int8, device="cpu", sliding_window=70, num_splits=3)
     # A prompt's tiles with the scales read in their own tile's iteration, as decode tiles read them
-    # (``_pipelined_scales``; only benchmarks/study_attention_tiles.py --pipelined-scales takes it there).
+    # (``_pipelined_scales``; only benchmarks/studies/study_attention_tiles.py --pipelined-scales takes it there).
     from tokenmill.kernels import triton_attention
 
     rule = triton_attention._pipelined_scales

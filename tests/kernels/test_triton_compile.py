@@ -590,9 +590,9 @@ def test_the_compile_watcher_keeps_no_engine_alive() -> None:
 
 
 def _study_with_launches_recorded(name: str, monkeypatch: pytest.MonkeyPatch) -> tuple[Any, list[Launch]]:
-    """``benchmarks/<name>.py`` loaded as a module, and the list its kernels' launches go to from now on
+    """``benchmarks/studies/<name>.py`` loaded as a module, and the list its kernels' launches go to from now on
     (recorded, not run)."""
-    path = Path(__file__).resolve().parents[2] / "benchmarks" / f"{name}.py"
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "studies" / f"{name}.py"
     spec = importlib.util.spec_from_file_location(name, path)
     study = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(study)
@@ -603,7 +603,7 @@ def _study_with_launches_recorded(name: str, monkeypatch: pytest.MonkeyPatch) ->
 
 
 def test_the_l2_prefetch_studys_kernel_asks_for_whole_chunks(monkeypatch: pytest.MonkeyPatch) -> None:
-    """``benchmarks/study_l2_prefetch.py``'s prefetch is inline PTX (no interpreter runs it): it must
+    """``benchmarks/studies/study_l2_prefetch.py``'s prefetch is inline PTX (no interpreter runs it): it must
     assemble for sm_90 and ask the L2 for the bytes with bulk prefetches, not load them."""
     study, launches = _study_with_launches_recorded("study_l2_prefetch", monkeypatch)
     study.prefetch_l2(torch.zeros(4096, 4096, dtype=torch.bfloat16), 16 << 20)
@@ -612,7 +612,7 @@ def test_the_l2_prefetch_studys_kernel_asks_for_whole_chunks(monkeypatch: pytest
 
 
 def test_the_prompt_attention_studys_tiles_compile_for_hopper(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Every tile ``benchmarks/study_prompt_attention.py`` times, at Llama-3-8B's heads in bf16, compiles
+    """Every tile ``benchmarks/studies/study_prompt_attention.py`` times, at Llama-3-8B's heads in bf16, compiles
     for sm_90 within its shared memory: a tile too large fails here, not on the GPU."""
     study, launches = _study_with_launches_recorded("study_prompt_attention", monkeypatch)
     q, k, v = study.inputs(300, study.HEADS, "cpu", torch.bfloat16)

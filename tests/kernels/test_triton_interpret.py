@@ -46,12 +46,12 @@ def test_kernel_under_interpreter(kernel: str) -> None:
 @pytest.mark.parametrize("script,checks", [("study_q8_a8.py", 6), ("study_warp_keys.py", 4),
                                            ("study_prompt_attention.py", 3)])
 def test_study_candidate_kernels_under_interpreter(script: str, checks: int) -> None:
-    """Kernels that a study measures before any enters the engine (benchmarks/study_q8_a8.py: Q8_0
+    """Kernels that a study measures before any enters the engine (benchmarks/studies/study_q8_a8.py: Q8_0
     projections on rows quantized to int8, by dp4a and by int8 tensor cores; study_warp_keys.py: int8
     decode attention with each warp owning its keys, and the shared tile it is measured against;
     study_prompt_attention.py: a new prompt's causal attention over its
     contiguous keys), so a study's timing is of a kernel known to be right."""
-    proc = subprocess.run([sys.executable, script, "--check"], cwd=REPO_ROOT / "benchmarks",
+    proc = subprocess.run([sys.executable, script, "--check"], cwd=REPO_ROOT / "benchmarks" / "studies",
                           env=_interpreter_env(), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, f"{proc.stdout}\n{proc.stderr}"
     assert proc.stdout.count("rel err") == checks, proc.stdout

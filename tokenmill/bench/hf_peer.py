@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import gc
 import time
+from typing import Any
 
 import torch
 
 from tokenmill.bench.shapes import shape_dir
 
 
-def _model(shape: str) -> torch.nn.Module:
+def _model(shape: str) -> Any:
+    """A transformers causal LM (its class is picked at run time from the shape's config)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     config = AutoConfig.from_pretrained(str(shape_dir(shape)))

@@ -72,7 +72,7 @@ def run_metered(
         shapes.append((batch.num_tokens, contexts, sampled))
         return batch
 
-    engine.core.scheduler.schedule = metered_schedule
+    engine.core.scheduler.schedule = metered_schedule  # type: ignore[method-assign]
     seconds, peak = [], 0
     torch.cuda.synchronize()
     started = time.perf_counter()
@@ -81,11 +81,11 @@ def run_metered(
             t0 = time.perf_counter()
             engine.step()
             seconds.append(time.perf_counter() - t0)
-            peak = max(peak, engine.core.kv.num_blocks_in_use)
+            peak = max(peak, engine.get_stats().kv_blocks_in_use)
         torch.cuda.synchronize()
         wall = time.perf_counter() - started
     finally:
-        engine.core.scheduler.schedule = schedule
+        engine.core.scheduler.schedule = schedule  # type: ignore[method-assign]
     records = []  # floors are computed after the run, so metering adds no host work to the steps
     for step_seconds, (query_lens, contexts, sampled) in zip(seconds, shapes):
         if query_lens:
@@ -215,8 +215,9 @@ def run_workload(
     cost: StepCostModel | None = None,
 ) -> dict:
     add_workload(engine, workload, sampling=sampling)
-    compiled, preempted = engine.core.stats.num_compiles_after_startup, engine.core.stats.num_preemptions
+    before = engine.get_stats()
     records, wall, peak = run_metered(engine, ceilings, cost)
+    after = engine.get_stats()
     out_tokens = sum(n for _, n in workload)
     total_tokens = out_tokens + sum(len(p) for p, _ in workload)
     floor = sum(r.floor for r in records)
@@ -234,9 +235,9 @@ def run_workload(
         "peak_batch": max((r.batch_size for r in records), default=0),
         "peak_kv_blocks": peak,
         # Kernel variants compiled inside the run's steps (each a wait the warm-up should have taken).
-        "compiles_during_run": engine.core.stats.num_compiles_after_startup - compiled,
+        "compiles_during_run": after.num_compiles_after_startup - before.num_compiles_after_startup,
         # Sequences sent back to the queue for want of KV blocks (each recomputes its tokens later).
-        "preemptions": engine.core.stats.num_preemptions - preempted,
+        "preemptions": after.num_preemptions - before.num_preemptions,
     }
 
 
@@ -302,7 +303,8 @@ def bench_features(ceilings: Ceilings) -> list[dict]:
         prefix = random_prompt(rng, 1024, vocab)
         workload = [(prefix + random_prompt(rng, 32, vocab), 64) for _ in range(128)]
         result = run_workload(engine, ceilings, workload)
-        result["prefix_hit_rate"] = engine.core.kv.hit_tokens / max(1, engine.core.kv.query_tokens)
+        stats = engine.get_stats()
+        result["prefix_hit_rate"] = stats.prefix_cache_hits / max(1, stats.prefix_cache_queries)
         rows.append({"name": f"features/prefix_caching/{'on' if caching else 'off'}", **result})
         del engine
         release()
@@ -572,7 +574,7 @@ def bench_startup(ceilings: Ceilings, shape: str = "llama3-8b") -> list[dict]:
     runner = engine.core.runner
     graphs, prefill, mixed = runner.graphs, runner.prefill_graphs, runner.mixed_graphs
     phases = engine.startup_seconds
-    rows = [
+    rows: list[dict[str, Any]] = [
         {
             "name": f"startup/{shape}",
             "seconds_total": total,
@@ -630,6 +632,7 @@ def bench_spec_decode(
     spec = {"method": "ngram", "num_speculative_tokens": k, "disable_by_batch_size": max(batches) + 1}
     engine = make_engine(shape, max_num_seqs=max(batches), max_model_len=context + 2 * (k + 1), speculative_config=spec)
     graphs, block_size = engine.core.runner.graphs, engine.core.kv.block_size
+    assert graphs is not None, "the verify step is timed by replaying its CUDA graph"
     cost = StepCostModel.of(engine.core.runner.model, engine.model_config)
     per_seq = -(-(context + k + 1) // block_size)
     for batch in batches:
@@ -672,7 +675,7 @@ def bench_spec_decode(
             speculative_config={"method": "ngram", "num_speculative_tokens": k} if on else None,
         )
         result = run_workload(engine, ceilings, standard_workload(vocab=engine.model_config.vocab_size))
-        stats = engine.core.stats
+        stats = engine.get_stats()
         result.update(
             spec_decode_num_drafts=stats.spec_decode_num_drafts,
             spec_decode_num_accepted_tokens=stats.spec_decode_num_accepted_tokens,
@@ -783,7 +786,7 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
         "--tokens-per-forward",
         type=float,
         default=None,
-        help="spec: tokens per forward measured on a workload (benchmarks/spec_decode_rewrite.py), "
+        help="spec: tokens per forward measured on a workload (benchmarks/suite/spec_decode_rewrite.py), "
         "to derive the speedup at each batch size",
     )
     parser.add_argument(

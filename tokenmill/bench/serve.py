@@ -275,6 +275,7 @@ class BenchRun:
         return self.start
 
     def record(self, result: RequestResult) -> None:
+        assert self._progress is not None, "record() follows begin()"
         self.results.append(result)
         self._progress.update(1)
 

@@ -215,6 +215,7 @@ def run_stub_server(config: StubConfig = StubConfig(), host: str = "127.0.0.1") 
         stdout=subprocess.PIPE,
         start_new_session=True,
     )
+    assert proc.stdin is not None and proc.stdout is not None  # both are pipes
     try:
         yield _read_base_url(proc)
     finally:
@@ -227,9 +228,11 @@ def run_stub_server(config: StubConfig = StubConfig(), host: str = "127.0.0.1") 
         proc.stdout.close()
 
 
-def _read_base_url(proc: subprocess.Popen) -> str:
-    ready, _, _ = select.select([proc.stdout], [], [], _START_TIMEOUT_S)
-    line = proc.stdout.readline().decode() if ready else ""
+def _read_base_url(proc: subprocess.Popen[bytes]) -> str:
+    stdout = proc.stdout
+    assert stdout is not None  # a pipe
+    ready, _, _ = select.select([stdout], [], [], _START_TIMEOUT_S)
+    line = stdout.readline().decode() if ready else ""
     if not line:
         raise RuntimeError(f"the stub server did not start (exit status {proc.poll()})")
     return line.split()[-1]

@@ -12,7 +12,7 @@
   steps at batch 1, 8, 32 and 64, and the standard workload (256 requests, prompt and output
   lengths uniform in [100, 1024]), beside the same floors.
 
-``python benchmarks/tp_bench.py allreduce|decode|70b|all [--out FILE]`` on a machine with two GPUs.
+``python benchmarks/suite/tp_bench.py allreduce|decode|70b|all [--out FILE]`` on a machine with two GPUs.
 """
 
 from __future__ import annotations
@@ -72,12 +72,13 @@ def _allreduce_rank(rank: int, init_method: str, results: multiprocessing.Queue)
 
     init_group(torch.device("cuda", rank), rank, 2, init_method, timedelta(minutes=5))
     group = dist.group.WORLD
+    assert group is not None  # init_group made it
     enable = getattr(symm_mem, "enable_symm_mem_for_group", None)  # needed before torch 2.8, a no-op after
     if enable is not None:
         enable(group.group_name)
     rows = []
     for size in SIZES:
-        x = symm_mem.empty(size // 2, dtype=torch.bfloat16, device=f"cuda:{rank}").normal_()
+        x = symm_mem.empty(size // 2, dtype=torch.bfloat16, device=torch.device("cuda", rank)).normal_()
         symm_mem.rendezvous(x, group.group_name)
         for name, op in _implementations(x, group.group_name).items():
             dist.barrier()

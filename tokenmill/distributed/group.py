@@ -78,5 +78,7 @@ def destroy_group(abort: bool = False) -> None:
         return
     if abort and dist.get_backend() == "nccl":
         with contextlib.suppress(Exception):  # best effort: the engine is going down either way
-            dist.group.WORLD._get_backend(torch.device("cuda")).abort()
+            world = dist.group.WORLD
+            assert world is not None  # set while initialized
+            world._get_backend(torch.device("cuda")).abort()
     dist.destroy_process_group()

@@ -14,7 +14,7 @@ import re
 import types
 import typing
 from dataclasses import dataclass, fields
-from typing import Any
+from typing import Any, cast
 
 from tokenmill.validation import BOOLEAN, REJECT, Rule, check_fields, integer, number, one_of, ruled
 
@@ -273,7 +273,7 @@ class EngineConfig:
                 f"unknown engine option{'s' if len(unknown) > 1 else ''}: {', '.join(unknown)}; "
                 f"the options are model, {', '.join(valid)}"
             )
-        return cls(model=model, **options)
+        return cls(model=cast(str | None, model), **options)  # __post_init__ turns a PathLike into its str
 
 
 def _cli_fields(cls: type) -> list[Any]:

@@ -80,7 +80,7 @@ class Sequence:
         self.prompt_token_ids = tuple(self.prompt_token_ids)
         self.token_ids = list(self.prompt_token_ids)
         eos = () if self.params.ignore_eos else self.eos_token_ids
-        self.stop_ids = frozenset((*eos, *self.params.stop_token_ids))
+        self.stop_ids = frozenset((*eos, *(self.params.stop_token_ids or ())))
 
     def tables_changed(self) -> None:
         self.tables_stale = True
@@ -102,11 +102,6 @@ class Sequence:
     def num_output_tokens(self) -> int:
         """Generated tokens, pending ones included: the count the next sample follows."""
         return len(self.token_ids) - self.num_prompt_tokens
-
-    @property
-    def num_scheduled_tokens(self) -> int:
-        """Known tokens and this step's drafts: what a step that computes everything covers."""
-        return len(self.token_ids) + len(self.draft_token_ids)
 
     def scheduled_token_ids(self, start: int, count: int) -> list[int]:
         """Tokens ``start`` … ``start + count`` of the known tokens followed by the drafts."""

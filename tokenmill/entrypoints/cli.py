@@ -39,7 +39,7 @@ class _CommandParser(argparse.ArgumentParser):
             populate, self._populate = self._populate, None
             populate(self)
 
-    def parse_known_args(self, args: Any = None, namespace: Any = None) -> tuple[argparse.Namespace, list[str]]:
+    def parse_known_args(self, args: Any = None, namespace: Any = None) -> tuple[Any, list[str]]:
         self._ensure_populated()
         return super().parse_known_args(args, namespace)
 

@@ -58,19 +58,6 @@ def quantize(weight: torch.Tensor) -> Q8Weight:
     return Q8Weight(qweight.view(n, k), scales)
 
 
-def from_gguf_blocks(raw: torch.Tensor) -> Q8Weight:
-    """A GGUF Q8_0 tensor's bytes, ``[N, K / 32 * 34]`` uint8 (each block a float16 scale, then its 32
-    int8 values), as a ``Q8Weight`` (copied apart into values and scales, which the kernels read
-    as separate streams)."""
-    n, row_bytes = raw.shape
-    if raw.dtype != torch.uint8 or row_bytes % (BLOCK + 2):
-        raise ValueError(f"Q8_0 rows are blocks of {BLOCK + 2} bytes, got {raw.dtype} {tuple(raw.shape)}")
-    blocks = raw.reshape(n, row_bytes // (BLOCK + 2), BLOCK + 2)
-    scales = blocks[..., :2].contiguous().view(torch.float16).reshape(n, -1)
-    qweight = blocks[..., 2:].contiguous().view(torch.int8).reshape(n, -1)
-    return Q8Weight(qweight, scales)
-
-
 def dense(weight: torch.Tensor | Q8Weight, dtype: torch.dtype) -> torch.Tensor:
     """A dense matrix in ``dtype``: the weight itself, or a Q8_0 one dequantized."""
     return weight.dequantize(dtype) if isinstance(weight, Q8Weight) else weight

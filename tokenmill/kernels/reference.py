@@ -18,6 +18,9 @@ Layouts shared by all implementations:
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import torch
 
 from tokenmill.kernels import q8_0
@@ -369,7 +372,8 @@ def gelu_tanh_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 GATED_ACTIVATIONS = {"silu": silu_and_mul, "gelu_tanh": gelu_tanh_and_mul}
 # How a family's RMSNorm applies its weight, by the name its norm modules give (``weighting``):
 # Llama's ``w * norm(x)`` rounded first, Gemma 3's ``(1 + w)`` and Gemma 4's ``w`` in float32.
-NORMS = {"llama": rms_norm, "offset": offset_rms_norm, "fp32": fp32_weight_rms_norm}
+# Their signatures differ (only the first two take a residual): callers pick by ``weighting``.
+NORMS: dict[str, Callable[..., Any]] = {"llama": rms_norm, "offset": offset_rms_norm, "fp32": fp32_weight_rms_norm}
 
 
 def sampling_candidates(

@@ -112,13 +112,15 @@ def _act_and_mul(gate: torch.Tensor, up: torch.Tensor, out: torch.Tensor | None,
 
 def silu_and_mul(x: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
     """``silu(gate) * up`` for ``x = [gate | up]`` along the last dim; ``out`` may be preallocated."""
-    return _act_and_mul(*x.chunk(2, dim=-1), out, gelu_tanh=False)
+    gate, up = x.chunk(2, dim=-1)
+    return _act_and_mul(gate, up, out, gelu_tanh=False)
 
 
 def gelu_tanh_and_mul(x: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
     """``gelu_tanh(gate) * up`` (GeGLU, transformers' ``gelu_pytorch_tanh``) for ``x = [gate | up]``;
     ``out`` may be preallocated."""
-    return _act_and_mul(*x.chunk(2, dim=-1), out, gelu_tanh=True)
+    gate, up = x.chunk(2, dim=-1)
+    return _act_and_mul(gate, up, out, gelu_tanh=True)
 
 
 def gelu_tanh_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:

@@ -5,7 +5,7 @@ one thread block, which at batch 1 leaves most of the GPU idle, and a row split 
 takes three kernels. Here each program reduces one span of a row with wide loads to its largest
 value and that value's first token, and where a row has several spans a second kernel picks the best
 of them: ties go to the first token, as torch's argmax gives them, and so do NaNs, which torch counts
-above every number. On the H200 (``benchmarks/study_argmax.py``, CUDA graphs), against the chunked
+above every number. On the H200 (``benchmarks/studies/study_argmax.py``, CUDA graphs), against the chunked
 torch path before it: 262,208 tokens at 1 / 32 / 128 / 256 rows 14.7 / 16.3 / 42.8 / 71.5 µs against
 19.2 / 25.3 / 48.1 / 78.8 (floors 0.1 / 4.0 / 16.1 / 32.1), 128,256 at 256 rows 40.4 against 49.3.
 """

@@ -719,61 +719,15 @@ def _tile_config(
     keys a program streams (its KV range) over ``num_splits`` ranges a sequence; ``max_registers``
     caps a thread's registers (0: the compiler's choice), which decides how many programs an SM holds.
 
-    Measured on the H200 (Triton 3.6; benchmarks/study_attention_tiles.py, results in
-    benchmarks/results/h200-2026-11-30/attention-tiles and later runs named below): each decode and
-    prefill choice below was the fastest there, or within 3% of it.
-
-    - head dim <= 128, decode (under 64 rows): 128 keys a tile, 4 warps, 3 stages, split or not,
-      over every cache dtype. 16-bit caches, Llama-3-8B's heads (h200-2026-12-02/decode-tiles-971160b),
-      against 64 keys in 4 stages (one split) or 2 (split): 64 x 8k 491 against 627 us, 64 x 2k 127
-      against 164, 16 x 4k 75 against 88, 1 x 8k 14.0 against 15.3, the workload's spread of 136
-      contexts of 130-2,038 tokens 156 against 159, 256 x 1,024 255 against 269; 128 x 192 lost, 36.8
-      against 33.5. One-byte caches (64 x 8k, one split: 560 us against 952 for 64 keys in 4 stages,
-      h200-2026-12-01/kv-ptx-convert-313c5e4; 16 x 4k, split: 71.5 us against 102 for 64 keys in 2
-      stages, h200-2026-12-01/k-direct-00f1141). Prefill over a 16-bit cache (128 rows): 32 keys,
-      4 warps, 3 stages, the fastest or within 3% of it at Llama-3-8B's points (``_block_rows``).
-    - 256, decode: 64 keys, 4 warps, 2 stages (batch 64 at 2k context, group 2: 290 us,
-      3.7 TB/s; 32 keys in 2 stages took 366 us); over a 16-bit cache 32 keys in 5 stages (two
-      K/V buffers, see below) where each program streams a whole sequence of at least four such
-      tiles (no split), the faster at every such point of h200-2026-12-02/pipeline-depth (group 2:
-      64 x 8k 494.5 against 500.7 us, 128 x 1,024 128.9 against 131.9, 256 x 1,024 248.8 against
-      254.3, 32 x 192 9.2 against 10.0). Split, it won 2% where each range held four tiles or more
-      (1 x 8k 12.6 against 12.9, 16 x 4k 70.1 against 71.7) and lost 2-8% where it held fewer or
-      the grid was full (32 x 192 at four splits 19.3 against 17.8; 128 x 1,024 at two and four
-      142.9 and 150.3 against 140.3 and 146.3): a decode graph fixes its split count and tile for
-      the longest context it serves, so a lone sequence of 1,024 tokens under a graph for 8k would
-      stream one tile a range, where only the deeper pipeline's prologue shows. Prefill (64 rows): 32
-      keys, 4 warps, 3 stages, 128-204 TFLOP/s against 89-106 for 8 warps and 2 stages; 64 keys at
-      4 warps spill.
-    - 512, decode: 32 keys, 4 warps, 2 stages, 3.3-4.0 TB/s at batch 64; 64 keys spill and
-      run at half that. 16 keys in 5 stages (206 registers and no spills, against 255 and a
-      spill; h200-2026-12-02/tiles-d512) won only where the grid was thin and its ranges split
-      (group 2, 1 x 8k at 33 splits 40.4 against 47.5 us; group 8, 16 x 4k at 8 splits 76.4 against
-      80.4) and lost where it was full (group 2, 16 x 4k at 2 splits 273.0 against 261.5, 64 x 2k
-      559.5 against 507.4, 64 x 8k 2,194 against 2,033): not taken, since a decode graph's split
-      ranges are cut for the longest context it serves and shorter contexts would stream one or
-      two tiles a range through the deeper pipeline. Prefill: 32 keys, 8 warps (the [64, 512]
-      float32 accumulator is 128 registers a thread at 4 warps), 3 stages: 104-132 TFLOP/s.
-    - 32 rows (a few query tokens times the group, e.g. speculative verification) take the
-      decode tiles: the fastest at 256, about 10% behind 64 keys and 8 warps at 512.
-
-    K/V tiles are pipelined through shared memory; float32 (tests only) keeps 2 stages and halves the
-    K/V tile until it fits ``_KV_SMEM_BUDGET``. How far ahead a tile's copies start is not
-    ``num_stages - 1`` iterations: Triton 3.6 gives every pipelined load ``(num_stages - 1) // 2``
-    iterations of lead where, as here, a load's address comes from another pipelined load (the
-    block-table read). At 3 or 4 stages the K/V copies of the next tile are issued at the end of an
-    iteration and waited for at the top of the next (sm_90 code: one K/V buffer, ``DEPBAR.LE SB0,
-    0x0``), so a program never overlaps its copies with its own compute; 5 stages add a second K/V
-    buffer, and tile i + 1's copies are in flight while tile i computes (``DEPBAR.LE SB0, 0x1``).
-    Nsight Compute on the fp8 tile at 3 stages (64 x 8k): a quarter of the warps' stall samples at
-    that wait, DRAM 62% busy, issue slots 26%.
-    Over a one-byte cache at head dims up to 128, 5 stages where a program streams at least four
-    tiles (h200-2026-12-02/pipeline-depth): 64 x 8k fp8 367 -> 332 us, int8 342 -> 318-323 (floor
-    261); 16 x 4k (two splits) fp8 58.6 -> 49.2, int8 57.8 -> 52.9; 256 x 1,024 fp8 213 -> 199,
-    int8 209 -> 197. Where a program has two tiles to stream the deeper pipeline only costs its
-    prologue: 128 x 192 fp8 41.7 -> 46.4 us, int8 1 x 8k at 33 splits 12.9 -> 15.1. Against 8 warps,
-    or 64 / 32 keys in 5-9 stages (two programs an SM), the 5-stage tile took 28-53% less time
-    (64 x 8k int8 331 against 459-707 us; h200-2026-12-02/at-3d69e8b).
+    Each choice was the fastest tile of a sweep on the H200, or within 3% of it. Decode tiles (under 64
+    rows) stream 128 keys at head dims up to 128, 64 at 256 and 32 at 512 (wider ones spill); prompt
+    tiles take 32 keys (64 over a one-byte cache at head dims up to 128). K/V tiles are pipelined
+    through shared memory: at 3 or 4 stages a program waits for its next tile's copies (one K/V
+    buffer), while 5 stages add a second buffer so a tile's copies fly while the one before computes,
+    which pays where a program streams at least four tiles (one-byte caches at head dims up to 128;
+    16-bit caches, unsplit, at 256, in tiles of 32 keys). float32 (tests only) keeps 2 stages and
+    halves the K/V tile until it fits ``_KV_SMEM_BUDGET``. The sweeps, their figures and why each
+    choice: docs/PERFORMANCE.md, "Tuning: attention tiles".
     """
     if block_d <= 128:
         block_n, num_warps, num_stages = 64, 4, 2

@@ -1,19 +1,16 @@
 """Triton GEMV for single-token decode with the projection's neighbours fused in
 (see ``reference.norm_linear`` and ``reference.linear_residual``).
 
-At batch 1 every projection is a matrix-vector product whose time is streaming
-the weight, and around each sit small kernels (the RMSNorm in front of qkv and
-gate|up, SiLU-and-multiply behind gate|up, the residual add behind o and down;
-cuBLAS also runs o and down split-K with a reduction kernel of its own) that
-cost a few microseconds each however few bytes they move. Here each program
-owns ``BLOCK_N`` output features and walks K with the next weight tile already
-in flight, and does the neighbours' work on the way: in front, the RMSNorm of
-the input row (every program recomputes its statistics from L2, a tile at a
-time); behind, the residual add, or SiLU (GeGLU: tanh-GELU) of gate row ``n``
+At batch 1 a projection's time is streaming its weight, and the small kernels around it cost a
+few microseconds each however few bytes they move. Here each program owns ``BLOCK_N`` output
+features and walks K with the next weight tile already in flight, and does the neighbours' work
+on the way: in front, the RMSNorm of the input row (every program recomputes its statistics from
+L2, a tile at a time); behind, the residual add, or SiLU (GeGLU: tanh-GELU) of gate row ``n``
 times up row ``N + n``, or tanh-GELU of row ``n`` times element ``n`` of an input row (Gemma 4's
-per-layer input gate).
-Launched with PDL, a program loads its first weight tile before it waits for the
-previous kernel, so the weight stream starts under that kernel's tail.
+per-layer input gate). Launched with PDL, a program loads its first weight tile before it waits
+for the previous kernel, so the weight stream starts under that kernel's tail. What the fusion
+and PDL bought, and the sweeps behind ``MAX_ROWS``, ``TILES``, ``Q8_TILES`` and ``SHAPE_TILES``:
+docs/PERFORMANCE.md, "Tuning: the one-row GEMV".
 
 A Q8_0 weight (``q8_0.Q8Weight``) streams as int8 with a float16 scale every 32 values: about
 half the bytes of bf16. Each block of 32 is summed against the row in float32 and scaled once, so
@@ -46,11 +43,11 @@ MAX_ROWS = 1
 # K = 4096 and 14336 (the tile sweep in study-gemv-90d5c8a.json, then the engine's latency with 8 and
 # 16 rows for the normed projection: 4.23 vs 4.20 ms); a gated program reads two row sets.
 TILES = {"plain": (8, 1024, 4), "norm": (16, 1024, 4), "gated": (4, 1024, 4)}
-# A Q8_0 weight's tiles by kind: the fastest of benchmarks/study_q8.py's sweep on the H200 for
-# Llama-3-8B (benchmarks/results/h200-2026-12-01/q8-tiles-b4c3d66/): qkv 11.17 -> 9.78 us, gate|up
+# A Q8_0 weight's tiles by kind: the fastest of benchmarks/studies/study_q8.py's sweep on the H200 for
+# Llama-3-8B (benchmarks/results/h200-2026-12-01/q8-all-rows-38327dc/): qkv 11.17 -> 9.78 us, gate|up
 # 39.05 -> 36.58, o 7.04 -> 6.25, down 21.67 -> 17.00 (half the bytes a row: longer K steps pay).
 Q8_TILES = {"plain": (4, 2048, 4), "norm": (8, 1024, 4), "gated": (8, 1024, 4)}
-# Shapes' own tiles, by (kind, N, K) of a bf16 weight: the fastest of benchmarks/study_gemv.py's sweep
+# Shapes' own tiles, by (kind, N, K) of a bf16 weight: the fastest of benchmarks/studies/study_gemv.py's sweep
 # on the H200 (benchmarks/results/h200-2026-12-01/gemv-tiles-3683d63/), where it beat the kind's tile
 # by more than 1%. Gemma-3-4B: qkv 8.74 -> 7.63 us, o 4.50 -> 3.90, down 16.59 -> 14.64; Gemma-3-27B:
 # qkv 29.79 -> 26.22, gate|up 117.97 -> 116.47, o 15.81 -> 13.62, down 75.55 -> 59.57; Llama-3-8B

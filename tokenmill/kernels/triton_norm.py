@@ -5,6 +5,8 @@ by the next norm of the new stream (``reference.join_and_norm``)."""
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 import triton
 import triton.language as tl
@@ -118,7 +120,7 @@ def offset_rms_norm(
 
 def fp32_weight_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """Gemma 4's RMSNorm, ``norm(x) * w`` in float32, in x's dtype."""
-    return _rms_norm(x, weight, eps, None, FP32)
+    return cast(torch.Tensor, _rms_norm(x, weight, eps, None, FP32))  # (no residual: one tensor)
 
 
 def add_rms_norm(

@@ -336,8 +336,8 @@ def rotary_embedding_and_write_kv(
             v_cache.stride(2),
             k_scale if quantized else query,
             v_scale if quantized else query,  # unused when not QUANTIZED
-            *(k_scale.stride() if quantized else (0, 0, 0)),
-            *(v_scale.stride() if quantized else (0, 0, 0)),
+            *(k_scale.stride() if k_scale is not None else (0, 0, 0)),
+            *(v_scale.stride() if v_scale is not None else (0, 0, 0)),
             kv_amax if kv_amax is not None else query,
             k_cache.shape[1],
             num_q_heads,

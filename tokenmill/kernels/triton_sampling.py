@@ -213,7 +213,7 @@ def sample(
 ) -> torch.Tensor:
     """``reference.sample`` on the GPU: a program per row, its first pass spread over ``splits``
     programs a row (by default as many as fill the GPU: small batches); tiles of ``block`` tokens
-    (``benchmarks/study_sampling_tiles.py`` compares tiles)."""
+    (``benchmarks/studies/study_sampling_tiles.py`` compares tiles)."""
     rows, vocab = logits.shape
     if logits.dtype != torch.float32 or noise.dtype != torch.float32:
         raise ValueError("sampling takes float32 logits and noise")

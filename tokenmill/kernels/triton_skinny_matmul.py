@@ -11,7 +11,7 @@ rows are the narrow right one. Where a projection's column tiles alone leave SMs
 them to finish (a counter per tile, reset by that program) adds the parts in a fixed order, so the
 result does not depend on which finished first, and no second kernel is launched.
 
-On the H200 inside CUDA graphs (``python benchmarks/study_skinny.py``), Llama-3-8B's projections at
+On the H200 inside CUDA graphs (``python benchmarks/studies/study_skinny.py``), Llama-3-8B's projections at
 8 rows: dense qkv / gate|up / o / down 15.6 / 57.9 / 11.2 / 31.6 µs against cuBLAS's 16.2 / 58.0 /
 13.7 / 33.5; Q8_0 19.2 / 60.5 / 13.1 / 32.7 µs against 23.7 / 83.8 / 17.5 / 54.2 for a tiled
 matmul that dequantized into shared memory. Past 32 rows dense projections go to cuBLAS. Q8_0 ones
@@ -164,8 +164,8 @@ def skinny_matmul(
 ) -> torch.Tensor:
     """``x @ weight.T (+ bias)`` in x's dtype. ``tiles``: force ``default_tiles``' choice (the study)."""
     m, k = x.shape
-    quantized = isinstance(weight, Q8Weight)
-    w = weight.qweight if quantized else weight
+    w, scales = (weight.qweight, weight.scales) if isinstance(weight, Q8Weight) else (weight, None)
+    quantized = scales is not None
     n = w.shape[0]
     if w.shape[1] != k or (quantized and k % BLOCK):
         raise ValueError(f"shapes x {tuple(x.shape)}, weight {tuple(weight.shape)} do not match")
@@ -183,7 +183,7 @@ def skinny_matmul(
     _skinny_matmul_kernel[grid](
         x,
         w,
-        weight.scales if quantized else w,
+        scales if scales is not None else w,
         bias if bias is not None else x,
         out,
         partials,
@@ -193,7 +193,7 @@ def skinny_matmul(
         k,
         x.stride(0),
         w.stride(0),
-        weight.scales.stride(0) if quantized else 0,
+        scales.stride(0) if scales is not None else 0,
         out.stride(0),
         QUANTIZED=quantized,
         HAS_BIAS=bias is not None,

@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from tokenmill.layers import ops
+from tokenmill.layers.norm import NormParams
 from tokenmill.layers.rotary import RotaryEmbedding
 
 
@@ -78,6 +79,8 @@ class PagedAttention(nn.Module):
     defaults to ``head_dim ** -0.5``; ``softcap`` caps the scores (Gemma); ``kv_group`` picks
     the slot mapping and block table of the layer's KV group."""
 
+    kv_amax: torch.Tensor | None  # a buffer
+
     def __init__(
         self,
         num_heads: int,
@@ -110,8 +113,8 @@ class PagedAttention(nn.Module):
         v: torch.Tensor,
         kv_cache: KVCache,
         meta: AttentionMetadata,
-        q_norm: nn.Module | None = None,
-        k_norm: nn.Module | None = None,
+        q_norm: NormParams | None = None,
+        k_norm: NormParams | None = None,
         v_norm: bool = False,
     ) -> torch.Tensor:
         """``v_norm``: each v head RMS-normed, weightless, on its way to the cache (Gemma 4)."""

@@ -20,7 +20,7 @@ def grammar_error_reason(exc: Exception) -> str:
 
 
 # What starting xgrammar's thread pool costs the host (H200 host, 8 threads: about 250 us for any
-# batch; benchmarks/structured_outputs_bench.py measures it).
+# batch; benchmarks/suite/structured_outputs_bench.py measures it).
 POOL_START_S = 250e-6
 
 

@@ -4,10 +4,24 @@ decode GEMV) how a module applies its weight (``reference.NORMS``)."""
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import torch
 from torch import nn
 
 from tokenmill.layers import ops
+
+
+class NormParams(Protocol):
+    """What a fused kernel takes of a norm module (this file's, or Gemma 4's): its weight and eps, and
+    how it applies the weight."""
+
+    @property
+    def weight(self) -> torch.Tensor: ...
+    @property
+    def eps(self) -> float: ...
+    @property
+    def weighting(self) -> str: ...
 
 
 class RMSNorm(nn.Module):

@@ -11,6 +11,7 @@ import functools
 import os
 from collections.abc import Callable
 from types import ModuleType
+from typing import Any
 
 import torch
 
@@ -325,4 +326,4 @@ def sample(
 
 
 _GATED = {"silu": silu_and_mul, "gelu_tanh": gelu_tanh_and_mul}
-_NORMS = {"llama": rms_norm, "offset": offset_rms_norm, "fp32": fp32_weight_rms_norm}
+_NORMS: dict[str, Callable[..., Any]] = {"llama": rms_norm, "offset": offset_rms_norm, "fp32": fp32_weight_rms_norm}

@@ -51,14 +51,15 @@ class Q8Linear(Q8Weights, nn.Module):
         return self.project(x)
 
 
-class Q8ColumnParallelLinear(Q8Weights, ColumnParallelLinear):
+# (Their ``weight`` is a Q8Weight where nn.Linear's is a Parameter: the point of these classes.)
+class Q8ColumnParallelLinear(Q8Weights, ColumnParallelLinear):  # type: ignore[misc]
     """A ``ColumnParallelLinear`` whose rank's rows are in Q8_0."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.project(x)
 
 
-class Q8RowParallelLinear(Q8Weights, RowParallelLinear):
+class Q8RowParallelLinear(Q8Weights, RowParallelLinear):  # type: ignore[misc]
     """A ``RowParallelLinear`` whose rank's columns are in Q8_0 (whole blocks of 32: its share of K is
     a multiple of 32), summed over the ranks as the dense one is."""
 

@@ -59,6 +59,8 @@ def proportional_inverse_frequencies(head_dim: int, theta: float, scaling: dict[
 class RotaryEmbedding(nn.Module):
     """Holds the cos/sin table; attention applies it (fused with the KV-cache write)."""
 
+    cos_sin_cache: torch.Tensor  # a buffer
+
     def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: dict[str, Any] | None) -> None:
         super().__init__()
         # Computed on the CPU whatever the model's device, so every device sees the same table.

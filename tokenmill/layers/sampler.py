@@ -147,7 +147,7 @@ class Sampler:
             token_ids = greedy_ids
         else:
             noise = exponential_noise(
-                tuple(logits.shape), batch.generators, logits.device, batch.keep_generator_states, states
+                (logits.shape[0], logits.shape[1]), batch.generators, logits.device, batch.keep_generator_states, states
             )
             token_ids = ops.sample(
                 logits,

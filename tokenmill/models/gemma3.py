@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, fields
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -23,7 +23,7 @@ from torch import nn
 from tokenmill.layers import ops
 from tokenmill.layers.attention import AttentionMetadata, KVCache
 from tokenmill.layers.linear import ColumnParallelLinear, RowParallelLinear, Split, VocabParallelEmbedding
-from tokenmill.layers.norm import OffsetRMSNorm
+from tokenmill.layers.norm import NormParams, OffsetRMSNorm
 from tokenmill.layers.rotary import RotaryEmbedding
 from tokenmill.loader.model_config import ModelConfig, ModelLoadError, rope_parameters
 from tokenmill.models.llama import (
@@ -109,10 +109,11 @@ def _optional_float(value: Any) -> float | None:
 
 
 class Gemma3Attention(DecoderAttention):
-    def __init__(self, cfg: Gemma3Config, layer: int, rotary: RotaryEmbedding) -> None:
-        super().__init__(cfg, layer, rotary, OffsetRMSNorm, cfg.attn_scale, cfg.attn_softcap)
+    def __init__(self, config: Gemma3Config, layer: int, rotary: RotaryEmbedding) -> None:
+        super().__init__(config, layer, rotary, OffsetRMSNorm, config.attn_scale, config.attn_softcap)
 
-    def forward(
+    # (No residual in or out, unlike Llama's: the sandwich norm comes between the block and the stream.)
+    def forward(  # type: ignore[override]
         self, positions: torch.Tensor, qkv: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata
     ) -> torch.Tensor:
         """``qkv``: ``qkv_proj`` of the normed input (fused with the norm by the layer); the q/k norms
@@ -136,14 +137,14 @@ class GeGLUMLP(nn.Module):
 class Gemma3DecoderLayer(nn.Module):
     """Sandwich norms: each block's input and output are normed, then the output joins the stream."""
 
-    def __init__(self, cfg: Gemma3Config, layer: int, rotary: RotaryEmbedding) -> None:
+    def __init__(self, config: Gemma3Config, layer: int, rotary: RotaryEmbedding) -> None:
         super().__init__()
-        self.self_attn = Gemma3Attention(cfg, layer, rotary)
-        self.mlp = GeGLUMLP(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias)
-        self.input_layernorm = OffsetRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.post_attention_layernorm = OffsetRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.pre_feedforward_layernorm = OffsetRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.post_feedforward_layernorm = OffsetRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Gemma3Attention(config, layer, rotary)
+        self.mlp = GeGLUMLP(config.hidden_size, config.intermediate_size, config.mlp_bias)
+        self.input_layernorm = OffsetRMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = OffsetRMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.pre_feedforward_layernorm = OffsetRMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_feedforward_layernorm = OffsetRMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(
         self,
@@ -167,12 +168,18 @@ class Gemma3DecoderLayer(nn.Module):
         return stream, PendingOutput(self.mlp.down_proj(activation), self.post_feedforward_layernorm)
 
 
+class StreamNorm(NormParams, Protocol):
+    """A norm that adds a block's output, normed, into the residual stream: OffsetRMSNorm, or Gemma 4's."""
+
+    def add_to(self, x: torch.Tensor, stream: torch.Tensor) -> torch.Tensor: ...
+
+
 @dataclass
 class PendingOutput:
     """A block's output not yet in the residual stream, and the norm it takes on the way in."""
 
     x: torch.Tensor
-    norm: nn.Module  # OffsetRMSNorm, or Gemma 4's norm: a weight, an eps and a ``weighting``
+    norm: StreamNorm
 
     def join(self, stream: torch.Tensor) -> torch.Tensor:
         return self.norm.add_to(self.x, stream)
@@ -181,7 +188,7 @@ class PendingOutput:
 def add_norm_linear(
     pending: PendingOutput,
     stream: torch.Tensor,
-    norm: nn.Module,
+    norm: NormParams,
     linear: nn.Linear,
     gated: bool = False,
     activation: str = "silu",
@@ -203,18 +210,20 @@ def add_norm_linear(
 
 
 class Gemma3Model(nn.Module):
-    def __init__(self, cfg: Gemma3Config, max_positions: int) -> None:
+    def __init__(self, config: Gemma3Config, max_positions: int) -> None:
         super().__init__()
-        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         # Held in the model's dtype: transformers rounds sqrt(hidden_size) to it before the multiply.
-        self.register_buffer("embed_scale", torch.tensor(cfg.hidden_size**0.5), persistent=False)
-        global_rotary = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling)
-        local_rotary = RotaryEmbedding(cfg.head_dim, max_positions, cfg.local_rope_theta, cfg.local_rope_scaling)
-        self.layers = nn.ModuleList(
-            Gemma3DecoderLayer(cfg, i, global_rotary if window is None else local_rotary)
-            for i, window in enumerate(cfg.sliding_windows)
+        self.register_buffer("embed_scale", torch.tensor(config.hidden_size**0.5), persistent=False)
+        global_rotary = RotaryEmbedding(config.head_dim, max_positions, config.rope_theta, config.rope_scaling)
+        local_rotary = RotaryEmbedding(
+            config.head_dim, max_positions, config.local_rope_theta, config.local_rope_scaling
         )
-        self.norm = OffsetRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.layers = nn.ModuleList(
+            Gemma3DecoderLayer(config, i, global_rotary if window is None else local_rotary)
+            for i, window in enumerate(config.sliding_windows)
+        )
+        self.norm = OffsetRMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache], meta: AttentionMetadata
@@ -222,6 +231,7 @@ class Gemma3Model(nn.Module):
         stream, pending = self.embed_tokens(input_ids) * self.embed_scale, None
         for layer, kv_cache in zip(self.layers, kv_caches):
             stream, pending = layer(positions, stream, pending, kv_cache, meta)
+        assert pending is not None  # the last layer's MLP output
         return self.norm(pending.join(stream))
 
 
@@ -229,14 +239,17 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
     """Gemma 3's decoder under the Llama head, logits pruning and loader; adds final-logit softcapping
     and the nested checkpoint names of Gemma3ForConditionalGeneration."""
 
+    config: Gemma3Config
     # The multimodal checkpoint's towers, skipped at load: what the log line calls them, their prefixes.
     towers: tuple[str, tuple[str, ...]] = ("vision", _VISION_PREFIXES)
 
-    def __init__(self, cfg: Gemma3Config, max_positions: int) -> None:
+    def __init__(self, config: Gemma3Config, max_positions: int) -> None:
         nn.Module.__init__(self)
-        self.config = cfg
-        self.model = Gemma3Model(cfg, max_positions)
-        self.lm_head = None if cfg.tie_word_embeddings else VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
+        self.config = config
+        self.model = Gemma3Model(config, max_positions)
+        self.lm_head = (
+            None if config.tie_word_embeddings else VocabParallelEmbedding(config.vocab_size, config.hidden_size)
+        )
 
     def finish_logits_(self, logits: torch.Tensor) -> torch.Tensor:
         """The final-logit softcap (``tanh(x / cap) * cap``, increasing): skipped for greedy rows, whose

@@ -223,7 +223,8 @@ class SharedKVAttention(PagedAttention):
     """Attention of a KV-shared layer over the cache it is given (its source layer's): only q is
     normed and rotated (one pass), and nothing is written."""
 
-    def forward(
+    # (No k or v: it reads its source layer's cache.)
+    def forward(  # type: ignore[override]
         self,
         positions: torch.Tensor,
         q: torch.Tensor,
@@ -241,32 +242,32 @@ class Gemma4Attention(nn.Module):
     """One fused projection per layer: ``q | k | v``, ``q | k`` where v is k (``attention_k_eq_v``
     on a global layer), or ``q`` alone on a KV-shared layer, which keeps it as ``q_proj``."""
 
-    def __init__(self, cfg: Gemma4Config, layer: int, rotary: RotaryEmbedding) -> None:
+    def __init__(self, config: Gemma4Config, layer: int, rotary: RotaryEmbedding) -> None:
         super().__init__()
-        self.head_dim = cfg.layer_head_dims[layer]
-        heads, kv_heads = Split(cfg.num_heads, self.head_dim), Split(cfg.layer_kv_heads[layer], self.head_dim)
-        self.shared = cfg.is_kv_shared(layer)
-        self.k_eq_v = cfg.k_eq_v(layer)
-        self.q_norm = Gemma4RMSNorm(self.head_dim, cfg.rms_norm_eps)
-        self.o_proj = RowParallelLinear(heads, cfg.hidden_size, bias=cfg.o_bias)
+        self.head_dim = config.layer_head_dims[layer]
+        heads, kv_heads = Split(config.num_heads, self.head_dim), Split(config.layer_kv_heads[layer], self.head_dim)
+        self.shared = config.is_kv_shared(layer)
+        self.k_eq_v = config.k_eq_v(layer)
+        self.q_norm = Gemma4RMSNorm(self.head_dim, config.rms_norm_eps)
+        self.o_proj = RowParallelLinear(heads, config.hidden_size, bias=config.o_bias)
         parts = [heads] if self.shared else [heads, kv_heads] if self.k_eq_v else [heads, kv_heads, kv_heads]
-        projection = ColumnParallelLinear(cfg.hidden_size, parts, bias=cfg.qkv_bias)
+        projection = ColumnParallelLinear(config.hidden_size, parts, bias=config.qkv_bias)
         self.q_size, self.kv_size = projection.part_sizes[0], kv_heads.local_size(projection.tp)  # this rank's
         attention = SharedKVAttention if self.shared else PagedAttention
         self.attn = attention(
             self.q_size // self.head_dim,
             self.kv_size // self.head_dim,
             self.head_dim,
-            cfg.sliding_windows[layer],
+            config.sliding_windows[layer],
             rotary,
             scale=1.0,
-            kv_group=cfg.kv_layout().layer_group[layer],
+            kv_group=config.kv_layout().layer_group[layer],
         )
         if self.shared:
             self.q_proj = projection
             return
         self.qkv_proj = projection
-        self.k_norm = Gemma4RMSNorm(self.head_dim, cfg.rms_norm_eps)
+        self.k_norm = Gemma4RMSNorm(self.head_dim, config.rms_norm_eps)
 
     @property
     def in_proj(self) -> nn.Linear:
@@ -294,19 +295,19 @@ class Gemma4DecoderLayer(nn.Module):
     """Gemma 3's sandwich-normed attention and MLP, then the per-layer-input branch, then the
     whole stream times ``layer_scalar``."""
 
-    def __init__(self, cfg: Gemma4Config, layer: int, rotary: RotaryEmbedding) -> None:
+    def __init__(self, config: Gemma4Config, layer: int, rotary: RotaryEmbedding) -> None:
         super().__init__()
-        hidden, eps = cfg.hidden_size, cfg.rms_norm_eps
-        self.self_attn = Gemma4Attention(cfg, layer, rotary)
-        self.mlp = GeGLUMLP(hidden, cfg.layer_intermediate_size(layer))
+        hidden, eps = config.hidden_size, config.rms_norm_eps
+        self.self_attn = Gemma4Attention(config, layer, rotary)
+        self.mlp = GeGLUMLP(hidden, config.layer_intermediate_size(layer))
         self.input_layernorm = Gemma4RMSNorm(hidden, eps)
         self.post_attention_layernorm = Gemma4RMSNorm(hidden, eps)
         self.pre_feedforward_layernorm = Gemma4RMSNorm(hidden, eps)
         self.post_feedforward_layernorm = Gemma4RMSNorm(hidden, eps)
         self.layer_scalar = nn.Parameter(torch.ones(1))
-        if cfg.per_layer_input_size:
-            self.per_layer_input_gate = ReplicatedLinear(hidden, cfg.per_layer_input_size, bias=False)
-            self.per_layer_projection = ReplicatedLinear(cfg.per_layer_input_size, hidden, bias=False)
+        if config.per_layer_input_size:
+            self.per_layer_input_gate = ReplicatedLinear(hidden, config.per_layer_input_size, bias=False)
+            self.per_layer_projection = ReplicatedLinear(config.per_layer_input_size, hidden, bias=False)
             self.post_per_layer_input_norm = Gemma4RMSNorm(hidden, eps)
 
     def forward(
@@ -334,30 +335,36 @@ class Gemma4DecoderLayer(nn.Module):
 
 
 class Gemma4Model(nn.Module):
-    def __init__(self, cfg: Gemma4Config, max_positions: int) -> None:
+    def __init__(self, config: Gemma4Config, max_positions: int) -> None:
         super().__init__()
-        self.config = cfg
-        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
+        self.config = config
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         # Held in the model's dtype: transformers rounds sqrt(hidden_size) to it before the multiply.
-        self.register_buffer("embed_scale", torch.tensor(cfg.hidden_size**0.5), persistent=False)
-        rotary = self._rotary_by_type(cfg, max_positions)
-        self.layers = nn.ModuleList(Gemma4DecoderLayer(cfg, i, rotary[cfg.is_global(i)]) for i in range(cfg.num_layers))
-        self.norm = Gemma4RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        if cfg.per_layer_input_size:
-            packed = cfg.num_layers * cfg.per_layer_input_size
-            self.embed_tokens_per_layer = VocabParallelEmbedding(cfg.per_layer_vocab_size, packed)
-            self.register_buffer("per_layer_embed_scale", torch.tensor(cfg.per_layer_input_size**0.5), persistent=False)
-            self.per_layer_model_projection = ReplicatedLinear(cfg.hidden_size, packed, bias=False)
-            self.per_layer_projection_norm = Gemma4RMSNorm(cfg.per_layer_input_size, cfg.rms_norm_eps)
+        self.register_buffer("embed_scale", torch.tensor(config.hidden_size**0.5), persistent=False)
+        rotary = self._rotary_by_type(config, max_positions)
+        self.layers = nn.ModuleList(
+            Gemma4DecoderLayer(config, i, rotary[config.is_global(i)]) for i in range(config.num_layers)
+        )
+        self.norm = Gemma4RMSNorm(config.hidden_size, config.rms_norm_eps)
+        if config.per_layer_input_size:
+            packed = config.num_layers * config.per_layer_input_size
+            self.embed_tokens_per_layer = VocabParallelEmbedding(config.per_layer_vocab_size, packed)
+            self.register_buffer(
+                "per_layer_embed_scale", torch.tensor(config.per_layer_input_size**0.5), persistent=False
+            )
+            self.per_layer_model_projection = ReplicatedLinear(config.hidden_size, packed, bias=False)
+            self.per_layer_projection_norm = Gemma4RMSNorm(config.per_layer_input_size, config.rms_norm_eps)
 
     @staticmethod
-    def _rotary_by_type(cfg: Gemma4Config, max_positions: int) -> dict[bool, RotaryEmbedding]:
+    def _rotary_by_type(config: Gemma4Config, max_positions: int) -> dict[bool, RotaryEmbedding]:
         """One table per layer type (keyed by ``is_global``), at that type's head dim."""
         tables = {}
-        for is_global in {cfg.is_global(i) for i in range(cfg.num_layers)}:
-            dim = next(cfg.layer_head_dims[i] for i in range(cfg.num_layers) if cfg.is_global(i) == is_global)
+        for is_global in {config.is_global(i) for i in range(config.num_layers)}:
+            dim = next(config.layer_head_dims[i] for i in range(config.num_layers) if config.is_global(i) == is_global)
             theta, scaling = (
-                (cfg.rope_theta, cfg.rope_scaling) if is_global else (cfg.local_rope_theta, cfg.local_rope_scaling)
+                (config.rope_theta, config.rope_scaling)
+                if is_global
+                else (config.local_rope_theta, config.local_rope_scaling)
             )
             tables[is_global] = RotaryEmbedding(dim, max_positions, theta, scaling)
         return tables
@@ -387,13 +394,17 @@ class Gemma4ForCausalLM(Gemma3ForCausalLM):
     the fused projections differ per layer, and KV-shared layers' k/v tensors, which some
     checkpoints carry though nothing reads them, are dropped."""
 
+    # Gemma 3's head reads only ``final_softcap`` of its config, which Gemma4Config has too.
+    config: Gemma4Config  # type: ignore[assignment]
     towers = ("vision and audio", _TOWER_PREFIXES)
 
-    def __init__(self, cfg: Gemma4Config, max_positions: int) -> None:
+    def __init__(self, config: Gemma4Config, max_positions: int) -> None:
         nn.Module.__init__(self)
-        self.config = cfg
-        self.model = Gemma4Model(cfg, max_positions)
-        self.lm_head = None if cfg.tie_word_embeddings else VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
+        self.config = config
+        self.model = Gemma4Model(config, max_positions)
+        self.lm_head = (
+            None if config.tie_word_embeddings else VocabParallelEmbedding(config.vocab_size, config.hidden_size)
+        )
 
     def fused_projections(self, layer: int) -> dict[str, tuple[str, int]]:
         slots = {"gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}

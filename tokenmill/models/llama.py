@@ -13,7 +13,7 @@ own config keys onto those switches.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -28,7 +28,7 @@ from tokenmill.layers.linear import (
     checkpoint_shape,
     shard_read,
 )
-from tokenmill.layers.norm import OffsetRMSNorm, RMSNorm
+from tokenmill.layers.norm import NormParams, RMSNorm
 from tokenmill.layers.rotary import RotaryEmbedding
 from tokenmill.loader.model_config import ModelConfig, ModelLoadError, checkpoint_dtype, rope_parameters
 
@@ -88,7 +88,7 @@ def parse_config(raw: dict[str, Any], arch: str) -> ModelConfig:
 class DecoderAttention(nn.Module):
     def __init__(
         self,
-        cfg: ModelConfig,
+        config: ModelConfig,
         layer: int,
         rotary: RotaryEmbedding,
         norm: Callable[[int, float], nn.Module] = RMSNorm,
@@ -98,22 +98,22 @@ class DecoderAttention(nn.Module):
         """``norm`` (the per-head q/k norm's class), ``scale`` and ``softcap``: where a family
         (Gemma 3) departs from Llama's RMSNorm and ``head_dim ** -0.5``, uncapped."""
         super().__init__()
-        heads, kv_heads = Split(cfg.num_heads, cfg.head_dim), Split(cfg.num_kv_heads, cfg.head_dim)
-        self.head_dim = cfg.head_dim
-        self.qkv_proj = ColumnParallelLinear(cfg.hidden_size, [heads, kv_heads, kv_heads], bias=cfg.qkv_bias)
+        heads, kv_heads = Split(config.num_heads, config.head_dim), Split(config.num_kv_heads, config.head_dim)
+        self.head_dim = config.head_dim
+        self.qkv_proj = ColumnParallelLinear(config.hidden_size, [heads, kv_heads, kv_heads], bias=config.qkv_bias)
         self.q_size, self.kv_size, _ = self.qkv_proj.part_sizes  # this rank's
-        self.o_proj = RowParallelLinear(heads, cfg.hidden_size, bias=cfg.o_bias)
-        self.q_norm = norm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
-        self.k_norm = norm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.o_proj = RowParallelLinear(heads, config.hidden_size, bias=config.o_bias)
+        self.q_norm = norm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
+        self.k_norm = norm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.attn = PagedAttention(
-            self.q_size // cfg.head_dim,
-            self.kv_size // cfg.head_dim,
-            cfg.head_dim,
-            cfg.sliding_windows[layer],
+            self.q_size // config.head_dim,
+            self.kv_size // config.head_dim,
+            config.head_dim,
+            config.sliding_windows[layer],
             rotary,
             scale,
             softcap,
-            kv_group=cfg.kv_layout().layer_group[layer],
+            kv_group=config.kv_layout().layer_group[layer],
         )
 
     def forward(
@@ -136,11 +136,11 @@ class DecoderAttention(nn.Module):
 
 
 class GatedMLP(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig) -> None:
         super().__init__()
-        rows = Split(cfg.intermediate_size)
-        self.gate_up_proj = ColumnParallelLinear(cfg.hidden_size, [rows, rows], bias=cfg.mlp_bias)
-        self.down_proj = RowParallelLinear(rows, cfg.hidden_size, bias=cfg.mlp_bias)
+        rows = Split(config.intermediate_size)
+        self.gate_up_proj = ColumnParallelLinear(config.hidden_size, [rows, rows], bias=config.mlp_bias)
+        self.down_proj = RowParallelLinear(rows, config.hidden_size, bias=config.mlp_bias)
 
     def forward(self, activation: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``activation``: SiLU-and-multiply of ``gate_up_proj`` of the normed input, which the layer
@@ -149,7 +149,7 @@ class GatedMLP(nn.Module):
 
 
 def norm_linear(
-    norm: RMSNorm | OffsetRMSNorm,
+    norm: NormParams,
     x: torch.Tensor,
     residual: torch.Tensor | None,
     linear: nn.Linear,
@@ -171,12 +171,12 @@ def norm_linear(
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer: int, rotary: RotaryEmbedding) -> None:
+    def __init__(self, config: ModelConfig, layer: int, rotary: RotaryEmbedding) -> None:
         super().__init__()
-        self.self_attn = DecoderAttention(cfg, layer, rotary)
-        self.mlp = GatedMLP(cfg)
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = DecoderAttention(config, layer, rotary)
+        self.mlp = GatedMLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(
         self,
@@ -195,12 +195,12 @@ class DecoderLayer(nn.Module):
 
 
 class DecoderModel(nn.Module):
-    def __init__(self, cfg: ModelConfig, max_positions: int) -> None:
+    def __init__(self, config: ModelConfig, max_positions: int) -> None:
         super().__init__()
-        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
-        rotary = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i, rotary) for i in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
+        rotary = RotaryEmbedding(config.head_dim, max_positions, config.rope_theta, config.rope_scaling)
+        self.layers = nn.ModuleList(DecoderLayer(config, i, rotary) for i in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache], meta: AttentionMetadata
@@ -212,15 +212,29 @@ class DecoderModel(nn.Module):
         return self.norm(x) if residual is None else self.norm(x, residual)[0]
 
 
+class Decoder(Protocol):
+    """The decoder stack under a causal LM's head: ``DecoderModel``, or a family's own; a tied head
+    reuses its embedding."""
+
+    @property
+    def embed_tokens(self) -> VocabParallelEmbedding: ...
+
+    def __call__(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache], meta: AttentionMetadata
+    ) -> torch.Tensor: ...
+
+
 class LlamaForCausalLM(nn.Module):
     """Decoder + LM head. ``forward`` returns hidden states of every token;
     ``compute_logits`` runs the head only on the rows that sample (logits pruning)."""
 
-    def __init__(self, cfg: ModelConfig, max_positions: int) -> None:
+    def __init__(self, config: ModelConfig, max_positions: int) -> None:
         super().__init__()
-        self.config = cfg
-        self.model = DecoderModel(cfg, max_positions)
-        self.lm_head = None if cfg.tie_word_embeddings else VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
+        self.config = config
+        self.model: Decoder = DecoderModel(config, max_positions)
+        self.lm_head = (
+            None if config.tie_word_embeddings else VocabParallelEmbedding(config.vocab_size, config.hidden_size)
+        )
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache], meta: AttentionMetadata
@@ -258,7 +272,7 @@ class LlamaForCausalLM(nn.Module):
     def load_weights(self, weights: Iterable[tuple[str, Any]]) -> None:
         """Copy checkpoint tensors (tensors, or safetensors slices, of which only this rank's share is
         read) into the parameters, fusing q/k/v and gate/up; raises if any parameter is left without a value."""
-        cfg = self.config
+        config = self.config
         params = dict(self.named_parameters())
         modules = dict(self.named_modules())
         filled: dict[str, int] = {}
@@ -268,7 +282,7 @@ class LlamaForCausalLM(nn.Module):
             if name.endswith((".k_scale", ".v_scale")):  # a KV-cache calibration: the layer's attention keeps it
                 attention = modules.get(name.rsplit(".", 1)[0] + ".attn")
                 if attention is None:
-                    raise ModelLoadError(f"checkpoint tensor {name!r} has no place in {cfg.architecture}")
+                    raise ModelLoadError(f"checkpoint tensor {name!r} has no place in {config.architecture}")
                 attention.load_checkpoint_scale(name.rsplit(".", 1)[1], tensor[...])
                 continue
             if name == "lm_head.weight" and self.lm_head is None:
@@ -280,7 +294,7 @@ class LlamaForCausalLM(nn.Module):
                 fused_name, part = slot
                 target = ".".join([*parts[:-2], fused_name, parts[-1]])
             if target not in params:
-                raise ModelLoadError(f"checkpoint tensor {name!r} has no place in {cfg.architecture}")
+                raise ModelLoadError(f"checkpoint tensor {name!r} has no place in {config.architecture}")
             module_name, _, param_name = target.rpartition(".")
             read = shard_read(modules[module_name], param_name, part)
             shape = checkpoint_shape(tensor)

@@ -11,8 +11,6 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from torch import nn
-
 from tokenmill.loader.gguf_checkpoint import is_gguf_file, read_gguf_config
 from tokenmill.loader.model_config import ModelConfig, ModelLoadError, as_id_list, read_json
 from tokenmill.models import gemma3, gemma4, llama, qwen
@@ -25,7 +23,7 @@ class Family:
     """How a family reads its Hugging Face config, and the module it builds from the result."""
 
     parse_config: ConfigParser
-    model_class: type[nn.Module]
+    model_class: type[llama.LlamaForCausalLM]  # every family's model subclasses it
 
 
 _LLAMA = Family(llama.parse_config, llama.LlamaForCausalLM)
@@ -51,8 +49,8 @@ def config_parser(architecture: str) -> ConfigParser:
     return _REGISTRY[architecture].parse_config
 
 
-def model_class(cfg: ModelConfig) -> type[nn.Module]:
-    return _REGISTRY[cfg.architecture].model_class
+def model_class(config: ModelConfig) -> type[llama.LlamaForCausalLM]:
+    return _REGISTRY[config.architecture].model_class
 
 
 def load_model_config(model_dir: str | Path) -> ModelConfig:
@@ -79,11 +77,11 @@ def load_model_config(model_dir: str | Path) -> ModelConfig:
         )
     raw = top.get("text_config") or top
     try:
-        cfg = config_parser(arch)(raw, arch)
+        config = config_parser(arch)(raw, arch)
     except KeyError as exc:  # parsers index the fields they require
         raise ModelLoadError(f"{config_path} lacks the field {exc.args[0]!r}") from exc
     eos = as_id_list(raw.get("eos_token_id"))
     gen_path = model_dir / "generation_config.json"
     if model_dir.is_dir() and gen_path.is_file():
         eos = as_id_list(read_json(gen_path).get("eos_token_id")) or eos
-    return replace(cfg, eos_token_ids=tuple(eos))
+    return replace(config, eos_token_ids=tuple(eos))

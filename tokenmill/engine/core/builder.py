@@ -148,7 +148,8 @@ def _build_rank0(
     workers: WorkerGroup | None,
 ) -> CoreParts:
     torch.manual_seed(config.seed)
-    max_len = config.max_model_len
+    max_len, budget = config.max_model_len, config.max_num_batched_tokens
+    assert max_len is not None and budget is not None  # build_core resolved both
     started = time.monotonic()
     weights_dir = None if config.random_weights else model_dir
     model = build_model(model_config, weights_dir, dtype, device, max_len, config.seed, tp)
@@ -165,7 +166,7 @@ def _build_rank0(
         num_blocks = [min(counts) for counts in zip(num_blocks, *workers.receive("KV cache size"))]
     windows = [spec.sliding_window for spec in layout.groups]
     kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching, windows)
-    longest = kv.longest_sequence(config.max_num_batched_tokens)
+    longest = kv.longest_sequence(budget)
     if longest < max_len:
         logger.warning(
             "max_model_len lowered from %d to %d: the KV pools hold %s blocks of %d",
@@ -177,9 +178,7 @@ def _build_rank0(
         max_len = int(longest)
     # On the CPU prompt chunks beside decoding sequences are sized from the steps' measured times.
     scheduler = Scheduler(
-        SchedulerConfig(
-            config.max_num_seqs, config.max_num_batched_tokens, config.static_batching, config.scheduling_policy
-        ),
+        SchedulerConfig(config.max_num_seqs, budget, config.static_batching, config.scheduling_policy),
         kv,
         StepCost() if device.type == "cpu" else None,
     )
@@ -191,7 +190,7 @@ def _build_rank0(
     startup_seconds = {"load": load_seconds, "kv_cache_and_graphs": time.monotonic() - started}
     if device.type == "cuda":  # nothing is compiled on the CPU path
         started = time.monotonic()
-        runner.warm_up(config.max_num_batched_tokens, max_len)
+        runner.warm_up(budget, max_len)
         startup_seconds["warm_up"] = time.monotonic() - started
     parts = CoreParts(
         config,

@@ -257,7 +257,7 @@ class EngineCore:
         for i in rest:
             seq, index, rows = result.sampled_seqs[i], pending_index[i], result.rows(i)
             tokens = result.token_ids[rows.start : rows.stop]
-            logprobs = result.logprobs.get(i) or [None] * len(tokens)
+            logprobs: list[Logprobs] | list[None] = result.logprobs.get(i) or [None] * len(tokens)
             if index >= len(seq.token_ids) or seq.token_ids[index] != PENDING:
                 continue  # the sequence ended meanwhile: nobody wants this token
             request = self.requests[seq.request_id]
@@ -266,6 +266,7 @@ class EngineCore:
             count = self.spec.verify(seq, tokens) if speculated else 1
             states = result.generator_states.get(seq)
             if states is not None:  # one draw per emitted token, as plain decoding takes
+                assert seq.generator is not None  # only a seeded sequence's states are kept
                 seq.generator.set_state(states[count - 1])
             for j in range(count):
                 if j:  # a further token: it takes a placeholder of its own, then its place
@@ -335,7 +336,7 @@ class EngineCore:
         if num_output >= params.min_tokens:
             if not params.ignore_eos and token in seq.eos_token_ids:
                 seq.finish_reason = "stop"
-            elif token in params.stop_token_ids:
+            elif params.stop_token_ids and token in params.stop_token_ids:
                 seq.finish_reason, seq.stop_reason = "stop", token
         if seq.finish_reason is None and index + 1 >= seq.token_limit:
             seq.finish_reason = "length"

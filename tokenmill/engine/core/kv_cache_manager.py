@@ -73,8 +73,12 @@ class KVCacheManager:
         seq.block_tables = [[] for _ in self.pools]
         for g, (pool, table) in enumerate(zip(self.pools, seq.block_tables)):
             first = self._first_visible_block(g, hit * self.block_size)
-            table.extend([self.null_blocks[g]] * first)
+            if first:
+                null = self.null_blocks[g]
+                assert null is not None  # only a sliding group has blocks out of sight
+                table.extend([null] * first)
             for block_id in found[g][first:hit]:
+                assert block_id is not None  # ``_is_hit`` found every one
                 pool.take_cached(block_id)
                 table.append(block_id)
         seq.tables_changed()

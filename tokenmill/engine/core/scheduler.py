@@ -315,6 +315,7 @@ class Scheduler:
         admits = self.waiting and len(self.running) < self.config.max_num_seqs
         if not decoding or (context is None and not admits):
             return budget
+        assert self.step_cost is not None  # ``schedule`` asks only when there is one
         return self.step_cost.prompt_tokens(StepWork.of(decoding, num_tokens), context or 0, budget)
 
     def _admit(self, batch: ScheduledStep, budget: int) -> None:

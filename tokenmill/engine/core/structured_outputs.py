@@ -132,12 +132,12 @@ class GrammarCompiler:
                 job = CompileJob(key)
                 job.set_result(cached[0])
                 return job
-            job = self._jobs.get(key)
-            if job is None:
-                job = self._jobs[key] = CompileJob(key)
-                self._executor.submit(self._run, job, spec)
-            job.waiters += 1
-            return job
+            queued = self._jobs.get(key)
+            if queued is None:
+                queued = self._jobs[key] = CompileJob(key)
+                self._executor.submit(self._run, queued, spec)
+            queued.waiters += 1
+            return queued
 
     def release(self, job: CompileJob) -> None:
         """A request stops waiting for ``job`` (it compiled, failed, timed out, or the request was

@@ -86,7 +86,7 @@ class InputProcessor:
                 f"min_tokens {params.min_tokens} does not fit: the prompt has {num_prompt} tokens and "
                 f"this model's maximum context length is {limits.max_model_len}"
             )
-        bad = [t for t in params.stop_token_ids if t >= limits.vocab_size]
+        bad = [t for t in params.stop_token_ids or () if t >= limits.vocab_size]
         if bad:
             raise ValueError(f"stop_token_ids {bad[:5]} are not in the vocabulary [0, {limits.vocab_size})")
         bad = [t for t in params.logit_bias or () if t >= limits.vocab_size]

@@ -33,6 +33,7 @@ import torch
 
 from tokenmill.layers import ops
 from tokenmill.layers.attention import AttentionMetadata
+from tokenmill.models.llama import LlamaForCausalLM
 
 logger = logging.getLogger(__name__)
 
@@ -136,7 +137,7 @@ def stage_step_inputs(
 class DecodeGraphs:
     def __init__(
         self,
-        model: torch.nn.Module,
+        model: LlamaForCausalLM,
         kv_caches: list,
         num_kv_groups: int,
         max_num_seqs: int,
@@ -232,6 +233,7 @@ class DecodeGraphs:
     def graph_for(self, batch_size: int, max_seq_len: int | None, query_len: int = 1) -> torch.cuda.CUDAGraph:
         """The graph a step of this many sequences, this longest context and query length replays."""
         size = self.padded_size(batch_size, query_len)
+        assert size is not None, f"no graph holds {batch_size} sequences"
         short = (size, SHORT_CONTEXT, query_len)
         if max_seq_len is not None and max_seq_len <= SHORT_CONTEXT and short in self.graphs:
             return self.graphs[short]
@@ -244,6 +246,7 @@ class DecodeGraphs:
         logits and greedy token ids (views of static buffers: read before the next replay)."""
         batch = input_ids.shape[0]
         size = self.padded_size(batch)
+        assert size is not None  # the runner chose this path for a batch a graph holds
         stage_step_inputs(self, input_ids, positions, meta, size)
         self.seq_lens[:batch].copy_(meta.seq_lens)
         if batch < size:
@@ -262,6 +265,7 @@ class DecodeGraphs:
         qsl = meta.query_start_loc
         batch = qsl.shape[0] - 1
         size = self.padded_size(batch, q)
+        assert size is not None and meta.max_seq_len is not None  # ``can_verify`` held; the runner sets it
         counts = qsl[1:] - qsl[:-1]
         owner = torch.repeat_interleave(torch.arange(batch, device=qsl.device), counts, output_size=total)
         dest = owner * q + (torch.arange(total, device=qsl.device) - qsl[:-1].long()[owner])

@@ -20,10 +20,11 @@ from __future__ import annotations
 import enum
 import itertools
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from operator import attrgetter
 from pathlib import Path
-from typing import Protocol
+from typing import Protocol, cast
 
 import numpy as np
 import torch
@@ -53,6 +54,7 @@ from tokenmill.layers.sampler import Sampler, SamplingBatch, gather_logprobs
 from tokenmill.loader.kv_layout import KVLayout, is_quantized, kv_scale_dtype
 from tokenmill.loader.model_config import ModelConfig
 from tokenmill.loader.weights import iter_checkpoint
+from tokenmill.models.llama import LlamaForCausalLM
 from tokenmill.models.registry import model_class
 from tokenmill.outputs import Logprobs
 from tokenmill.sampling_params import SamplingParams
@@ -176,21 +178,21 @@ class StepInputs:
 
 
 def build_model(
-    cfg: ModelConfig,
+    model_config: ModelConfig,
     model_dir: Path | None,
     dtype: torch.dtype,
     device: torch.device,
     max_positions: int,
     seed: int = 0,
     tp: TPGroup = SINGLE,
-) -> torch.nn.Module:
+) -> LlamaForCausalLM:
     """The model (``tp.rank``'s share of it) on ``device`` in ``dtype``, with the checkpoint's weights, or
     random ones (std 0.02) when ``model_dir`` is None (benchmarks in real shapes)."""
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
         with torch.device(device), sharding_for(tp):
-            model = model_class(cfg)(cfg, max_positions)
+            model = model_class(model_config)(model_config, max_positions)
     finally:
         torch.set_default_dtype(previous)
     if model_dir is None:
@@ -254,8 +256,8 @@ def warm_up_shapes(max_num_batched_tokens: int, max_model_len: int, max_num_seqs
 class ModelRunner:
     def __init__(
         self,
-        cfg: ModelConfig,
-        model: torch.nn.Module,
+        model_config: ModelConfig,
+        model: LlamaForCausalLM,
         num_blocks: list[int],
         block_size: int,
         device: torch.device,
@@ -270,12 +272,12 @@ class ModelRunner:
         tp: TPGroup = SINGLE,
         peers: Peers | None = None,
     ) -> None:
-        """``num_blocks``: the block count of each KV group (``cfg.kv_layout().groups``);
+        """``num_blocks``: the block count of each KV group (``model_config.kv_layout().groups``);
         ``kv_cache_dtype``: what K and V are stored in (None: ``dtype``); ``verify_len``: query tokens
         a sequence of the speculative verify steps captured as graphs, for up to ``max_verify_seqs``;
         ``max_num_batched_tokens``: a step's token budget (the longest prefill graph);
         ``tp``: the rank's place (its KV heads), ``peers``: on rank 0, the other ranks."""
-        self.cfg = cfg
+        self.model_config = model_config
         self.model = model
         self.block_size = block_size
         self.device = device
@@ -286,13 +288,13 @@ class ModelRunner:
         self.num_kv_groups = len(num_blocks)
         self.max_num_seqs = max_num_seqs
         self.kv_tensors, self.kv_caches = allocate_kv_caches(
-            cfg.kv_layout().sharded(tp.size), num_blocks, block_size, kv_cache_dtype or dtype, device
+            model_config.kv_layout().sharded(tp.size), num_blocks, block_size, kv_cache_dtype or dtype, device
         )
         self.sampler = Sampler()
         self.host_bitmask = HostBitmask()  # structured outputs: the grammars' masks
-        self.penalties = PenaltyCounts(cfg.vocab_size, device, max_num_seqs)
+        self.penalties = PenaltyCounts(model_config.vocab_size, device, max_num_seqs)
         self.staging = HostStaging(device)
-        self.rows = SequenceRows(self.num_kv_groups, cfg.vocab_size)
+        self.rows = SequenceRows(self.num_kv_groups, model_config.vocab_size)
         self.graphs: DecodeGraphs | None = None
         self.prefill_graphs: PrefillGraphs | None = None  # one sequence's prompt or chunk
         self.mixed_graphs: PrefillGraphs | None = None  # short steps of several sequences carrying prefill
@@ -305,7 +307,7 @@ class ModelRunner:
                 max_num_seqs,
                 max_blocks,
                 block_size,
-                cfg.vocab_size,
+                model_config.vocab_size,
                 dtype,
                 device,
                 verify_len,
@@ -315,7 +317,7 @@ class ModelRunner:
             self.graphs.capture(eager_each)
             budget = min(max_num_batched_tokens, max_model_len)
             self.prefill_graphs = PrefillGraphs(
-                model, self.kv_caches, len(num_blocks), budget, max_blocks, cfg.vocab_size, dtype, device
+                model, self.kv_caches, len(num_blocks), budget, max_blocks, model_config.vocab_size, dtype, device
             )
             self.prefill_graphs.capture(self.graphs.pool, eager_each)
             if max_num_seqs > 1:
@@ -325,7 +327,7 @@ class ModelRunner:
                     len(num_blocks),
                     budget,
                     max_blocks,
-                    cfg.vocab_size,
+                    model_config.vocab_size,
                     dtype,
                     device,
                     max_seqs=max_num_seqs,
@@ -374,7 +376,7 @@ class ModelRunner:
         kernels), logprobs, a banned token and a logit bias. So that step launches no kernel for the
         first time: a first launch compiles a Triton variant, or loads the module of one of torch's
         (CUDA loads modules lazily)."""
-        seq = Sequence(-1, "warm-up", 0, [0, 1], SamplingParams(repetition_penalty=1.1), 0.0)
+        seq = Sequence(-1, "warm-up", 0, (0, 1), SamplingParams(repetition_penalty=1.1), 0.0)
         seq.status = SequenceStatus.RUNNING
         seq.token_ids.append(0)  # an output token: a sequence refilled after a preemption counts it
 
@@ -499,11 +501,12 @@ class ModelRunner:
         if len(pending_rows) and (previous is None or sum(previous.rows_per_seq) != len(previous.sampled_seqs)):
             # (A step with drafts is verified before the next is scheduled: its row per sequence is unknown.)
             raise RuntimeError("a pending token is scheduled, but no step in flight holds it as its one sample")
-        in_order = len(pending_rows) == total and previous.sampled_seqs == seqs
+        in_order = len(pending_rows) == total and previous is not None and previous.sampled_seqs == seqs
         if in_order:
             pending_sources = np.arange(total)
         else:
-            row_of = {seq: i for i, seq in enumerate(previous.sampled_seqs)} if len(pending_rows) else {}
+            sources = previous.sampled_seqs if previous is not None and len(pending_rows) else []
+            row_of = {seq: i for i, seq in enumerate(sources)}
             pending_sources = np.fromiter(
                 (row_of[seqs[b]] for b in owner[pending_rows].tolist()), dtype=np.int64, count=len(pending_rows)
             )
@@ -565,8 +568,10 @@ class ModelRunner:
         when every row is pending in their order)."""
         t = self.staging.send({**plan.arrays, **(extra or {})})
         if plan.pending_in_order:
+            assert previous_ids is not None  # pending rows are the step before's samples
             t["input_ids"] = previous_ids
         elif len(plan.arrays["pending_rows"]):
+            assert previous_ids is not None
             t["input_ids"][t["pending_rows"]] = previous_ids[t["pending_sources"]]
         return t
 
@@ -583,12 +588,15 @@ class ModelRunner:
             max_seq_len=plan.max_seq_len,
         )
         if plan.path == ForwardPath.DECODE_GRAPH:
+            assert self.graphs is not None  # ``_choose_path`` takes a graph's path only where there is one
             logits, greedy_ids = self.graphs.run(t["input_ids"], t["positions"], meta)
             return (logits[t["logits_rows"]], None) if plan.picks_rows else (logits, greedy_ids)
         if plan.path == ForwardPath.VERIFY_GRAPH:
+            assert self.graphs is not None
             return self.graphs.run_verify(t["input_ids"], t["positions"], meta)
         if plan.path in (ForwardPath.PREFILL_GRAPH, ForwardPath.MIXED_GRAPH):
             graphs = self.prefill_graphs if plan.path == ForwardPath.PREFILL_GRAPH else self.mixed_graphs
+            assert graphs is not None
             logits, greedy_ids = graphs.run(t["input_ids"], t["positions"], meta, t["logits_rows"])
             return (logits, greedy_ids) if len(plan.arrays["logits_rows"]) else (None, None)
         if plan.num_chunk_seqs:
@@ -605,13 +613,20 @@ class ModelRunner:
         device. A sequence with drafts has a row per position, each as plain decoding would sample
         there (its seed's generator drawn on in order, its stop tokens banned while that position is
         short of ``min_tokens``). The penalties' token counts are left to ``sample``."""
-        host, flags = inputs.host_sampling, inputs.sampling_flags
+        host, flags, columns = inputs.host_sampling, inputs.sampling_flags, inputs.sampling_columns
         batch = SamplingBatch(
-            **inputs.sampling_columns,
+            temperature=columns["temperature"],
+            inv_temperature=columns["inv_temperature"],
+            top_k=columns["top_k"],
+            top_p=columns["top_p"],
+            min_p=columns["min_p"],
+            repetition_penalty=columns["repetition_penalty"],
+            presence_penalty=columns["presence_penalty"],
+            frequency_penalty=columns["frequency_penalty"],
             generators=[None] * len(host["temperature"]),
             num_logprobs=-1,
             all_greedy=bool((host["temperature"] == 0).all()),
-            max_top_k=max_top_k(host["temperature"], host["top_k"], self.cfg.vocab_size),
+            max_top_k=max_top_k(host["temperature"], host["top_k"], self.model_config.vocab_size),
         )
         if not flags & (LOGPROBS | MIN_TOKENS | LOGIT_BIAS | SEEDED):
             return batch  # (most steps: nothing is read from the sequences one by one)
@@ -624,7 +639,7 @@ class ModelRunner:
                 return None
             return tuple(to_device(c, d, self.device) for c, d in zip(zip(*entries), dtypes))
 
-        nums = [num_top_logprobs(p.logprobs, self.cfg.vocab_size) for p in params if p.logprobs is not None]
+        nums = [num_top_logprobs(p.logprobs, self.model_config.vocab_size) for p in params if p.logprobs is not None]
         batch.num_logprobs = max(nums) if nums else -1
         batch.generators = [s.generator for s, _ in owners]
         batch.keep_generator_states = frozenset(
@@ -635,11 +650,14 @@ class ModelRunner:
             seq, offset = owners[row]
             if seq.num_output_tokens + offset < seq.params.min_tokens:
                 banned += [(row, tok) for tok in seq.stop_ids]
-        batch.banned = sparse(banned, torch.int64, torch.int64)
+        batch.banned = cast("tuple[torch.Tensor, torch.Tensor] | None", sparse(banned, torch.int64, torch.int64))
         biased = [
             (row, tok, value) for row, p in enumerate(params) if p.logit_bias for tok, value in p.logit_bias.items()
         ]
-        batch.logit_bias = sparse(biased, torch.int64, torch.int64, torch.float32)
+        batch.logit_bias = cast(
+            "tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None",
+            sparse(biased, torch.int64, torch.int64, torch.float32),
+        )
         return batch
 
     # --------------------------------------------------------------- execution
@@ -664,8 +682,8 @@ class ModelRunner:
         if prompt_rows:
             self._prompt_logprobs(self.model.finish_logits_(logits[:num_prompt_rows]), step)
         if sampled:
-            batch = self._sampling_batch(sampled, inputs)
-            step.pending_sample = PendingSample(logits[num_prompt_rows:], batch, greedy_ids)
+            sampling = self._sampling_batch(sampled, inputs)
+            step.pending_sample = PendingSample(logits[num_prompt_rows:], sampling, greedy_ids)
             if previous is None or not inputs.sampling_flags & GRAMMAR:
                 self.sample(step)
         return step
@@ -690,9 +708,9 @@ class ModelRunner:
                 for row, seq in zip(firsts, step.sampled_seqs)
                 if seq.matcher is not None and not seq.matcher.is_terminated()
             ]
-        finish = self.model.finish_logits_
+        finish: Callable[[torch.Tensor], torch.Tensor] | None = self.model.finish_logits_
         if grammar_seqs:  # structured outputs: only the tokens each grammar allows next
-            logits, finish = finish(logits).float(), None  # (a copy of a graph's bf16 output)
+            logits, finish = self.model.finish_logits_(logits).float(), None  # (a copy of a graph's bf16 output)
             failed = apply_grammars(
                 logits, [(row, seq.matcher, seq.draft_token_ids) for row, seq in grammar_seqs], self.host_bitmask
             )
@@ -731,19 +749,21 @@ class ModelRunner:
             return result
         self._wait(step.done)
         token_ids, logprobs, logprob_ids = step.host
+        assert token_ids is not None  # a step that sampled copied its ids
         result.token_ids = token_ids.tolist()
         if len(result.token_ids) != len(step.sampled_seqs):
             result.starts = list(itertools.accumulate(step.rows_per_seq, initial=0))
         if logprobs is None and not step.generator_states:
             return result  # (most steps)
-        values, ids = (logprobs.tolist(), logprob_ids.tolist()) if logprobs is not None else (None, None)
+        # Each sampled row's logprobs and their token ids, as lists (None: no row asked for them).
+        top = None if logprobs is None or logprob_ids is None else (logprobs.tolist(), logprob_ids.tolist())
         for i, seq in enumerate(step.sampled_seqs):
             rows = result.rows(i)
             if step.generator_states and rows.start in step.generator_states:
                 result.generator_states[seq] = [step.generator_states[r] for r in rows]
-            if values is not None and seq.params.logprobs is not None:
-                keep = 1 + num_top_logprobs(seq.params.logprobs, self.cfg.vocab_size)
-                result.logprobs[i] = [_logprob_dict(ids[r], values[r], keep) for r in rows]
+            if top is not None and seq.params.logprobs is not None:
+                keep = 1 + num_top_logprobs(seq.params.logprobs, self.model_config.vocab_size)
+                result.logprobs[i] = [_logprob_dict(top[1][r], top[0][r], keep) for r in rows]
         return result
 
     @torch.inference_mode()
@@ -772,7 +792,8 @@ class ModelRunner:
         for rows in step.prompt_rows:
             seq, first, count = rows.seq, rows.first, rows.count
             targets = to_device(seq.prompt_token_ids[first + 1 : first + 1 + count], torch.int64, self.device)
-            num_top = num_top_logprobs(seq.params.prompt_logprobs, self.cfg.vocab_size)
+            assert seq.params.prompt_logprobs is not None  # only such a sequence has prompt rows
+            num_top = num_top_logprobs(seq.params.prompt_logprobs, self.model_config.vocab_size)
             values, ids = gather_logprobs(logprobs[row : row + count], targets, num_top)
             step.prompt_logprobs.append(
                 (seq, 1 + num_top, values.to("cpu", non_blocking=True), ids.to("cpu", non_blocking=True))

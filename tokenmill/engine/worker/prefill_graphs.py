@@ -1,15 +1,14 @@
 """CUDA graphs for steps that carry prefill: a lone prompt's time to first token, and a new
 prompt's chunk beside the sequences that decode.
 
-Launched eagerly, a prefill step is a few hundred kernels, each costing tens of
-microseconds of Python and driver time on the host: for a prompt of a few hundred
-tokens that is several times the GPU's own work, so a request arriving at an idle
-engine waits on the host, and one arriving at a busy engine holds up every sequence
-decoding beside it. Two sets of graphs, one class: steps whose only sequence brings
-2 … ``MAX_TOKENS`` query tokens (a whole short prompt, or one chunk of a longer one,
+Launched eagerly, a prefill step's few hundred kernels cost the host several times the GPU's
+own work for a prompt of a few hundred tokens, so a new request would wait on the host (and hold
+up the sequences decoding beside it). Two sets of graphs, one class: steps whose only sequence
+brings 2 … ``MAX_TOKENS`` query tokens (a whole short prompt, or one chunk of a longer one,
 after a cached prefix or not), and steps of several sequences (chunks and decode rows
-together) of up to ``MIXED_MAX_TOKENS`` tokens, past which the GPU's work outlasts the
-host's launches. Either is padded to the next captured token count and replayed.
+together) of up to ``MIXED_MAX_TOKENS`` tokens. Either is padded to the next captured token
+count and replayed. Why these sizes and KV splits, with the measured figures: docs/PERFORMANCE.md,
+"Tuning: prefill graphs".
 
 Padding rows sit after the real ones, outside every query (the step's
 ``query_start_loc`` ends at the real count), so attention gives them nothing and no
@@ -24,10 +23,8 @@ so the graph ends with their logits and greedy ids.
 
 A graph fixes how many ranges attention splits each context into, and each program divides
 the actual range in the kernel, so any context gives the same result, only at another speed.
-A lone new prompt attends over about as many keys as it has queries, and splitting them
-costs more (partial results of every query row and head, written and merged) than it
-saves, so the lone-sequence graphs attend over whole contexts; a chunk after a long
-cached prefix or earlier chunks (``LONG_PREFIX`` tokens and more) replays a second graph
+The lone-sequence graphs attend over whole contexts (a new prompt's merge of split ranges costs
+more than the split saves); a chunk after ``LONG_PREFIX`` tokens or more replays a second graph
 of its size, captured for the longest context, whose ranges are split as an eager step's
 would be for it, where that split differs. The graphs of several sequences are captured
 for a context as long as their padded query.
@@ -44,6 +41,7 @@ import torch
 from tokenmill.engine.worker.cuda_graphs import capture_graphs, stage_step_inputs
 from tokenmill.layers import ops
 from tokenmill.layers.attention import AttentionMetadata, PagedAttention
+from tokenmill.models.llama import LlamaForCausalLM
 
 logger = logging.getLogger(__name__)
 
@@ -66,7 +64,7 @@ def capture_sizes(max_tokens: int, max_seqs: int) -> list[int]:
 class PrefillGraphs:
     def __init__(
         self,
-        model: torch.nn.Module,
+        model: LlamaForCausalLM,
         kv_caches: list,
         num_kv_groups: int,
         max_tokens: int,
@@ -175,6 +173,7 @@ class PrefillGraphs:
         replay)."""
         total, seqs, rows = input_ids.shape[0], meta.seq_lens.shape[0], logits_rows.shape[0]
         size = self.padded_size(total, seqs)
+        assert size is not None and meta.max_seq_len is not None  # a graph holds the step; the runner sets it
         stage_step_inputs(self, input_ids, positions, meta, size)
         self.query_start_loc[: seqs + 1].copy_(meta.query_start_loc)
         self.seq_lens[:seqs].copy_(meta.seq_lens)

@@ -21,6 +21,7 @@ from tokenmill.layers.q8_linear import quantize_linears
 from tokenmill.loader.gguf_checkpoint import is_gguf_file, packs_q8_0
 from tokenmill.loader.kv_layout import KVLayout
 from tokenmill.loader.model_config import ModelConfig
+from tokenmill.models.llama import LlamaForCausalLM
 
 logger = logging.getLogger(__name__)
 
@@ -140,6 +141,7 @@ def kv_cache_blocks(
         used_elsewhere = total - free
         elem = torch.tensor([], dtype=dtype).element_size()
         tokens = engine_config.max_num_batched_tokens
+        assert tokens is not None  # build_core resolved it
         activations = (
             tokens
             * elem
@@ -153,6 +155,7 @@ def kv_cache_blocks(
         budget = total * engine_config.gpu_memory_utilization - used_elsewhere - activations - logits - (1 << 30)
     elif engine_config.num_kv_blocks is None:
         budget = engine_config.cpu_kv_cache_gib * (1 << 30)
+    assert engine_config.max_num_batched_tokens is not None  # build_core resolved it
     counts = kv_block_counts(
         layout,
         kv_dtype,
@@ -189,7 +192,7 @@ def verify_graph_shape(engine_config: EngineConfig) -> dict[str, int]:
 def make_runner(
     engine_config: EngineConfig,
     model_config: ModelConfig,
-    model: torch.nn.Module,
+    model: LlamaForCausalLM,
     setup: RankSetup,
     device: torch.device,
     dtype: torch.dtype,
@@ -199,6 +202,7 @@ def make_runner(
 ) -> ModelRunner:
     """The rank's runner: its KV cache shard and, on the GPU, its captured graphs (every rank captures
     the same graphs in the same order, since their collectives must meet)."""
+    assert engine_config.max_num_batched_tokens is not None  # build_core resolved it
     return ModelRunner(
         model_config,
         model,
@@ -221,7 +225,7 @@ def kv_block_counts(
     layout: KVLayout,
     dtype: torch.dtype,
     block_size: int,
-    budget_bytes: int | None,
+    budget_bytes: float | None,
     num_blocks: int | None,
     max_num_seqs: int,
     max_num_batched_tokens: int,

@@ -25,6 +25,7 @@ import signal
 import tempfile
 import time
 import traceback
+from collections.abc import Iterator
 from datetime import timedelta
 from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
@@ -193,17 +194,17 @@ class WorkerGroup:
 
 
 @contextlib.contextmanager
-def _may_have_children() -> Any:
+def _may_have_children() -> Iterator[None]:
     """multiprocessing refuses children to a daemonic process, which the server's engine core is (it
     must die with the server). The workers are bound to it all the same: each exits when its pipe
     to rank 0 closes, and is daemonic itself."""
-    current = multiprocessing.current_process()
-    daemon = current._config.get("daemon", False)
-    current._config["daemon"] = False
+    config: dict[str, Any] = multiprocessing.current_process()._config  # type: ignore[attr-defined]  # private
+    daemon = config.get("daemon", False)
+    config["daemon"] = False
     try:
         yield
     finally:
-        current._config["daemon"] = daemon
+        config["daemon"] = daemon
 
 
 def _exit_description(process: BaseProcess) -> str:
@@ -247,6 +248,7 @@ def run_worker(
         setup: RankSetup = pickle.loads(pipe.recv_bytes())
         runner = make_runner(engine_config, model_config, model, setup, device, dtype, kv_dtype, tp)
         if device.type == "cuda":
+            assert engine_config.max_num_batched_tokens is not None  # rank 0 sends its resolved config
             runner.warm_up(engine_config.max_num_batched_tokens, setup.max_model_len)
         _reply(pipe, "ready", None)
         while (plan := pickle.loads(pipe.recv_bytes())) is not None:

@@ -37,8 +37,8 @@ def prompt_list(prompt: str | list[str] | list[int] | list[list[int]]) -> list[s
     if isinstance(prompt, str):
         return [prompt]
     if isinstance(prompt[0], int):
-        return [list(prompt)]  # type: ignore[arg-type]
-    return list(prompt)  # type: ignore[arg-type]
+        return [list(prompt)]
+    return list(prompt)
 
 
 class _LogprobsBuilder:
@@ -131,7 +131,7 @@ def _choice(
     echo = _echo(ctx, req, out, out.prompt_logprobs)
     logprobs = None
     if req.logprobs is not None:
-        logprobs = _LogprobsBuilder(ctx, req).build(echo.token_ids + c.token_ids, echo.entries + (c.logprobs or []))
+        logprobs = _LogprobsBuilder(ctx, req).build(echo.token_ids + c.token_ids, [*echo.entries, *(c.logprobs or [])])
     ids = req.return_token_ids
     return CompletionChoice(
         index=index,

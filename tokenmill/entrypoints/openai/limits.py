@@ -108,11 +108,12 @@ class RequestBodyLimit:
         if declared.isdigit() and int(declared) > self.max_bytes:
             await too_large.response()(scope, receive, send)
             return
-        chunks, size = [], 0
+        chunks: list[bytes] = []
+        size, client_left = 0, False
         while True:
             message = await receive()
             if message["type"] != "http.request":  # the client left: the app sees it so
-                chunks = None
+                client_left = True
                 break
             chunks.append(message.get("body", b""))
             size += len(chunks[-1])
@@ -121,7 +122,7 @@ class RequestBodyLimit:
                 return
             if not message.get("more_body", False):
                 break
-        if chunks is None:
+        if client_left:
             await self.app(scope, receive, send)
             return
         body = b"".join(chunks)

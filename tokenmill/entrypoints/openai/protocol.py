@@ -14,7 +14,7 @@ import logging
 import re
 import time
 import uuid
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, TypeAlias
 
 from pydantic import (
     AfterValidator,
@@ -87,14 +87,16 @@ def int_range(low: int, high: int = 2**63 - 1) -> Any:
     return Annotated[StrictInt, Field(ge=low, le=high)]
 
 
-TokenId = int_range(0)
+# The named ranges are ``int_range``'s types written out, so that a type checker reads them as ints.
+_INT64_MAX = 2**63 - 1
+TokenId: TypeAlias = Annotated[StrictInt, Field(ge=0, le=_INT64_MAX)]
 TokenIds = Annotated[list[TokenId], Field(min_length=1)]
-Count = int_range(0)
-MaxTokens = int_range(1)
-LogprobCount = int_range(0, 20)
-TopK = int_range(-1)
-Choices = int_range(1, 128)
-Seed = int_range(-(2**63), 2**64 - 1)
+Count: TypeAlias = Annotated[StrictInt, Field(ge=0, le=_INT64_MAX)]
+MaxTokens: TypeAlias = Annotated[StrictInt, Field(ge=1, le=_INT64_MAX)]
+LogprobCount: TypeAlias = Annotated[StrictInt, Field(ge=0, le=20)]
+TopK: TypeAlias = Annotated[StrictInt, Field(ge=-1, le=_INT64_MAX)]
+Choices: TypeAlias = Annotated[StrictInt, Field(ge=1, le=128)]
+Seed: TypeAlias = Annotated[StrictInt, Field(ge=-(2**63), le=2**64 - 1)]
 """Any 64-bit seed, signed or not."""
 
 UNION_TAGS = frozenset({"string", "list", "strings", "token_ids", "token_id_lists", "named"})
@@ -122,16 +124,10 @@ def _prompt_form(value: Any) -> str | None:
     return "token_id_lists" if isinstance(first, list) else "token_ids"
 
 
-def _string_or_list(item: Any) -> Any:
-    """A string or a list of ``item``, as stop strings and message contents are."""
-    return Annotated[
-        Annotated[Text, Tag("string")] | Annotated[list[item], Tag("list")],
-        Discriminator(
-            _json_kind,
-            custom_error_type="string_or_list_type",
-            custom_error_message="Input should be a string or a list",
-        ),
-    ]
+_STRING_OR_LIST = Discriminator(
+    _json_kind, custom_error_type="string_or_list_type", custom_error_message="Input should be a string or a list"
+)
+"""Tells a string from a list of items, as stop strings and message contents are."""
 
 
 Prompt = Annotated[
@@ -148,7 +144,7 @@ Prompt = Annotated[
         "or a list of lists of token ids",
     ),
 ]
-Stop = _string_or_list(Text)
+Stop: TypeAlias = Annotated[Annotated[Text, Tag("string")] | Annotated[list[Text], Tag("list")], _STRING_OR_LIST]
 
 
 class RequestModel(BaseModel):
@@ -344,7 +340,9 @@ class ChatContentPart(RequestModel):
         return value
 
 
-Content = _string_or_list(ChatContentPart)
+Content: TypeAlias = Annotated[
+    Annotated[Text, Tag("string")] | Annotated[list[ChatContentPart], Tag("list")], _STRING_OR_LIST
+]
 
 FUNCTION_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 

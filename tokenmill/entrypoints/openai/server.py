@@ -119,7 +119,7 @@ class ServedModelCard(ModelCard):
 
 
 class ServedModelList(ModelList):
-    data: list[ServedModelCard]
+    data: list[ServedModelCard]  # type: ignore[assignment]  # pydantic: a subclass narrows a field's type
 
 
 class _RequestIdMiddleware:
@@ -157,8 +157,8 @@ def build_app(
     ``vllm_metrics`` also exports the metrics vLLM has under vLLM's names;
     ``request_id_headers`` puts an ``X-Request-Id`` on every response; ``open_metrics`` leaves
     /metrics open when an ``api_key`` guards the rest."""
-    metrics = ServerMetrics(engine, served_model_name, vllm_names=vllm_metrics)
-    ctx = ServingContext(engine, served_model_name, engine.tokenizer, metrics, options)
+    server_metrics = ServerMetrics(engine, served_model_name, vllm_names=vllm_metrics)
+    ctx = ServingContext(engine, served_model_name, engine.tokenizer, server_metrics, options)
     model_root = str(engine.config.model or served_model_name)
 
     @asynccontextmanager
@@ -203,6 +203,7 @@ def build_app(
     @app.get("/health")
     async def health() -> Response:
         if not engine.core_alive():
+            assert engine.dead_reason is not None  # set when the core is found gone
             return APIError(503, engine.dead_reason, code="engine_dead").response()
         if not engine.accepting:
             return APIError(503, "the server is shutting down", code="unavailable").response()

@@ -132,7 +132,8 @@ class ServingContext:
         """vLLM's ``prompt_logprobs``: per prompt position (the first has none) the prompt's
         token and the ``prompt_logprobs`` best, each with its rank and text. ``engine_n`` is
         how many the engine was asked for (echo may have asked for more)."""
-        if req.prompt_logprobs is None or entries is None or engine_n is None:
+        num_best = req.prompt_logprobs
+        if num_best is None or entries is None or engine_n is None:
             return None
         as_id = self.tokens_as_ids(req)
 
@@ -140,7 +141,7 @@ class ServingContext:
             if entry is None:
                 return None
             ranks = _ranks(entry, engine_n)
-            chosen = dict(best(entry, req.prompt_logprobs)) | {token_id: entry[token_id]}
+            chosen = dict(best(entry, num_best)) | {token_id: entry[token_id]}
             return {
                 t: PromptLogprob(logprob=lp, rank=ranks.get(t), decoded_token=self.token_text(t, as_id))
                 for t, lp in chosen.items()
@@ -310,10 +311,12 @@ def sampling_params(
             400, "prompt_logprobs are not available when stream is true", param="prompt_logprobs", code="invalid_value"
         )
     structured = structured_outputs_of(req, forced)
-    try:
-        structured_params = None if structured is None else SamplingParams(structured_outputs=structured[1])
-    except ValueError as exc:
-        raise APIError(400, str(exc), param=structured[0], code="invalid_value") from None
+    structured_params = None
+    if structured is not None:
+        try:
+            structured_params = SamplingParams(structured_outputs=structured[1])
+        except ValueError as exc:
+            raise APIError(400, str(exc), param=structured[0], code="invalid_value") from None
     return SamplingParams(
         n=req.n,
         max_tokens=max_tokens,

@@ -75,7 +75,9 @@ class ParsedReply:
     @classmethod
     def from_deltas(cls, deltas: Iterable[ReplyDelta]) -> ParsedReply:
         """The reply that a stream's deltas add up to."""
-        content, names, arguments = "", {}, {}
+        content = ""
+        names: dict[int, str] = {}
+        arguments: dict[int, str] = {}
         for delta in deltas:
             content += delta.content
             for call in delta.calls:
@@ -87,7 +89,9 @@ class ParsedReply:
 
 
 def _skip_whitespace(text: str, i: int) -> int:
-    return _WHITESPACE.match(text, i).end()
+    match = _WHITESPACE.match(text, i)
+    assert match is not None  # it matches the empty string too
+    return match.end()
 
 
 def _well_formed_so_far(text: str) -> bool:
@@ -211,6 +215,7 @@ class _Call:
                 if text[start] != "{":
                     return False
                 arguments_at = start
+        settled: int | None
         if name_end is not None and arguments_at is not None:
             settled = max(name_end, arguments_at + 1)
         else:

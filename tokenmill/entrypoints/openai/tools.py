@@ -90,7 +90,8 @@ def plan_tools(req: ChatCompletionRequest, options: ServingOptions) -> ToolPlan:
         return ToolPlan(listed, parser, tuple(names))
     if choice == "required":
         forced = tuple(zip(names, schemas))
-        grammar = forced_calls_grammar(parser, forced, req.parallel_tool_calls is not False)
+        parallel = req.parallel_tool_calls is not False
+        grammar = forced_calls_grammar(parser, forced, parallel)  # type: ignore[arg-type]  # (a class is Hashable)
         return ToolPlan(listed, parser, tuple(names), grammar)
     name = choice.function.name
     if name not in names:
@@ -100,7 +101,8 @@ def plan_tools(req: ChatCompletionRequest, options: ServingOptions) -> ToolPlan:
             param="tool_choice",
             code="invalid_value",
         )
-    grammar = forced_calls_grammar(parser, ((name, schemas[names.index(name)]),), False)
+    forced = ((name, schemas[names.index(name)]),)
+    grammar = forced_calls_grammar(parser, forced, False)  # type: ignore[arg-type]  # (a class is Hashable)
     return ToolPlan(listed, parser, (name,), grammar)
 
 
