@@ -346,6 +346,20 @@ def test_q8_0_weights_on_cuda_match_the_cpu_path(arch: str, tmp_path) -> None:
     assert_equal_up_to_a_near_tie(cpu, gpu, logprob_tol=1e-3, tie=0.05)
 
 
+@pytest.mark.parametrize("fmt", ["ct-channel-dynamic", "fp8-block"])
+def test_fp8_weights_on_cuda_match_the_cpu_path(fmt: str, tmp_path) -> None:
+    """An FP8 checkpoint (compressed-tensors per channel; transformers' 128x128 blocks) on the GPU, CUDA
+    graphs included, against the same path on the CPU: the values and scales are the checkpoint's on both."""
+    from fp8_writer import fp8_model_dir
+
+    fp8_model_dir("llama3", tmp_path, fmt)
+    prompts = parity_prompts()[:6]
+    options = dict(dtype="float32", max_num_seqs=8)
+    cpu = LLM(str(tmp_path), device="cpu", **options).generate(prompts, GREEDY, use_tqdm=False)
+    gpu = LLM(str(tmp_path), device="cuda", **options).generate(prompts, GREEDY, use_tqdm=False)
+    assert_equal_up_to_a_near_tie(cpu, gpu, logprob_tol=1e-3, tie=0.05)
+
+
 def test_structured_outputs_on_cuda() -> None:
     """The embedded model on the GPU (CUDA graphs, sampling held back for the grammars while the
     next forward runs): 30 random schemas in one batch all validate, and a greedy unconstrained

@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 from transformers import LlamaConfig
 
+from fp8_writer import fp8_model_dir
 from gguf_writer import write_gguf
 from helpers import SPEC, assert_equal_up_to_a_near_tie, echo_prompts, make_model_dir, make_model_with_tokenizer
 from parity_helpers import parity_prompts, preempting_pool
@@ -21,6 +22,7 @@ from tokenmill import LLM, SamplingParams
 from tokenmill.distributed import TPGroup
 from tokenmill.engine.worker.model_runner import build_model
 from tokenmill.engine.worker.tp_workers import WorkerError
+from tokenmill.layers.fp8_linear import FP8ColumnParallelLinear, FP8RowParallelLinear
 from tokenmill.layers.linear import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 from tokenmill.layers.q8_linear import Q8ColumnParallelLinear, Q8Linear, Q8RowParallelLinear
 from tokenmill.loader import weights
@@ -96,6 +98,35 @@ def test_two_ranks_give_the_single_process_tokens_with_q8_0_weights(arch: str, g
     assert_equal_up_to_a_near_tie(expected, got, logprob_tol=1e-4, tie=1e-4)
 
 
+@pytest.mark.parametrize("arch,fmt", [("llama3", "ct-tensor-static"), ("llama-wide", "fp8-block")])
+def test_two_ranks_give_the_single_process_tokens_with_fp8_weights(arch: str, fmt: str, tmp_path) -> None:
+    """An FP8 checkpoint (per-tensor scales of q, k and v on their own rows, static input scales; 128 x 128
+    blocks, a rank's k and v rows starting mid-block): each rank reads its rows' or columns' values and
+    scales, and the partial sums are all-reduced as the dense layers' are. Up to float noise (the ranks
+    sum in another order) that moves an activation across an e4m3 rounding boundary, a step of 1/16 of
+    it (llama-wide: the logprobs' median difference 1e-6, the largest 8e-3, one first token 0.05 from a tie)."""
+    fp8_model_dir(arch, tmp_path, fmt)
+    prompts = parity_prompts()[:6]
+    options = dict(block_size=16, max_num_seqs=4, max_num_batched_tokens=32)
+    expected = engine(tmp_path, 1, **options).generate(prompts, GREEDY, use_tqdm=False)
+    llm = engine(tmp_path, 2, **options)
+    try:
+        got = llm.generate(prompts, GREEDY, use_tqdm=False)
+        kinds = {type(m) for m in llm.engine.core.runner.model.modules()}
+        assert {FP8ColumnParallelLinear, FP8RowParallelLinear} <= kinds, kinds
+    finally:
+        shut(llm)
+    assert_equal_up_to_a_near_tie(expected, got, logprob_tol=1e-4, tie=0.1, flip_tol=0.1)
+
+
+def test_block_fp8_split_inside_a_block_is_refused(tmp_path) -> None:
+    """The tiny llama's o and down projections have 128 input columns: two ranks would each hold half a block."""
+    fp8_model_dir("llama3", tmp_path, "fp8-block")
+    with pytest.raises(ValueError, match="whole blocks of 128, but this rank holds columns 0:64 of 128"):
+        engine(tmp_path, 2)
+    assert not dist.is_initialized()
+
+
 def test_sampling_speculation_and_structured_outputs_match_one_process() -> None:
     """On the embedded model: seeded sampling (n > 1, penalties), prompt logprobs, drafts by prompt
     lookup and a JSON schema each give what one process gives; nothing is left behind."""
@@ -144,6 +175,9 @@ def test_a_rank_holds_and_reads_only_its_share(arch: str, tmp_path, monkeypatch)
 
         def get_shape(self) -> list[int]:
             return self.inner.get_shape()
+
+        def get_dtype(self) -> str:
+            return self.inner.get_dtype()
 
         def __getitem__(self, index) -> torch.Tensor:
             tensor = self.inner[index]

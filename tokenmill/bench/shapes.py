@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from tokenmill.layers.fp8_linear import FP8Weights
 from tokenmill.layers.q8_linear import Q8Weights
 from tokenmill.loader.kv_layout import KVLayout
 from tokenmill.loader.model_config import ModelConfig
@@ -217,6 +218,7 @@ class StepCostModel:
     num_heads: int
     layout: KVLayout
     q8_params: int = 0  # of body_params, those kept in Q8_0 (1 byte and 1/16 of a scale's 2 each)
+    fp8_params: int = 0  # of body_params, those kept in FP8 (1 byte each; their scales are negligible)
     split: int = 1  # the GPUs a tensor-parallel step is spread over: each moves and computes its share
 
     @classmethod
@@ -225,15 +227,17 @@ class StepCostModel:
         dense = sum(
             m.weight.numel()
             for m in model.modules()
-            if isinstance(m, torch.nn.Linear) and not isinstance(m, Q8Weights) and m is not lm_head
+            if isinstance(m, torch.nn.Linear) and not isinstance(m, (Q8Weights, FP8Weights)) and m is not lm_head
         )
         q8 = sum(m.qweight.numel() for m in model.modules() if isinstance(m, Q8Weights))
-        return cls(dense + q8, cfg.vocab_size * cfg.hidden_size, cfg.num_heads, cfg.kv_layout(), q8)
+        fp8 = sum(m.qweight.numel() for m in model.modules() if isinstance(m, FP8Weights))
+        return cls(dense + q8 + fp8, cfg.vocab_size * cfg.hidden_size, cfg.num_heads, cfg.kv_layout(), q8, fp8)
 
     def weight_bytes(self, elem: int = 2) -> float:
         """Bytes a decode step reads once: every projection and the LM head (the embedding
         tables are gathered row by row, norms are negligible)."""
-        return (self.body_params - self.q8_params + self.head_params) * elem + self.q8_params * (1 + 2 / 32)
+        dense = self.body_params - self.q8_params - self.fp8_params + self.head_params
+        return dense * elem + self.q8_params * (1 + 2 / 32) + self.fp8_params
 
     def step(
         self,

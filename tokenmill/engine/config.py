@@ -103,7 +103,7 @@ _POLICIES = {"fcfs": "fcfs", "priority": "priority"}
 # vLLM's names for the KV cache's dtype; fp8 is fp8_e4m3.
 KV_CACHE_DTYPES = {"auto": "auto", "fp8": "fp8_e4m3", "fp8_e4m3": "fp8_e4m3", "fp8_e5m2": "fp8_e5m2", "int8": "int8"}
 _DEVICE = re.compile(r"auto|cpu|cuda(:[0-9]+)?")
-_QUANTIZATIONS = {"q8_0": "q8_0"}
+_QUANTIZATIONS = {"q8_0": "q8_0", "fp8": "fp8"}
 
 
 def _model(value: Any) -> Any:
@@ -182,7 +182,9 @@ class EngineConfig:
         one_of(_QUANTIZATIONS).or_none(),
         choices=tuple(_QUANTIZATIONS),
         help="keep the projections' weights quantized: q8_0 (int8 with a scale per 32 values, GGUF's Q8_0: about "
-        "half of bf16's bytes); none keeps them in dtype, except a GGUF file's Q8_0 weights, which stay packed",
+        "half of bf16's bytes) or fp8 (float8 e4m3 with a scale per output row, activations quantized per token; "
+        "computed by the torch reference for now); none keeps them in dtype, except a GGUF file's Q8_0 weights, "
+        "which stay packed, and an FP8 checkpoint's (compressed-tensors or quant_method fp8), which stay FP8",
     )
     num_kv_blocks: int | None = ruled(
         None,

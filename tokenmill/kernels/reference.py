@@ -24,7 +24,11 @@ from typing import Any
 import torch
 
 from tokenmill.kernels import q8_0
+from tokenmill.kernels.fp8 import FP8_DTYPE, FP8_MAX, FP8Weight, expand_scales
 from tokenmill.kernels.q8_0 import Q8Weight
+
+# What a projection's weight may be: dense, Q8_0 or FP8.
+Weight = torch.Tensor | Q8Weight | FP8Weight
 
 # The smallest row magnitude an int8 query is scaled from (an all-zero row stays zero, no 0/0).
 QUERY_INT8_FLOOR = 1e-30
@@ -294,39 +298,73 @@ def rotary_embedding_and_write_kv(
     return query
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor | Q8Weight, bias: torch.Tensor | None) -> torch.Tensor:
-    """``x @ weight.T (+ bias)`` (a Q8_0 weight dequantized to x's dtype first)."""
+def quantize_fp8_activations(
+    x: torch.Tensor, block: int | None, input_scale: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x`` ``[T, K]`` as float8 e4m3 values and float32 scales ``[T, ceil(K / block)]`` (``[T, 1]``
+    when ``block`` is None): each token's (block's) largest magnitude over 448, or the static
+    ``input_scale`` (the largest of the fused parts') for every value. ``values * scales`` is ``x``
+    as an FP8 GEMM reads it."""
+    t, k = x.shape
+    x = x.float()
+    if input_scale is not None:
+        scales = input_scale.amax().float().expand(t, 1)
+    else:
+        width = k if block is None else block
+        groups = -(-k // width)
+        padded = torch.nn.functional.pad(x, (0, groups * width - k)).view(t, groups, width)
+        scales = padded.abs().amax(dim=-1) / FP8_MAX
+        scales = torch.where(scales > 0, scales, torch.ones_like(scales))
+    return (x / expand_scales(scales, block, k)).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), scales
+
+
+def fp8_linear(x: torch.Tensor, weight: FP8Weight, bias: torch.Tensor | None) -> torch.Tensor:
+    """``x_q @ w_q.T`` with both scales applied, in float32, rounded to x's dtype (then ``+ bias``): the
+    activations quantized as ``quantize_fp8_activations`` does, as an FP8 GEMM would read them."""
+    shape = x.shape
+    rows = x.reshape(-1, shape[-1])
+    values, scales = quantize_fp8_activations(rows, weight.block, weight.input_scale)
+    activations = values.float() * expand_scales(scales, weight.block, rows.shape[1])
+    out = torch.nn.functional.linear(activations, weight.dequantize(torch.float32)).to(x.dtype)
+    out = out if bias is None else out + bias
+    return out.reshape(*shape[:-1], -1)
+
+
+def _project(x: torch.Tensor, weight: Weight, bias: torch.Tensor | None) -> torch.Tensor:
+    """``x @ weight.T (+ bias)``: a Q8_0 weight dequantized to x's dtype first, an FP8 one through ``fp8_linear``."""
+    if isinstance(weight, FP8Weight):
+        return fp8_linear(x, weight, bias)
     return torch.nn.functional.linear(x, q8_0.dense(weight, x.dtype), bias)
 
 
-def linear_residual(
-    x: torch.Tensor, weight: torch.Tensor | Q8Weight, bias: torch.Tensor | None, residual: torch.Tensor
-) -> torch.Tensor:
-    """``residual + x @ weight.T (+ bias)``, the projection rounded before the add (a Q8_0 weight
-    dequantized to x's dtype first)."""
-    return torch.nn.functional.linear(x, q8_0.dense(weight, x.dtype), bias) + residual
+def linear(x: torch.Tensor, weight: Weight, bias: torch.Tensor | None) -> torch.Tensor:
+    """``x @ weight.T (+ bias)`` (``_project``)."""
+    return _project(x, weight, bias)
 
 
-def linear_gelu_mul(x: torch.Tensor, weight: torch.Tensor | Q8Weight, up: torch.Tensor) -> torch.Tensor:
-    """``gelu_tanh(x @ weight.T) * up``: Gemma 4's per-layer input gate (a Q8_0 weight dequantized to
-    x's dtype first)."""
-    return gelu_tanh_mul(linear(x, weight, None), up)
+def linear_residual(x: torch.Tensor, weight: Weight, bias: torch.Tensor | None, residual: torch.Tensor) -> torch.Tensor:
+    """``residual + x @ weight.T (+ bias)``, the projection rounded before the add (``_project``)."""
+    return _project(x, weight, bias) + residual
+
+
+def linear_gelu_mul(x: torch.Tensor, weight: Weight, up: torch.Tensor) -> torch.Tensor:
+    """``gelu_tanh(x @ weight.T) * up``: Gemma 4's per-layer input gate (``_project``)."""
+    return gelu_tanh_mul(_project(x, weight, None), up)
 
 
 def norm_linear(
     x: torch.Tensor,
     norm_weight: torch.Tensor,
     eps: float,
-    weight: torch.Tensor | Q8Weight,
+    weight: Weight,
     bias: torch.Tensor | None,
     gated: bool = False,
     weighting: str = "llama",
     activation: str = "silu",
 ) -> torch.Tensor:
-    """``norm(x) @ weight.T (+ bias)`` (the norm ``NORMS[weighting]``), then with ``gated`` the gate
-    half's ``activation`` (``silu`` or ``gelu_tanh``) times the up half (a Q8_0 weight dequantized to
-    x's dtype first)."""
-    out = torch.nn.functional.linear(NORMS[weighting](x, norm_weight, eps), q8_0.dense(weight, x.dtype), bias)
+    """``norm(x) @ weight.T (+ bias)`` (the norm ``NORMS[weighting]``; ``_project``), then with ``gated``
+    the gate half's ``activation`` (``silu`` or ``gelu_tanh``) times the up half."""
+    out = _project(NORMS[weighting](x, norm_weight, eps), weight, bias)
     return GATED_ACTIVATIONS[activation](out) if gated else out
 
 

@@ -12,6 +12,7 @@ that slice alone and no rank materialises the whole model.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from types import EllipsisType
@@ -65,6 +66,19 @@ class ShardRead:
         """``source``: a tensor, or a safetensors slice (read from disk only where indexed)."""
         return source[self.index]
 
+    def fits(self, shape: tuple[int, ...]) -> bool:
+        """Whether a checkpoint tensor of ``shape`` is the one this read expects."""
+        return shape == self.full_shape
+
+
+@dataclass(frozen=True)
+class ScalarRead(ShardRead):
+    """A one-value checkpoint tensor (a per-tensor scale: shape ``[]`` or ``[1]``), copied into every row
+    of ``dest``."""
+
+    def fits(self, shape: tuple[int, ...]) -> bool:
+        return math.prod(shape) == 1
+
 
 def whole(param: torch.Tensor) -> ShardRead:
     return ShardRead(param.data, tuple(param.shape), ..., param.shape[0] if param.dim() else 1)
@@ -77,6 +91,11 @@ class Sharded:
         """The read that fills parameter ``param`` (``weight`` or ``bias``) from the checkpoint tensor of
         fused part ``part`` (q, k, v; gate, up; None where the layer fuses nothing)."""
         raise NotImplementedError
+
+    def parameter(self, checkpoint_name: str) -> str:
+        """The parameter a checkpoint tensor of this name (``weight``, ``bias``...) fills: its own name,
+        unless a layer keeps it under another (an FP8 layer's values, ``qweight``)."""
+        return checkpoint_name
 
 
 class ColumnParallelLinear(nn.Linear, Sharded):
@@ -121,7 +140,7 @@ class RowParallelLinear(nn.Linear, Sharded):
         the all-reduced sum is the new stream, whole, and the next norm can fuse with its projection."""
         if self.tp.size == 1:
             return ops.linear_into_stream(x, self.weight, self.bias, residual)
-        if not ops.fuses_residual(x):
+        if not ops.fuses_residual(x, self.weight):
             return self(x), residual
         if self.tp.rank == 0:
             partial = ops.linear_into_stream(x, self.weight, self.bias, residual)[0]
@@ -189,6 +208,11 @@ class VocabParallelEmbedding(nn.Embedding, Sharded):
         )
 
 
+def parameter_name(module: nn.Module | None, checkpoint_name: str) -> str:
+    """The parameter of ``module`` that a checkpoint tensor named ``checkpoint_name`` fills (``Sharded.parameter``)."""
+    return module.parameter(checkpoint_name) if isinstance(module, Sharded) else checkpoint_name
+
+
 def shard_read(module: nn.Module, param: str, part: int | None) -> ShardRead:
     """How parameter ``param`` of ``module`` is filled: its layer's shard, or the whole tensor."""
     if isinstance(module, Sharded):
@@ -199,3 +223,26 @@ def shard_read(module: nn.Module, param: str, part: int | None) -> ShardRead:
 def checkpoint_shape(source: Any) -> tuple[int, ...]:
     """The shape of a checkpoint tensor: a tensor, or a safetensors slice not read yet."""
     return tuple(source.shape) if isinstance(source, torch.Tensor) else tuple(source.get_shape())
+
+
+_FLOAT8 = {"F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}
+
+
+def float8_of(source: Any) -> torch.dtype | None:
+    """The float8 dtype of a checkpoint tensor (a tensor, or a safetensors slice), None for any other dtype."""
+    if isinstance(source, torch.Tensor):
+        return source.dtype if source.dtype in _FLOAT8.values() else None
+    return _FLOAT8.get(source.get_dtype())
+
+
+def projections(model: nn.Module, keep: tuple[str, ...]) -> list[tuple[str, nn.Module, str, nn.Linear]]:
+    """Every ``nn.Linear`` of ``model`` but those named in ``keep`` (by attribute or full name), as
+    ``(full name, parent, attribute, layer)``: what a quantization replaces (the embeddings and a
+    ``VocabParallelEmbedding`` head are no ``nn.Linear``, so they stay as they are)."""
+    found = []
+    for name, module in model.named_modules():
+        for child_name, child in module.named_children():
+            full = f"{name}.{child_name}" if name else child_name
+            if isinstance(child, nn.Linear) and child_name not in keep and full not in keep:
+                found.append((full, module, child_name, child))
+    return found

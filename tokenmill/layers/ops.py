@@ -16,7 +16,8 @@ from typing import Any
 import torch
 
 from tokenmill.kernels import reference
-from tokenmill.kernels.q8_0 import Q8Weight
+from tokenmill.kernels.fp8 import FP8Weight
+from tokenmill.kernels.reference import Weight
 
 
 @functools.cache
@@ -46,6 +47,12 @@ def backend_for(tensor: torch.Tensor) -> ModuleType:
         if ops is not None:
             return ops
     return reference
+
+
+def projection_backend(x: torch.Tensor, weight: Weight) -> ModuleType:
+    """The module whose kernels project ``x`` by ``weight``: ``backend_for(x)``'s, except that an FP8
+    weight takes the torch reference on every device (no GPU kernel reads FP8 weights yet)."""
+    return reference if isinstance(weight, FP8Weight) else backend_for(x)
 
 
 def paged_attention(
@@ -181,7 +188,7 @@ def norm_linear(
     residual: torch.Tensor | None,
     norm_weight: torch.Tensor,
     eps: float,
-    weight: torch.Tensor | Q8Weight,
+    weight: Weight,
     bias: torch.Tensor | None,
     gated: bool = False,
     weighting: str = "llama",
@@ -192,7 +199,7 @@ def norm_linear(
     half's ``activation`` (``silu`` or ``gelu_tanh``) times the up half; returns ``(projection,
     stream)``. One kernel for one-token decode on the GPU, where the stream arrives whole (see
     ``linear_into_stream``)."""
-    backend = backend_for(x)
+    backend = projection_backend(x, weight)
     if residual is None and _fused_gemv(backend, x) and norm_weight.dtype == x.dtype:
         return backend.norm_linear(
             x, norm_weight, eps, weight, bias, gated, weighting=weighting, activation=activation
@@ -213,7 +220,7 @@ def add_norm_linear(
     add_weight: torch.Tensor,
     norm_weight: torch.Tensor,
     eps: float,
-    weight: torch.Tensor | Q8Weight,
+    weight: Weight,
     bias: torch.Tensor | None,
     gated: bool = False,
     weighting: str = "offset",
@@ -224,12 +231,11 @@ def add_norm_linear(
     joining the block output inside the GEMV made every program rebuild the joined row from L2, and
     measured slower on the H200 than a norm kernel in front (Gemma-3-27B: 16.1 against 15.4 ms a step).
     Elsewhere the join and the next norm share one kernel (``join_and_norm``) ahead of the matmul."""
-    backend = backend_for(x)
-    if _fused_gemv(backend, x) and norm_weight.dtype == x.dtype:
+    if _fused_gemv(projection_backend(x, weight), x) and norm_weight.dtype == x.dtype:
         new_stream = add_rms_norm(x, add_weight, eps, stream, weighting)
         out, _ = norm_linear(new_stream, None, norm_weight, eps, weight, bias, gated, weighting, activation)
         return out, new_stream
-    normed, new_stream = backend.join_and_norm(x, add_weight, eps, stream, norm_weight, weighting)
+    normed, new_stream = backend_for(x).join_and_norm(x, add_weight, eps, stream, norm_weight, weighting)
     out = linear(normed, weight, bias)
     return (_GATED[activation](out) if gated else out), new_stream
 
@@ -248,32 +254,32 @@ def add_rms_norm(
 
 
 def linear_into_stream(
-    x: torch.Tensor, weight: torch.Tensor | Q8Weight, bias: torch.Tensor | None, residual: torch.Tensor
+    x: torch.Tensor, weight: Weight, bias: torch.Tensor | None, residual: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Project ``x`` into the residual stream: returns ``(delta, residual)`` whose sum is the new
     stream. Where a kernel fuses the add (one-token decode on the GPU) the sum comes back whole, as
     ``(stream, None)``; elsewhere the add is left to the next RMSNorm, which fuses it."""
-    if fuses_residual(x):
+    if fuses_residual(x, weight):
         return backend_for(x).linear_residual(x, weight, bias, residual), None
     return linear(x, weight, bias), residual
 
 
-def fuses_residual(x: torch.Tensor) -> bool:
-    """Whether ``linear_into_stream`` adds the residual inside its kernel for ``x`` (one-token decode on
-    the GPU), returning the stream whole."""
-    return _fused_gemv(backend_for(x), x)
+def fuses_residual(x: torch.Tensor, weight: Weight) -> bool:
+    """Whether ``linear_into_stream`` adds the residual inside its kernel for ``x`` and ``weight``
+    (one-token decode on the GPU), returning the stream whole."""
+    return _fused_gemv(projection_backend(x, weight), x)
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor | Q8Weight, bias: torch.Tensor | None) -> torch.Tensor:
+def linear(x: torch.Tensor, weight: Weight, bias: torch.Tensor | None) -> torch.Tensor:
     """``x @ weight.T (+ bias)``: on the GPU one row takes the GEMV, and a Q8_0 weight is read packed;
-    the reference dequantizes it."""
-    return backend_for(x).linear(x, weight, bias)
+    the reference dequantizes it (an FP8 one: ``reference.fp8_linear`` everywhere)."""
+    return projection_backend(x, weight).linear(x, weight, bias)
 
 
-def linear_gelu_mul(x: torch.Tensor, weight: torch.Tensor | Q8Weight, up: torch.Tensor) -> torch.Tensor:
+def linear_gelu_mul(x: torch.Tensor, weight: Weight, up: torch.Tensor) -> torch.Tensor:
     """``gelu_tanh(x @ weight.T) * up`` (Gemma 4's per-layer input gate): one kernel for one-token
     decode on the GPU."""
-    return backend_for(x).linear_gelu_mul(x, weight, up)
+    return projection_backend(x, weight).linear_gelu_mul(x, weight, up)
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:

@@ -8,7 +8,7 @@ from torch import nn
 
 from tokenmill.kernels import q8_0
 from tokenmill.layers import ops
-from tokenmill.layers.linear import ColumnParallelLinear, RowParallelLinear
+from tokenmill.layers.linear import ColumnParallelLinear, RowParallelLinear, projections
 
 
 class Q8Weights:
@@ -73,24 +73,16 @@ def quantize_linears(model: nn.Module, keep: tuple[str, ...] = ("lm_head",)) -> 
     its class swapped for its Q8_0 kind (its parts, split and group kept), so its collectives run as
     before; a plain ``nn.Linear`` becomes a ``Q8Linear``."""
     count = 0
-    for name, module in list(model.named_modules()):
-        for child_name, child in list(module.named_children()):
-            full = f"{name}.{child_name}" if name else child_name
-            if (
-                not isinstance(child, nn.Linear)
-                or isinstance(child, Q8Weights)
-                or child_name in keep
-                or full in keep
-                or child.in_features % q8_0.BLOCK
-            ):
-                continue
-            packed = q8_0.quantize(child.weight.data.float())
-            if type(child) in _PACKED:
-                del child.weight
-                child.__class__ = _PACKED[type(child)]
-                child.register_buffer("qweight", packed.qweight)
-                child.register_buffer("scales", packed.scales)
-            else:
-                setattr(module, child_name, Q8Linear(packed, None if child.bias is None else child.bias.data))
-            count += 1
+    for _, module, child_name, child in projections(model, keep):
+        if isinstance(child, Q8Weights) or child.in_features % q8_0.BLOCK:
+            continue
+        packed = q8_0.quantize(child.weight.data.float())
+        if type(child) in _PACKED:
+            del child.weight
+            child.__class__ = _PACKED[type(child)]
+            child.register_buffer("qweight", packed.qweight)
+            child.register_buffer("scales", packed.scales)
+        else:
+            setattr(module, child_name, Q8Linear(packed, None if child.bias is None else child.bias.data))
+        count += 1
     return count

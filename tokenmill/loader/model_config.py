@@ -10,12 +10,15 @@ style, checkpoint dtype).
 from __future__ import annotations
 
 import json
+import re
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from tokenmill.kernels.fp8 import FP8Scheme
 from tokenmill.loader.kv_layout import KVLayout
 
 _DTYPES = {
@@ -29,6 +32,41 @@ _DTYPES = {
 
 class ModelLoadError(ValueError):
     """A model directory that cannot be loaded, with a message that says why."""
+
+
+@dataclass(frozen=True)
+class CheckpointQuantization:
+    """An FP8 checkpoint's ``quantization_config`` (read by ``loader/fp8_checkpoint.py``): its scheme, and
+    which projections it stores in FP8. ``method``: ``compressed-tensors`` or ``fp8``; ``targets``: the
+    projections a compressed-tensors config quantizes (``Linear``: all; an exact name, or ``re:`` and a
+    regular expression matched from the name's start), None for all; ``ignore``: those left dense, named
+    the same way, or for quant_method ``fp8`` by any part of the name (as transformers reads its
+    ``modules_to_not_convert``). Names are the checkpoint's, as the engine's models name them."""
+
+    method: str
+    scheme: FP8Scheme
+    targets: tuple[str, ...] | None
+    ignore: tuple[str, ...]
+
+    def quantizes(self, names: Sequence[str]) -> bool:
+        """Whether the checkpoint stores the projections ``names`` (the parts one of the engine's layers
+        fuses: q, k, v) in FP8; parts that disagree are a ModelLoadError, since one matmul runs them."""
+        answers = {self._quantizes(name) for name in names}
+        if len(answers) > 1:
+            raise ModelLoadError(
+                f"the checkpoint stores only some of {', '.join(names)} in FP8 ({self.method} ignore list or "
+                "targets), but the engine runs them as one matmul"
+            )
+        return answers.pop()
+
+    def _quantizes(self, name: str) -> bool:
+        def named(pattern: str) -> bool:
+            if pattern.startswith("re:"):
+                return re.match(pattern[3:], name) is not None
+            return pattern == name or (self.method == "fp8" and pattern in name)
+
+        targeted = self.targets is None or any(t == "Linear" or named(t) for t in self.targets)
+        return targeted and not any(named(p) for p in self.ignore)
 
 
 @dataclass(frozen=True)
@@ -55,6 +93,7 @@ class ModelConfig:
     sliding_windows: tuple[int | None, ...]
     checkpoint_dtype: torch.dtype
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
+    quantization: CheckpointQuantization | None = None  # an FP8 checkpoint's; None: dense weights
 
     def kv_layout(self) -> KVLayout:
         """Each layer's cache: every layer owns one of ``num_kv_heads`` × ``head_dim``, with its

@@ -26,6 +26,8 @@ from tokenmill.layers.linear import (
     Split,
     VocabParallelEmbedding,
     checkpoint_shape,
+    float8_of,
+    parameter_name,
     shard_read,
 )
 from tokenmill.layers.norm import NormParams, RMSNorm
@@ -269,9 +271,23 @@ class LlamaForCausalLM(nn.Module):
             "up_proj": ("gate_up_proj", 1),
         }
 
+    def checkpoint_projections(self, name: str) -> list[str]:
+        """The checkpoint's projections that this model's projection ``name`` runs as one matmul (q, k and v
+        for ``qkv_proj``; the inverse of ``fused_projections``), or ``name`` alone: the names a
+        quantization_config's targets and ignore list use."""
+        parts = name.split(".")
+        if parts[1:2] == ["layers"]:
+            slots = self.fused_projections(int(parts[2]))
+            fused = sorted((part, proj) for proj, (target, part) in slots.items() if target == parts[-1])
+            if fused:
+                return [".".join([*parts[:-1], proj]) for _, proj in fused]
+        return [name]
+
     def load_weights(self, weights: Iterable[tuple[str, Any]]) -> None:
         """Copy checkpoint tensors (tensors, or safetensors slices, of which only this rank's share is
-        read) into the parameters, fusing q/k/v and gate/up; raises if any parameter is left without a value."""
+        read) into the parameters, fusing q/k/v and gate/up; raises if any parameter is left without a value.
+        An FP8 layer's values and scales are copied as they are stored; a float8 tensor meant for a dense
+        parameter, or the reverse, is a ModelLoadError (the quantization_config does not describe it)."""
         config = self.config
         params = dict(self.named_parameters())
         modules = dict(self.named_modules())
@@ -293,13 +309,21 @@ class LlamaForCausalLM(nn.Module):
             if slot is not None:
                 fused_name, part = slot
                 target = ".".join([*parts[:-2], fused_name, parts[-1]])
+            module_name, _, param_name = target.rpartition(".")
+            param_name = parameter_name(modules.get(module_name), param_name)
+            target = f"{module_name}.{param_name}"
             if target not in params:
                 raise ModelLoadError(f"checkpoint tensor {name!r} has no place in {config.architecture}")
-            module_name, _, param_name = target.rpartition(".")
             read = shard_read(modules[module_name], param_name, part)
             shape = checkpoint_shape(tensor)
-            if shape != read.full_shape:
+            if not read.fits(shape):
                 raise ModelLoadError(f"checkpoint tensor {name!r} has shape {shape}, expected {read.full_shape}")
+            stored, held = float8_of(tensor), read.dest.dtype
+            if (stored is not None or held == torch.float8_e4m3fn) and stored != held:
+                raise ModelLoadError(
+                    f"checkpoint tensor {name!r} is {stored or 'not float8'}, but {target} holds {held}: the "
+                    "checkpoint's quantization_config does not describe it (its scheme, targets or ignore list)"
+                )
             read.dest.copy_(read.read(tensor))
             filled[target] = filled.get(target, 0) + read.rows
         missing = [n for n, p in params.items() if filled.get(n, 0) < p.shape[0]]

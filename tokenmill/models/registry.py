@@ -11,6 +11,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from tokenmill.loader.fp8_checkpoint import checkpoint_quantization
 from tokenmill.loader.gguf_checkpoint import is_gguf_file, read_gguf_config
 from tokenmill.loader.model_config import ModelConfig, ModelLoadError, as_id_list, read_json
 from tokenmill.models import gemma3, gemma4, llama, qwen
@@ -55,7 +56,8 @@ def model_class(config: ModelConfig) -> type[llama.LlamaForCausalLM]:
 
 def load_model_config(model_dir: str | Path) -> ModelConfig:
     """Parse ``config.json`` (its ``text_config`` when it nests one, as multimodal
-    checkpoints do) and ``generation_config.json`` for eos ids, whose list wins."""
+    checkpoints do; an FP8 checkpoint's ``quantization_config``, checked here before anything is
+    built) and ``generation_config.json`` for eos ids, whose list wins."""
     model_dir = Path(model_dir)
     if is_gguf_file(model_dir):  # a single GGUF file: its metadata, as a config.json
         config_path, top = model_dir, read_gguf_config(model_dir)
@@ -84,4 +86,4 @@ def load_model_config(model_dir: str | Path) -> ModelConfig:
     gen_path = model_dir / "generation_config.json"
     if model_dir.is_dir() and gen_path.is_file():
         eos = as_id_list(read_json(gen_path).get("eos_token_id")) or eos
-    return replace(config, eos_token_ids=tuple(eos))
+    return replace(config, eos_token_ids=tuple(eos), quantization=checkpoint_quantization(top))

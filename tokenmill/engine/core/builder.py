@@ -153,7 +153,7 @@ def _build_rank0(
     started = time.monotonic()
     weights_dir = None if config.random_weights else model_dir
     model = build_model(model_config, weights_dir, dtype, device, max_len, config.seed, tp)
-    quantization = apply_quantization(model, config, model_dir, device)
+    quantization = apply_quantization(model, config, model_config, model_dir, device)
     load_seconds = time.monotonic() - started
     if any(getattr(m, "kv_amax", None) is not None for m in model.modules()):
         logger.info(

@@ -49,6 +49,7 @@ from tokenmill.engine.worker.sequence_rows import (
     SequenceRows,
 )
 from tokenmill.layers.attention import AttentionMetadata, KVCache
+from tokenmill.layers.fp8_linear import load_as_fp8
 from tokenmill.layers.grammar_mask import HostBitmask, apply_grammars
 from tokenmill.layers.sampler import Sampler, SamplingBatch, gather_logprobs
 from tokenmill.loader.kv_layout import KVLayout, is_quantized, kv_scale_dtype
@@ -187,7 +188,9 @@ def build_model(
     tp: TPGroup = SINGLE,
 ) -> LlamaForCausalLM:
     """The model (``tp.rank``'s share of it) on ``device`` in ``dtype``, with the checkpoint's weights, or
-    random ones (std 0.02) when ``model_dir`` is None (benchmarks in real shapes)."""
+    random ones (std 0.02) when ``model_dir`` is None (benchmarks in real shapes, dense whatever the
+    checkpoint). An FP8 checkpoint's projections are made FP8 before it loads, so its values and
+    scales are kept as stored."""
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
@@ -203,6 +206,12 @@ def build_model(
             else:
                 param.data.normal_(0.0, 0.02, generator=gen)
     else:
+        quantization = model_config.quantization
+        if quantization is not None:
+            count = load_as_fp8(
+                model, quantization.scheme, lambda name: quantization.quantizes(model.checkpoint_projections(name))
+            )
+            logger.info("%d projections kept in FP8 as the checkpoint stores them: %s", count, quantization.scheme.name)
         model.load_weights(iter_checkpoint(model_dir))
     return model.eval()
 

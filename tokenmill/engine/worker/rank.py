@@ -17,6 +17,7 @@ import torch
 from tokenmill.distributed import SINGLE, TPGroup, check_divides
 from tokenmill.engine.config import EngineConfig
 from tokenmill.engine.worker.model_runner import ModelRunner, Peers
+from tokenmill.layers.fp8_linear import quantize_linears_fp8
 from tokenmill.layers.q8_linear import quantize_linears
 from tokenmill.loader.gguf_checkpoint import is_gguf_file, packs_q8_0
 from tokenmill.loader.kv_layout import KVLayout
@@ -111,16 +112,32 @@ def check_tensor_parallel(
 
 
 def apply_quantization(
-    model: torch.nn.Module, engine_config: EngineConfig, model_dir: Path, device: torch.device
+    model: torch.nn.Module,
+    engine_config: EngineConfig,
+    model_config: ModelConfig,
+    model_dir: Path,
+    device: torch.device,
 ) -> str | None:
-    """Keep the model's projections (this rank's share of them) in Q8_0 where ``quantization`` asks for
-    it or a GGUF file's layer matrices are Q8_0; returns the scheme (None: dense)."""
+    """Keep the model's projections (this rank's share of them) quantized where ``quantization`` asks for
+    it (``q8_0``, ``fp8``: one float8 scale per output row, activations per token) or a GGUF file's
+    layer matrices are Q8_0; returns the scheme (None: dense). An FP8 checkpoint is FP8 already
+    (``build_model``): ``fp8`` asks nothing more of it, and another scheme is a ValueError."""
+    if model_config.quantization is not None and not engine_config.random_weights:
+        if engine_config.quantization not in (None, "fp8"):
+            raise ValueError(
+                f"quantization {engine_config.quantization!r} quantizes a dense checkpoint, but this one is FP8 "
+                f"already ({model_config.quantization.scheme.name}): leave quantization unset, or set it to fp8"
+            )
+        return "fp8"
     scheme = engine_config.quantization or ("q8_0" if is_gguf_file(model_dir) and packs_q8_0(model_dir) else None)
     if scheme == "q8_0":
         count = quantize_linears(model)
         logger.info("%d projections kept in Q8_0 (int8, a float16 scale per 32 values)", count)
-        if device.type == "cuda":
-            torch.cuda.empty_cache()  # the dense weights they replaced
+    elif scheme == "fp8":
+        count = quantize_linears_fp8(model)
+        logger.info("%d projections kept in FP8 (float8 e4m3, a scale per output row; activations per token)", count)
+    if scheme is not None and device.type == "cuda":
+        torch.cuda.empty_cache()  # the dense weights they replaced
     return scheme
 
 

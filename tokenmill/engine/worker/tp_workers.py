@@ -243,7 +243,7 @@ def run_worker(
             engine_config.seed,
             tp,
         )
-        apply_quantization(model, engine_config, model_dir, device)
+        apply_quantization(model, engine_config, model_config, model_dir, device)
         _reply(pipe, "blocks", kv_cache_blocks(engine_config, model_config, device, dtype, kv_dtype, max_len))
         setup: RankSetup = pickle.loads(pipe.recv_bytes())
         runner = make_runner(engine_config, model_config, model, setup, device, dtype, kv_dtype, tp)
