@@ -15,9 +15,11 @@ from transformers import (
     Gemma4VisionConfig,
     LlamaConfig,
     MistralConfig,
+    MixtralConfig,
     PreTrainedTokenizerFast,
     Qwen2Config,
     Qwen3Config,
+    Qwen3MoeConfig,
     SiglipVisionConfig,
 )
 from transformers import AutoModelForCausalLM
@@ -105,6 +107,18 @@ TINY_CONFIGS = {
     "mistral-window": lambda: MistralConfig(**COMMON, head_dim=16, sliding_window=24, tie_word_embeddings=False),
     "qwen2": lambda: Qwen2Config(**COMMON, tie_word_embeddings=True),
     "qwen3": lambda: Qwen3Config(**COMMON, head_dim=32, tie_word_embeddings=False),
+    # Mixtures of experts: 4 experts, 2 per token. "qwen3-moe": sparse layers every second one
+    # (decoder_sparse_step 2) less those in mlp_only_layers (1): layers 3 and 5 sparse, 0, 1, 2, 4 dense; experts
+    # narrower than the dense MLPs, top-k weights left as the softmax gave them (norm_topk_prob off);
+    # "qwen3-moe-norm": every layer sparse, weights renormalised; "mixtral-window": every layer sparse,
+    # a sliding window shorter than the prompts.
+    "qwen3-moe": lambda: Qwen3MoeConfig(**{**COMMON, "num_hidden_layers": 6}, head_dim=16, num_experts=4,
+                                        num_experts_per_tok=2, moe_intermediate_size=32, decoder_sparse_step=2,
+                                        mlp_only_layers=[1], norm_topk_prob=False, tie_word_embeddings=False),
+    "qwen3-moe-norm": lambda: Qwen3MoeConfig(**COMMON, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64,
+                                             norm_topk_prob=True, tie_word_embeddings=True),
+    "mixtral-window": lambda: MixtralConfig(**{**COMMON, "intermediate_size": 48}, head_dim=16, num_local_experts=4,
+                                            num_experts_per_tok=2, sliding_window=24, tie_word_embeddings=False),
     "gemma3": lambda: Gemma3TextConfig(
         **GEMMA3_TEXT, layer_types=["sliding_attention", "full_attention", "sliding_attention"],
         final_logit_softcapping=5.0, tie_word_embeddings=False,

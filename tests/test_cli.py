@@ -184,3 +184,22 @@ def test_bench_shapes_and_kv_dtypes_are_checked_when_parsed() -> None:
     for bad in ("auto,int4", "", ","):
         with pytest.raises(SystemExit):
             parser.parse_args(["--kv-cache-dtypes", bad])
+
+
+@pytest.mark.parametrize("value, said", [("{bad", "not valid JSON"), ("[1]", "must be a JSON object")])
+def test_default_chat_template_kwargs_must_be_a_json_object(capsys, value: str, said: str) -> None:
+    assert _exit_code(["serve", "--default-chat-template-kwargs", value]) == 2
+    err = capsys.readouterr().err
+    assert "--default-chat-template-kwargs" in err and said in err and repr(value) in err
+
+
+def test_reasoning_options_reach_the_server() -> None:
+    from tokenmill.entrypoints.openai.server import serving_options_from_args
+
+    args = cli.parse_args(["serve", "/m", "--reasoning-parser", "deepseek_r1",
+                           "--default-chat-template-kwargs", '{"enable_thinking": false}'])
+    options = serving_options_from_args(args)
+    assert options.reasoning_parser == "deepseek_r1" and options.default_chat_template_kwargs == {
+        "enable_thinking": False}
+    assert serving_options_from_args(cli.parse_args(["serve"])).reasoning_parser is None
+    assert _exit_code(["serve", "--reasoning-parser", "granite"]) == 2

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from transformers import LlamaConfig
+from transformers import LlamaConfig, Qwen3MoeConfig
 
 from fp8_writer import fp8_model_dir
 from gguf_writer import write_gguf
@@ -22,6 +22,7 @@ from tokenmill import LLM, SamplingParams
 from tokenmill.distributed import TPGroup
 from tokenmill.engine.worker.model_runner import build_model
 from tokenmill.engine.worker.tp_workers import WorkerError
+from tokenmill.layers.fused_moe import FusedExperts
 from tokenmill.layers.fp8_linear import FP8ColumnParallelLinear, FP8RowParallelLinear
 from tokenmill.layers.linear import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 from tokenmill.layers.q8_linear import Q8ColumnParallelLinear, Q8Linear, Q8RowParallelLinear
@@ -51,7 +52,8 @@ def shut(llm: LLM) -> None:
     assert not dist.is_initialized()
 
 
-@pytest.mark.parametrize("arch", ["llama3", "mistral-window", "qwen2", "qwen3", "gemma3", "gemma4", "gemma4-kv-shared"])
+@pytest.mark.parametrize("arch", ["llama3", "mistral-window", "qwen2", "qwen3", "qwen3-moe", "gemma3", "gemma4",
+                                  "gemma4-kv-shared"])
 def test_two_ranks_give_the_single_process_tokens(arch: str, tmp_path) -> None:
     """Batched, chunked, preempted and prefix-cached: the same greedy tokens and logprobs (up to a
     float32 near-tie, the ranks summing in another order)."""
@@ -158,11 +160,11 @@ def test_sampling_speculation_and_structured_outputs_match_one_process() -> None
             assert a.keys() == b.keys() and all(abs(a[t] - b[t]) < 1e-4 for t in a)
 
 
-@pytest.mark.parametrize("arch", ["llama3", "gemma4"])
+@pytest.mark.parametrize("arch", ["llama3", "gemma4", "mixtral-window"])
 def test_a_rank_holds_and_reads_only_its_share(arch: str, tmp_path, monkeypatch) -> None:
     """Each rank's parameters are its slices of the whole model's (q/k/v heads, MLP rows, o/down
-    columns, vocabulary rows; a KV head replicated where there are fewer than ranks), and loading
-    them reads about half of the checkpoint."""
+    columns, vocabulary rows, each expert's gate/up rows and down columns; a KV head replicated where
+    there are fewer than ranks), and loading them reads about half of the checkpoint."""
     make_model_dir(arch, tmp_path)
     cfg = load_model_config(tmp_path)
     full = build_model(cfg, tmp_path, torch.float32, torch.device("cpu"), 64)
@@ -218,6 +220,11 @@ def test_a_rank_holds_and_reads_only_its_share(arch: str, tmp_path, monkeypatch)
             elif isinstance(module, VocabParallelEmbedding):
                 rows = slice(module.vocab_start, module.vocab_start + module.num_valid)
                 assert torch.equal(module.weight[:module.num_valid], whole[name].weight[rows]), name
+            elif isinstance(module, FusedExperts):
+                local, gate_up = module.rows.local_slice(module.tp), whole[name].w13.chunk(2, dim=1)
+                assert torch.equal(module.w13, torch.cat([part[:, local] for part in gate_up], dim=1)), name
+                assert torch.equal(module.w2, whole[name].w2[:, :, local]), name
+                assert module.w13.shape[1] == gate_up[0].shape[1], name  # half of 2 * I
     if arch == "gemma4":  # a global layer's one KV head lives on both ranks
         layer = next(i for i in range(cfg.num_layers) if cfg.is_global(i) and not cfg.is_kv_shared(i))
         assert cfg.layer_kv_heads[layer] == 1 and shard.model.layers[layer].self_attn.attn.num_kv_heads == 1
@@ -243,6 +250,15 @@ def _config_only(path: Path, **overrides) -> Path:
 def test_sizes_the_model_cannot_split_are_refused_at_start_up(overrides, size, message, tmp_path) -> None:
     with pytest.raises(ValueError, match=message):
         engine(_config_only(tmp_path, **overrides), size)
+    assert not dist.is_initialized()
+
+
+def test_expert_rows_the_model_cannot_split_are_refused_at_start_up(tmp_path) -> None:
+    Qwen3MoeConfig(architectures=["Qwen3MoeForCausalLM"], vocab_size=64, hidden_size=48, intermediate_size=96,
+                   moe_intermediate_size=30, num_experts=4, num_experts_per_tok=2, num_hidden_layers=1,
+                   num_attention_heads=4, num_key_value_heads=2).save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match="tensor_parallel_size 4 does not divide the model's 30 expert MLP rows"):
+        engine(tmp_path, 4)
     assert not dist.is_initialized()
 
 

@@ -17,7 +17,7 @@ import pytest
 from helpers import make_model_with_tokenizer
 from tokenmill.engine.frontend.async_llm import AsyncLLM
 from tokenmill.engine.config import EngineConfig
-from tokenmill.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
+from tokenmill.entrypoints.openai.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest
 from tokenmill.entrypoints.openai.serving import ServingContext, ServingOptions
 
 from .conftest import MAX_MODEL_LEN, MODEL_NAME, LiveServer, with_app
@@ -66,6 +66,11 @@ CHAT_ONLY: dict[str, tuple[str, Any]] = {
     "documents": (REFUSED, [{"text": "x"}]), "reasoning_effort": (REFUSED, "low"),
     "mm_processor_kwargs": (REFUSED, {"k": 1}), "add_special_tokens": (OUTPUT, None),
     "tools": (OUTPUT, None), "tool_choice": (OUTPUT, None), "parallel_tool_calls": (OUTPUT, None),  # test_tools.py
+    "include_reasoning": (OUTPUT, None),  # test_reasoning.py
+}
+MESSAGE: dict[str, str] = {  # a chat message's fields, each handed to the chat template
+    "role": OUTPUT, "content": OUTPUT, "name": OUTPUT, "tool_calls": OUTPUT, "tool_call_id": OUTPUT,
+    "reasoning": OUTPUT, "reasoning_content": OUTPUT,  # test_reasoning.py
 }
 TABLES = {
     "/v1/completions": (CompletionRequest, SHARED | COMPLETION_ONLY, {"prompt": PROMPT}),
@@ -78,6 +83,14 @@ def test_every_field_is_in_the_table(path: str) -> None:
     """A new field must be classified here before it can ship: none is ignored silently."""
     model, table, _ = TABLES[path]
     assert set(model.model_fields) == set(table), set(model.model_fields) ^ set(table)
+
+
+def test_every_message_field_is_in_the_table() -> None:
+    """A message's fields reach the template: a new one must say so here too."""
+    assert set(ChatMessage.model_fields) == set(MESSAGE), set(ChatMessage.model_fields) ^ set(MESSAGE)
+    full = {name: "x" for name in MESSAGE} | {"tool_calls": [{"id": "c", "function": {"name": "f",
+                                                                                     "arguments": "{}"}}]}
+    assert set(ChatMessage.model_validate(full).for_template()) == set(MESSAGE)
 
 
 CASES = [(path, name) for path, (_, table, _) in TABLES.items() for name, (kind, _) in table.items()

@@ -407,6 +407,62 @@ def gelu_tanh_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.gelu(gate, approximate="tanh") * up
 
 
+def moe_routing(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each token's ``top_k`` experts and their weights from the router's ``[T, E]`` logits: softmax over
+    every expert in float32 (as transformers does, whatever the model's dtype), the ``top_k`` largest,
+    and with ``renormalize`` those divided by their sum (Mixtral always; Qwen3-MoE's ``norm_topk_prob``).
+    Returns ``(topk_weights [T, k] float32, topk_ids [T, k] int64)``, both on the logits' device."""
+    probs = torch.softmax(router_logits.float(), dim=-1)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, ids
+
+
+def fused_experts(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    grouped: bool | None = None,
+) -> torch.Tensor:
+    """A sparse MoE block's experts: for each token, the sum over its ``k`` experts ``e`` of
+    ``topk_weights * (silu(gate) * up) @ w2[e].T`` with ``[gate | up] = x @ w13[e].T``.
+
+    ``x [T, H]``; ``w13 [E, 2*I, H]`` (each expert's gate rows, then its up rows); ``w2 [E, H, I]``;
+    ``topk_ids``/``topk_weights`` ``[T, k]``. Returns ``[T, H]`` in ``x``'s dtype: under tensor
+    parallelism (each rank holding its share of ``I``) a partial sum, to be all-reduced.
+
+    ``grouped`` (default: on the CPU) gathers each expert's tokens and runs only those, in expert order
+    (as transformers adds them up), reading the group sizes on the host. Otherwise every expert runs on
+    every token and is weighted by zero where it was not chosen: no host read and fixed shapes, so a
+    CUDA graph can capture it, at ``E / k`` times the work. That is the GPU's path until the fused
+    Triton kernel lands."""
+    if grouped is None:
+        grouped = not x.is_cuda
+    out = torch.zeros_like(x)
+    num_experts, top_k = w13.shape[0], topk_ids.shape[-1]
+    if not grouped:
+        for e in range(num_experts):
+            weight = (topk_weights * (topk_ids == e)).sum(dim=-1).to(x.dtype)
+            out += (silu_and_mul(x @ w13[e].t()) @ w2[e].t()) * weight[:, None]
+        return out
+    flat = topk_ids.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    counts = torch.bincount(flat, minlength=num_experts).tolist()
+    tokens = order // top_k
+    weights = topk_weights.reshape(-1)[order].to(x.dtype)
+    start = 0
+    for e, n in enumerate(counts):
+        if n:
+            rows = tokens[start : start + n]
+            y = silu_and_mul(x[rows] @ w13[e].t()) @ w2[e].t()
+            out.index_add_(0, rows, y * weights[start : start + n, None])
+            start += n
+    return out
+
+
 GATED_ACTIVATIONS = {"silu": silu_and_mul, "gelu_tanh": gelu_tanh_and_mul}
 # How a family's RMSNorm applies its weight, by the name its norm modules give (``weighting``):
 # Llama's ``w * norm(x)`` rounded first, Gemma 3's ``(1 + w)`` and Gemma 4's ``w`` in float32.

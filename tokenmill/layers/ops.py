@@ -331,5 +331,18 @@ def sample(
     return backend_for(logits).sample(logits, noise, inv_temperature, top_k, top_values, top_p, min_p, greedy_ids)
 
 
+def moe_routing(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each token's experts and weights from the router's logits (``reference.moe_routing``), on the device."""
+    return reference.moe_routing(router_logits, top_k, renormalize)
+
+
+def fused_experts(
+    x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
+) -> torch.Tensor:
+    """A sparse MoE block's experts (``reference.fused_experts``). The torch reference on every device
+    until the fused Triton kernel lands: on the GPU its capturable form, every expert on every token."""
+    return reference.fused_experts(x, w13, w2, topk_ids, topk_weights)
+
+
 _GATED = {"silu": silu_and_mul, "gelu_tanh": gelu_tanh_and_mul}
 _NORMS: dict[str, Callable[..., Any]] = {"llama": rms_norm, "offset": offset_rms_norm, "fp32": fp32_weight_rms_norm}

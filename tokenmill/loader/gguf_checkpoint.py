@@ -97,6 +97,8 @@ def read_gguf_config(path: str | Path) -> dict[str, Any]:
         raise ModelLoadError(
             f"{path}: GGUF architecture {architecture!r} is not supported (supported: {', '.join(ARCHITECTURES)})"
         )
+    if _field(reader, f"{architecture}.expert_count"):  # llama.cpp writes Mixtral as "llama" with experts
+        raise ModelLoadError(f"{path}: GGUF files of a mixture of experts are not supported (only safetensors)")
     transformers_config = _transformers_config(path)
     config = transformers_config.to_dict()
     config["architectures"] = [ARCHITECTURES[architecture][transformers_config.model_type]]

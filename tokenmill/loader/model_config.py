@@ -70,6 +70,29 @@ class CheckpointQuantization:
 
 
 @dataclass(frozen=True)
+class MoEConfig:
+    """A sparse mixture-of-experts model's MLPs: ``num_experts`` gated MLPs of ``intermediate_size`` rows
+    each, of which a router picks ``top_k`` per token (softmax over all, top-k, divided by their sum with
+    ``renormalize``); ``sparse_layers[i]``: whether layer ``i`` has them (else a dense MLP of
+    ``ModelConfig.intermediate_size``)."""
+
+    num_experts: int
+    top_k: int
+    intermediate_size: int
+    renormalize: bool
+    sparse_layers: tuple[bool, ...]
+
+    def __post_init__(self) -> None:
+        if self.num_experts < 1 or not 1 <= self.top_k <= self.num_experts:
+            raise ModelLoadError(
+                f"a mixture of experts needs 1 <= experts per token <= experts, got {self.top_k} of "
+                f"{self.num_experts} experts (num_experts_per_tok, num_experts / num_local_experts)"
+            )
+        if self.intermediate_size < 1:
+            raise ModelLoadError(f"expert intermediate size {self.intermediate_size} must be positive")
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     """What the model code and the KV cache need to know about a checkpoint."""
 
@@ -94,6 +117,7 @@ class ModelConfig:
     checkpoint_dtype: torch.dtype
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
     quantization: CheckpointQuantization | None = None  # an FP8 checkpoint's; None: dense weights
+    moe: MoEConfig | None = None  # a sparse mixture of experts' MLPs; None: dense MLPs only
 
     def kv_layout(self) -> KVLayout:
         """Each layer's cache: every layer owns one of ``num_kv_heads`` × ``head_dim``, with its

@@ -12,8 +12,9 @@ own config keys onto those switches.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 import torch
 from torch import nn
@@ -85,6 +86,12 @@ def parse_config(raw: dict[str, Any], arch: str) -> ModelConfig:
     return decoder_config(
         raw, arch, qkv_bias=bias, o_bias=bias, qk_norm=False, windows=sliding_windows(raw, raw.get("sliding_window"))
     )
+
+
+def matrix_rows(param: torch.Tensor) -> int:
+    """The rows a parameter's reads must fill (``ShardRead.rows``): its first dimension, or for a stack of
+    matrices (a mixture of experts' ``[E, rows, cols]``) the rows of all of them."""
+    return param.shape[0] if param.dim() <= 2 else math.prod(param.shape[:-1])
 
 
 class DecoderAttention(nn.Module):
@@ -173,10 +180,11 @@ def norm_linear(
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, layer: int, rotary: RotaryEmbedding) -> None:
+    def __init__(self, config: ModelConfig, layer: int, rotary: RotaryEmbedding, mlp: nn.Module | None = None) -> None:
+        """``mlp``: the layer's own in place of the dense ``GatedMLP`` (a mixture of experts)."""
         super().__init__()
         self.self_attn = DecoderAttention(config, layer, rotary)
-        self.mlp = GatedMLP(config)
+        self.mlp = GatedMLP(config) if mlp is None else mlp
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -190,18 +198,23 @@ class DecoderLayer(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         qkv, residual = norm_linear(self.input_layernorm, x, residual, self.self_attn.qkv_proj)
         x, residual = self.self_attn(positions, qkv, residual, kv_cache, meta)
-        activation, residual = norm_linear(
-            self.post_attention_layernorm, x, residual, self.mlp.gate_up_proj, gated=True
-        )
-        return self.mlp(activation, residual)
+        mlp = cast(GatedMLP, self.mlp)  # a family with another MLP overrides forward (models/moe.py)
+        activation, residual = norm_linear(self.post_attention_layernorm, x, residual, mlp.gate_up_proj, gated=True)
+        return mlp(activation, residual)
+
+
+LayerFactory = Callable[[ModelConfig, int, RotaryEmbedding], nn.Module]
 
 
 class DecoderModel(nn.Module):
-    def __init__(self, config: ModelConfig, max_positions: int) -> None:
+    def __init__(self, config: ModelConfig, max_positions: int, make_layer: LayerFactory | None = None) -> None:
+        """``make_layer(config, layer, rotary)``: where a family's layers differ from ``DecoderLayer`` only
+        in their MLP (the mixture-of-experts families)."""
         super().__init__()
+        make_layer = make_layer or DecoderLayer
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         rotary = RotaryEmbedding(config.head_dim, max_positions, config.rope_theta, config.rope_scaling)
-        self.layers = nn.ModuleList(DecoderLayer(config, i, rotary) for i in range(config.num_layers))
+        self.layers = nn.ModuleList(make_layer(config, i, rotary) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(
@@ -233,7 +246,7 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, config: ModelConfig, max_positions: int) -> None:
         super().__init__()
         self.config = config
-        self.model: Decoder = DecoderModel(config, max_positions)
+        self.model: Decoder = DecoderModel(config, max_positions, self.make_layer)
         self.lm_head = (
             None if config.tie_word_embeddings else VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         )
@@ -259,6 +272,8 @@ class LlamaForCausalLM(nn.Module):
         logprobs), not for greedy rows. None here."""
         return logits
 
+    make_layer: LayerFactory | None = None  # DecoderModel's layers: ``DecoderLayer`` unless a family says
+
     def fused_projections(self, layer: int) -> dict[str, tuple[str, int]]:
         """Which fused parameter, and which of its parts, each of decoder layer ``layer``'s checkpoint
         projections fills: ``name -> (fused name, part)``. The same for every layer here; families whose
@@ -283,6 +298,17 @@ class LlamaForCausalLM(nn.Module):
                 return [".".join([*parts[:-1], proj]) for _, proj in fused]
         return [name]
 
+    def checkpoint_target(self, name: str) -> tuple[str, int | None]:
+        """The parameter (its full name as the checkpoint would spell it) that checkpoint tensor ``name``
+        fills, and which part of it (``Sharded.shard``'s ``part``; None: the whole). Here: q/k/v and gate/up
+        go to their fused projections (``fused_projections``), the rest to their own names."""
+        parts = name.split(".")
+        slot = self.fused_projections(int(parts[2])).get(parts[-2]) if parts[1:2] == ["layers"] else None
+        if slot is None:
+            return name, None
+        fused_name, part = slot
+        return ".".join([*parts[:-2], fused_name, parts[-1]]), part
+
     def load_weights(self, weights: Iterable[tuple[str, Any]]) -> None:
         """Copy checkpoint tensors (tensors, or safetensors slices, of which only this rank's share is
         read) into the parameters, fusing q/k/v and gate/up; raises if any parameter is left without a value.
@@ -303,12 +329,7 @@ class LlamaForCausalLM(nn.Module):
                 continue
             if name == "lm_head.weight" and self.lm_head is None:
                 continue
-            parts = name.split(".")
-            target, part = name, None
-            slot = self.fused_projections(int(parts[2])).get(parts[-2]) if parts[1:2] == ["layers"] else None
-            if slot is not None:
-                fused_name, part = slot
-                target = ".".join([*parts[:-2], fused_name, parts[-1]])
+            target, part = self.checkpoint_target(name)
             module_name, _, param_name = target.rpartition(".")
             param_name = parameter_name(modules.get(module_name), param_name)
             target = f"{module_name}.{param_name}"
@@ -326,7 +347,7 @@ class LlamaForCausalLM(nn.Module):
                 )
             read.dest.copy_(read.read(tensor))
             filled[target] = filled.get(target, 0) + read.rows
-        missing = [n for n, p in params.items() if filled.get(n, 0) < p.shape[0]]
+        missing = [n for n, p in params.items() if filled.get(n, 0) < matrix_rows(p)]
         missing += [
             f"{n}: k_scale or v_scale"
             for n, m in modules.items()

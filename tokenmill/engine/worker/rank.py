@@ -108,7 +108,11 @@ def check_tensor_parallel(
     check_divides("attention heads", model_config.num_heads, size)
     for kv_heads in sorted({spec.num_kv_heads for spec in model_config.kv_layout().groups}, reverse=True):
         check_divides("KV heads", kv_heads, size)
-    check_divides("MLP rows (intermediate_size)", model_config.intermediate_size, size)
+    moe = model_config.moe
+    if moe is None or not all(moe.sparse_layers):
+        check_divides("MLP rows (intermediate_size)", model_config.intermediate_size, size)
+    if moe is not None:  # each expert is split as a dense MLP is
+        check_divides("expert MLP rows (moe_intermediate_size)", moe.intermediate_size, size)
 
 
 def apply_quantization(
@@ -121,7 +125,9 @@ def apply_quantization(
     """Keep the model's projections (this rank's share of them) quantized where ``quantization`` asks for
     it (``q8_0``, ``fp8``: one float8 scale per output row, activations per token) or a GGUF file's
     layer matrices are Q8_0; returns the scheme (None: dense). An FP8 checkpoint is FP8 already
-    (``build_model``): ``fp8`` asks nothing more of it, and another scheme is a ValueError."""
+    (``build_model``): ``fp8`` asks nothing more of it, and another scheme is a ValueError. A mixture of
+    experts' experts and routers stay dense under either scheme (no expert kernel reads Q8_0 or FP8 yet):
+    only its attention and dense MLP projections are quantized, and the log says so."""
     if model_config.quantization is not None and not engine_config.random_weights:
         if engine_config.quantization not in (None, "fp8"):
             raise ValueError(
@@ -136,6 +142,13 @@ def apply_quantization(
     elif scheme == "fp8":
         count = quantize_linears_fp8(model)
         logger.info("%d projections kept in FP8 (float8 e4m3, a scale per output row; activations per token)", count)
+    if scheme is not None and model_config.moe is not None:
+        logger.warning(
+            "quantization %s leaves the experts and routers of this mixture of experts' %d sparse layers dense: "
+            "only the attention and dense MLP projections are quantized",
+            scheme,
+            sum(model_config.moe.sparse_layers),
+        )
     if scheme is not None and device.type == "cuda":
         torch.cuda.empty_cache()  # the dense weights they replaced
     return scheme

@@ -1,11 +1,13 @@
 """``POST /v1/chat/completions``: messages (and tools) through the model's chat template, the
-reply whole or streamed as deltas (role, then content or tool-call pieces, then finish_reason).
-With tools, the reply is read by the server's tool-call parser (``tool_parsers``), whole or
-delta by delta alike."""
+reply whole or streamed as deltas (role, then reasoning, content or tool-call pieces, then
+finish_reason). With a reasoning parser (``reasoning_parsers``) the thinking is split off first;
+with tools, the rest of the reply is read by the server's tool-call parser (``tool_parsers``),
+whole or delta by delta alike."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+import functools
+from collections.abc import AsyncIterator, Callable
 
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
@@ -30,6 +32,7 @@ from tokenmill.entrypoints.openai.protocol import (
     new_tool_call_id,
     now_seconds,
 )
+from tokenmill.entrypoints.openai.reasoning_parsers import REASONING_PARSERS, ReasoningParser
 from tokenmill.entrypoints.openai.serving import (
     RequestGroup,
     ServingContext,
@@ -41,6 +44,10 @@ from tokenmill.entrypoints.openai.serving import (
 )
 from tokenmill.entrypoints.openai.tools import ToolPlan, plan_tools
 from tokenmill.outputs import CompletionOutput, Logprobs
+from tokenmill.sampling_params import SamplingParams
+
+Thinking = Callable[[], ReasoningParser] | None
+"""A fresh reasoning parser for each choice of a request, or None where thinking is not read."""
 
 
 def _role(req: ChatCompletionRequest) -> str:
@@ -63,15 +70,41 @@ def _finish_reason(reason: str | None, called: bool) -> str | None:
     return "tool_calls" if called and reason == "stop" else reason
 
 
-def _message(req: ChatCompletionRequest, tools: ToolPlan, choice: CompletionOutput) -> ChatResponseMessage:
-    """The whole reply: content and, with a parser, the calls read out of the text."""
+def _thinking(ctx: ServingContext, prompt_token_ids: list[int], params: SamplingParams) -> Thinking:
+    """The server's reasoning parser, set to where this prompt leaves the thinking block. A reply
+    that a grammar constrains (structured outputs, forced tool calls) is all content: the grammar
+    holds from its first token, so it cannot think."""
+    name = ctx.options.reasoning_parser
+    if name is None or params.structured_outputs is not None:
+        return None
+    parser = REASONING_PARSERS[name]
+    return functools.partial(parser, parser.prompt_state(ctx.tokenizer, prompt_token_ids))
+
+
+def _message(
+    req: ChatCompletionRequest, tools: ToolPlan, thinking: Thinking, choice: CompletionOutput
+) -> ChatResponseMessage:
+    """The whole reply: the thinking split off (with a reasoning parser), then content and, with
+    a tool parser, the calls read out of the rest. Content is null when the reply thought and
+    said nothing after."""
+    text, reasoning = choice.text, None
+    if thinking is not None:
+        split = thinking().parse(text)
+        text, reasoning = split.content, split.reasoning
     reader = tools.reader()
+    calls: list[ToolCall] = []
     if reader is None:
-        return ChatResponseMessage(role=_role(req), content=_echoed(req) + choice.text)
-    reply = reader.parse(choice.text)
-    content = _echoed(req) + reply.content if reply.content is not None else _echoed(req) or None
-    calls = [ToolCall(function=FunctionCallOut(name=c.name, arguments=c.arguments)) for c in reply.calls]
-    return ChatResponseMessage(role=_role(req), content=content, tool_calls=calls or None)
+        content: str | None = _echoed(req) + text
+    else:
+        reply = reader.parse(text)
+        content = _echoed(req) + reply.content if reply.content is not None else _echoed(req) or None
+        calls = [ToolCall(function=FunctionCallOut(name=c.name, arguments=c.arguments)) for c in reply.calls]
+    if reasoning is not None and not content:
+        content = None
+    shown = reasoning if req.include_reasoning else None
+    return ChatResponseMessage(
+        role=_role(req), content=content, tool_calls=calls or None, reasoning=shown, reasoning_content=shown
+    )
 
 
 async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest, raw: Request) -> Response:
@@ -91,11 +124,14 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
     prompt = await ctx.render_chat(
         req, [m.for_template() for m in req.messages], req.add_special_tokens, tools.template_tools
     )
+    thinking = _thinking(ctx, prompt, params)
     request_id = ctx.request_id(req, raw, "chatcmpl")
     group = await ctx.start(request_id, [prompt], params, stream=req.stream, req=req)
     if req.stream:
         return StreamingResponse(
-            sse_stream(_stream_events(ctx, req, tools, group, request_id, prompt), group, offload=req.logprobs),
+            sse_stream(
+                _stream_events(ctx, req, tools, thinking, group, request_id, prompt), group, offload=req.logprobs
+            ),
             media_type="text/event-stream",
         )
     [final] = await group.final_outputs(raw)
@@ -104,7 +140,7 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
     def response() -> ChatCompletionResponse:
         choices = []
         for c in final.outputs:
-            message = _message(req, tools, c)
+            message = _message(req, tools, thinking, c)
             choices.append(
                 ChatChoice(
                     index=c.index,
@@ -153,14 +189,26 @@ def _logprobs(
 
 
 class _StreamedReply:
-    """One choice's reply as it streams, in OpenAI's deltas: content, or pieces of calls when a
-    parser reads them (each call's first piece with its id, type and name)."""
+    """One choice's reply as it streams, in OpenAI's deltas: thinking (with a reasoning parser),
+    then content, or pieces of calls when a tool parser reads them (each call's first piece with
+    its id, type and name)."""
 
-    def __init__(self, tools: ToolPlan) -> None:
+    def __init__(self, tools: ToolPlan, thinking: Thinking, include_reasoning: bool) -> None:
         self.reader = tools.reader()
+        self.thinker = None if thinking is None else thinking()
+        self.include_reasoning = include_reasoning
         self.called = False
 
-    def delta(self, text: str, last: bool) -> DeltaMessage:
+    def deltas(self, text: str, last: bool) -> list[DeltaMessage]:
+        """The deltas that the reply's next piece of text makes: its thinking first, then the rest."""
+        if self.thinker is None:
+            return [self._delta(text, last)]
+        split = self.thinker.feed(text, last)
+        thought = split.reasoning if self.include_reasoning else ""
+        ahead = [DeltaMessage(reasoning=thought, reasoning_content=thought)] if thought else []
+        return [*ahead, self._delta(split.content, last)]
+
+    def _delta(self, text: str, last: bool) -> DeltaMessage:
         if self.reader is None:
             return DeltaMessage(content=text)
         read = self.reader.feed(text, last)
@@ -181,12 +229,15 @@ async def _stream_events(
     ctx: ServingContext,
     req: ChatCompletionRequest,
     tools: ToolPlan,
+    thinking: Thinking,
     group: RequestGroup,
     request_id: str,
     prompt_token_ids: list[int],
 ) -> AsyncIterator[ChatCompletionChunk]:
     """Per choice the role (the first chunk also carries the prompt's ids when asked), the
-    echoed content if any, then content or tool-call deltas and an empty delta with finish_reason."""
+    echoed content if any, then reasoning, content or tool-call deltas (an engine output's
+    reasoning in a chunk of its own, ahead of its content; the first chunk of each output carries
+    its logprobs and token ids) and an empty delta with finish_reason."""
     created = now_seconds()
     final_usage, continuous_usage = ctx.stream_usage(req)
     ids = req.return_token_ids
@@ -206,7 +257,7 @@ async def _stream_events(
             prompt_token_ids=prompt_ids,
         )
 
-    replies = [_StreamedReply(tools) for _ in range(req.n)]
+    replies = [_StreamedReply(tools, thinking, req.include_reasoning) for _ in range(req.n)]
     for index in range(req.n):
         yield chunk(
             ChatStreamChoice(index=index, delta=DeltaMessage(role=_role(req), content="")),
@@ -219,14 +270,19 @@ async def _stream_events(
         for c in out.outputs:
             completion_tokens += len(c.token_ids)
             reply = replies[c.index]
-            delta = reply.delta(c.text, c.finished)
-            if delta.content or delta.tool_calls or c.token_ids:
+            deltas = [d for d in reply.deltas(c.text, c.finished) if d.reasoning or d.content or d.tool_calls]
+            if not deltas and c.token_ids:
+                deltas = [DeltaMessage(content="")]
+            for i, delta in enumerate(deltas):
+                first = i == 0
                 yield chunk(
                     ChatStreamChoice(
                         index=c.index,
                         delta=delta,
-                        logprobs=await off_loop(req.logprobs, _logprobs, ctx, req, c.token_ids, c.logprobs),
-                        token_ids=list(c.token_ids) if ids else None,
+                        logprobs=await off_loop(req.logprobs, _logprobs, ctx, req, c.token_ids, c.logprobs)
+                        if first
+                        else None,
+                        token_ids=list(c.token_ids) if ids and first else None,
                     )
                 )
             if c.finished:

@@ -432,15 +432,33 @@ class ChatMessage(RequestModel):
     name: Text | None = None
     tool_calls: list[MessageToolCall] | None = None  # an assistant's earlier calls
     tool_call_id: Text | None = None  # a tool message's answer to that call
+    reasoning: Text | None = None  # an assistant's earlier thinking, as replies carry it
+    reasoning_content: Text | None = None  # the same, under its older name
 
     def for_template(self) -> dict[str, Any]:
         """The message as a chat template expects it: content flattened to one string, and the
-        tool fields that are set."""
+        tool fields that are set. Earlier thinking goes under both names: Qwen3's and
+        DeepSeek's templates read ``reasoning_content``, newer ones ``reasoning``."""
         content = self.content
         if isinstance(content, list):
             content = "".join(part.text for part in content)
         tool_fields = self.model_dump(include={"name", "tool_calls", "tool_call_id"}, exclude_none=True)
-        return {"role": self.role, "content": content or ""} | tool_fields
+        thought = self.reasoning if self.reasoning is not None else self.reasoning_content
+        thinking = {} if thought is None else {"reasoning": thought, "reasoning_content": thought}
+        return {"role": self.role, "content": content or ""} | tool_fields | thinking
+
+    @model_validator(mode="after")
+    def _one_thought(self) -> ChatMessage:
+        """Both names given must say the same: which one a template reads should not matter."""
+        if (
+            self.reasoning is not None
+            and self.reasoning_content is not None
+            and self.reasoning != self.reasoning_content
+        ):
+            raise PydanticCustomError(
+                "conflicting_reasoning", "reasoning and reasoning_content are two names of one field: they differ"
+            )
+        return self
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -461,6 +479,7 @@ class ChatCompletionRequest(SamplingFields):
     tools: list[ChatTool] | None = None
     tool_choice: ToolChoice | None = None  # unset: "auto" with tools, else "none"
     parallel_tool_calls: StrictBool | None = None  # false: tool_choice "required" makes one call
+    include_reasoning: StrictBool = True  # false: a reasoning parser's thinking is left out of the reply
 
     _refuse_chat_unsupported = field_validator(*_CHAT_UNSUPPORTED)(refuse_unsupported)
 
@@ -558,10 +577,12 @@ class ChatResponseMessage(BaseModel):
     role: str = "assistant"  # the last message's role when add_generation_prompt is false, as vLLM
     content: str | None = None
     tool_calls: list[ToolCall] | None = None
+    reasoning: str | None = None  # the thinking, with a reasoning parser (vLLM's name)
+    reasoning_content: str | None = None  # the same text, under vLLM's older name
 
     @model_serializer(mode="wrap")
     def _calls_when_any(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
-        return _without_null(handler(self), "tool_calls")
+        return _without_null(handler(self), "tool_calls", "reasoning", "reasoning_content")
 
 
 class ChatChoice(BaseModel):
@@ -611,10 +632,12 @@ class DeltaMessage(BaseModel):
     role: str | None = None
     content: str | None = None
     tool_calls: list[DeltaToolCall] | None = None
+    reasoning: str | None = None  # a piece of the thinking, before any content
+    reasoning_content: str | None = None  # the same piece, under vLLM's older name
 
     @model_serializer(mode="wrap")
     def _calls_when_any(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
-        return _without_null(handler(self), "tool_calls")
+        return _without_null(handler(self), "tool_calls", "reasoning", "reasoning_content")
 
 
 class ChatStreamChoice(BaseModel):

@@ -22,7 +22,7 @@ import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from types import FrameType
-from typing import Literal
+from typing import Any, Literal
 
 import uvicorn
 from fastapi import FastAPI, Request
@@ -45,6 +45,7 @@ from tokenmill.entrypoints.openai.protocol import (
     now_seconds,
     random_id,
 )
+from tokenmill.entrypoints.openai.reasoning_parsers import REASONING_PARSERS
 from tokenmill.entrypoints.openai.serving import ServingContext, ServingOptions
 from tokenmill.entrypoints.openai.tokenization import (
     DetokenizeRequest,
@@ -156,7 +157,10 @@ def build_app(
     """An app over ``engine``; its shutdown ends whatever still runs and stops the core.
     ``vllm_metrics`` also exports the metrics vLLM has under vLLM's names;
     ``request_id_headers`` puts an ``X-Request-Id`` on every response; ``open_metrics`` leaves
-    /metrics open when an ``api_key`` guards the rest."""
+    /metrics open when an ``api_key`` guards the rest. A reasoning parser whose markers the
+    model's tokenizer lacks is a ValueError: the server would split nothing."""
+    if options.reasoning_parser is not None:
+        REASONING_PARSERS[options.reasoning_parser].check_tokenizer(engine.tokenizer)
     server_metrics = ServerMetrics(engine, served_model_name, vllm_names=vllm_metrics)
     ctx = ServingContext(engine, served_model_name, engine.tokenizer, server_metrics, options)
     model_root = str(engine.config.model or served_model_name)
@@ -326,12 +330,39 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
         help='with tool_choice "none", leave the tools out of the chat template too',
     )
     g.add_argument(
+        "--reasoning-parser",
+        default=None,
+        choices=sorted(REASONING_PARSERS),
+        help="split a reasoning model's thinking (<think>...</think>) out of chat replies into "
+        "message.reasoning: qwen3 (Qwen3, QwQ with a template that opens the block) or deepseek_r1 "
+        "(DeepSeek-R1 and its distills: the reply always thinks first); unset: the thinking stays in content",
+    )
+    g.add_argument(
+        "--default-chat-template-kwargs",
+        type=_json_object,
+        default={},
+        metavar="JSON",
+        help='variables for the chat template on every request, as a JSON object, e.g. \'{"enable_thinking": '
+        "false}'; a request's chat_template_kwargs override them key by key",
+    )
+    g.add_argument(
         "--uvicorn-log-level",
         default="info",
         choices=["critical", "error", "warning", "info", "debug"],
         help="log level of the HTTP server (access log at info)",
     )
     add_option_args(parser, ServerLimits, "limits on one request's work")
+
+
+def _json_object(text: str) -> dict[str, Any]:
+    """A JSON object from the command line; anything else is a usage error that says what it got."""
+    try:
+        value = json.loads(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"not valid JSON ({exc}): {text!r}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"must be a JSON object ({{...}}), got {type(value).__name__}: {text!r}")
+    return value
 
 
 def serving_options_from_args(args: argparse.Namespace) -> ServingOptions:
@@ -343,6 +374,8 @@ def serving_options_from_args(args: argparse.Namespace) -> ServingOptions:
         enable_auto_tool_choice=args.enable_auto_tool_choice,
         exclude_tools_when_tool_choice_none=args.exclude_tools_when_tool_choice_none,
         trust_request_chat_template=args.trust_request_chat_template,
+        reasoning_parser=args.reasoning_parser,
+        default_chat_template_kwargs=args.default_chat_template_kwargs,
         limits=options_from_args(ServerLimits, args),
     )
 

@@ -59,6 +59,8 @@ class ServingOptions:
     enable_auto_tool_choice: bool = False  # tool_choice "auto": the model decides whether to call
     exclude_tools_when_tool_choice_none: bool = False  # tool_choice "none" keeps the tools from the template
     trust_request_chat_template: bool = False  # a request may bring its own chat template
+    reasoning_parser: str | None = None  # how thinking is read out of chat replies (reasoning_parsers)
+    default_chat_template_kwargs: dict[str, Any] = field(default_factory=dict)  # a request's own win, key by key
     limits: ServerLimits = field(default_factory=ServerLimits)  # the most work one request may ask
 
 
@@ -196,7 +198,7 @@ class ServingContext:
             add_generation_prompt=req.add_generation_prompt,
             continue_final_message=req.continue_final_message,
             chat_template=req.chat_template,
-            chat_template_kwargs=dict(req.chat_template_kwargs or {}),
+            chat_template_kwargs=self.options.default_chat_template_kwargs | (req.chat_template_kwargs or {}),
             add_special_tokens=add_special_tokens,
             tools=tools,
         )
