@@ -20,9 +20,10 @@ from torch import nn
 
 from tokenmill.kernels import fp8
 from tokenmill.kernels.fp8 import FP8Scheme, FP8Weight
-from tokenmill.layers import ops
 from tokenmill.layers.linear import (
     ColumnParallelLinear,
+    PackedLinear,
+    PackedProjection,
     RowParallelLinear,
     ScalarRead,
     Sharded,
@@ -44,7 +45,7 @@ class BlockScaleRead(ShardRead):
         return source[self.index].repeat_interleave(self.block_rows, dim=0)[self.skip : self.skip + self.rows]
 
 
-class FP8Weights(Sharded):
+class FP8Weights(Sharded, PackedProjection):
     """A linear layer whose weight is kept as FP8 parameters: ``qweight`` (float8 e4m3 ``[N, K]``),
     ``weight_scale`` (float32, one per row and block of input columns) and, for static activations,
     ``input_scale`` (one per fused part). Its ``weight`` is an ``FP8Weight``, which the projection ops
@@ -70,11 +71,6 @@ class FP8Weights(Sharded):
     def column_block(self) -> int | None:
         """The input columns that share a weight scale (and an activation scale); None: the whole row."""
         return None if self.scheme is None or self.scheme.block is None else self.scheme.block[1]
-
-    def project(self, x: torch.Tensor) -> torch.Tensor:
-        """``x @ weight.T + bias`` over any leading dimensions (``nn.Linear``'s forward takes no FP8Weight)."""
-        shape = x.shape
-        return ops.linear(x.reshape(-1, shape[-1]), self.weight, self.bias).reshape(*shape[:-1], -1)
 
     def parameter(self, checkpoint_name: str) -> str:
         return self._PARAMETERS.get(checkpoint_name, checkpoint_name)
@@ -134,7 +130,7 @@ class FP8Weights(Sharded):
         )
 
 
-class FP8Linear(FP8Weights, nn.Module):
+class FP8Linear(FP8Weights, PackedLinear):
     """A plain (not split) ``nn.Linear`` in FP8."""
 
     def __init__(self, shape: tuple[int, int], bias: torch.Tensor | None, scheme: FP8Scheme | None) -> None:
@@ -142,17 +138,6 @@ class FP8Linear(FP8Weights, nn.Module):
         self.shape_on_rank = shape
         self.scheme = scheme
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
-
-    @property
-    def in_features(self) -> int:
-        return self.qweight.shape[1]
-
-    @property
-    def out_features(self) -> int:
-        return self.qweight.shape[0]
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.project(x)
 
 
 # (Their ``weight`` is an FP8Weight where nn.Linear's is a Parameter: the point of these classes.)

@@ -159,6 +159,39 @@ class RowParallelLinear(nn.Linear, Sharded):
         )
 
 
+class PackedProjection:
+    """A linear layer whose ``weight`` is a packed form (``Q8Weight``, ``FP8Weight``) that the projection
+    ops take in place of a dense matrix, where ``nn.Linear``'s forward takes none; ``qweight`` holds its
+    values ``[N, K]``."""
+
+    qweight: torch.Tensor
+    bias: torch.Tensor | None
+
+    @property
+    def weight(self) -> Any:
+        raise NotImplementedError
+
+    def project(self, x: torch.Tensor) -> torch.Tensor:
+        """``x @ weight.T + bias`` over any leading dimensions."""
+        shape = x.shape
+        return ops.linear(x.reshape(-1, shape[-1]), self.weight, self.bias).reshape(*shape[:-1], -1)
+
+
+class PackedLinear(PackedProjection, nn.Module):
+    """A plain (not split) ``nn.Linear`` with a packed weight."""
+
+    @property
+    def in_features(self) -> int:
+        return self.qweight.shape[1]
+
+    @property
+    def out_features(self) -> int:
+        return self.qweight.shape[0]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.project(x)
+
+
 class ReplicatedLinear(nn.Linear):
     """A projection every rank holds whole (Gemma 4's small per-layer-input projections), run through
     ``ops.linear`` as the split ones are (``nn.Linear``'s forward would take cuBLAS at every row count)."""

@@ -7,11 +7,10 @@ import torch
 from torch import nn
 
 from tokenmill.kernels import q8_0
-from tokenmill.layers import ops
-from tokenmill.layers.linear import ColumnParallelLinear, RowParallelLinear, projections
+from tokenmill.layers.linear import ColumnParallelLinear, PackedLinear, PackedProjection, RowParallelLinear, projections
 
 
-class Q8Weights:
+class Q8Weights(PackedProjection):
     """A linear layer whose weight is kept as Q8_0 buffers (``qweight``, ``scales``): its ``weight``
     is a ``Q8Weight``, which the layer's own forward, the model's code and the fused ops take in
     place of a dense matrix."""
@@ -24,13 +23,8 @@ class Q8Weights:
     def weight(self) -> q8_0.Q8Weight:
         return q8_0.Q8Weight(self.qweight, self.scales)
 
-    def project(self, x: torch.Tensor) -> torch.Tensor:
-        """``x @ weight.T + bias`` over any leading dimensions (``nn.Linear``'s forward takes no Q8_0)."""
-        shape = x.shape
-        return ops.linear(x.reshape(-1, shape[-1]), self.weight, self.bias).reshape(*shape[:-1], -1)
 
-
-class Q8Linear(Q8Weights, nn.Module):
+class Q8Linear(Q8Weights, PackedLinear):
     """A plain (not split) ``nn.Linear`` in Q8_0."""
 
     def __init__(self, weight: q8_0.Q8Weight, bias: torch.Tensor | None) -> None:
@@ -38,17 +32,6 @@ class Q8Linear(Q8Weights, nn.Module):
         self.register_buffer("qweight", weight.qweight)
         self.register_buffer("scales", weight.scales)
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
-
-    @property
-    def in_features(self) -> int:
-        return self.qweight.shape[1]
-
-    @property
-    def out_features(self) -> int:
-        return self.qweight.shape[0]
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.project(x)
 
 
 # (Their ``weight`` is a Q8Weight where nn.Linear's is a Parameter: the point of these classes.)

@@ -198,7 +198,11 @@ class DecoderLayer(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         qkv, residual = norm_linear(self.input_layernorm, x, residual, self.self_attn.qkv_proj)
         x, residual = self.self_attn(positions, qkv, residual, kv_cache, meta)
-        mlp = cast(GatedMLP, self.mlp)  # a family with another MLP overrides forward (models/moe.py)
+        return self.feed_forward(x, residual)
+
+    def feed_forward(self, x: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The layer's MLP after its norm (a family with another MLP overrides this: models/moe.py)."""
+        mlp = cast(GatedMLP, self.mlp)
         activation, residual = norm_linear(self.post_attention_layernorm, x, residual, mlp.gate_up_proj, gated=True)
         return mlp(activation, residual)
 

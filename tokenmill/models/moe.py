@@ -21,11 +21,10 @@ from typing import Any
 import torch
 
 from tokenmill.layers import ops
-from tokenmill.layers.attention import AttentionMetadata, KVCache
 from tokenmill.layers.fused_moe import GATE, UP, FusedExperts, SparseMoE
 from tokenmill.layers.rotary import RotaryEmbedding
 from tokenmill.loader.model_config import ModelConfig, ModelLoadError, MoEConfig
-from tokenmill.models.llama import DecoderLayer, LlamaForCausalLM, decoder_config, norm_linear, sliding_windows
+from tokenmill.models.llama import DecoderLayer, LlamaForCausalLM, decoder_config, sliding_windows
 
 # A checkpoint expert projection's name → (stacked parameter, piece of w13).
 _EXPERT_PROJECTIONS = {
@@ -103,18 +102,9 @@ class MoEDecoderLayer(DecoderLayer):
         super().__init__(config, layer, rotary, mlp)
         self.sparse = mlp is not None
 
-    def forward(
-        self,
-        positions: torch.Tensor,
-        x: torch.Tensor,
-        residual: torch.Tensor | None,
-        kv_cache: KVCache,
-        meta: AttentionMetadata,
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def feed_forward(self, x: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
         if not self.sparse:
-            return super().forward(positions, x, residual, kv_cache, meta)
-        qkv, residual = norm_linear(self.input_layernorm, x, residual, self.self_attn.qkv_proj)
-        x, residual = self.self_attn(positions, qkv, residual, kv_cache, meta)
+            return super().feed_forward(x, residual)
         norm = self.post_attention_layernorm
         if residual is None:  # the attention's projection brought the stream back whole
             normed, stream = ops.rms_norm(x, norm.weight, norm.eps), x
