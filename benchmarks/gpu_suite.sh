@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # GPU tests, then benchmarks, in one run from the repository root; parts run in the order given:
-#   bash benchmarks/gpu_suite.sh tests kernels startup latency batch throughput features kvcache q8
+#   bash benchmarks/gpu_suite.sh tests kernels startup latency batch throughput features kvcache weights
 # (`tests` = kernel and engine GPU tests; `engine-tests` = engine only (`engine-tests-1/2`: its first half),
 #  `kernel-tests` = kernels only;
 #  `serve-qwen3-0.6b`, `serve-llama3-8b` = the server against the engine, benchmarks/suite/serve_vs_engine.py;
@@ -15,6 +15,9 @@
 #  `structured` = structured outputs, benchmarks/suite/structured_outputs_bench.py;
 #  `tp` = on two GPUs, the tensor-parallel GPU tests and benchmarks/suite/tp_bench.py (all-reduces, 8B decode);
 #  `tp70b` = on two GPUs, Llama-3-70B split over both: batch sweep and standard workload;
+#  `weights` = bf16, FP8 and Q8_0 projections by batch, prompt and workload (`weights-<shape>[,<shape>]`: those);
+#  `study-fp8` = the FP8 kernels' tiles and the row count where FP8 tensor cores take over,
+#   benchmarks/studies/study_fp8.py;
 #  `kernel-profile-b<N>` = the decode step's kernels at batch N (`kernel-profile`: batch 1);
 #  `kvcache-profile` = the decode step's kernels and idle gaps at B = 64 over 8k tokens, per KV cache dtype, with the
 #   SM clock and power logged beside each run (`kvcache-profile-<dtype>-clocks.csv`);
@@ -116,11 +119,16 @@ for part in "$@"; do
     engine-tests-*/*) engine_tests "${part#engine-tests-}" ;;
     kernels)
       python3 benchmarks/suite/bench_kernels.py --out "$OUT/bench_kernels.json" 2>&1 | tail -25 ;;
-    startup|latency|batch|throughput|features|kvcache|q8)
+    startup|latency|batch|throughput|features|kvcache)
       extra=""
-      case $part in startup|features|kvcache|q8) extra="--no-peer" ;; throughput) extra="--peer-requests 16" ;; esac
+      case $part in startup|features|kvcache) extra="--no-peer" ;; throughput) extra="--peer-requests 16" ;; esac
       timeout 400 python3 benchmarks/suite/run_engine_bench.py "$part" --out "$OUT/$part.json" $extra 2>&1 \
         | grep -v -e "it/s]" -e "^Loading" | tail -30 ;;
+    weights|weights-*)
+      # bf16 / FP8 / Q8_0 projections of Llama-3-8B and Qwen3-0.6B (weights-<shape>[,<shape>]: those shapes).
+      shapes=""; [ "$part" = weights ] || shapes="--shapes ${part#weights-}"
+      timeout 590 python3 benchmarks/suite/run_engine_bench.py weights $shapes --no-peer --out "$OUT/$part.json" 2>&1 \
+        | grep -v -e "it/s]" -e "^Loading" | tail -40 ;;
     kvcache-long|kvcache-long-*)
       # 1,024 requests of 2,048 prompt + 1,024 output tokens on Llama-3-8B in the whole GPU's memory per KV cache
       # dtype (kvcache-long-auto,int8: those alone).
@@ -289,6 +297,9 @@ for part in "$@"; do
     study-tunableop)
       # cuBLAS against the GEMM TunableOp picks by timing, Llama-3-8B's projections at 32-256 rows.
       timeout 400 python3 benchmarks/studies/study_tunableop.py --out "$OUT/study-tunableop.json" 2>&1 | tail -20 ;;
+    study-fp8)
+      (cd benchmarks/studies && timeout 560 python3 study_fp8.py --out "$OUT/study-fp8.json" 2>&1 \
+        | tee "$OUT/study-fp8.log" | tail -60) ;;
     study-q8)
       timeout 560 python3 benchmarks/studies/study_q8.py --out "$OUT/study-q8.json" 2>&1 | tee "$OUT/study-q8.log" | tail -30 ;;
     kernel-profile-q8)

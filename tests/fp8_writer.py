@@ -75,10 +75,12 @@ def _fake_quant_input(x: torch.Tensor, group: int | None, static: torch.Tensor |
     return (_quantize(padded, scale).float() * scale).flatten(-2)[..., :k]
 
 
-def write_fp8_checkpoint(model: torch.nn.Module, path: Path, fmt: str) -> dict[str, torch.Tensor]:
+def write_fp8_checkpoint(model: torch.nn.Module, path: Path, fmt: str, quantize_inputs: bool = False
+                         ) -> dict[str, torch.Tensor]:
     """Rewrite the dense checkpoint of ``model`` at ``path`` in ``fmt``, and make ``model`` the reference:
-    its projections hold the dequantized weights and quantize their inputs as the format says. Returns
-    the dequantized weight of every FP8 projection, by checkpoint name."""
+    its projections hold the dequantized weights and, with ``quantize_inputs``, quantize their inputs as
+    the format says (as an FP8 GEMM reads them). Returns the dequantized weight of every FP8
+    projection, by checkpoint name."""
     config = FORMATS[fmt]
     ct = config["quant_method"] == "compressed-tensors"
     group = config["config_groups"]["group_0"] if ct else None
@@ -113,14 +115,16 @@ def write_fp8_checkpoint(model: torch.nn.Module, path: Path, fmt: str) -> dict[s
             tensors[f"{name}.input_scale"] = input_scale
             input_scale = input_scale.float()
         block = BLOCK if strategy == "block" else None
-        module.register_forward_pre_hook(
-            lambda m, args, s=input_scale, b=block: (_fake_quant_input(args[0], b, s),))
+        if quantize_inputs:
+            module.register_forward_pre_hook(
+                lambda m, args, s=input_scale, b=block: (_fake_quant_input(args[0], b, s),))
     save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
     raw = json.loads((path / "config.json").read_text())
     (path / "config.json").write_text(json.dumps({**raw, "quantization_config": config, "dtype": "bfloat16"}))
     return dequantized
 
 
-def fp8_model_dir(arch: str, path: Path, fmt: str) -> tuple[torch.nn.Module, dict[str, torch.Tensor]]:
+def fp8_model_dir(arch: str, path: Path, fmt: str, quantize_inputs: bool = False
+                  ) -> tuple[torch.nn.Module, dict[str, torch.Tensor]]:
     model = make_model_dir(arch, path)
-    return model, write_fp8_checkpoint(model, path, fmt)
+    return model, write_fp8_checkpoint(model, path, fmt, quantize_inputs)

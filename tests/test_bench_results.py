@@ -17,4 +17,4 @@ def test_a_result_file_carries_its_environment_and_rows(tmp_path, monkeypatch) -
     assert written["rows"] == rows
     env = written["environment"]
     assert env["commit"] == "abc1234" and env["command"] == " ".join(sys.argv) and env["date"]
-    assert env["ceilings"] == {"bandwidth": 4.2e12, "matmul_rate": 7.5e14}
+    assert env["ceilings"] == {"bandwidth": 4.2e12, "matmul_rate": 7.5e14, "fp8_matmul_rate": None}

@@ -17,6 +17,7 @@ from parity_helpers import parity_prompts, reference_generate
 
 from tokenmill import LLM, SamplingParams
 from tokenmill.engine.worker.model_runner import build_model
+from tokenmill.kernels import reference
 from tokenmill.layers.fp8_linear import FP8Weights
 from tokenmill.loader.model_config import ModelLoadError
 from tokenmill.models.registry import load_model_config
@@ -40,10 +41,11 @@ def test_loaded_weights_are_the_checkpoints_fp8_values_and_scales(fmt: str, tmp_
 
 
 # Greedy tokens equal transformers' up to a near-tie (logits within TIE_TOL), and the chosen tokens'
-# logprobs agree to float32 noise: median within LOGPROB_TOL, each within FLIP_TOL. Both sides quantize
-# each projection's input to e4m3 the same way, but float32 noise (another summation order) can move a
-# value across a rounding boundary, a step of 1/16 of it (llama3, 60 tokens a format: median 2e-7,
-# the largest 1e-6 to 0.034), where a wrong scale or block moves most tokens.
+# logprobs agree to float32 noise: median within LOGPROB_TOL, each within FLIP_TOL. With the inputs
+# quantized, both sides quantize each projection's input to e4m3 the same way, but float32 noise
+# (another summation order) can move a value across a rounding boundary, a step of 1/16 of it (llama3,
+# 60 tokens a format: median 2e-7, the largest 1e-6 to 0.034), where a wrong scale or block moves most
+# tokens.
 LOGPROB_TOL = 1e-5
 FLIP_TOL = 0.1
 TIE_TOL = 0.05
@@ -51,8 +53,16 @@ TIE_TOL = 0.05
 
 @pytest.mark.parametrize("arch,fmt", [("llama3", f) for f in FORMATS] + [("qwen3", "ct-channel-dynamic"),
                                       ("qwen3", "fp8-block"), ("gemma3", "ct-tensor-static"), ("gemma3", "ct-block")])
-def test_fp8_checkpoint_matches_transformers_on_its_dequantized_weights(arch: str, fmt: str, tmp_path) -> None:
-    model, _ = fp8_model_dir(arch, tmp_path, fmt)
+@pytest.mark.parametrize("inputs", ["as-is", "quantized"])
+def test_fp8_checkpoint_matches_transformers_on_its_dequantized_weights(arch: str, fmt: str, inputs: str, tmp_path,
+                                                                        monkeypatch) -> None:
+    """The CPU reads FP8 weights against inputs as they are (``reference.fp8_weight_linear``); the GPU's
+    FP8 tensor cores quantize the inputs first (``reference.fp8_linear``), which the engine here takes
+    in its place against transformers quantizing its projections' inputs as the format says: the
+    checkpoint's static scales or each token's (block's) own."""
+    model, _ = fp8_model_dir(arch, tmp_path, fmt, quantize_inputs=inputs == "quantized")
+    if inputs == "quantized":
+        monkeypatch.setattr(reference, "fp8_weight_linear", reference.fp8_linear)
     prompts = parity_prompts()[:5]
     llm = LLM(str(tmp_path), device="cpu", dtype="float32", max_num_seqs=4, max_num_batched_tokens=48)
     assert llm.engine.core.quantization == "fp8"

@@ -81,7 +81,7 @@ def test_step_floor_counts_only_what_windows_let_layers_read(tmp_path) -> None:
     cfg = load_model_config(tmp_path)
     cost = StepCostModel.of(build_model(cfg, None, torch.float32, torch.device("cpu"), 512), cfg)
     per_layer = FULL.bytes_per_token(torch.float32)
-    bytes_, _ = cost.step([1], [400], 1, torch.float32)
+    bytes_ = cost.step([1], [400], 1, torch.float32).bytes
     assert bytes_ - cost.weight_bytes(4) == per_layer * (400 + 2 * 24 + 3)  # reads, then the new token's K/V
     layout = cfg.kv_layout()
     assert layout.bytes_held(400, torch.float32) == per_layer * (400 + 2 * 24)

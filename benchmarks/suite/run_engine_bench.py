@@ -1,5 +1,5 @@
 """``tokenmill bench`` without the server's dependencies (FastAPI and the rest need not be installed):
-python benchmarks/suite/run_engine_bench.py latency|batch|throughput|features|startup|models|kvcache|kvcache-long|spec|q8|all
+python benchmarks/suite/run_engine_bench.py latency|batch|throughput|features|startup|models|kvcache|kvcache-long|spec|weights|all
     [--shapes S] [--no-peer] [--out F]   (GPU; --help lists the options)"""
 
 import argparse

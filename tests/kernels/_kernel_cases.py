@@ -16,7 +16,7 @@ import sys
 
 import torch
 
-from tokenmill.kernels import q8_0, reference
+from tokenmill.kernels import fp8, q8_0, reference
 from tokenmill.layers.sampler import inverse_temperature, largest_logits
 from tokenmill.loader.kv_layout import kv_scale_dtype
 
@@ -514,20 +514,18 @@ GEMV_KINDS = ("residual", "norm", "norm_gated", "offset_norm", "offset_norm_gegl
 
 
 def check_gemv(ops, *, kind: str, n: int, k: int, dtype: torch.dtype, device: str, bias: bool,
-               q8: bool = False, tiles: tuple[int, ...] | None = None) -> None:
+               weight_format: str = "dense", tiles: tuple[int, ...] | None = None) -> None:
     """One-row fused GEMV: ``linear_residual`` (kind "residual"), ``linear_gelu_mul`` (kind "gelu_mul",
-    which takes no bias) or ``norm_linear`` (plain or gated); with ``q8`` the weight in Q8_0 (the
-    reference dequantizes it); with ``tiles`` the Triton GEMV launched with those tiles
-    (``triton_gemv._gemv``'s)."""
+    which takes no bias) or ``norm_linear`` (plain or gated); the weight in ``weight_format``
+    (``pack_weight``'s; the reference dequantizes it); with ``tiles`` the Triton GEMV launched with
+    those tiles (``triton_gemv._gemv``'s)."""
     if tiles is not None:
         from tokenmill.kernels import triton_gemv
     gen, seed = fresh_generator(device)
     gated = kind.endswith(("gated", "geglu"))  # the weight holds gate and up rows
     rows = 2 * n if gated else n
     x = _randn((1, k), dtype, device, gen) * 2
-    weight = _randn((rows, k), dtype, device, gen) * k**-0.5
-    if q8:
-        weight = q8_0.quantize(weight)
+    weight = pack_weight(_randn((rows, k), dtype, device, gen) * k**-0.5, weight_format)
     b = _randn((rows,), dtype, device, gen) if bias and kind != "gelu_mul" else None
     if kind == "gelu_mul":
         up = _randn((1, n), dtype, device, gen)
@@ -546,13 +544,14 @@ def check_gemv(ops, *, kind: str, n: int, k: int, dtype: torch.dtype, device: st
         ref = reference.norm_linear(x, norm_w, 1e-6, weight, b, gated, **options)
         got = (ops.norm_linear(x, norm_w, 1e-6, weight, b, gated, **options) if tiles is None
                else triton_gemv._gemv(x, weight, b, norm_weight=norm_w, eps=1e-6, gated=gated, tiles=tiles, **options))
-    where = f"seed={seed} {kind} n={n} k={k} bias={bias} {dtype} q8={q8} tiles={tiles}"
+    where = f"seed={seed} {kind} n={n} k={k} bias={bias} {dtype} {weight_format} tiles={tiles}"
     assert got.shape == ref.shape and got.dtype == ref.dtype, where
     err = rel_err(got, ref)
     # The reference rounds its dequantized Q8_0 matrix to the activations' dtype; the kernel sums each
     # block in float32 unrounded: in float16 that is up to a few parts in 1e3 after the gate.
     tol = ELEMWISE_TOL[dtype]
     if dtype == torch.float16:
+        q8 = weight_format == "q8_0"
         tol = max(tol, Q8_FP16_TOL if q8 else GATED_FP16_TOL if gated or kind == "gelu_mul" else tol)
     assert err < tol, f"rel err {err:.2e}: {where}"
 
@@ -840,40 +839,117 @@ def _interpret_gemv(ops) -> None:
             check_gemv(ops, kind=kind, n=13, k=2500, dtype=dtype, device="cpu", bias=dtype == torch.float16)
         check_gemv(ops, kind=kind, n=64, k=64, dtype=torch.float32, device="cpu", bias=True)
     for kind in ("residual", "norm_gated", "offset_norm_geglu", "gelu_mul"):  # Q8_0: K spans tiles, ends inside one
-        check_gemv(ops, kind=kind, n=13, k=2528, dtype=torch.float16, device="cpu", bias=False, q8=True)
-        check_gemv(ops, kind=kind, n=40, k=96, dtype=torch.float32, device="cpu", bias=True, q8=True)
+        check_gemv(ops, kind=kind, n=13, k=2528, dtype=torch.float16, device="cpu", bias=False, weight_format="q8_0")
+        check_gemv(ops, kind=kind, n=40, k=96, dtype=torch.float32, device="cpu", bias=True, weight_format="q8_0")
+    # FP8, a scale a row and a 128-column block: K spans tiles and ends inside one (and inside a block).
+    for kind in ("residual", "norm_gated", "fp32_norm_geglu", "gelu_mul"):
+        for fmt in ("fp8", "fp8_block"):
+            check_gemv(ops, kind=kind, n=13, k=2512, dtype=torch.float16, device="cpu", bias=False, weight_format=fmt)
+            check_gemv(ops, kind=kind, n=40, k=96, dtype=torch.float32, device="cpu", bias=True, weight_format=fmt)
     # Several tiles of rows a program, the last program's partly or wholly past N, K ending inside a tile.
     for kind, row_tiles in (("residual", 3), ("norm_gated", 2), ("offset_norm_geglu", 4), ("fp32_norm", 3),
                             ("gelu_mul", 2)):
         check_gemv(ops, kind=kind, n=37, k=600, dtype=torch.float16, device="cpu", bias=True,
                    tiles=(4, 256, 4, row_tiles))
-    check_gemv(ops, kind="norm_gated", n=21, k=160, dtype=torch.float32, device="cpu", bias=False, q8=True,
-               tiles=(4, 64, 4, 3))
+    check_gemv(ops, kind="norm_gated", n=21, k=160, dtype=torch.float32, device="cpu", bias=False,
+               weight_format="q8_0", tiles=(4, 64, 4, 3))
+    check_gemv(ops, kind="norm_gated", n=21, k=400, dtype=torch.float32, device="cpu", bias=False,
+               weight_format="fp8_block", tiles=(4, 256, 4, 3))
 
 
-def check_matmul(ops, *, m: int, n: int, k: int, dtype: torch.dtype, device: str, bias: bool, q8: bool = True,
-                 kernel: str | None = None, tiles: tuple[int, ...] | None = None) -> None:
-    """Rows times a weight (Q8_0 with ``q8``, else dense in x's dtype) against the reference: through
-    ``ops.linear``, or the few-row matmul (``kernel="skinny"``) with ``tiles``."""
+# How a test stores a weight (``pack_weight``): "fp8" a scale a row, "fp8_block" a scale a row and
+# 128-column block, "fp8_static" a scale a row with a static activation scale.
+WEIGHT_FORMATS = ("dense", "q8_0", "fp8", "fp8_block", "fp8_static")
+
+
+def pack_weight(weight: torch.Tensor, weight_format: str, input_amax: float = 4.0) -> reference.Weight:
+    """``weight`` ``[N, K]`` in ``weight_format``; a static activation scale takes ``input_amax`` as the
+    calibrated largest input."""
+    if weight_format == "dense":
+        return weight
+    if weight_format == "q8_0":
+        return q8_0.quantize(weight)
+    if weight_format == "fp8_block":
+        n, k = weight.shape
+        groups = -(-k // 128)
+        blocks = torch.nn.functional.pad(weight.float(), (0, groups * 128 - k)).view(n, groups, 128)
+        scales = blocks.abs().amax(dim=-1) / fp8.FP8_MAX
+        scales = torch.where(scales > 0, scales, torch.ones_like(scales))
+        values = (blocks / scales[..., None]).clamp(-fp8.FP8_MAX, fp8.FP8_MAX).view(n, -1)[:, :k]
+        return fp8.FP8Weight(values.to(fp8.FP8_DTYPE).contiguous(), scales, 128)
+    rows = fp8.quantize_rows(weight)
+    if weight_format == "fp8":
+        return rows
+    scale = torch.tensor([input_amax / fp8.FP8_MAX], dtype=torch.float32, device=weight.device)
+    return fp8.FP8Weight(rows.qweight, rows.scales, None, scale)
+
+
+# FP8 tensor cores' products of FP8 rows and weights against the float32 reference's: the hardware's
+# accumulation keeps fewer bits than float32.
+FP8_MMA_TOL = 2e-3
+
+
+def check_matmul(ops, *, m: int, n: int, k: int, dtype: torch.dtype, device: str, bias: bool,
+                 weight_format: str = "q8_0", kernel: str | None = None, tiles: tuple[int, ...] | None = None) -> None:
+    """Rows times a weight in ``weight_format`` (``pack_weight``'s) against the reference: through
+    ``ops.linear``, the few-row matmul (``kernel="skinny"``) or the FP8 rows' matmul
+    (``kernel="fp8"``), with ``tiles``. FP8 rows past the few-row matmul's are quantized, as
+    ``reference.fp8_linear`` quantizes them."""
+    from tokenmill.kernels.triton_skinny_matmul import MAX_FP8_ROWS
     gen, seed = fresh_generator(device)
     x = _randn((m, k), dtype, device, gen)
-    weight = _randn((n, k), dtype, device, gen) * k**-0.5
-    weight = q8_0.quantize(weight) if q8 else weight
+    x[m // 2] *= 40  # a row of outliers: each row's own scale
+    weight = pack_weight(_randn((n, k), dtype, device, gen) * k**-0.5, weight_format,
+                         input_amax=x.abs().amax().item())
     b = _randn((n,), dtype, device, gen) if bias else None
     if kernel == "skinny":
         from tokenmill.kernels.triton_skinny_matmul import skinny_matmul
         got = skinny_matmul(x, weight, b, tiles)
+    elif kernel == "fp8":
+        from tokenmill.kernels.triton_fp8 import fp8_matmul
+        got = fp8_matmul(x, weight, b, tiles)
     else:
         got = ops.linear(x, weight, b)
-    ref = reference.linear(x, weight, b)
-    where = f"seed={seed} {kernel or 'linear'} m={m} n={n} k={k} q8={q8} bias={bias} {dtype} tiles={tiles}"
+    quantized_rows = kernel == "fp8" or (kernel is None and isinstance(weight, fp8.FP8Weight) and m > MAX_FP8_ROWS)
+    ref = reference.fp8_linear(x, weight, b) if quantized_rows else reference.linear(x, weight, b)
+    where = f"seed={seed} {kernel or 'linear'} m={m} n={n} k={k} {weight_format} bias={bias} {dtype} tiles={tiles}"
     assert got.shape == ref.shape and got.dtype == ref.dtype, where
     err = rel_err(got, ref)
-    assert err < ELEMWISE_TOL[dtype], f"rel err {err:.2e}: {where}"
+    tol = max(ELEMWISE_TOL[dtype], FP8_MMA_TOL) if quantized_rows and device == "cuda" else ELEMWISE_TOL[dtype]
+    assert err < tol, f"rel err {err:.2e}: {where}"
+
+
+def check_quantize_rows(*, m: int, k: int, dtype: torch.dtype, device: str, weight_format: str) -> None:
+    """Rows quantized to float8 for the FP8 matmul, value for value and scale for scale as the reference
+    quantizes them: a row of zeros, a row of outliers, values down in float8's subnormal steps."""
+    from tokenmill.kernels.triton_fp8 import quantize_rows
+    gen, seed = fresh_generator(device)
+    x = _randn((m, k), dtype, device, gen)
+    x[0] = 0
+    x[-1] *= 1000
+    x[m // 2, ::3] *= 1e-4  # below 2^-6 of the row's largest over 448: float8's subnormals
+    weight = pack_weight(torch.ones(16, k, device=device), weight_format, input_amax=x.abs().amax().item() / 2)
+    values, scales = quantize_rows(x, weight)
+    want_values, want_scales = reference.quantize_fp8_activations(x, weight.block, weight.input_scale)
+    where = f"seed={seed} quantize_rows m={m} k={k} {dtype} {weight_format}"
+    assert values.dtype == want_values.dtype and torch.equal(scales.expand_as(want_scales), want_scales), where
+    differ = (values.view(torch.uint8) != want_values.view(torch.uint8)).sum().item()
+    assert differ == 0, f"{differ} values differ: {where}"
+
+
+def _interpret_fp8_matmul(ops) -> None:
+    # Rows quantized per token, per token and block, and by a static scale (K ending inside a block);
+    # the matmul's tiles: rows, columns and K each ending inside one.
+    for fmt in ("fp8", "fp8_block", "fp8_static"):
+        for dtype in (torch.float16, torch.float32):
+            check_quantize_rows(m=5, k=300, dtype=dtype, device="cpu", weight_format=fmt)
+            check_matmul(ops, m=37, n=70, k=288, dtype=dtype, device="cpu", bias=dtype == torch.float16,
+                         weight_format=fmt, kernel="fp8", tiles=(16, 32, 128, 4, 2, 2))
+        check_matmul(ops, m=70, n=40, k=256, dtype=torch.float16, device="cpu", bias=True, weight_format=fmt)
 
 
 def _interpret_skinny_matmul(ops) -> None:
-    # The few rows ``ops.linear`` sends it (dense and Q8_0), rows and columns ending inside a tile; K
+    # The few rows ``ops.linear`` sends it (dense, Q8_0, FP8), rows and columns ending inside a tile; K
     # split over 2-4 parts of whole 64-wide steps (5 steps: the last part short or empty), the bias
     # added after the parts' sum; a second call finds the tile counters reset. Q8_0 past 64 rows: the
     # large tile, K a multiple of 32 but not of its step, unsplit and split.
@@ -881,13 +957,13 @@ def _interpret_skinny_matmul(ops) -> None:
         check_matmul(ops, m=70, n=130, k=160, dtype=dtype, device="cpu", bias=True)
         check_matmul(ops, m=130, n=70, k=288, dtype=dtype, device="cpu", bias=False, kernel="skinny",
                      tiles=(128, 128, 64, 8, 3, 2))
-        for q8 in (False, True):
-            check_matmul(ops, m=3, n=70, k=96, dtype=dtype, device="cpu", bias=True, q8=q8)
-            check_matmul(ops, m=37, n=130, k=160, dtype=dtype, device="cpu", bias=False, q8=q8, kernel="skinny",
-                         tiles=(64, 64, 64, 4, 2, 1))
+        for fmt in ("dense", "q8_0", "fp8", "fp8_block"):
+            check_matmul(ops, m=3, n=70, k=96, dtype=dtype, device="cpu", bias=True, weight_format=fmt)
+            check_matmul(ops, m=37, n=130, k=160, dtype=dtype, device="cpu", bias=False, weight_format=fmt,
+                         kernel="skinny", tiles=(64, 64, 64, 4, 2, 1))
             for split_k, bias in ((2, True), (3, False), (4, True), (4, True)):  # 4 twice: counters reset
-                check_matmul(ops, m=5, n=40, k=320, dtype=dtype, device="cpu", bias=bias, q8=q8, kernel="skinny",
-                             tiles=(16, 32, 64, 4, 2, split_k))
+                check_matmul(ops, m=5, n=40, k=320, dtype=dtype, device="cpu", bias=bias, weight_format=fmt,
+                             kernel="skinny", tiles=(16, 32, 64, 4, 2, split_k))
 
 
 def check_sample(ops, *, rows: int, vocab: int, device: str, splits: int | None = None) -> None:
@@ -1018,6 +1094,7 @@ INTERPRET_CASES = {
     "penalties": _interpret_penalties,
     "gemv": _interpret_gemv,
     "skinny_matmul": _interpret_skinny_matmul,
+    "fp8_matmul": _interpret_fp8_matmul,
     "paged_attention": _interpret_attention,
     "paged_attention_gemma": _interpret_attention_gemma,
     "paged_attention_edge_masks": _interpret_attention_edge_masks,

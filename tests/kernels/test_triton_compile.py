@@ -30,7 +30,7 @@ from triton.runtime.jit import JITFunction, JitFunctionInfo  # noqa: E402
 
 from tokenmill.engine.worker.model_runner import warm_up_shapes  # noqa: E402
 from tokenmill.engine.worker.prefill_graphs import capture_sizes  # noqa: E402
-from tokenmill.kernels import q8_0, triton_attention, triton_gemv, triton_ops, triton_skinny_matmul  # noqa: E402
+from tokenmill.kernels import fp8, q8_0, triton_attention, triton_gemv, triton_ops, triton_skinny_matmul  # noqa: E402
 from tokenmill.kernels.compile_watch import watch_compiles  # noqa: E402
 
 HOPPER = GPUTarget("cuda", 90, 32)
@@ -217,6 +217,17 @@ def _launches(monkeypatch: pytest.MonkeyPatch) -> list[Launch]:
         triton_ops.norm_linear(row, rand(4096), 1e-6, packed, None, gated=True)
         triton_ops.linear_residual(row, packed, None, rand(1, 128))
         triton_ops.linear(rand(100, 4096), packed, rand(128))  # Q8_0 past 64 rows: the large tile
+        # FP8 weights (in the 16-bit dtypes FP8 checkpoints run in), by rows and 128-column blocks: the GEMV,
+        # the few-row matmul (K split too), then rows quantized onto FP8 tensor cores (a static scale too).
+        for fp8_weight in (fp8.quantize_rows(rand(128, 4096)), _fp8_blocks(rand(128, 4096))) if dtype != torch.float32 else ():
+            triton_ops.norm_linear(row, rand(4096), 1e-6, fp8_weight, None)
+            triton_ops.norm_linear(row, rand(4096), 1e-6, fp8_weight, None, gated=True)
+            triton_ops.linear_residual(row, fp8_weight, None, rand(1, 128))
+            for rows in (8, 40, 100):
+                triton_ops.linear(rand(rows, 4096), fp8_weight, rand(128))
+            triton_skinny_matmul.skinny_matmul(rand(16, 4096), fp8_weight, None, (16, 64, 128, 4, 4, 2))
+            static = fp8.FP8Weight(fp8_weight.qweight, torch.ones(128, 1), None, torch.ones(1))
+            triton_ops.linear(rand(100, 4096), static, None)
         for rows in (8, 20, 40):  # a few rows: the few-row matmul (dense up to 32)
             triton_ops.linear(rand(rows, 4096), packed, rand(128))
             triton_ops.linear(rand(rows, 4096), rand(128, 4096), None)
@@ -245,6 +256,12 @@ def _launches(monkeypatch: pytest.MonkeyPatch) -> list[Launch]:
     return launches + [p for p in (launch.with_pdl() for launch in launches) if p is not None]
 
 
+def _fp8_blocks(weight: torch.Tensor) -> fp8.FP8Weight:
+    """``weight`` in FP8 with a scale a row and 128-column block (ones: only the launch matters here)."""
+    n, k = weight.shape
+    return fp8.FP8Weight(weight.to(fp8.FP8_DTYPE), torch.ones(n, k // 128), 128)
+
+
 def _sample(gen: torch.Generator, rows: int, vocab: int) -> None:
     logits = torch.randn(rows, vocab, generator=gen)
     row, ids = torch.ones(rows), torch.zeros(rows, dtype=torch.int64)
@@ -266,7 +283,7 @@ def test_every_kernel_compiles_for_hopper(monkeypatch: pytest.MonkeyPatch) -> No
     assert {"_paged_attention_kernel", "_merge_splits_kernel", "_rms_norm_kernel", "_rope_write_kv_kernel",
             "_act_and_mul_kernel", "_gemv_kernel", "_skinny_matmul_kernel", "_sample_kernel",
             "_race_parts_kernel", "_penalties_kernel", "_softcap_kernel", "_argmax_spans_kernel",
-            "_argmax_pick_kernel"} <= names, names
+            "_argmax_pick_kernel", "_quantize_rows_kernel", "_fp8_matmul_kernel"} <= names, names
     variants = {(launch.fn.__name__, key, launch.constexprs.get(key)) for launch in launches for key in
                 ("SOFTCAP", "WEIGHTING", "GELU_TANH", "BLOCK_D", "BLOCK_M", "ADD_AFTER", "GELU")}
     assert {("_paged_attention_kernel", "SOFTCAP", True), ("_paged_attention_kernel", "BLOCK_D", 512),
@@ -276,13 +293,17 @@ def test_every_kernel_compiles_for_hopper(monkeypatch: pytest.MonkeyPatch) -> No
     assert {("_paged_attention_kernel", "KV_SCALED", True), ("_paged_attention_kernel", "DOT_F16", True),
             ("_rope_write_kv_kernel", "QUANTIZED", True),
             ("_rope_write_kv_kernel", "STATIC_AMAX", True), ("_rms_norm_kernel", "SCALE_AFTER", True),
-            ("_gemv_kernel", "Q8", True), ("_gemv_kernel", "PTX", True), ("_gemv_kernel", "ACT_MUL", True),
-            ("_skinny_matmul_kernel", "QUANTIZED", True), ("_skinny_matmul_kernel", "QUANTIZED", False),
+            ("_gemv_kernel", "PTX", True), ("_gemv_kernel", "ACT_MUL", True),
+            ("_quantize_rows_kernel", "GROUPED", True), ("_quantize_rows_kernel", "STATIC", True),
+            ("_quantize_rows_kernel", "STATIC", False), ("_fp8_matmul_kernel", "BLOCKS", True),
+            ("_fp8_matmul_kernel", "BLOCKS", False),
             ("_paged_attention_kernel", "PTX", True), ("_rope_write_kv_kernel", "PTX", True),
             ("_rope_write_kv_kernel", "V_NORM", True)} <= {
         (launch.fn.__name__, key, launch.constexprs.get(key)) for launch in launches
-        for key in ("KV_SCALED", "DOT_F16", "QUANTIZED", "STATIC_AMAX", "SCALE_AFTER", "Q8", "PTX", "ACT_MUL",
-                    "V_NORM")}
+        for key in ("KV_SCALED", "DOT_F16", "QUANTIZED", "STATIC_AMAX", "SCALE_AFTER", "PTX", "ACT_MUL",
+                    "V_NORM", "GROUPED", "STATIC", "BLOCKS")}
+    formats = {(launch.fn.__name__, launch.constexprs["FORMAT"]) for launch in launches if "FORMAT" in launch.constexprs}
+    assert {(kernel, fmt) for kernel in ("_gemv_kernel", "_skinny_matmul_kernel") for fmt in range(4)} <= formats
     decode_masks = {(launch.constexprs["DOT_F16"], launch.constexprs["MASK_EDGES_ONLY"]) for launch in launches
                     if launch.fn.__name__ == "_paged_attention_kernel" and launch.constexprs["BLOCK_M"] < 64}
     assert {(True, True), (True, False), (False, False)} <= decode_masks, decode_masks

@@ -370,29 +370,45 @@ def test_fused_gemv(dtype, kind, n, k, bias) -> None:
 
 @pytest.mark.parametrize("kind", ["residual", "norm", "norm_gated", "offset_norm_geglu"])
 @pytest.mark.parametrize("n,k", [(4096, 4096), (2560, 10240), (1000, 320)])
-def test_fused_gemv_of_q8_0_weights(kind, n, k) -> None:
-    cases.check_gemv(triton_ops, kind=kind, n=n, k=k, dtype=torch.bfloat16, device="cuda", bias=False, q8=True)
+@pytest.mark.parametrize("weight_format", ["q8_0", "fp8", "fp8_block"])
+def test_fused_gemv_of_packed_weights(kind, n, k, weight_format) -> None:
+    cases.check_gemv(triton_ops, kind=kind, n=n, k=k, dtype=torch.bfloat16, device="cuda", bias=False,
+                     weight_format=weight_format)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("m,n,k,bias", [(2, 4096, 4096, False), (64, 14336, 4096, False), (517, 4096, 14336, False),
                                         (33, 1000, 320, True), (100, 1000, 320, True), (128, 4096, 14336, True)])
-@pytest.mark.parametrize("q8", [True, False], ids=["q8_0", "dense"])
-def test_linear_of_several_rows(dtype, m, n, k, bias, q8) -> None:
+@pytest.mark.parametrize("weight_format", cases.WEIGHT_FORMATS)
+def test_linear_of_several_rows(dtype, m, n, k, bias, weight_format) -> None:
     """Through ``linear`` as the models call it: the few-row matmul (its K split where 128-row tiles
-    leave SMs idle, as at 128 rows of 4096 columns) or cuBLAS."""
-    cases.check_matmul(triton_ops, m=m, n=n, k=k, dtype=dtype, device="cuda", bias=bias, q8=q8)
+    leave SMs idle, as at 128 rows of 4096 columns), cuBLAS, or FP8 tensor cores (cuBLAS's scaled
+    matmul for bfloat16 rows against a scale a row, the Triton one otherwise)."""
+    cases.check_matmul(triton_ops, m=m, n=n, k=k, dtype=dtype, device="cuda", bias=bias, weight_format=weight_format)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("m,n,k", [(65, 4096, 4096), (517, 6144, 4096), (2000, 4096, 14336), (300, 1000, 320)])
+@pytest.mark.parametrize("weight_format", ["fp8", "fp8_block", "fp8_static"])
+def test_fp8_matmul_of_quantized_rows(dtype, m, n, k, weight_format) -> None:
+    """The Triton FP8 matmul with its own tile, whatever cuBLAS would take, and the rows' quantization
+    value for value."""
+    from tokenmill.kernels.triton_fp8 import MATMUL_TILE
+    cases.check_quantize_rows(m=m, k=k, dtype=dtype, device="cuda", weight_format=weight_format)
+    cases.check_matmul(triton_ops, m=m, n=n, k=k, dtype=dtype, device="cuda", bias=True, weight_format=weight_format,
+                       kernel="fp8", tiles=MATMUL_TILE)
 
 
 @pytest.mark.parametrize("split_k", [1, 2, 4, 8])
 @pytest.mark.parametrize("block_m,m,n,k,bias", [(16, 8, 4096, 4096, False), (16, 5, 1000, 14336, True),
                                                 (64, 40, 4096, 4096, True), (128, 200, 4096, 4096, True)])
-@pytest.mark.parametrize("q8", [True, False], ids=["q8_0", "dense"])
-def test_skinny_matmul_with_k_split(split_k, block_m, m, n, k, bias, q8) -> None:
+@pytest.mark.parametrize("weight_format", ["q8_0", "dense", "fp8", "fp8_block"])
+def test_skinny_matmul_with_k_split(split_k, block_m, m, n, k, bias, weight_format) -> None:
     from tokenmill.kernels.triton_skinny_matmul import LARGE_TILE
     tile = LARGE_TILE if block_m == LARGE_TILE[0] else (block_m, 64, 128, 4, 4)
     for _ in range(2):  # the second launch finds every tile's counter reset by the first
-        cases.check_matmul(triton_ops, m=m, n=n, k=k, dtype=torch.bfloat16, device="cuda", bias=bias, q8=q8,
+        cases.check_matmul(triton_ops, m=m, n=n, k=k, dtype=torch.bfloat16, device="cuda", bias=bias,
+                           weight_format=weight_format,
                            kernel="skinny", tiles=(*tile, split_k))
 
 

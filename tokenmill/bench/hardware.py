@@ -1,5 +1,5 @@
-"""The two ceilings every benchmark is measured against, taken on the GPU in the
-same run: device-memory bandwidth and the bf16 matrix rate."""
+"""The ceilings every benchmark is measured against, taken on the GPU in the same run:
+device-memory bandwidth, the bf16 matrix rate and, where the GPU has FP8 matrix units, theirs."""
 
 from __future__ import annotations
 
@@ -35,9 +35,13 @@ def time_cuda(fn, warmup: int = 3, repeat: int = 10) -> float:
 class Ceilings:
     bandwidth: float  # bytes/s, device-to-device copy counting bytes read + written
     matmul_rate: float  # FLOP/s, 8192^3 bf16 on random data
+    fp8_matmul_rate: float | None = None  # FLOP/s, the same in float8 e4m3 (None: no FP8 matrix units)
 
-    def floor(self, bytes_: float, flops: float) -> float:
-        return max(bytes_ / self.bandwidth, flops / self.matmul_rate)
+    def floor(self, bytes_: float, flops: float, fp8_flops: float = 0.0) -> float:
+        """The least time of work that moves ``bytes_`` and computes ``flops`` at the 16-bit matrix rate and
+        ``fp8_flops`` at the FP8 one (``*StepCostModel.step(...)`` gives all three): the larger of the two."""
+        fp8_rate = self.fp8_matmul_rate or self.matmul_rate
+        return max(bytes_ / self.bandwidth, flops / self.matmul_rate + fp8_flops / fp8_rate)
 
 
 def _copy_bandwidth() -> float:
@@ -54,8 +58,24 @@ def _matmul_rate() -> float:
     return 2 * 8192**3 / time_cuda(lambda: a @ b)
 
 
+def _fp8_matmul_rate() -> float | None:
+    """FLOP/s of an 8192^3 float8 e4m3 product with a scale a row (bf16 out), as FP8 projections run;
+    None on a GPU without FP8 matrix units."""
+    if torch.cuda.get_device_capability() < (8, 9):
+        return None
+    a = torch.randn(8192, 8192, device="cuda").to(torch.float8_e4m3fn)
+    b = torch.randn(8192, 8192, device="cuda").to(torch.float8_e4m3fn)
+    scale_a = torch.ones(8192, 1, device="cuda")
+    scale_b = torch.ones(1, 8192, device="cuda")
+    return (
+        2
+        * 8192**3
+        / time_cuda(lambda: torch._scaled_mm(a, b.t(), scale_a=scale_a, scale_b=scale_b, out_dtype=torch.bfloat16))
+    )
+
+
 def measure_ceilings() -> Ceilings:
-    ceilings = Ceilings(bandwidth=_copy_bandwidth(), matmul_rate=_matmul_rate())
+    ceilings = Ceilings(bandwidth=_copy_bandwidth(), matmul_rate=_matmul_rate(), fp8_matmul_rate=_fp8_matmul_rate())
     torch.cuda.empty_cache()
     return ceilings
 

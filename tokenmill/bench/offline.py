@@ -89,12 +89,8 @@ def run_metered(
     records = []  # floors are computed after the run, so metering adds no host work to the steps
     for step_seconds, (query_lens, contexts, sampled) in zip(seconds, shapes):
         if query_lens:
-            bytes_, flops = cost.step(query_lens, contexts, sampled, kv_dtype=engine.core.kv_dtype)
-            records.append(
-                StepRecord(
-                    step_seconds, ceilings.floor(bytes_, flops), max(query_lens) == 1, len(query_lens), sum(query_lens)
-                )
-            )
+            floor = ceilings.floor(*cost.step(query_lens, contexts, sampled, kv_dtype=engine.core.kv_dtype))
+            records.append(StepRecord(step_seconds, floor, max(query_lens) == 1, len(query_lens), sum(query_lens)))
     return records, wall, peak
 
 
@@ -646,8 +642,7 @@ def bench_spec_decode(
             graphs.positions[: batch * q] = (context + torch.arange(q, device=graphs.positions.device)).repeat(batch)
             graphs.seq_lens[:batch] = context + q
             seconds = time_cuda(graphs.graph_for(batch, context + q, q).replay, warmup=5, repeat=30)
-            bytes_, flops = cost.step([q] * batch, [context + q] * batch, batch * q)
-            timed[q] = (seconds, ceilings.floor(bytes_, flops))
+            timed[q] = (seconds, ceilings.floor(*cost.step([q] * batch, [context + q] * batch, batch * q)))
         (decode_s, decode_floor), (verify_s, verify_floor) = timed[1], timed[k + 1]
         row = {
             "name": f"spec_decode/{shape}/verify_b{batch}",
@@ -687,24 +682,58 @@ def bench_spec_decode(
     return rows
 
 
-def bench_q8_0(ceilings: Ceilings, shape: str = "llama3-8b", batches: tuple[int, ...] = (1, 8, 32, 128)) -> list[dict]:
-    """Q8_0 projections against bf16 on ``shape``, in one run: decode steps at each batch size over
-    128-token prompts, then the standard workload; floors count the packed bytes."""
+def bench_weights(
+    ceilings: Ceilings,
+    shapes: list[str],
+    quantizations: tuple[str | None, ...] = (None, "fp8", "q8_0"),
+    batches: tuple[int, ...] = (1, 8, 32, 128),
+) -> list[dict]:
+    """Each shape's projections in bf16, FP8 (quantized at load: a scale a row, rows quantized per
+    token on FP8 tensor cores) and Q8_0, in one run: decode steps at each batch size over 128-token
+    prompts, a lone 4,000-token prompt's time to first token, then the standard workload; floors count
+    the packed bytes and the FP8 products at the FP8 rate. Each row but bf16's says its speed-up over bf16."""
     rows: list[dict] = []
-    for quantization in (None, "q8_0"):
-        label = quantization or "bf16"
-        engine = make_engine(shape, max_num_seqs=max(batches), max_num_batched_tokens=8192, quantization=quantization)
-        vocab, rng = engine.model_config.vocab_size, random.Random(6)
-        for batch in batches:
-            result = decode_steps(engine, ceilings, [random_prompt(rng, 128, vocab) for _ in range(batch)], 64)
-            rows.append({"name": f"q8_0/{shape}/{label}/b{batch}", "weights": label, "batch": batch, **result})
-        del engine
-        release()
-        engine = make_engine(shape, max_num_seqs=256, max_num_batched_tokens=8192, quantization=quantization)
-        result = run_workload(engine, ceilings, standard_workload(vocab=engine.model_config.vocab_size))
-        rows.append({"name": f"q8_0/{shape}/{label}/throughput", "weights": label, **result})
-        del engine
-        release()
+    for shape in shapes:
+        base: dict[str, float] = {}
+        for quantization in quantizations:
+            label = quantization or "bf16"
+            engine = make_engine(
+                shape, max_num_seqs=max(batches), max_num_batched_tokens=8192, quantization=quantization
+            )
+            vocab, rng = engine.model_config.vocab_size, random.Random(6)
+            measured = []
+            for batch in batches:
+                result = decode_steps(engine, ceilings, [random_prompt(rng, 128, vocab) for _ in range(batch)], 64)
+                measured.append({"name": f"weights/{shape}/{label}/b{batch}", "batch": batch, **result})
+            time_to_first_token(engine, random_prompt(rng, 4000, vocab))  # its shapes compiled and captured
+            seconds = time_to_first_token(engine, random_prompt(rng, 4000, vocab))
+            floor = ceilings.floor(
+                *StepCostModel.of(engine.core.runner.model, engine.model_config).step([4000], [4000], 1)
+            )
+            measured.append(
+                {
+                    "name": f"weights/{shape}/{label}/ttft_4000",
+                    "prompt_tokens": 4000,
+                    "ms": seconds * 1e3,
+                    "floor_ms": floor * 1e3,
+                    "fraction_of_floor": floor / seconds,
+                }
+            )
+            del engine
+            release()
+            engine = make_engine(shape, max_num_seqs=256, max_num_batched_tokens=8192, quantization=quantization)
+            result = run_workload(engine, ceilings, standard_workload(vocab=engine.model_config.vocab_size))
+            measured.append({"name": f"weights/{shape}/{label}/throughput", **result})
+            del engine
+            release()
+            for row in measured:
+                key = row["name"].rsplit("/", 1)[1]
+                speed = row["output_tok_per_s"] if "output_tok_per_s" in row else 1 / row.get("ms_per_step", row["ms"])
+                if quantization is None:
+                    base[key] = speed
+                elif key in base:
+                    row["speedup_over_bf16"] = speed / base[key]
+                rows.append({**row, "weights": label})
     return rows
 
 
@@ -743,11 +772,12 @@ BENCHMARKS = (
     "kvcache",
     "kvcache-long",
     "spec",
-    "q8",
+    "weights",
     "all",
 )
 MODEL_SHAPES = ["gemma3-4b", "gemma3-27b", "gemma4-e4b", "gemma4-31b"]
 LATENCY_SHAPES = ["llama3-8b", "qwen3-8b"]
+WEIGHT_SHAPES = ["llama3-8b", "qwen3-0.6b"]
 
 
 def shape_list(text: str) -> list[str]:
@@ -806,8 +836,9 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
         type=shape_list,
         default=None,
         help="comma-separated shapes for the models benchmark (default: "
-        f"{', '.join(MODEL_SHAPES)}) and the latency one (default: "
-        f"{', '.join(LATENCY_SHAPES)}); known: {', '.join(SHAPES)}",
+        f"{', '.join(MODEL_SHAPES)}), the latency one (default: "
+        f"{', '.join(LATENCY_SHAPES)}) and the weights one (default: "
+        f"{', '.join(WEIGHT_SHAPES)}); known: {', '.join(SHAPES)}",
     )
 
 
@@ -816,7 +847,9 @@ def run_bench(args: argparse.Namespace) -> int:
         print("tokenmill bench needs a CUDA device", file=sys.stderr)
         return 2
     ceilings = measure_ceilings()
-    print(f"ceilings: {ceilings.bandwidth / 1e12:.2f} TB/s copy, {ceilings.matmul_rate / 1e12:.0f} TFLOP/s bf16")
+    fp8_rate = f", {ceilings.fp8_matmul_rate / 1e12:.0f} FP8" if ceilings.fp8_matmul_rate else ""
+    matmul = f"{ceilings.matmul_rate / 1e12:.0f} TFLOP/s bf16{fp8_rate}"
+    print(f"ceilings: {ceilings.bandwidth / 1e12:.2f} TB/s copy, {matmul}")
     peer = not args.no_peer
     which = args.bench_command
     env = environment(ceilings, " ".join(sys.argv))
@@ -839,7 +872,7 @@ def run_bench(args: argparse.Namespace) -> int:
         "kvcache": lambda: bench_kv_cache_dtypes(ceilings, dtypes=args.kv_cache_dtypes),
         "kvcache-long": lambda: bench_kv_cache_long(ceilings, dtypes=args.kv_cache_dtypes, checkpoint=checkpoint),
         "spec": lambda: bench_spec_decode(ceilings, tokens_per_forward=args.tokens_per_forward),
-        "q8": lambda: bench_q8_0(ceilings),
+        "weights": lambda: bench_weights(ceilings, args.shapes or WEIGHT_SHAPES),
         "models": lambda: bench_models(
             ceilings, args.shapes or MODEL_SHAPES, [1, 8, 32, 128], peer, args.peer_requests, checkpoint
         ),

@@ -7,7 +7,7 @@ import json
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -207,6 +207,15 @@ def shape_dir(name: str) -> Path:
     return path
 
 
+class StepCost(NamedTuple):
+    """What a step must move and compute: ``bytes`` read and written, ``flops`` at the 16-bit matrix
+    rate and ``fp8_flops`` at the FP8 one (FP8 projections' products)."""
+
+    bytes: float
+    flops: float
+    fp8_flops: float = 0.0
+
+
 @dataclass(frozen=True)
 class StepCostModel:
     """What a step of one model must at least move and compute, counted from the built model:
@@ -246,8 +255,8 @@ class StepCostModel:
         sampled_rows: int,
         dtype: torch.dtype = torch.bfloat16,
         kv_dtype: torch.dtype | None = None,
-    ) -> tuple[float, float]:
-        """(bytes, FLOPs) of a step: weights once (in ``dtype``); each layer reads the KV its window can
+    ) -> StepCost:
+        """The cost of a step: weights once (in ``dtype``); each layer reads the KV its window can
         see of every context and each cache-owning layer writes the new K/V (in ``kv_dtype``, with its
         scales where quantized; None: ``dtype``); GEMMs over the step's tokens (the LM head only on
         sampled rows) and attention over each query's visible context."""
@@ -261,6 +270,9 @@ class StepCostModel:
             for q, ctx in zip(query_lens, context_lens):
                 mean_context = ctx - (q - 1) / 2  # over the query's causal positions
                 attn += q * (mean_context if window is None else min(mean_context, window)) * spec.head_dim
-        flops = 2.0 * tokens * self.body_params + 2.0 * sampled_rows * self.head_params
+        fp8_flops = 2.0 * tokens * self.fp8_params
+        flops = 2.0 * tokens * (self.body_params - self.fp8_params) + 2.0 * sampled_rows * self.head_params
         flops += 4.0 * attn * self.num_heads
-        return (self.weight_bytes(dtype.itemsize) + kv_bytes) / self.split, flops / self.split
+        return StepCost(
+            (self.weight_bytes(dtype.itemsize) + kv_bytes) / self.split, flops / self.split, fp8_flops / self.split
+        )

@@ -7,8 +7,9 @@ its 128 rows, so a fused q|k|v or gate|up matrix keeps each part's own scales ex
 tensor-parallel rank's rows carry theirs whatever the split. Activations are quantized the same
 way: per token over ``block`` columns at run time, or by the checkpoint's static ``input_scale``.
 
-``FP8Weight`` is what the projection ops take in place of a dense weight; the torch reference
-(``reference.fp8_linear``) computes with it on every device until GPU kernels exist.
+``FP8Weight`` is what the projection ops take in place of a dense weight: the CPU and the GPU's
+one-row and few-row kernels read it against rows as they are (``reference.fp8_weight_linear``),
+the GPU's FP8 tensor cores against rows quantized as above (``reference.fp8_linear``).
 """
 
 from __future__ import annotations

@@ -319,21 +319,35 @@ def quantize_fp8_activations(
 
 
 def fp8_linear(x: torch.Tensor, weight: FP8Weight, bias: torch.Tensor | None) -> torch.Tensor:
-    """``x_q @ w_q.T`` with both scales applied, in float32, rounded to x's dtype (then ``+ bias``): the
-    activations quantized as ``quantize_fp8_activations`` does, as an FP8 GEMM would read them."""
+    """``x_q @ w_q.T`` with both scales applied (and ``bias``), in float32, rounded to x's dtype: the
+    activations quantized as ``quantize_fp8_activations`` does, as an FP8 GEMM reads them (the GPU's
+    path for many rows, on FP8 tensor cores)."""
     shape = x.shape
     rows = x.reshape(-1, shape[-1])
     values, scales = quantize_fp8_activations(rows, weight.block, weight.input_scale)
     activations = values.float() * expand_scales(scales, weight.block, rows.shape[1])
-    out = torch.nn.functional.linear(activations, weight.dequantize(torch.float32)).to(x.dtype)
-    out = out if bias is None else out + bias
-    return out.reshape(*shape[:-1], -1)
+    return _float32_linear(activations, weight, bias).to(x.dtype).reshape(*shape[:-1], -1)
+
+
+def fp8_weight_linear(x: torch.Tensor, weight: FP8Weight, bias: torch.Tensor | None) -> torch.Tensor:
+    """``x @ w.T`` with the FP8 weight's scales applied (and ``bias``), in float32, rounded to x's
+    dtype: the activations read as they are (what a GPU kernel streaming the weight computes for one
+    and a few rows, and what the CPU computes at every size: it has no FP8 matrix units for the
+    rounded activations to pay for)."""
+    shape = x.shape
+    out = _float32_linear(x.reshape(-1, shape[-1]).float(), weight, bias)
+    return out.to(x.dtype).reshape(*shape[:-1], -1)
+
+
+def _float32_linear(x: torch.Tensor, weight: FP8Weight, bias: torch.Tensor | None) -> torch.Tensor:
+    return torch.nn.functional.linear(x, weight.dequantize(torch.float32), None if bias is None else bias.float())
 
 
 def _project(x: torch.Tensor, weight: Weight, bias: torch.Tensor | None) -> torch.Tensor:
-    """``x @ weight.T (+ bias)``: a Q8_0 weight dequantized to x's dtype first, an FP8 one through ``fp8_linear``."""
+    """``x @ weight.T (+ bias)``: a Q8_0 weight dequantized to x's dtype first, an FP8 one through
+    ``fp8_weight_linear``."""
     if isinstance(weight, FP8Weight):
-        return fp8_linear(x, weight, bias)
+        return fp8_weight_linear(x, weight, bias)
     return torch.nn.functional.linear(x, q8_0.dense(weight, x.dtype), bias)
 
 

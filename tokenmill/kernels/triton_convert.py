@@ -1,4 +1,5 @@
-"""One-byte values (int8, float8) to float16, exactly, through inline PTX.
+"""One-byte values (int8, float8) to float16, exactly, through inline PTX; the weight formats that the
+matmul kernels read them in.
 
 Every int8 and float8 value is a float16, and the GPU gets there cheaply: float8 e4m3 two values an
 instruction (``cvt.rn.f16x2.e4m3x2``), e5m2 as a float16's high byte, int8 by placing the byte's
@@ -20,10 +21,36 @@ Beside them, ``mul_rn``: a float32 product rounded on its own, as the torch refe
 
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
 
+from tokenmill.kernels.fp8 import FP8Weight
+from tokenmill.kernels.q8_0 import Q8Weight
 from tokenmill.kernels.triton_launch import interpreted
+
+# How a projection's weight is stored, as the matmul kernels' ``FORMAT`` says it: dense in the
+# activations' dtype; Q8_0 (int8, a float16 scale every 32 values); float8 e4m3 with a float32 scale
+# a row, or a row and block of ``FP8_GROUP`` columns.
+DENSE = tl.constexpr(0)
+Q8_0 = tl.constexpr(1)
+FP8_ROWS = tl.constexpr(2)
+FP8_BLOCKS = tl.constexpr(3)
+FP8_GROUP = tl.constexpr(128)
+
+
+def weight_format(weight: torch.Tensor | Q8Weight | FP8Weight) -> tuple[torch.Tensor, torch.Tensor | None, int]:
+    """``(values, scales, FORMAT)`` of a projection's weight (``scales`` None for a dense one)."""
+    if isinstance(weight, Q8Weight):
+        return weight.qweight, weight.scales, Q8_0.value
+    if isinstance(weight, FP8Weight):
+        if weight.block not in (None, FP8_GROUP.value):
+            raise ValueError(f"FP8 kernels take a scale a row or a {FP8_GROUP.value}-column block, got {weight.block}")
+        if weight.shape[1] % 16:
+            raise ValueError(f"FP8 kernels read rows a multiple of 16 long, got {weight.shape[1]}")
+        return weight.qweight, weight.scales, FP8_ROWS.value if weight.block is None else FP8_BLOCKS.value
+    return weight, None, DENSE.value
+
 
 # Four one-byte values (one 32-bit register) in, four float16 (two registers) out.
 _E4M3_TO_F16 = tl.constexpr(
@@ -79,30 +106,43 @@ def _ptx_to_f16(x, ASM: tl.constexpr, MOVABLE: tl.constexpr):
     )
 
 
-# One 32-bit word of four int8 (the first in its low byte) in, the four values in float32 out.
+# One 32-bit word of four one-byte values (the first in its low byte) in, the four in float32 out:
+# int8 through float16 pairs as above, float8 e4m3 two to an instruction.
 _INT8X4_TO_F32 = tl.constexpr(
     "{ .reg .b32 t, lo, hi, bias; .reg .b16 a, b, c, d; "
     + _INT8_PAIRS.format(src="$4", lo="lo", hi="hi")
     + " mov.b32 {a, b}, lo; mov.b32 {c, d}, hi; cvt.f32.f16 $0, a; cvt.f32.f16 $1, b;"
     " cvt.f32.f16 $2, c; cvt.f32.f16 $3, d; }"
 )
+_E4M3X4_TO_F32 = tl.constexpr(
+    "{ .reg .b32 lo, hi; .reg .b16 p, q, a, b, c, d; mov.b32 {p, q}, $4;"
+    " cvt.rn.f16x2.e4m3x2 lo, p; cvt.rn.f16x2.e4m3x2 hi, q;"
+    " mov.b32 {a, b}, lo; mov.b32 {c, d}, hi; cvt.f32.f16 $0, a; cvt.f32.f16 $1, b;"
+    " cvt.f32.f16 $2, c; cvt.f32.f16 $3, d; }"
+)
 
 
 @triton.jit
-def int8x4_to_f32(words, PTX: tl.constexpr):
-    """int8 values read four to an int32 word (``[R, W]``, little-endian) as float32 ``[R, 4 W]`` in
-    memory order. A tile loaded as int8 reaches PTX that takes four bytes a register only after the
-    compiler has taken every byte out of its load and packed them again (sm_90, Triton 3.6: about
-    three instructions a value in the Q8_0 GEMV); loaded as words, the bytes stay where they came."""
+def bytes4_to_f32(words, FP8: tl.constexpr, PTX: tl.constexpr):
+    """One-byte values (int8, or float8 e4m3 with ``FP8``) read four to an int32 word (``[R, W]``,
+    little-endian) as float32 ``[R, 4 W]`` in memory order. A tile loaded a byte a value reaches PTX
+    that takes four bytes a register only after the compiler has taken every byte out of its load and
+    packed them again (sm_90, Triton 3.6: about three instructions a value in the Q8_0 GEMV); loaded as
+    words, the bytes stay where they came."""
     if PTX:
         v0, v1, v2, v3 = tl.inline_asm_elementwise(
-            _INT8X4_TO_F32,
+            _E4M3X4_TO_F32 if FP8 else _INT8X4_TO_F32,
             "=f,=f,=f,=f,r",
             [words],
             dtype=(tl.float32, tl.float32, tl.float32, tl.float32),
             is_pure=True,
             pack=1,
         )
+    elif FP8:  # each byte shifted down and read as float8
+        v0 = _e4m3_byte(words)
+        v1 = _e4m3_byte(words >> 8)
+        v2 = _e4m3_byte(words >> 16)
+        v3 = _e4m3_byte(words >> 24)
     else:  # each byte sign-extended by shifts
         v0 = ((words << 24) >> 24).to(tl.float32)
         v1 = ((words << 16) >> 24).to(tl.float32)
@@ -111,6 +151,25 @@ def int8x4_to_f32(words, PTX: tl.constexpr):
     # [R, W, 2, 2], a join's new axis last: [.., a, b] is byte 2 a + b, the bytes in memory order.
     values = tl.join(tl.join(v0, v2), tl.join(v1, v3))
     return tl.reshape(values, (values.shape[0], values.shape[1] * 4))
+
+
+@triton.jit
+def _e4m3_byte(word):
+    return (word & 0xFF).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def round_to_e4m3(x):
+    """Float32 ``x`` within ±448 rounded to the nearest float8 e4m3 value, ties to even, kept in
+    float32, so that the cast after it is exact everywhere: the interpreter's cast rounds a tie up and
+    ignores the bits below it, where the GPU's rounds to nearest. Normal values keep three mantissa
+    bits (rounded on the bits, as ``_round_to_bfloat16`` does); below 2^-6 the step is 2^-9, which
+    float32 addition of 2^14 rounds to."""
+    bits = x.to(tl.uint32, bitcast=True)
+    normal = ((bits + 0x7FFFF + ((bits >> 20) & 1)) & 0xFFF00000).to(tl.float32, bitcast=True)
+    magnitude = tl.abs(x)
+    tiny = (magnitude + 16384.0) - 16384.0
+    return tl.where(magnitude >= 0.015625, normal, tl.where(x < 0, -tiny, tiny))
 
 
 @triton.jit

@@ -15,7 +15,10 @@ docs/PERFORMANCE.md, "Tuning: the one-row GEMV".
 A Q8_0 weight (``q8_0.Q8Weight``) streams as int8 with a float16 scale every 32 values: about
 half the bytes of bf16. Each block of 32 is summed against the row in float32 and scaled once, so
 the weights are never rounded to the activations' dtype (the reference rounds its dequantized
-matrix: the two differ by that rounding).
+matrix: the two differ by that rounding). An FP8 weight (``fp8.FP8Weight``) streams as float8 e4m3
+the same way, its float32 scales applied once a row or once a 128-column block; the row stays in
+its dtype (the weight-only product ``reference.fp8_weight_linear``: at one row the time is the
+weight's bytes, and quantizing the row too would only add rounding).
 
 Otherwise every rounding follows the unfused torch ops: Llama's normed row and weighted
 normed row are each rounded to the input dtype (Gemma's once, as its norms do),
@@ -29,9 +32,17 @@ import torch
 import triton
 import triton.language as tl
 
-from tokenmill.kernels.q8_0 import Q8Weight
+from tokenmill.kernels.reference import Weight
 from tokenmill.kernels.triton_activation import gate_activation
-from tokenmill.kernels.triton_convert import int8x4_to_f32, ptx_conversions
+from tokenmill.kernels.triton_convert import (
+    DENSE,
+    FP8_GROUP,
+    FP8_ROWS,
+    Q8_0,
+    bytes4_to_f32,
+    ptx_conversions,
+    weight_format,
+)
 from tokenmill.kernels.triton_launch import pdl_launch_args, wait_for_previous_kernel
 from tokenmill.kernels.triton_norm import WEIGHTINGS, weigh
 
@@ -47,6 +58,8 @@ TILES = {"plain": (8, 1024, 4), "norm": (16, 1024, 4), "gated": (4, 1024, 4)}
 # Llama-3-8B (benchmarks/results/h200-2026-12-01/q8-all-rows-38327dc/): qkv 11.17 -> 9.78 us, gate|up
 # 39.05 -> 36.58, o 7.04 -> 6.25, down 21.67 -> 17.00 (half the bytes a row: longer K steps pay).
 Q8_TILES = {"plain": (4, 2048, 4), "norm": (8, 1024, 4), "gated": (8, 1024, 4)}
+# An FP8 weight's tiles: Q8_0's (a byte a value for both; BLOCK_K a multiple of the 128-column scale block).
+FP8_TILES = Q8_TILES
 # Shapes' own tiles, by (kind, N, K) of a bf16 weight: the fastest of benchmarks/studies/study_gemv.py's sweep
 # on the H200 (benchmarks/results/h200-2026-12-01/gemv-tiles-3683d63/), where it beat the kind's tile
 # by more than 1%. Gemma-3-4B: qkv 8.74 -> 7.63 us, o 4.50 -> 3.90, down 16.59 -> 14.64; Gemma-3-27B:
@@ -67,23 +80,29 @@ SHAPE_TILES = {
 
 @triton.jit
 def _row_dots(
-    w, xf, s_rows, k0, n_ok, K, Q8: tl.constexpr, PTX: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr
+    w, xf, s_rows, k0, n_ok, K, FORMAT: tl.constexpr, PTX: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr
 ):
-    """The tile's ``BLOCK_N`` partial dot products with the row ``xf`` ``[1, BLOCK_K]`` (float32). With
-    Q8, each block of 32 int8 values is summed against ``x`` first and times its scale once: the
-    scales, a row's ``BLOCK_K / 32`` consecutive float16s, cost one load and one multiply a block;
-    the values, read four to a word, reach float32 through float16 (``int8x4_to_f32``), not the
-    conversion unit."""
-    if Q8:
-        sums = tl.sum(
-            tl.reshape(int8x4_to_f32(w, PTX), (BLOCK_N, BLOCK_K // 32, 32)) * tl.reshape(xf, (1, BLOCK_K // 32, 32)),
-            axis=2,
-        )
-        kb = k0 // 32 + tl.arange(0, BLOCK_K // 32)
-        scale = tl.load(s_rows + kb[None, :], mask=n_ok[:, None] & (kb[None, :] < K // 32), other=0.0)
-        dots = tl.sum(sums * scale.to(tl.float32), axis=1)
-    else:
+    """The tile's ``BLOCK_N`` partial dot products with the row ``xf`` ``[1, BLOCK_K]`` (float32). A
+    packed weight's values, read four to a word, reach float32 through float16 (``bytes4_to_f32``),
+    not the conversion unit; each group that shares a scale (32 Q8_0 values, 128 FP8 ones) is summed
+    against ``x`` first and times its scale once: the scales, a row's ``BLOCK_K / group`` consecutive
+    values, cost one load and one multiply a group. An FP8 weight scaled by rows leaves its scale to
+    the caller, once a row."""
+    if FORMAT == DENSE:
         dots = tl.sum(xf * w.to(tl.float32), axis=1)
+    else:
+        values = bytes4_to_f32(w, FORMAT != Q8_0, PTX)
+        if FORMAT == FP8_ROWS:
+            dots = tl.sum(values * xf, axis=1)
+        else:
+            GROUP: tl.constexpr = 32 if FORMAT == Q8_0 else FP8_GROUP
+            sums = tl.sum(
+                tl.reshape(values, (BLOCK_N, BLOCK_K // GROUP, GROUP)) * tl.reshape(xf, (1, BLOCK_K // GROUP, GROUP)),
+                axis=2,
+            )
+            kb = k0 // GROUP + tl.arange(0, BLOCK_K // GROUP)
+            scale = tl.load(s_rows + kb[None, :], mask=n_ok[:, None] & (kb[None, :] < tl.cdiv(K, GROUP)), other=0.0)
+            dots = tl.sum(sums * scale.to(tl.float32), axis=1)
     return dots
 
 
@@ -108,7 +127,7 @@ def _gemv_kernel(
     ADD_RES: tl.constexpr,
     ACT_MUL: tl.constexpr,
     HAS_BIAS: tl.constexpr,
-    Q8: tl.constexpr,
+    FORMAT: tl.constexpr,
     PTX: tl.constexpr,
     PDL: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -121,8 +140,8 @@ def _gemv_kernel(
     (``ADD_RES``), or the row its activation multiplies (``ACT_MUL``)."""
     tile0 = tl.program_id(0) * ROW_TILES
     ks0 = tl.arange(0, BLOCK_K)
-    # The weight's elements: a Q8_0 weight is read as int32 words of four values.
-    W_PACK: tl.constexpr = 4 if Q8 else 1
+    # The weight's elements: a one-byte weight is read as int32 words of four values.
+    W_PACK: tl.constexpr = 1 if FORMAT == DENSE else 4
     kw0 = tl.arange(0, BLOCK_K // W_PACK)
     KW = K // W_PACK
     ns = tile0 * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -149,7 +168,7 @@ def _gemv_kernel(
         n_ok = ns < N
         w_rows = w_ptr + ns.to(tl.int64)[:, None] * stride_w
         u_rows = w_rows + N.to(tl.int64) * stride_w
-        s_rows = w_scale_ptr + ns.to(tl.int64)[:, None] * stride_s  # Q8: a row's scales, one per 32 values
+        s_rows = w_scale_ptr + ns.to(tl.int64)[:, None] * stride_s  # a packed weight's row scales
         t_rows = s_rows + N.to(tl.int64) * stride_s
         # The next tile's rows and its first K tile (masked off past the program's last tile).
         later = (ns + BLOCK_N < N) & (t + 1 < ROW_TILES)
@@ -180,13 +199,17 @@ def _gemv_kernel(
                     nw = tl.load(norm_w_ptr + ks, mask=ks < K, other=0.0).to(tl.float32)
                     x = weigh(x.to(tl.float32) * rstd, nw, WEIGHTING).to(x.dtype)
             xf = x.to(tl.float32)[None, :]
-            acc += _row_dots(w, xf, s_rows, k0, n_ok, K, Q8, PTX, BLOCK_N, BLOCK_K)
+            acc += _row_dots(w, xf, s_rows, k0, n_ok, K, FORMAT, PTX, BLOCK_N, BLOCK_K)
             w = w_next
             if GATED:
                 u_next = tl.load(u_nxt, mask=nxt_mask, other=0.0, eviction_policy="evict_first")
-                acc_u += _row_dots(u, xf, t_rows, k0, n_ok, K, Q8, PTX, BLOCK_N, BLOCK_K)
+                acc_u += _row_dots(u, xf, t_rows, k0, n_ok, K, FORMAT, PTX, BLOCK_N, BLOCK_K)
                 u = u_next
 
+        if FORMAT == FP8_ROWS:
+            acc *= tl.load(w_scale_ptr + ns * stride_s, mask=n_ok, other=0.0)
+            if GATED:
+                acc_u *= tl.load(w_scale_ptr + (N + ns) * stride_s, mask=n_ok, other=0.0)
         out_ty = out_ptr.dtype.element_ty
         if HAS_BIAS:
             acc += tl.load(bias_ptr + ns, mask=n_ok, other=0.0).to(tl.float32)
@@ -207,7 +230,7 @@ def _gemv_kernel(
 
 def _gemv(
     x: torch.Tensor,
-    weight: torch.Tensor | Q8Weight,
+    weight: Weight,
     bias: torch.Tensor | None,
     *,
     norm_weight: torch.Tensor | None = None,
@@ -222,8 +245,7 @@ def _gemv(
     """``up``: the projection's ``activation`` times this row (a gate whose other half is an input).
     ``tiles``: force ``(BLOCK_N, BLOCK_K, num_warps[, ROW_TILES])`` (the tile study); default by the
     kind and shape."""
-    scales = weight.scales if isinstance(weight, Q8Weight) else None
-    weight = weight.qweight if isinstance(weight, Q8Weight) else weight
+    weight, scales, fmt = weight_format(weight)
     m, k = x.shape
     n = weight.shape[0] // 2 if gated else weight.shape[0]
     if m > MAX_ROWS:
@@ -248,9 +270,10 @@ def _gemv(
         return out
     kind = "gated" if gated else "norm" if norm_weight is not None else "plain"
     if tiles is None:
-        tiles = Q8_TILES[kind] if scales is not None else SHAPE_TILES.get((kind, n, k), TILES[kind])
+        packed_tiles = Q8_TILES if fmt == Q8_0.value else FP8_TILES
+        tiles = packed_tiles[kind] if scales is not None else SHAPE_TILES.get((kind, n, k), TILES[kind])
     block_n, block_k, num_warps, row_tiles = (*tiles, 1) if len(tiles) == 3 else tiles
-    words = weight if scales is None else weight.view(torch.int32)  # Q8_0: int8 values read four a word
+    words = weight if scales is None else weight.view(torch.int32)  # one-byte values read four a word
     _gemv_kernel[(triton.cdiv(triton.cdiv(n, block_n), row_tiles),)](
         x,
         norm_weight if norm_weight is not None else x,
@@ -271,7 +294,7 @@ def _gemv(
         ADD_RES=residual is not None,
         ACT_MUL=up is not None,
         HAS_BIAS=bias is not None,
-        Q8=scales is not None,
+        FORMAT=fmt,
         PTX=ptx_conversions(),
         BLOCK_N=block_n,
         BLOCK_K=block_k,
@@ -282,19 +305,17 @@ def _gemv(
     return out
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor | Q8Weight, bias: torch.Tensor | None) -> torch.Tensor:
+def linear(x: torch.Tensor, weight: Weight, bias: torch.Tensor | None) -> torch.Tensor:
     """``x @ weight.T (+ bias)`` for one row ``x`` ``[1, K]``."""
     return _gemv(x, weight, bias)
 
 
-def linear_residual(
-    x: torch.Tensor, weight: torch.Tensor | Q8Weight, bias: torch.Tensor | None, residual: torch.Tensor
-) -> torch.Tensor:
+def linear_residual(x: torch.Tensor, weight: Weight, bias: torch.Tensor | None, residual: torch.Tensor) -> torch.Tensor:
     """``residual + x @ weight.T (+ bias)`` for one row ``x`` ``[1, K]``."""
     return _gemv(x, weight, bias, residual=residual)
 
 
-def linear_gelu_mul(x: torch.Tensor, weight: torch.Tensor | Q8Weight, up: torch.Tensor) -> torch.Tensor:
+def linear_gelu_mul(x: torch.Tensor, weight: Weight, up: torch.Tensor) -> torch.Tensor:
     """``gelu_tanh(x @ weight.T) * up`` for one row ``x`` ``[1, K]`` and ``up`` ``[1, N]``."""
     return _gemv(x, weight, None, up=up, activation="gelu_tanh")
 
@@ -303,7 +324,7 @@ def norm_linear(
     x: torch.Tensor,
     norm_weight: torch.Tensor,
     eps: float,
-    weight: torch.Tensor | Q8Weight,
+    weight: Weight,
     bias: torch.Tensor | None,
     gated: bool = False,
     weighting: str = "llama",

@@ -26,12 +26,27 @@ import torch
 import triton
 import triton.language as tl
 
+from tokenmill.kernels.fp8 import FP8Weight
 from tokenmill.kernels.q8_0 import BLOCK, Q8Weight
-from tokenmill.kernels.triton_convert import ptx_conversions, q8_0_tile
+from tokenmill.kernels.reference import Weight
+from tokenmill.kernels.triton_convert import (
+    DENSE,
+    FP8_BLOCKS,
+    FP8_GROUP,
+    FP8_ROWS,
+    Q8_0,
+    ptx_conversions,
+    q8_0_tile,
+    to_f16,
+    weight_format,
+)
 from tokenmill.kernels.triton_launch import num_sms, pdl_launch_args, wait_for_previous_kernel
 
 # The most dense rows this kernel takes: past them cuBLAS was as fast. Q8_0 rows have no limit.
 MAX_DENSE_ROWS = 32
+# The most rows it takes of an FP8 weight, read as FP8 against rows in their own dtype (the weight's
+# bytes are the time); more go to FP8 tensor cores with the rows quantized (``triton_fp8``).
+MAX_FP8_ROWS = 64
 # Programs an SM that the K split aims at: a Q8_0 tile spends longer dequantizing than loading, so
 # more of them in flight hide the loads (the study's best split for each projection, within 6%).
 _PROGRAMS_PER_SM = {"dense": 1, "q8_0": 4}
@@ -61,7 +76,7 @@ def _skinny_matmul_kernel(
     stride_wn,
     stride_sn,
     stride_om,
-    QUANTIZED: tl.constexpr,
+    FORMAT: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     IEEE_DOT: tl.constexpr,
     PTX: tl.constexpr,
@@ -87,13 +102,18 @@ def _skinny_matmul_kernel(
     for k0 in tl.range(k_start, tl.minimum(k_start + part, K), BLOCK_K, num_stages=NUM_STAGES):
         ks = k0 + ks0
         xt = tl.load(x_cols + ks[:, None], mask=(rows[None, :] < M) & (ks[:, None] < K), other=0.0)  # [K, M]
-        w = tl.load(w_rows + ks[None, :], mask=(cols[:, None] < N) & (ks[None, :] < K), other=0)
-        if QUANTIZED:  # rounded to x's dtype, as the reference's dequantized matrix is
+        w = tl.load(w_rows + ks[None, :], mask=(cols[:, None] < N) & (ks[None, :] < K), other=0.0)
+        if FORMAT == Q8_0:  # rounded to x's dtype, as the reference's dequantized matrix is
             w = q8_0_tile(w, s_rows, k0, K, cols < N, PTX).to(xt.dtype)
-        if IEEE_DOT:
-            acc += tl.dot(w, xt, input_precision="ieee")
+        elif FORMAT != DENSE:  # float8 values are exact in x's dtype (16 or 32 bits): scaled after the dot
+            w = to_f16(w, PTX, False).to(xt.dtype)
+        if FORMAT == FP8_BLOCKS:  # one scale a row for this step's columns (BLOCK_K divides the block)
+            scale = tl.load(s_ptr + cols.to(tl.int64) * stride_sn + k0 // FP8_GROUP, mask=cols < N, other=0.0)
+            acc += _dot(w, xt, IEEE_DOT) * scale[:, None]
         else:
-            acc += tl.dot(w, xt)
+            acc += _dot(w, xt, IEEE_DOT)
+    if FORMAT == FP8_ROWS:
+        acc *= tl.load(s_ptr + cols.to(tl.int64) * stride_sn, mask=cols < N, other=0.0)[:, None]
     mask = (rows[None, :] < M) & (cols[:, None] < N)
     if SPLIT_K > 1:
         offsets = rows.to(tl.int64)[None, :] * N + cols[:, None]
@@ -113,11 +133,23 @@ def _skinny_matmul_kernel(
     )
 
 
-def takes(x: torch.Tensor, weight: torch.Tensor | Q8Weight) -> bool:
-    """Whether ``x`` times ``weight`` go through this kernel on the GPU: few enough rows, each row of
-    both contiguous (a Q8_0 weight's always is; other layouts stay with cuBLAS)."""
+@triton.jit
+def _dot(w, xt, IEEE_DOT: tl.constexpr):
+    if IEEE_DOT:
+        product = tl.dot(w, xt, input_precision="ieee")
+    else:
+        product = tl.dot(w, xt)
+    return product
+
+
+def takes(x: torch.Tensor, weight: Weight) -> bool:
+    """Whether ``x`` times ``weight`` go through this kernel on the GPU: few enough rows (any number of
+    Q8_0 ones), each row of both contiguous (a packed weight's always is; other layouts stay with
+    cuBLAS)."""
     if isinstance(weight, Q8Weight):
         return x.stride(-1) == 1
+    if isinstance(weight, FP8Weight):
+        return x.shape[0] <= MAX_FP8_ROWS and x.stride(-1) == 1
     return x.shape[0] <= MAX_DENSE_ROWS and x.stride(-1) == 1 and weight.stride(-1) == 1
 
 
@@ -160,14 +192,13 @@ def _tile_counters(device: torch.device, tiles: int) -> torch.Tensor:
 
 
 def skinny_matmul(
-    x: torch.Tensor, weight: torch.Tensor | Q8Weight, bias: torch.Tensor | None, tiles: tuple[int, ...] | None = None
+    x: torch.Tensor, weight: Weight, bias: torch.Tensor | None, tiles: tuple[int, ...] | None = None
 ) -> torch.Tensor:
     """``x @ weight.T (+ bias)`` in x's dtype. ``tiles``: force ``default_tiles``' choice (the study)."""
     m, k = x.shape
-    w, scales = (weight.qweight, weight.scales) if isinstance(weight, Q8Weight) else (weight, None)
-    quantized = scales is not None
+    w, scales, fmt = weight_format(weight)
     n = w.shape[0]
-    if w.shape[1] != k or (quantized and k % BLOCK):
+    if w.shape[1] != k or (fmt == Q8_0.value and k % BLOCK):
         raise ValueError(f"shapes x {tuple(x.shape)}, weight {tuple(weight.shape)} do not match")
     if x.stride(-1) != 1 or w.stride(-1) != 1:
         raise ValueError("skinny_matmul needs x's and the weight's rows contiguous")
@@ -175,8 +206,10 @@ def skinny_matmul(
     if m == 0:
         return out
     block_m, block_n, block_k, num_warps, num_stages, split_k = tiles or default_tiles(
-        m, n, k, quantized, x.device, x.dtype == torch.float32
+        m, n, k, fmt == Q8_0.value, x.device, x.dtype == torch.float32
     )
+    if fmt == FP8_BLOCKS.value and FP8_GROUP.value % block_k:
+        raise ValueError(f"a block-scaled FP8 weight needs K tiles that divide {FP8_GROUP.value}, got {block_k}")
     split_k = min(split_k, triton.cdiv(k, block_k))
     grid = (triton.cdiv(n, block_n), triton.cdiv(m, block_m), split_k)
     partials = torch.empty((split_k, m, n), dtype=torch.float32, device=x.device) if split_k > 1 else out
@@ -195,7 +228,7 @@ def skinny_matmul(
         w.stride(0),
         scales.stride(0) if scales is not None else 0,
         out.stride(0),
-        QUANTIZED=quantized,
+        FORMAT=fmt,
         HAS_BIAS=bias is not None,
         IEEE_DOT=x.dtype == torch.float32,
         PTX=ptx_conversions(),

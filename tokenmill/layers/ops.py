@@ -16,7 +16,6 @@ from typing import Any
 import torch
 
 from tokenmill.kernels import reference
-from tokenmill.kernels.fp8 import FP8Weight
 from tokenmill.kernels.reference import Weight
 
 
@@ -47,12 +46,6 @@ def backend_for(tensor: torch.Tensor) -> ModuleType:
         if ops is not None:
             return ops
     return reference
-
-
-def projection_backend(x: torch.Tensor, weight: Weight) -> ModuleType:
-    """The module whose kernels project ``x`` by ``weight``: ``backend_for(x)``'s, except that an FP8
-    weight takes the torch reference on every device (no GPU kernel reads FP8 weights yet)."""
-    return reference if isinstance(weight, FP8Weight) else backend_for(x)
 
 
 def paged_attention(
@@ -199,7 +192,7 @@ def norm_linear(
     half's ``activation`` (``silu`` or ``gelu_tanh``) times the up half; returns ``(projection,
     stream)``. One kernel for one-token decode on the GPU, where the stream arrives whole (see
     ``linear_into_stream``)."""
-    backend = projection_backend(x, weight)
+    backend = backend_for(x)
     if residual is None and _fused_gemv(backend, x) and norm_weight.dtype == x.dtype:
         return backend.norm_linear(
             x, norm_weight, eps, weight, bias, gated, weighting=weighting, activation=activation
@@ -231,7 +224,7 @@ def add_norm_linear(
     joining the block output inside the GEMV made every program rebuild the joined row from L2, and
     measured slower on the H200 than a norm kernel in front (Gemma-3-27B: 16.1 against 15.4 ms a step).
     Elsewhere the join and the next norm share one kernel (``join_and_norm``) ahead of the matmul."""
-    if _fused_gemv(projection_backend(x, weight), x) and norm_weight.dtype == x.dtype:
+    if _fused_gemv(backend_for(x), x) and norm_weight.dtype == x.dtype:
         new_stream = add_rms_norm(x, add_weight, eps, stream, weighting)
         out, _ = norm_linear(new_stream, None, norm_weight, eps, weight, bias, gated, weighting, activation)
         return out, new_stream
@@ -267,19 +260,19 @@ def linear_into_stream(
 def fuses_residual(x: torch.Tensor, weight: Weight) -> bool:
     """Whether ``linear_into_stream`` adds the residual inside its kernel for ``x`` and ``weight``
     (one-token decode on the GPU), returning the stream whole."""
-    return _fused_gemv(projection_backend(x, weight), x)
+    return _fused_gemv(backend_for(x), x)
 
 
 def linear(x: torch.Tensor, weight: Weight, bias: torch.Tensor | None) -> torch.Tensor:
-    """``x @ weight.T (+ bias)``: on the GPU one row takes the GEMV, and a Q8_0 weight is read packed;
-    the reference dequantizes it (an FP8 one: ``reference.fp8_linear`` everywhere)."""
-    return projection_backend(x, weight).linear(x, weight, bias)
+    """``x @ weight.T (+ bias)``: on the GPU one row takes the GEMV, and a packed weight (Q8_0, FP8) is
+    read as it is; the reference dequantizes it."""
+    return backend_for(x).linear(x, weight, bias)
 
 
 def linear_gelu_mul(x: torch.Tensor, weight: Weight, up: torch.Tensor) -> torch.Tensor:
     """``gelu_tanh(x @ weight.T) * up`` (Gemma 4's per-layer input gate): one kernel for one-token
     decode on the GPU."""
-    return projection_backend(x, weight).linear_gelu_mul(x, weight, up)
+    return backend_for(x).linear_gelu_mul(x, weight, up)
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
