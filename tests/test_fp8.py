@@ -11,6 +11,7 @@ import statistics
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 from fp8_writer import FORMATS, fp8_model_dir
 from helpers import make_model_dir
 from parity_helpers import parity_prompts, reference_generate
@@ -19,6 +20,7 @@ from tokenmill import LLM, SamplingParams
 from tokenmill.engine.worker.model_runner import build_model
 from tokenmill.kernels import reference
 from tokenmill.layers.fp8_linear import FP8Weights
+from tokenmill.layers.linear import ColumnParallelLinear, RowParallelLinear
 from tokenmill.loader.model_config import ModelLoadError
 from tokenmill.models.registry import load_model_config
 
@@ -38,6 +40,33 @@ def test_loaded_weights_are_the_checkpoints_fp8_values_and_scales(fmt: str, tmp_
         want = torch.cat([dequantized[p] for p in parts])
         torch.testing.assert_close(layer.weight.dequantize(torch.float32), want, rtol=0, atol=0)
     assert model.lm_head.weight.dtype == torch.float32 and model.model.embed_tokens.weight.dtype == torch.float32
+
+
+def test_an_fp8_checkpoint_never_holds_its_dense_projections(tmp_path, monkeypatch) -> None:
+    """Its projections are built on the meta device and made FP8 before the checkpoint loads (a model
+    that fits only in FP8 must never hold them dense); a projection it leaves dense, and every bias,
+    gets memory for the checkpoint to fill, and nothing is left on the meta device."""
+    _, dequantized = fp8_model_dir("llama3", tmp_path, "ct-channel-dynamic")
+    tensors = load_file(str(tmp_path / "model.safetensors"))  # the down projections left dense
+    for name in [n for n in dequantized if n.endswith("down_proj")]:
+        tensors[f"{name}.weight"] = dequantized[name]
+        del tensors[f"{name}.weight_scale"]
+    save_file(tensors, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((tmp_path / "config.json").read_text())
+    config["quantization_config"]["ignore"] = ["re:.*down_proj"]
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    built = []
+    for kind in (ColumnParallelLinear, RowParallelLinear):
+        def init(self, *args, __init__=kind.__init__, **kwargs) -> None:
+            __init__(self, *args, **kwargs)
+            built.append(self.weight.device.type)
+        monkeypatch.setattr(kind, "__init__", init)
+    model = build_model(load_model_config(tmp_path), tmp_path, torch.float32, torch.device("cpu"), 64)
+    assert built and set(built) == {"meta"}
+    assert not [name for name, p in model.named_parameters() if p.is_meta]
+    dense = [name for name, m in model.named_modules() if isinstance(m, RowParallelLinear)
+             and not isinstance(m, FP8Weights) and name.endswith("down_proj")]
+    assert len(dense) == len(model.model.layers)
 
 
 # Greedy tokens equal transformers' up to a near-tie (logits within TIE_TOL), and the chosen tokens'

@@ -163,11 +163,17 @@ _FP8_KINDS: dict[type, type] = {ColumnParallelLinear: FP8ColumnParallelLinear, R
 
 
 def _to_fp8(
-    name: str, parent: nn.Module, attribute: str, layer: nn.Linear, scheme: FP8Scheme | None, weight: FP8Weight | None
+    name: str,
+    parent: nn.Module,
+    attribute: str,
+    layer: nn.Linear,
+    scheme: FP8Scheme | None,
+    weight: FP8Weight | None,
+    device: torch.device,
 ) -> None:
-    """Replace ``layer`` (``parent.attribute``) by its FP8 kind holding ``weight`` (None: empty, for a
-    checkpoint to fill). A block-wise layer whose rank holds part of a block's input columns is a ValueError."""
-    device = layer.weight.device
+    """Replace ``layer`` (``parent.attribute``) by its FP8 kind holding ``weight`` (None: empty on ``device``,
+    for a checkpoint to fill). A block-wise layer whose rank holds part of a block's input columns is a
+    ValueError."""
     shape = (layer.out_features, layer.in_features)
     if type(layer) in _FP8_KINDS:
         del layer.weight
@@ -190,13 +196,14 @@ def _to_fp8(
     fp8_layer.hold_fp8(weight, parts, device)
 
 
-def load_as_fp8(model: nn.Module, scheme: FP8Scheme, quantized: Callable[[str], bool]) -> int:
+def load_as_fp8(model: nn.Module, scheme: FP8Scheme, quantized: Callable[[str], bool], device: torch.device) -> int:
     """Before an FP8 checkpoint loads: every projection of ``model`` that it stores in FP8 (``quantized``
     of the layer's name; the LM head never) becomes its FP8 kind with empty parameters of this rank's
-    shape, which the checkpoint's values and scales then fill as they are stored. Returns how many."""
+    shape on ``device``, which the checkpoint's values and scales then fill as they are stored. Returns
+    how many."""
     chosen = [p for p in projections(model, keep=("lm_head",)) if quantized(p[0])]
     for name, parent, attribute, layer in chosen:
-        _to_fp8(name, parent, attribute, layer, scheme, None)
+        _to_fp8(name, parent, attribute, layer, scheme, None, device)
     return len(chosen)
 
 
@@ -206,6 +213,6 @@ def quantize_linears_fp8(model: nn.Module, keep: tuple[str, ...] = ("lm_head",))
     count = 0
     for name, parent, attribute, layer in projections(model, keep):
         if not isinstance(layer, FP8Weights):
-            _to_fp8(name, parent, attribute, layer, None, fp8.quantize_rows(layer.weight.data))
+            _to_fp8(name, parent, attribute, layer, None, fp8.quantize_rows(layer.weight.data), layer.weight.device)
             count += 1
     return count

@@ -12,8 +12,10 @@ that slice alone and no rank materialises the whole model.
 
 from __future__ import annotations
 
+import contextlib
 import math
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextvars import ContextVar
 from dataclasses import dataclass
 from types import EllipsisType
 from typing import Any
@@ -98,6 +100,32 @@ class Sharded:
         return checkpoint_name
 
 
+# Where projections built now put their weights and biases: None, the default device; "meta" inside
+# ``projections_deferred``.
+_PROJECTION_DEVICE: ContextVar[str | None] = ContextVar("projection_device", default=None)
+
+
+@contextlib.contextmanager
+def projections_deferred() -> Iterator[None]:
+    """Projections built inside hold their weights and biases on the meta device, allocating nothing: a
+    checkpoint that stores them packed (FP8) replaces them before it loads, so a model that fits only
+    packed never holds its dense projections. ``materialize`` gives what stays dense its memory."""
+    token = _PROJECTION_DEVICE.set("meta")
+    try:
+        yield
+    finally:
+        _PROJECTION_DEVICE.reset(token)
+
+
+def materialize(model: nn.Module, device: torch.device) -> None:
+    """Every parameter of ``model`` still on the meta device made an empty one on ``device`` (for the
+    checkpoint to fill)."""
+    for module in model.modules():
+        for name, param in list(module.named_parameters(recurse=False)):
+            if param.is_meta:
+                setattr(module, name, nn.Parameter(torch.empty_like(param, device=device), requires_grad=False))
+
+
 class ColumnParallelLinear(nn.Linear, Sharded):
     """Output rows split. ``parts`` are the projections fused into this one matmul (q, k, v; gate, up),
     each divided among the ranks on its own, so each rank's output is its own q | k | v (gate | up)."""
@@ -105,7 +133,7 @@ class ColumnParallelLinear(nn.Linear, Sharded):
     def __init__(self, in_features: int, parts: Sequence[Split], bias: bool) -> None:
         self.tp = current_group()
         self.parts = tuple(parts)
-        super().__init__(in_features, sum(self.part_sizes), bias=bias)
+        super().__init__(in_features, sum(self.part_sizes), bias=bias, device=_PROJECTION_DEVICE.get())
 
     @property
     def part_sizes(self) -> list[int]:
@@ -126,7 +154,7 @@ class RowParallelLinear(nn.Linear, Sharded):
     def __init__(self, split: Split, out_features: int, bias: bool) -> None:
         self.tp = current_group()
         self.split = split
-        super().__init__(split.local_size(self.tp), out_features, bias=bias)
+        super().__init__(split.local_size(self.tp), out_features, bias=bias, device=_PROJECTION_DEVICE.get())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:

@@ -17,6 +17,7 @@ Sampling, and every sequence's sampling state, stay on rank 0.
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import itertools
 import logging
@@ -51,6 +52,7 @@ from tokenmill.engine.worker.sequence_rows import (
 from tokenmill.layers.attention import AttentionMetadata, KVCache
 from tokenmill.layers.fp8_linear import load_as_fp8
 from tokenmill.layers.grammar_mask import HostBitmask, apply_grammars
+from tokenmill.layers.linear import materialize, projections_deferred
 from tokenmill.layers.sampler import Sampler, SamplingBatch, gather_logprobs
 from tokenmill.loader.kv_layout import KVLayout, is_quantized, kv_scale_dtype
 from tokenmill.loader.model_config import ModelConfig
@@ -189,12 +191,14 @@ def build_model(
 ) -> LlamaForCausalLM:
     """The model (``tp.rank``'s share of it) on ``device`` in ``dtype``, with the checkpoint's weights, or
     random ones (std 0.02) when ``model_dir`` is None (benchmarks in real shapes, dense whatever the
-    checkpoint). An FP8 checkpoint's projections are made FP8 before it loads, so its values and
-    scales are kept as stored."""
+    checkpoint). An FP8 checkpoint's projections are built without memory and made FP8 before it
+    loads, so its values and scales are kept as stored and the dense projections are never held."""
+    quantization = model_config.quantization if model_dir is not None else None
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
-        with torch.device(device), sharding_for(tp):
+        deferred = projections_deferred() if quantization is not None else contextlib.nullcontext()
+        with torch.device(device), sharding_for(tp), deferred:
             model = model_class(model_config)(model_config, max_positions)
     finally:
         torch.set_default_dtype(previous)
@@ -206,11 +210,14 @@ def build_model(
             else:
                 param.data.normal_(0.0, 0.02, generator=gen)
     else:
-        quantization = model_config.quantization
         if quantization is not None:
             count = load_as_fp8(
-                model, quantization.scheme, lambda name: quantization.quantizes(model.checkpoint_projections(name))
+                model,
+                quantization.scheme,
+                lambda name: quantization.quantizes(model.checkpoint_projections(name)),
+                device,
             )
+            materialize(model, device)
             logger.info("%d projections kept in FP8 as the checkpoint stores them: %s", count, quantization.scheme.name)
         model.load_weights(iter_checkpoint(model_dir))
     return model.eval()
