@@ -1,4 +1,4 @@
-"""What a quantized KV cache, or Q8_0 weights, cost in accuracy, on the embedded model and its
+"""What a quantized KV cache, or Q8_0 or FP8 weights, cost in accuracy, on the embedded model and its
 held-out files.
 
 The embedded model's validation files (``corpus_files.txt``, split ``val``) are read from this
@@ -9,6 +9,11 @@ against ``auto``. Greedy agreement: ``--prompts`` windows' first 64 tokens conti
 64 tokens; the share of positions whose token equals ``auto``'s.
 
     python benchmarks/suite/kv_quant_accuracy.py [--device cpu] [--only auto,q8_0] [--out FILE]
+
+``fp8_weights`` is ``quantization="fp8"`` (a scale a row) with rows as they are, as the CPU and the
+GPU up to 64 rows compute it; ``fp8_weights_fp8_rows`` the same with every projection's rows quantized
+to e4m3 per token (``reference.fp8_linear``), as the GPU's FP8 tensor cores compute more rows (the
+scored prompts here, decoding batches past 64).
 
 ``q8_0_int8_rows`` is Q8_0 weights with every projection's rows quantized to int8 in blocks of 32
 too (Q8_0 times Q8_0, as llama.cpp multiplies them; the candidate kernels of
@@ -44,6 +49,10 @@ from tokenmill.tokenizer import load_tokenizer
 VARIANTS = {name: (f"kv_quant_accuracy/{name}", {"kv_cache_dtype": name}) for name in ("auto", "int8", "fp8", "fp8_e5m2")}
 VARIANTS["q8_0"] = ("weight_quant_accuracy/q8_0", {"quantization": "q8_0"})
 VARIANTS["q8_0_int8_rows"] = ("weight_quant_accuracy/q8_0_int8_rows", {"quantization": "q8_0"})
+VARIANTS["fp8_weights"] = ("weight_quant_accuracy/fp8", {"quantization": "fp8"})
+VARIANTS["fp8_weights_fp8_rows"] = ("weight_quant_accuracy/fp8_fp8_rows", {"quantization": "fp8"})
+# Variants simulated in the torch reference (CPU only), and how.
+SIMULATED = {"q8_0_int8_rows": lambda: projections_on_int8_rows(), "fp8_weights_fp8_rows": lambda: fp8_rows()}
 EOS = "<|endoftext|>"
 
 
@@ -82,6 +91,17 @@ def projections_on_int8_rows() -> Iterator[None]:
     finally:
         for name, fn in originals.items():
             setattr(reference, name, fn)
+
+
+@contextlib.contextmanager
+def fp8_rows() -> Iterator[None]:
+    """The reference's FP8 projections on rows quantized per token, as FP8 tensor cores read them."""
+    original = reference.fp8_weight_linear
+    reference.fp8_weight_linear = reference.fp8_linear
+    try:
+        yield
+    finally:
+        reference.fp8_weight_linear = original
 
 
 def validation_tokens(limit: int) -> list[int]:
@@ -124,9 +144,9 @@ def main() -> int:
     for name in names:
         started = time.perf_counter()
         row_name, options = VARIANTS[name]
-        if name == "q8_0_int8_rows" and args.device != "cpu":
-            parser.error("q8_0_int8_rows is simulated in the torch reference: --device cpu")
-        with projections_on_int8_rows() if name == "q8_0_int8_rows" else contextlib.nullcontext():
+        if name in SIMULATED and args.device != "cpu":
+            parser.error(f"{name} is simulated in the torch reference: --device cpu")
+        with SIMULATED[name]() if name in SIMULATED else contextlib.nullcontext():
             llm = LLM(device=args.device, max_model_len=args.window + 64, **options)
             ppl = perplexity(llm, windows)
             tokens = np.array([o.outputs[0].token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)])
@@ -136,7 +156,7 @@ def main() -> int:
                "perplexity_change": ppl / base_ppl - 1, "greedy_tokens_unchanged": float((tokens == base_tokens).mean()),
                "scored_tokens": sum(len(w) - 1 for w in windows), "seconds": time.perf_counter() - started}
         rows.append(row)
-        print(f"{name:9s} perplexity {ppl:.4f} ({row['perplexity_change']:+.3%})   greedy tokens unchanged "
+        print(f"{name:20s} perplexity {ppl:.4f} ({row['perplexity_change']:+.3%})   greedy tokens unchanged "
               f"{row['greedy_tokens_unchanged']:.1%}", flush=True)
     if args.out:
         env = {**environment(None, " ".join(sys.argv)), "device": args.device}
