@@ -966,6 +966,39 @@ def _interpret_skinny_matmul(ops) -> None:
                              kernel="skinny", tiles=(16, 32, 64, 4, 2, split_k))
 
 
+def check_fused_experts(ops, *, tokens: int, hidden: int, inter: int, experts: int, top_k: int, dtype: torch.dtype,
+                        device: str, tile: tuple[int, ...] | None = None) -> None:
+    """A sparse MoE block's experts against the reference (each expert on its own tokens), with tokens
+    crowding two experts and leaving others unchosen, rows and columns ending inside tiles."""
+    gen, seed = fresh_generator(device)
+    x = _randn((tokens, hidden), dtype, device, gen)
+    w13 = _randn((experts, 2 * inter, hidden), dtype, device, gen) * hidden**-0.5
+    w2 = _randn((experts, hidden, inter), dtype, device, gen) * inter**-0.5
+    logits = torch.randn(tokens, experts, generator=gen, device=device)
+    logits[:, :2] += 2.0  # most tokens choose experts 0 and 1
+    logits[:, -1] -= 100.0  # none the last
+    topk_weights, topk_ids = reference.moe_routing(logits, top_k, renormalize=True)
+    ref = reference.fused_experts(x, w13, w2, topk_ids, topk_weights, grouped=True)
+    if tile is None:
+        got = ops.fused_experts(x, w13, w2, topk_ids, topk_weights)
+    else:
+        from tokenmill.kernels.triton_moe import fused_experts
+        got = fused_experts(x, w13, w2, topk_ids, topk_weights, tile)
+    where = f"seed={seed} fused_experts tokens={tokens} hidden={hidden} inter={inter} E={experts} k={top_k} {dtype}"
+    assert got.shape == ref.shape and got.dtype == ref.dtype, where
+    err = rel_err(got, ref)
+    tol = max(ELEMWISE_TOL[dtype], GATED_FP16_TOL) if dtype == torch.float16 else ELEMWISE_TOL[dtype]
+    assert err < tol, f"rel err {err:.2e}: {where}"
+
+
+def _interpret_fused_experts(ops) -> None:
+    for dtype in (torch.float16, torch.float32):
+        check_fused_experts(ops, tokens=37, hidden=80, inter=48, experts=6, top_k=2, dtype=dtype, device="cpu",
+                            tile=(16, 32, 32, 4, 2))
+        check_fused_experts(ops, tokens=1, hidden=64, inter=32, experts=8, top_k=3, dtype=dtype, device="cpu",
+                            tile=(16, 32, 32, 4, 2))
+
+
 def check_sample(ops, *, rows: int, vocab: int, device: str, splits: int | None = None) -> None:
     """The race over top-k/top-p/min-p candidates against the reference's sort, token for token:
     every kind of row in one batch (greedy, plain, each filter alone and together, banned tokens,
@@ -1095,6 +1128,7 @@ INTERPRET_CASES = {
     "gemv": _interpret_gemv,
     "skinny_matmul": _interpret_skinny_matmul,
     "fp8_matmul": _interpret_fp8_matmul,
+    "fused_experts": _interpret_fused_experts,
     "paged_attention": _interpret_attention,
     "paged_attention_gemma": _interpret_attention_gemma,
     "paged_attention_edge_masks": _interpret_attention_edge_masks,

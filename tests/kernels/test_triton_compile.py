@@ -198,6 +198,8 @@ def _launches(monkeypatch: pytest.MonkeyPatch) -> list[Launch]:
             triton_ops.paged_attention(rand(query_len, 4, 16), qk16, qv16, torch.tensor([0, query_len], dtype=torch.int32),
                                        torch.tensor([40], dtype=torch.int32), torch.zeros(1, 4, dtype=torch.int32), 0.1,
                                        max_query_len=query_len, num_splits=1, k_scale=ks[:, :, :1], v_scale=vs[:, :, :1])
+        moe_weights, moe_ids = torch.rand(5, 2), torch.randint(0, 8, (5, 2), generator=gen)
+        triton_ops.fused_experts(rand(5, 256), rand(8, 256, 256), rand(8, 256, 128), moe_ids, moe_weights)
         triton_ops.silu_and_mul(rand(3, 512))
         triton_ops.softcap_(rand(3, 262144), 30.0)
         triton_ops.gelu_tanh_and_mul(rand(3, 512))
@@ -283,7 +285,7 @@ def test_every_kernel_compiles_for_hopper(monkeypatch: pytest.MonkeyPatch) -> No
     assert {"_paged_attention_kernel", "_merge_splits_kernel", "_rms_norm_kernel", "_rope_write_kv_kernel",
             "_act_and_mul_kernel", "_gemv_kernel", "_skinny_matmul_kernel", "_sample_kernel",
             "_race_parts_kernel", "_penalties_kernel", "_softcap_kernel", "_argmax_spans_kernel",
-            "_argmax_pick_kernel", "_quantize_rows_kernel", "_fp8_matmul_kernel"} <= names, names
+            "_argmax_pick_kernel", "_quantize_rows_kernel", "_fp8_matmul_kernel", "_moe_matmul_kernel"} <= names, names
     variants = {(launch.fn.__name__, key, launch.constexprs.get(key)) for launch in launches for key in
                 ("SOFTCAP", "WEIGHTING", "GELU_TANH", "BLOCK_D", "BLOCK_M", "ADD_AFTER", "GELU")}
     assert {("_paged_attention_kernel", "SOFTCAP", True), ("_paged_attention_kernel", "BLOCK_D", 512),
@@ -296,12 +298,13 @@ def test_every_kernel_compiles_for_hopper(monkeypatch: pytest.MonkeyPatch) -> No
             ("_gemv_kernel", "PTX", True), ("_gemv_kernel", "ACT_MUL", True),
             ("_quantize_rows_kernel", "GROUPED", True), ("_quantize_rows_kernel", "STATIC", True),
             ("_quantize_rows_kernel", "STATIC", False), ("_fp8_matmul_kernel", "BLOCKS", True),
-            ("_fp8_matmul_kernel", "BLOCKS", False),
+            ("_fp8_matmul_kernel", "BLOCKS", False), ("_moe_matmul_kernel", "GATED", True),
+            ("_moe_matmul_kernel", "GATED", False),
             ("_paged_attention_kernel", "PTX", True), ("_rope_write_kv_kernel", "PTX", True),
             ("_rope_write_kv_kernel", "V_NORM", True)} <= {
         (launch.fn.__name__, key, launch.constexprs.get(key)) for launch in launches
         for key in ("KV_SCALED", "DOT_F16", "QUANTIZED", "STATIC_AMAX", "SCALE_AFTER", "PTX", "ACT_MUL",
-                    "V_NORM", "GROUPED", "STATIC", "BLOCKS")}
+                    "V_NORM", "GROUPED", "STATIC", "BLOCKS", "GATED")}
     formats = {(launch.fn.__name__, launch.constexprs["FORMAT"]) for launch in launches if "FORMAT" in launch.constexprs}
     assert {(kernel, fmt) for kernel in ("_gemv_kernel", "_skinny_matmul_kernel") for fmt in range(4)} <= formats
     decode_masks = {(launch.constexprs["DOT_F16"], launch.constexprs["MASK_EDGES_ONLY"]) for launch in launches

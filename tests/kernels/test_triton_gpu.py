@@ -412,6 +412,16 @@ def test_skinny_matmul_with_k_split(split_k, block_m, m, n, k, bias, weight_form
                            kernel="skinny", tiles=(*tile, split_k))
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("tokens", [1, 7, 300])
+@pytest.mark.parametrize("hidden,inter,experts,top_k", [(2048, 768, 128, 8), (4096, 14336 // 8, 8, 2), (96, 40, 6, 2)])
+def test_fused_experts(dtype, tokens, hidden, inter, experts, top_k) -> None:
+    """Qwen3-30B-A3B's experts, Mixtral's (an eighth of its intermediate size), and dimensions ending
+    inside tiles."""
+    cases.check_fused_experts(triton_ops, tokens=tokens, hidden=hidden, inter=inter, experts=experts, top_k=top_k,
+                              dtype=dtype, device="cuda")
+
+
 def test_skinny_matmul_in_a_cuda_graph_replayed() -> None:
     """Split parts summed by the last program, counters reset, replay after replay."""
     from tokenmill.kernels.triton_skinny_matmul import skinny_matmul

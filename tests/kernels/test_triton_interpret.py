@@ -32,7 +32,7 @@ def _interpreter_env() -> dict[str, str]:
 
 @pytest.mark.parametrize(
     "kernel",
-    ["gemv", "skinny_matmul", "fp8_matmul", "paged_attention", "paged_attention_gemma", "paged_attention_edge_masks", "paged_attention_combinations", "rms_norm", "offset_rms_norm", "gemma_norms", "quantized_kv",
+    ["gemv", "skinny_matmul", "fp8_matmul", "fused_experts", "paged_attention", "paged_attention_gemma", "paged_attention_edge_masks", "paged_attention_combinations", "rms_norm", "offset_rms_norm", "gemma_norms", "quantized_kv",
      "rotary_embedding_and_write_kv", "softcap", "silu_and_mul", "gelu_tanh_and_mul",
      "sample", "penalties", "argmax_rows"],
 )

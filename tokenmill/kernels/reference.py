@@ -451,8 +451,8 @@ def fused_experts(
     ``grouped`` (default: on the CPU) gathers each expert's tokens and runs only those, in expert order
     (as transformers adds them up), reading the group sizes on the host. Otherwise every expert runs on
     every token and is weighted by zero where it was not chosen: no host read and fixed shapes, so a
-    CUDA graph can capture it, at ``E / k`` times the work. That is the GPU's path until the fused
-    Triton kernel lands."""
+    CUDA graph can capture it, at ``E / k`` times the work (the GPU's path where Triton is not in use:
+    ``TOKENMILL_KERNELS=reference``)."""
     if grouped is None:
         grouped = not x.is_cuda
     out = torch.zeros_like(x)

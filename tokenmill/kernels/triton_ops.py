@@ -18,6 +18,7 @@ from tokenmill.kernels.triton_gemv import MAX_ROWS as GEMV_MAX_ROWS
 from tokenmill.kernels.triton_gemv import linear as gemv_linear
 from tokenmill.kernels.triton_gemv import linear_gelu_mul as gemv_linear_gelu_mul
 from tokenmill.kernels.triton_gemv import linear_residual, norm_linear
+from tokenmill.kernels.triton_moe import fused_experts
 from tokenmill.kernels.triton_norm import add_rms_norm, fp32_weight_rms_norm, join_and_norm, offset_rms_norm, rms_norm
 from tokenmill.kernels.triton_penalties import apply_penalties
 from tokenmill.kernels.triton_rotary import rotary_embedding_and_write_kv, rotary_embedding_query
@@ -57,6 +58,7 @@ __all__ = [
     "apply_penalties",
     "argmax_rows",
     "fp32_weight_rms_norm",
+    "fused_experts",
     "gelu_tanh_and_mul",
     "join_and_norm",
     "kv_splits",

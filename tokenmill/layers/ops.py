@@ -332,9 +332,9 @@ def moe_routing(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> t
 def fused_experts(
     x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
 ) -> torch.Tensor:
-    """A sparse MoE block's experts (``reference.fused_experts``). The torch reference on every device
-    until the fused Triton kernel lands: on the GPU its capturable form, every expert on every token."""
-    return reference.fused_experts(x, w13, w2, topk_ids, topk_weights)
+    """A sparse MoE block's experts (``reference.fused_experts``): on the GPU two launches over the
+    tokens each expert was chosen by (``triton_moe``)."""
+    return backend_for(x).fused_experts(x, w13, w2, topk_ids, topk_weights)
 
 
 _GATED = {"silu": silu_and_mul, "gelu_tanh": gelu_tanh_and_mul}
