@@ -870,13 +870,7 @@ def pack_weight(weight: torch.Tensor, weight_format: str, input_amax: float = 4.
     if weight_format == "q8_0":
         return q8_0.quantize(weight)
     if weight_format == "fp8_block":
-        n, k = weight.shape
-        groups = -(-k // 128)
-        blocks = torch.nn.functional.pad(weight.float(), (0, groups * 128 - k)).view(n, groups, 128)
-        scales = blocks.abs().amax(dim=-1) / fp8.FP8_MAX
-        scales = torch.where(scales > 0, scales, torch.ones_like(scales))
-        values = (blocks / scales[..., None]).clamp(-fp8.FP8_MAX, fp8.FP8_MAX).view(n, -1)[:, :k]
-        return fp8.FP8Weight(values.to(fp8.FP8_DTYPE).contiguous(), scales, 128)
+        return fp8.FP8Weight(*fp8.quantize_groups(weight, 128), 128)
     rows = fp8.quantize_rows(weight)
     if weight_format == "fp8":
         return rows

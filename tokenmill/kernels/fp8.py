@@ -85,10 +85,21 @@ def expand_scales(scales: torch.Tensor, block: int | None, k: int) -> torch.Tens
     return scales if block is None else scales.repeat_interleave(block, dim=1)[:, :k]
 
 
+def quantize_groups(x: torch.Tensor, block: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x`` ``[R, K]`` as float8 e4m3 values and float32 scales ``[R, ceil(K / block)]`` (``[R, 1]`` when
+    ``block`` is None): each row's (block's) largest magnitude over 448, 1 for one of zeros; each value
+    divided by its scale, clamped to ±448 and rounded to nearest."""
+    r, k = x.shape
+    x = x.float()
+    width = k if block is None else block
+    groups = -(-k // width)
+    padded = torch.nn.functional.pad(x, (0, groups * width - k)).view(r, groups, width)
+    scales = padded.abs().amax(dim=-1) / FP8_MAX
+    scales = torch.where(scales > 0, scales, torch.ones_like(scales))
+    return (x / expand_scales(scales, block, k)).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), scales
+
+
 def quantize_rows(weight: torch.Tensor) -> FP8Weight:
     """``weight`` ``[N, K]`` in FP8 with one scale per output row (its largest magnitude over 448): what
     ``quantization="fp8"`` keeps of a dense checkpoint, its activations then quantized per token."""
-    w = weight.float()
-    scales = w.abs().amax(dim=1, keepdim=True) / FP8_MAX
-    safe = torch.where(scales > 0, scales, torch.ones_like(scales))
-    return FP8Weight((w / safe).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), scales)
+    return FP8Weight(*quantize_groups(weight, None))

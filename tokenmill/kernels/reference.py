@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from tokenmill.kernels import q8_0
-from tokenmill.kernels.fp8 import FP8_DTYPE, FP8_MAX, FP8Weight, expand_scales
+from tokenmill.kernels.fp8 import FP8_DTYPE, FP8_MAX, FP8Weight, expand_scales, quantize_groups
 from tokenmill.kernels.q8_0 import Q8Weight
 
 # What a projection's weight may be: dense, Q8_0 or FP8.
@@ -305,17 +305,10 @@ def quantize_fp8_activations(
     when ``block`` is None): each token's (block's) largest magnitude over 448, or the static
     ``input_scale`` (the largest of the fused parts') for every value. ``values * scales`` is ``x``
     as an FP8 GEMM reads it."""
-    t, k = x.shape
-    x = x.float()
-    if input_scale is not None:
-        scales = input_scale.amax().float().expand(t, 1)
-    else:
-        width = k if block is None else block
-        groups = -(-k // width)
-        padded = torch.nn.functional.pad(x, (0, groups * width - k)).view(t, groups, width)
-        scales = padded.abs().amax(dim=-1) / FP8_MAX
-        scales = torch.where(scales > 0, scales, torch.ones_like(scales))
-    return (x / expand_scales(scales, block, k)).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), scales
+    if input_scale is None:
+        return quantize_groups(x, block)
+    scales = input_scale.amax().float().expand(x.shape[0], 1)
+    return (x.float() / scales).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), scales
 
 
 def fp8_linear(x: torch.Tensor, weight: FP8Weight, bias: torch.Tensor | None) -> torch.Tensor:

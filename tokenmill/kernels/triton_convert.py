@@ -16,7 +16,8 @@ for a tile read along its contiguous dimension (attention's K: eight bytes a loa
 skips the float16 round trip through shared memory.
 
 Triton's interpreter runs no PTX: there (``PTX`` false) the plain conversion, the same values.
-Beside them, ``mul_rn``: a float32 product rounded on its own, as the torch references round it.
+Beside them, ``mul_rn``: a float32 product rounded on its own, as the torch references round it;
+``dot_f32``: a tile product exact for float32 operands too.
 """
 
 from __future__ import annotations
@@ -100,6 +101,16 @@ def mul_rn(x, y, PTX: tl.constexpr):
 
 
 @triton.jit
+def dot_f32(a, b, IEEE_DOT: tl.constexpr):
+    """``a @ b`` in float32; ``IEEE_DOT`` for float32 operands, which the tensor cores' TF32 would round."""
+    if IEEE_DOT:
+        product = tl.dot(a, b, input_precision="ieee")
+    else:
+        product = tl.dot(a, b)
+    return product
+
+
+@triton.jit
 def _ptx_to_f16(x, ASM: tl.constexpr, MOVABLE: tl.constexpr):
     return tl.inline_asm_elementwise(
         ASM, "=r,=r,r", [x.to(tl.uint8, bitcast=True)], dtype=tl.float16, is_pure=MOVABLE, pack=4
@@ -159,14 +170,24 @@ def _e4m3_byte(word):
 
 
 @triton.jit
+def round_mantissa(x, BITS: tl.constexpr):
+    """Float32 ``x`` (finite, normal in the target format) rounded to ``BITS`` mantissa bits, ties to
+    even, kept in float32 (7: bfloat16's, 3: float8 e4m3's): done on the bits, since the interpreter's
+    casts truncate or round a tie up where the GPU's round to nearest."""
+    DROP: tl.constexpr = 23 - BITS
+    HALF_BELOW: tl.constexpr = (1 << (DROP - 1)) - 1  # just under half the last kept bit
+    KEPT: tl.constexpr = 0xFFFFFFFF - ((1 << DROP) - 1)  # the sign, exponent and kept mantissa bits
+    bits = x.to(tl.uint32, bitcast=True)
+    bits = (bits + HALF_BELOW + ((bits >> DROP) & 1)) & KEPT
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def round_to_e4m3(x):
     """Float32 ``x`` within ±448 rounded to the nearest float8 e4m3 value, ties to even, kept in
-    float32, so that the cast after it is exact everywhere: the interpreter's cast rounds a tie up and
-    ignores the bits below it, where the GPU's rounds to nearest. Normal values keep three mantissa
-    bits (rounded on the bits, as ``_round_to_bfloat16`` does); below 2^-6 the step is 2^-9, which
-    float32 addition of 2^14 rounds to."""
-    bits = x.to(tl.uint32, bitcast=True)
-    normal = ((bits + 0x7FFFF + ((bits >> 20) & 1)) & 0xFFF00000).to(tl.float32, bitcast=True)
+    float32, so that the cast after it is exact everywhere. Normal values keep three mantissa bits;
+    below 2^-6 the step is 2^-9, which float32 addition of 2^14 rounds to."""
+    normal = round_mantissa(x, 3)
     magnitude = tl.abs(x)
     tiny = (magnitude + 16384.0) - 16384.0
     return tl.where(magnitude >= 0.015625, normal, tl.where(x < 0, -tiny, tiny))

@@ -20,7 +20,6 @@ import triton.language as tl
 
 from tokenmill.kernels.fp8 import FP8_DTYPE, FP8_MAX, FP8Weight
 from tokenmill.kernels.triton_convert import FP8_BLOCKS, FP8_GROUP, round_to_e4m3, weight_format
-from tokenmill.kernels.triton_launch import interpreted
 
 _E4M3_MAX = tl.constexpr(FP8_MAX)
 # Columns of a row a program quantizes at a time.
@@ -236,14 +235,7 @@ def fp8_matmul(
 def _cublas_takes(x: torch.Tensor, n: int, k: int) -> bool:
     """Whether ``torch._scaled_mm`` multiplies these with one scale a row of each: bfloat16 out, every
     dimension a multiple of 16, a GPU with FP8 matrix units."""
-    return (
-        x.is_cuda
-        and not interpreted()
-        and x.dtype == torch.bfloat16
-        and n % 16 == 0
-        and k % 16 == 0
-        and _fp8_matrix_units(x.device)
-    )
+    return x.is_cuda and x.dtype == torch.bfloat16 and n % 16 == 0 and k % 16 == 0 and _fp8_matrix_units(x.device)
 
 
 @functools.cache

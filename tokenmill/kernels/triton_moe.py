@@ -18,6 +18,7 @@ import triton
 import triton.language as tl
 
 from tokenmill.kernels.triton_activation import gate_activation
+from tokenmill.kernels.triton_convert import dot_f32
 
 # (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages): 16 rows a tile, as decode batches give each expert.
 TILE = (16, 64, 64, 4, 3)
@@ -91,9 +92,9 @@ def _moe_matmul_kernel(
         ks = k0 + ks0
         a = tl.load(a_rows + ks[None, :], mask=valid[:, None] & (ks[None, :] < K), other=0.0)
         w_mask = (cols[:, None] < N) & (ks[None, :] < K)
-        acc += _dot(a, tl.load(w_rows + ks[None, :], mask=w_mask, other=0.0), IEEE_DOT)
+        acc += dot_f32(a, tl.trans(tl.load(w_rows + ks[None, :], mask=w_mask, other=0.0)), IEEE_DOT)
         if GATED:
-            acc_u += _dot(a, tl.load(u_rows + ks[None, :], mask=w_mask, other=0.0), IEEE_DOT)
+            acc_u += dot_f32(a, tl.trans(tl.load(u_rows + ks[None, :], mask=w_mask, other=0.0)), IEEE_DOT)
     out_ty = out_ptr.dtype.element_ty
     if GATED:
         gate = gate_activation(acc.to(out_ty).to(tl.float32), False).to(out_ty).to(tl.float32)
@@ -103,16 +104,6 @@ def _moe_matmul_kernel(
         out = acc.to(out_ty).to(tl.float32) * weight[:, None]
     mask = valid[:, None] & (cols[None, :] < N)
     tl.store(out_ptr + pairs.to(tl.int64)[:, None] * stride_out + cols[None, :], out.to(out_ty), mask=mask)
-
-
-@triton.jit
-def _dot(a, w, IEEE_DOT: tl.constexpr):
-    """``a @ w.T`` in float32 (IEEE for float32 inputs, which TF32 would round)."""
-    if IEEE_DOT:
-        product = tl.dot(a, tl.trans(w), input_precision="ieee")
-    else:
-        product = tl.dot(a, tl.trans(w))
-    return product
 
 
 def fused_experts(

@@ -35,10 +35,12 @@ def linear(x: torch.Tensor, weight: Weight, bias: torch.Tensor | None) -> torch.
     ``reference.fp8_linear``, which rounds the rows too)."""
     if x.shape[0] <= GEMV_MAX_ROWS:
         return gemv_linear(x, weight, bias)
+    if isinstance(weight, FP8Weight) and x.stride(-1) != 1:
+        x = x.contiguous()  # the rows' count alone decides how an FP8 projection reads them
     if skinny_takes(x, weight):
         return skinny_matmul(x, weight, bias)
     if isinstance(weight, FP8Weight):
-        return fp8_matmul(x if x.stride(-1) == 1 else x.contiguous(), weight, bias)
+        return fp8_matmul(x, weight, bias)
     if isinstance(weight, Q8Weight):
         raise ValueError("a Q8_0 projection needs its rows contiguous")
     return torch.nn.functional.linear(x, weight, bias)

@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 
 from tokenmill.kernels.reference import kv_qmax
-from tokenmill.kernels.triton_convert import mul_rn, ptx_conversions
+from tokenmill.kernels.triton_convert import mul_rn, ptx_conversions, round_mantissa
 from tokenmill.kernels.triton_launch import pdl_launch_args, wait_for_previous_kernel
 from tokenmill.kernels.triton_norm import WEIGHTINGS, weigh
 
@@ -76,20 +76,11 @@ def _rotate(
 
 
 @triton.jit
-def _round_to_bfloat16(x):
-    """Float32 ``x`` (finite) rounded to the nearest bfloat16, ties to even, kept in float32: done on
-    the bits, since the interpreter's cast truncates where the GPU's rounds."""
-    bits = x.to(tl.uint32, bitcast=True)
-    bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
-    return bits.to(tl.float32, bitcast=True)
-
-
-@triton.jit
 def _kv_scale(amax, QMAX: tl.constexpr):
     """A head's scale, as ``reference.quantize_kv`` takes it: its largest magnitude over the dtype's,
     with a margin so that bfloat16 rounding never takes it below; returned rounded to bfloat16 (in
     float32), 1 for an all-zero head."""
-    scale = _round_to_bfloat16(tl.math.div_rn(amax, QMAX) * (1.0 + 0.0078125))
+    scale = round_mantissa(tl.math.div_rn(amax, QMAX) * (1.0 + 0.0078125), 7)  # to bfloat16's 7 bits
     return tl.where(scale > 0.0, scale, 1.0)
 
 

@@ -35,6 +35,7 @@ from tokenmill.kernels.triton_convert import (
     FP8_GROUP,
     FP8_ROWS,
     Q8_0,
+    dot_f32,
     ptx_conversions,
     q8_0_tile,
     to_f16,
@@ -109,9 +110,9 @@ def _skinny_matmul_kernel(
             w = to_f16(w, PTX, False).to(xt.dtype)
         if FORMAT == FP8_BLOCKS:  # one scale a row for this step's columns (BLOCK_K divides the block)
             scale = tl.load(s_ptr + cols.to(tl.int64) * stride_sn + k0 // FP8_GROUP, mask=cols < N, other=0.0)
-            acc += _dot(w, xt, IEEE_DOT) * scale[:, None]
+            acc += dot_f32(w, xt, IEEE_DOT) * scale[:, None]
         else:
-            acc += _dot(w, xt, IEEE_DOT)
+            acc += dot_f32(w, xt, IEEE_DOT)
     if FORMAT == FP8_ROWS:
         acc *= tl.load(s_ptr + cols.to(tl.int64) * stride_sn, mask=cols < N, other=0.0)[:, None]
     mask = (rows[None, :] < M) & (cols[:, None] < N)
@@ -131,15 +132,6 @@ def _skinny_matmul_kernel(
     tl.store(
         out_ptr + rows.to(tl.int64)[None, :] * stride_om + cols[:, None], acc.to(out_ptr.dtype.element_ty), mask=mask
     )
-
-
-@triton.jit
-def _dot(w, xt, IEEE_DOT: tl.constexpr):
-    if IEEE_DOT:
-        product = tl.dot(w, xt, input_precision="ieee")
-    else:
-        product = tl.dot(w, xt)
-    return product
 
 
 def takes(x: torch.Tensor, weight: Weight) -> bool:
