@@ -4,14 +4,18 @@ The interpreter runs a kernel's Python, not its compilation, so a kernel can pas
 ``TRITON_INTERPRET=1`` and still fail to compile (a loop-carried variable whose type changes
 across iterations is one such case; it reached the H200 once). Here each ``triton_ops`` wrapper
 is called on CPU tensors with the launch intercepted, and every launch it makes is compiled to a
-cubin for sm_90 with the same constexprs and options, and again with programmatic dependent
-launch on (the path the H200 takes).
+cubin for sm_90 with the same constexprs and options, as Hopper launches it: with programmatic
+dependent launch on where the kernel takes it (each such kernel also once with it off, as
+``TOKENMILL_PDL=0`` runs it). The variants compile in parallel, one process a core.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import importlib.util
 import inspect
+import multiprocessing
+import os
 import random
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -255,7 +259,8 @@ def _launches(monkeypatch: pytest.MonkeyPatch) -> list[Launch]:
             triton_ops.norm_linear(row, rand(4096), 1e-6, proj, None, gated=True, weighting=weighting,
                                    activation="gelu_tanh")
     launches = list(seen.values())
-    return launches + [p for p in (launch.with_pdl() for launch in launches) if p is not None]
+    without_pdl = {launch.fn.__name__: launch for launch in launches if launch.constexprs.get("PDL") is False}
+    return [launch.with_pdl() or launch for launch in launches] + list(without_pdl.values())
 
 
 def _fp8_blocks(weight: torch.Tensor) -> fp8.FP8Weight:
@@ -319,13 +324,29 @@ def test_every_kernel_compiles_for_hopper(monkeypatch: pytest.MonkeyPatch) -> No
     for kernel, weightings in (("_rms_norm_kernel", {0, 1, 2}), ("_rope_write_kv_kernel", {0, 1, 2}),
                                ("_gemv_kernel", {0, 1, 2})):
         assert {(kernel, "WEIGHTING", w) for w in weightings} <= variants, kernel
-    failures = []
-    for launch in launches:
-        try:
-            launch.compile()
-        except Exception as exc:  # every failing variant is reported, not just the first
-            failures.append(f"{launch.fn.__name__} {launch.constexprs} {launch.options}: {str(exc)[-600:]}")
+    failures = [failure for failure in _compile_all(launches) if failure]
     assert not failures, "\n\n".join(failures)
+
+
+_TO_COMPILE: list[Launch] = []
+
+
+def _compile_one(index: int) -> str | None:
+    launch = _TO_COMPILE[index]
+    try:
+        launch.compile()
+    except Exception as exc:  # every failing variant is reported, not just the first
+        return f"{launch.fn.__name__} {launch.constexprs} {launch.options}: {str(exc)[-600:]}"
+    return None
+
+
+def _compile_all(launches: list[Launch]) -> list[str | None]:
+    """Each launch compiled (``None``) or its failure, in forked processes, one a core: Triton's compiler
+    runs on one thread, and the variants are hundreds."""
+    _TO_COMPILE[:] = launches
+    context = multiprocessing.get_context("fork")
+    with concurrent.futures.ProcessPoolExecutor(max_workers=os.cpu_count() or 1, mp_context=context) as pool:
+        return list(pool.map(_compile_one, range(len(launches)), chunksize=2))
 
 
 def test_an_attention_tiles_register_cap_reaches_the_compiler(monkeypatch: pytest.MonkeyPatch) -> None:
